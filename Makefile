@@ -1,0 +1,28 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test env bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	# torch first and pinned: an unpinned spec would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+env: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/nonstop demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+bench: $(STAMP)
+	$(BIN)/nonstop bench crash --ranks 4 --repeat 5 --json
+
+clean:
+	rm -rf $(VENV) nonstop-runs .pytest_cache

@@ -1,0 +1,34 @@
+"""nonstop: distributed PyTorch training that keeps going.
+
+The public API is small: ``State`` (what survives a restart), ``wrap`` (make a training function
+restartable in-process), ``Context`` (what the function sees of its generation) and ``step_seed``.
+Importing nonstop does not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["State", "wrap", "Context", "step_seed", "reproducible", "__version__"]
+
+if TYPE_CHECKING:
+    from .runtime.state import State
+    from .ddp import reproducible
+    from .runtime.wrap import Context, step_seed, wrap
+
+
+def __getattr__(name: str) -> Any:
+    if name == "State":
+        from .runtime.state import State
+
+        return State
+    if name in ("wrap", "Context", "step_seed"):
+        from .runtime import wrap as _wrap
+
+        return getattr(_wrap, name)
+    if name == "reproducible":
+        from .ddp import reproducible
+
+        return reproducible
+    raise AttributeError(f"module 'nonstop' has no attribute {name!r}")

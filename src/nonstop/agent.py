@@ -1,0 +1,189 @@
+"""The node agent: starts, watches and ends the rank processes and warm spares of one machine.
+
+Exits are seen the moment they happen (a pidfd per process in one selector with the output pipes).
+Each process runs in its own session so that ending it by its pid also ends its children.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from . import protocol
+
+
+@dataclasses.dataclass
+class Proc:
+    wid: int
+    popen: subprocess.Popen
+    started: float
+    spare: bool
+    log_path: Path
+    pidfd: int | None = None
+    returncode: int | None = None
+    t_exit: float | None = None
+    _partial: bytes = b""
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.returncode is None
+
+
+OutputSink = Callable[[int, str], None]
+
+
+class Agent:
+    def __init__(self, script: str, script_args: list[str], store_addr: str, run_dir: Path,
+                 env: dict[str, str], output: OutputSink):
+        self.script, self.script_args = script, script_args
+        self.store_addr = store_addr
+        self.run_dir = run_dir
+        self.logs = run_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.env = env
+        self.output = output
+        self.procs: dict[int, Proc] = {}
+        self._next_wid = 0
+        self._sel = selectors.DefaultSelector()
+        self._logs: dict[int, object] = {}
+
+    def new_wid(self) -> int:
+        wid = self._next_wid
+        self._next_wid += 1
+        return wid
+
+    def spawn(self, wid: int, spare: bool, spare_mode: str | None = None) -> Proc:
+        env = dict(self.env)
+        env[protocol.ENV_STORE] = self.store_addr
+        env[protocol.ENV_WORKER_ID] = str(wid)
+        env[protocol.ENV_LAUNCHER_PID] = str(os.getpid())
+        if spare_mode:
+            env[protocol.ENV_SPARE_MODE] = spare_mode
+        cmd = [sys.executable, "-u", "-m", "nonstop.runtime.bootstrap", self.script, *self.script_args]
+        popen = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+        proc = Proc(wid=wid, popen=popen, started=time.time(), spare=spare,
+                    log_path=self.logs / f"worker-{wid}.log")
+        self._logs[wid] = open(proc.log_path, "ab", buffering=0)
+        os.set_blocking(popen.stdout.fileno(), False)
+        self._sel.register(popen.stdout, selectors.EVENT_READ, ("out", wid))
+        try:
+            proc.pidfd = os.pidfd_open(popen.pid)
+            self._sel.register(proc.pidfd, selectors.EVENT_READ, ("exit", wid))
+        except (AttributeError, OSError):
+            proc.pidfd = None  # older kernels: exits are found by polling
+        self.procs[wid] = proc
+        return proc
+
+    def poll(self, timeout: float) -> list[Proc]:
+        """Wait up to ``timeout`` for output or exits; return the processes that exited."""
+        exited: list[Proc] = []
+        if self._sel.get_map():
+            events = self._sel.select(timeout)
+        else:
+            time.sleep(timeout)
+            events = []
+        for key, _ in events:
+            what, wid = key.data
+            if what == "out":
+                self._read_output(wid)
+        for proc in self.procs.values():
+            if proc.alive and proc.popen.poll() is not None:
+                self._reap(proc)
+                exited.append(proc)
+        return exited
+
+    def _read_output(self, wid: int, final: bool = False) -> None:
+        proc = self.procs[wid]
+        stream = proc.popen.stdout
+        if stream is None or stream.closed:
+            return
+        while True:
+            try:
+                chunk = os.read(stream.fileno(), 65536)
+            except BlockingIOError:
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self._close_stream(proc)
+                break
+            self._logs[wid].write(chunk)
+            data = proc._partial + chunk
+            *lines, proc._partial = data.split(b"\n")
+            for line in lines:
+                self.output(wid, line.decode(errors="replace"))
+        if final and proc._partial:
+            self.output(wid, proc._partial.decode(errors="replace"))
+            proc._partial = b""
+
+    def _close_stream(self, proc: Proc) -> None:
+        stream = proc.popen.stdout
+        if stream is not None and not stream.closed:
+            try:
+                self._sel.unregister(stream)
+            except (KeyError, ValueError):
+                pass
+            stream.close()
+
+    def _reap(self, proc: Proc) -> None:
+        proc.returncode = proc.popen.returncode
+        proc.t_exit = time.time()
+        if proc.pidfd is not None:
+            try:
+                self._sel.unregister(proc.pidfd)
+            except (KeyError, ValueError):
+                pass
+            os.close(proc.pidfd)
+            proc.pidfd = None
+        self._read_output(proc.wid, final=True)
+        self._close_stream(proc)
+        log = self._logs.pop(proc.wid, None)
+        if log is not None:
+            log.close()
+
+    def signal(self, wid: int, sig: int = signal.SIGKILL) -> None:
+        """Signal a process and its children (its session), unless it already exited."""
+        proc = self.procs.get(wid)
+        if proc is None or not proc.alive:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            proc.popen.send_signal(sig)
+
+    def alive(self) -> list[Proc]:
+        return [p for p in self.procs.values() if p.alive]
+
+    def end_all(self, grace_s: float, deadline_s: float = 10.0) -> None:
+        """SIGTERM every live process, SIGKILL what is left after ``grace_s``, reap them all."""
+        live = self.alive()
+        if not live:
+            return
+        for p in live:
+            self.signal(p.wid, signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
+        t_end = time.time() + grace_s
+        while self.alive() and time.time() < t_end:
+            self.poll(0.05)
+        for p in self.alive():
+            self.signal(p.wid, signal.SIGKILL)
+        t_end = time.time() + deadline_s
+        while self.alive() and time.time() < t_end:
+            self.poll(0.05)
+
+    def close(self) -> None:
+        self.end_all(0.0)
+        self._sel.close()

@@ -1,0 +1,122 @@
+"""The ``nonstop`` command: run | demo | bench | report.
+
+Errors a user can cause print one line and exit with code 2; nothing is started before the input
+is known to be good.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+from .errors import USAGE_EXIT, UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"nonstop: error: {message} (see nonstop {self._sub_name()}--help)\n")
+        sys.exit(USAGE_EXIT)
+
+    def _sub_name(self) -> str:
+        parts = self.prog.split()[1:]
+        return " ".join(parts) + " " if parts else ""
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="nonstop", description="Distributed PyTorch training that keeps going.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    run = sub.add_parser("run", help="run a training script on N ranks, recovering from faults",
+                         description="Run SCRIPT on --nproc rank processes with warm spares; "
+                                     "survive crashes and hangs.")
+    run.add_argument("--nproc", "--nproc-per-node", type=int, default=1, metavar="N",
+                     help="rank processes (default 1)")
+    run.add_argument("--spares", type=int, default=0, metavar="K",
+                     help="warm spare processes kept ready to replace a rank (default 0)")
+    run.add_argument("--policy", metavar="FILE", help="recovery policy (YAML)")
+    run.add_argument("--run-dir", metavar="DIR",
+                     help="where the event log, logs and summary go (default nonstop-runs/<stamp>)")
+    run.add_argument("--inject", action="append", default=[], metavar="SPEC",
+                     help="fault to inject, e.g. crash:rank=2,step=50 (repeatable; ';' joins several)")
+    run.add_argument("--hang-timeout", type=_positive_float, metavar="S",
+                     help="seconds without a completed step before a rank is declared hung")
+    run.add_argument("--teardown-timeout", type=_positive_float, metavar="S",
+                     help="seconds a rank has to leave a failed generation before it is killed")
+    run.add_argument("--max-restarts", type=int, metavar="N",
+                     help="job restarts allowed (every rank restarted) before giving up")
+    run.add_argument("--quiet", action="store_true", help="no rank output or progress")
+    run.add_argument("--no-live", action="store_true", help="plain progress lines, no live status")
+    run.add_argument("script", help="the training script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+
+    demo = sub.add_parser("demo", help="4 ranks + 1 spare, a crash and a hang, checked bitwise")
+    demo.add_argument("--steps", type=int, default=150)
+    demo.add_argument("--run-dir", metavar="DIR")
+
+    bench = sub.add_parser("bench", help="measure recovery against peers")
+    bench.add_argument("scenario", choices=["crash"])
+    bench.add_argument("--ranks", type=int, default=4)
+    bench.add_argument("--repeat", type=int, default=5)
+    bench.add_argument("--steps", type=int, default=100)
+    bench.add_argument("--kill-step", type=int, default=50)
+    bench.add_argument("--systems", default="nonstop-spare,nonstop-cold,torchrun",
+                       help="comma-separated subset to run")
+    bench.add_argument("--json", action="store_true", help="print the result as JSON, last on stdout")
+    bench.add_argument("--out", metavar="DIR", help="keep the runs here (default: a temporary dir)")
+
+    report = sub.add_parser("report", help="show the summary of a finished run")
+    report.add_argument("run_dir")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "run":
+            return _run(args)
+        if args.command == "demo":
+            from .demo import run_demo
+
+            return run_demo(steps=args.steps, run_dir=args.run_dir)
+        if args.command == "bench":
+            from .bench.crash import main as bench_main
+
+            return bench_main(args)
+        if args.command == "report":
+            from .report import show
+
+            return show(args.run_dir)
+        parser.print_help()
+        return USAGE_EXIT
+    except UsageError as exc:
+        sys.stderr.write(f"nonstop: error: {exc}\n")
+        return USAGE_EXIT
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .launcher import RunConfig, run
+
+    cfg = RunConfig(script=args.script, script_args=list(args.script_args), nproc=args.nproc,
+                    spares=args.spares, policy_file=args.policy, run_dir=args.run_dir,
+                    inject=args.inject, hang_timeout=args.hang_timeout,
+                    teardown_timeout=args.teardown_timeout, max_restarts=args.max_restarts,
+                    quiet=args.quiet, live=False if args.no_live else None)
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Bit-for-bit reproducible DDP across restarts.
+
+DDP reduces gradients in flat buckets and re-buckets them after its first iteration (by the order
+gradients became ready). A ring allreduce sums each element in an order that depends on its place
+in the bucket, so the first step after any restart (a DDP object built anew) rounds differently
+from an uninterrupted run. ``reproducible(ddp)`` reduces each gradient on its own, so the result
+no longer depends on the bucket layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _per_gradient_allreduce(process_group, bucket):  # no annotations: DDP inspects them
+    import torch
+    import torch.distributed as dist
+
+    group = process_group if process_group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    grads = bucket.gradients()
+    works = [dist.all_reduce(g, group=group, async_op=True) for g in grads]
+    for w in works:
+        w.wait()
+    buffer = bucket.buffer()
+    # gradients() are views into the buffer unless DDP had to copy them out
+    for g, view in zip(grads, _views(buffer, grads)):
+        if g.data_ptr() != view.data_ptr():
+            view.copy_(g.reshape(-1))
+    buffer.div_(world)
+    fut = torch.futures.Future()
+    fut.set_result(buffer)
+    return fut
+
+
+def _views(buffer: Any, grads: list) -> list:
+    out, offset = [], 0
+    for g in grads:
+        n = g.numel()
+        out.append(buffer[offset:offset + n])
+        offset += n
+    return out
+
+
+def reproducible(ddp: Any, process_group: Any = None) -> Any:
+    """Register a comm hook on ``ddp`` that makes its reduction independent of bucket layout.
+
+    Costs one allreduce per parameter instead of one per bucket: negligible for small models,
+    measurable for models with hundreds of parameter tensors. Returns ``ddp``.
+    """
+    ddp.register_comm_hook(process_group, _per_gradient_allreduce)
+    return ddp

@@ -1,0 +1,102 @@
+"""What ``nonstop run`` shows: rank output with a prefix, recovery notices, live progress, summary."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from .metrics import PHASES
+
+
+class Display:
+    def __init__(self, quiet: bool = False, live: bool | None = None, status_every_s: float = 2.0):
+        self.console = Console(file=sys.stdout, highlight=False, soft_wrap=True,
+                               width=None if sys.stdout.isatty() else 160)
+        self.quiet = quiet
+        self.live_enabled = self.console.is_terminal if live is None else live
+        self.status_every_s = status_every_s
+        self._live: Live | None = None
+        self._last_status = 0.0
+        self._last_line = ""
+
+    def start(self) -> None:
+        if self.live_enabled and not self.quiet:
+            self._live = Live(Text(""), console=self.console, refresh_per_second=4, transient=True)
+            self._live.start()
+
+    def stop(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    def worker_line(self, label: str, text: str) -> None:
+        if not self.quiet:
+            self.console.print(Text(f"[{label}] ", style="dim") + Text(text))
+
+    def info(self, text: str) -> None:
+        if not self.quiet:
+            self.console.print(Text("nonstop: ", style="bold cyan") + Text(text))
+
+    def error(self, text: str) -> None:
+        Console(file=sys.stderr, highlight=False, soft_wrap=True).print(
+            Text("nonstop: ", style="bold red") + Text(text))
+
+    def status(self, snap: dict[str, Any]) -> None:
+        line = format_status(snap)
+        if self._live is not None:
+            self._live.update(Text(line, style="bold"))
+            return
+        now = time.time()
+        if self.quiet or now - self._last_status < self.status_every_s or line == self._last_line:
+            return
+        self._last_status, self._last_line = now, line
+        self.console.print(Text("nonstop: ", style="bold cyan") + Text(line, style="dim"))
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        print_summary(self.console, summary)
+
+
+def format_status(snap: dict[str, Any]) -> str:
+    steps = [r["step"] for r in snap["ranks"] if r["step"] is not None]
+    losses = [r["loss"] for r in snap["ranks"] if r.get("loss") is not None]
+    alive = sum(r["alive"] for r in snap["ranks"])
+    parts = [f"generation {snap['gen']}", snap["phase"],
+             f"step {min(steps) if steps else '-'}",
+             f"ranks {alive}/{len(snap['ranks'])}",
+             f"spares {snap['spares_ready']}/{snap['spares']} ready",
+             f"incidents {snap['incidents']}"]
+    if losses:
+        parts.insert(3, f"loss {losses[0]:.4g}")
+    return " | ".join(parts)
+
+
+def print_summary(console: Console, summary: dict[str, Any]) -> None:
+    incidents = summary.get("incident_list", [])
+    if incidents:
+        table = Table(title="incidents", title_justify="left")
+        for col in ("#", "fault", "recovery", "MTTR s", *PHASES, "lost"):
+            table.add_column(col, justify="right" if col not in ("fault", "recovery") else "left")
+        for inc in incidents:
+            phases = inc.get("phases_s", {})
+            mttr = inc.get("mttr_s")
+            table.add_row(str(inc["id"]), "; ".join(inc["faults"])[:60], ", ".join(inc["levels"]),
+                          "-" if mttr is None else f"{mttr:.3f}",
+                          *[f"{phases.get(p, 0):.3f}" for p in PHASES],
+                          "-" if inc.get("steps_lost") is None else str(inc["steps_lost"]))
+        console.print(table)
+    mttr = summary.get("mttr_s")
+    goodput = summary.get("goodput")
+    lines = [f"incidents: {summary['incidents']}"]
+    if mttr:
+        lines.append(f"MTTR median {mttr['median']:.3f} s (min {mttr['min']:.3f}, max {mttr['max']:.3f})")
+    lines.append(f"steps lost: {summary['steps_lost']}")
+    if goodput is not None:
+        lines.append(f"goodput: {goodput:.1%}")
+    lines.append(f"wall: {summary['wall_s']:.1f} s")
+    console.print(Text("nonstop summary: ", style="bold") + Text(" | ".join(lines)))

@@ -1,0 +1,192 @@
+"""``nonstop run``: check the input, host the store, start the agent and controller, report.
+
+The coordination store is torch's TCPStore, hosted here on loopback (port from the OS): no
+external service on one machine.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import datetime
+import importlib.util
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import inject, metrics, policy as policy_mod, protocol
+from .errors import UsageError
+
+
+@dataclasses.dataclass
+class RunConfig:
+    script: str
+    script_args: list[str]
+    nproc: int = 1
+    spares: int = 0
+    policy_file: str | None = None
+    run_dir: str | None = None
+    inject: list[str] = dataclasses.field(default_factory=list)
+    hang_timeout: float | None = None
+    teardown_timeout: float | None = None
+    max_restarts: int | None = None
+    quiet: bool = False
+    live: bool | None = None
+
+
+def check_script(path: str) -> tuple[bool, list[str]]:
+    """Refuse a script that cannot run: missing, not a file, bad syntax, an import not installed.
+    Returns (uses nonstop, top-level imports)."""
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"script not found: {path}")
+    if not p.is_file():
+        raise UsageError(f"not a file: {path}")
+    try:
+        source = p.read_bytes()
+        tree = ast.parse(source, str(p))
+    except SyntaxError as exc:
+        raise UsageError(f"{path}:{exc.lineno}: syntax error: {exc.msg}") from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read {path}: {exc}") from None
+    tops: list[tuple[str, int]] = []
+    for node in tree.body:  # module level only: imports inside functions may be optional
+        if isinstance(node, ast.Import):
+            tops += [(a.name.split(".")[0], node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            tops.append((node.module.split(".")[0], node.lineno))
+    script_dir = str(p.resolve().parent)
+    sys.path.insert(0, script_dir)
+    try:
+        for name, line in tops:
+            if name in sys.modules:
+                continue
+            try:
+                found = importlib.util.find_spec(name) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                raise UsageError(f"{path}:{line}: imports '{name}', which is not installed "
+                                 "(ModuleNotFoundError)")
+    finally:
+        sys.path.remove(script_dir)
+    names = [n for n, _ in tops]
+    all_imports = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names] + \
+        [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+    uses_nonstop = any(x == "nonstop" or x.startswith("nonstop.") for x in all_imports)
+    return uses_nonstop, names
+
+
+def prepare(cfg: RunConfig) -> tuple[policy_mod.Policy, list[inject.FaultSpec], bool]:
+    if cfg.nproc < 1:
+        raise UsageError(f"--nproc must be at least 1, got {cfg.nproc}")
+    if cfg.spares < 0:
+        raise UsageError(f"--spares must be 0 or more, got {cfg.spares}")
+    pol = policy_mod.load(cfg.policy_file).with_overrides(**{
+        "timeouts.hang_s": cfg.hang_timeout, "timeouts.teardown_s": cfg.teardown_timeout,
+        "budgets.job_restarts": cfg.max_restarts})
+    faults = inject.parse(cfg.inject)
+    inject.check_world(faults, cfg.nproc)
+    uses_nonstop, _ = check_script(cfg.script)
+    return pol, faults, uses_nonstop
+
+
+def make_run_dir(run_dir: str | None) -> Path:
+    if run_dir is None:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        run_dir = os.path.join("nonstop-runs", f"{stamp}-{secrets.token_hex(2)}")
+    p = Path(run_dir)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create run directory {run_dir}: {exc.strerror or exc}") from None
+    return p
+
+
+def worker_env(cfg: RunConfig, run_dir: Path, faults: list[inject.FaultSpec]) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks must not each take every core
+    env["PYTHONUNBUFFERED"] = "1"
+    env[protocol.ENV_RUN_DIR] = str(run_dir.resolve())
+    env[protocol.ENV_INJECT] = inject.to_env(faults)
+    pkg_parent = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_parent, env.get("PYTHONPATH")]))
+    return env
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int):
+        self.signum = signum
+
+
+def run(cfg: RunConfig) -> int:
+    pol, faults, uses_nonstop = prepare(cfg)
+    run_dir = make_run_dir(cfg.run_dir)
+    from torch.distributed import TCPStore
+
+    from .agent import Agent
+    from .controller import Controller
+    from .display import Display
+    from .events import EventLog
+
+    display = Display(quiet=cfg.quiet, live=cfg.live)
+    log = EventLog(run_dir)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store.set(protocol.JOB_KEY, protocol.dumps({
+        "run_id": run_dir.name, "world": cfg.nproc,
+        "rendezvous_timeout_s": pol.timeouts.rendezvous_s,
+        "collective_timeout_s": pol.timeouts.collective_s}))
+    controller: Controller | None = None
+
+    def label(wid: int) -> str:
+        w = controller.workers.get(wid) if controller else None
+        if w is None or w.spare or w.rank is None:
+            return f"spare {wid}"
+        return f"rank {w.rank}"
+
+    agent = Agent(cfg.script, cfg.script_args, f"127.0.0.1:{store.port}", run_dir,
+                  worker_env(cfg, run_dir, faults), lambda wid, line: display.worker_line(label(wid), line))
+    controller = Controller(world=cfg.nproc, spares=cfg.spares, policy=pol, store=store, agent=agent,
+                            log=log, display=display, managed=uses_nonstop)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        raise _Interrupted(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    display.info(f"{cfg.nproc} rank(s), {cfg.spares} warm spare(s), run directory {run_dir}")
+    display.start()
+    code: int
+    try:
+        code = controller.run()
+    except _Interrupted as exc:
+        display.stop()
+        display.error(f"interrupted by {signal.Signals(exc.signum).name}: ending every process")
+        log.write("interrupted", signal=exc.signum)
+        controller.diagnosis = f"interrupted by {signal.Signals(exc.signum).name}"
+        code = 128 + exc.signum
+    finally:
+        display.stop()
+        for s, h in old.items():
+            signal.signal(s, h)
+        agent.close()
+    wall = (controller.t_train_end or time.time()) - controller.t_start
+    summary = metrics.summarize([i.to_record() for i in controller.incidents], wall,
+                                controller.productive_s(), controller.max_step, code)
+    summary["run_dir"] = str(run_dir)
+    summary["diagnosis"] = controller.diagnosis
+    log.write("run_end", **{k: v for k, v in summary.items() if k != "incident_list"})
+    log.close()
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    if not controller.usage_error:
+        display.summary(summary)
+    if controller.traceback:
+        sys.stderr.write(controller.traceback if controller.traceback.endswith("\n")
+                         else controller.traceback + "\n")
+    if code != 0 and controller.diagnosis:
+        display.error(controller.diagnosis if not controller.usage_error else controller.diagnosis)
+    return code

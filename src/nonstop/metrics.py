@@ -1,0 +1,99 @@
+"""Measuring incidents: MTTR by phase, steps lost, goodput.
+
+An incident runs from its fault (the injection, or the first sign of it) to the first step completed
+by every rank after recovery. Its phases partition that time: each phase ends at the latest moment
+any rank finished it, clamped so the phases add up to the MTTR exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any, Iterable
+
+PHASES = ("detect", "decide", "teardown", "replace", "rendezvous", "restore", "first_step")
+
+
+@dataclasses.dataclass
+class Incident:
+    id: int
+    t_fault: float
+    t_detect: float
+    faults: list[str] = dataclasses.field(default_factory=list)
+    levels: list[str] = dataclasses.field(default_factory=list)
+    replaced: list[int] = dataclasses.field(default_factory=list)
+    gen_from: int = 0
+    gen_to: int | None = None
+    step_before: int = 0  # newest step any rank is known to have completed when it began
+    resume_step: int | None = None
+    t_decide: float | None = None
+    t_torn: float | None = None  # every surviving rank has left the old generation
+    t_assigned: float | None = None  # every rank of the new generation holds its assignment
+    t_pg: float | None = None  # the new group is formed on every rank
+    t_restored: float | None = None  # every rank holds the agreed state
+    t_first_step: float | None = None  # every rank completed a step
+    closed: bool = False
+    outcome: str = "recovered"
+
+    def timeline(self) -> list[float]:
+        points = [self.t_fault, self.t_detect, self.t_decide, self.t_torn, self.t_assigned,
+                  self.t_pg, self.t_restored, self.t_first_step]
+        out: list[float] = []
+        last = self.t_fault
+        for p in points:
+            last = max(last, p) if p is not None else last
+            out.append(last)
+        return out
+
+    def phases(self) -> dict[str, float]:
+        tl = self.timeline()
+        return {name: round(tl[i + 1] - tl[i], 6) for i, name in enumerate(PHASES)}
+
+    @property
+    def mttr(self) -> float | None:
+        if self.t_first_step is None:
+            return None
+        return max(0.0, self.t_first_step - self.t_fault)
+
+    @property
+    def steps_lost(self) -> int | None:
+        if self.resume_step is None:
+            return None
+        return max(0, self.step_before - self.resume_step)
+
+    def to_record(self) -> dict[str, Any]:
+        return {"id": self.id, "faults": self.faults, "levels": self.levels,
+                "replaced": self.replaced, "gen_from": self.gen_from, "gen_to": self.gen_to,
+                "t_fault": self.t_fault, "mttr_s": self.mttr, "phases_s": self.phases(),
+                "step_before": self.step_before, "resume_step": self.resume_step,
+                "steps_lost": self.steps_lost, "outcome": self.outcome}
+
+
+def distribution(values: Iterable[float]) -> dict[str, float] | None:
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return None
+    return {"median": statistics.median(vals), "min": vals[0], "max": vals[-1], "n": len(vals)}
+
+
+def summarize(incidents: list[dict[str, Any]], wall_s: float, productive_s: float | None,
+              steps: int | None, exit_code: int) -> dict[str, Any]:
+    """The run's summary from closed-incident records (``Incident.to_record``)."""
+    mttrs = [i["mttr_s"] for i in incidents if i.get("mttr_s") is not None]
+    lost = [i["steps_lost"] for i in incidents if i.get("steps_lost") is not None]
+    by_phase = {p: round(sum(i["phases_s"][p] for i in incidents if i.get("mttr_s") is not None), 6)
+                for p in PHASES}
+    goodput = None
+    if productive_s is not None and wall_s > 0:
+        goodput = max(0.0, min(1.0, productive_s / wall_s))
+    return {
+        "exit_code": exit_code,
+        "steps": steps,
+        "wall_s": round(wall_s, 3),
+        "incidents": len(incidents),
+        "mttr_s": distribution(mttrs),
+        "mttr_by_phase_s": by_phase,
+        "steps_lost": sum(lost),
+        "goodput": None if goodput is None else round(goodput, 4),
+        "incident_list": incidents,
+    }

@@ -1,0 +1,1 @@
+"""In-rank runtime: the wrapper, the process group per generation, progress and state transfer."""

@@ -1,0 +1,133 @@
+"""Background threads of a rank process: the abort watcher and the progress publisher.
+
+The training loop only stores a few numbers per step; these threads do the store round trips, so
+progress reporting costs the step path next to nothing and an abort reaches a rank blocked anywhere.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from .. import protocol
+
+if TYPE_CHECKING:
+    from .pg import GenerationGroup
+    from .worker import WorkerRuntime
+
+PUBLISH_INTERVAL_S = 0.1  # progress is published at most this often...
+HEARTBEAT_S = 1.0  # ...and at least this often
+
+
+class Monitor:
+    def __init__(self, rt: "WorkerRuntime"):
+        self._rt = rt
+        self._lock = threading.Lock()
+        self._gen: int | None = None
+        self._group: "GenerationGroup | None" = None
+        self._aborted: set[int] = set()
+        self._changed = threading.Event()
+        # progress, written by the main thread
+        self._progress: dict[str, Any] | None = None
+        self._first_step: dict[str, Any] | None = None
+        self._last_publish = 0.0
+        self._wake = threading.Event()
+        self._started = False
+
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        # Each thread opens its store connection before we return, so no socket of ours appears
+        # while a generation's group is being formed (an abort then shuts every new socket).
+        ready = [threading.Event(), threading.Event()]
+        threading.Thread(target=self._watch_aborts, args=(ready[0],), name="nonstop-abort-watcher",
+                         daemon=True).start()
+        threading.Thread(target=self._publish, args=(ready[1],), name="nonstop-progress",
+                         daemon=True).start()
+        for event in ready:
+            event.wait(60)
+
+    # -- generation ---------------------------------------------------------------------------
+    def begin(self, gen: int, group: "GenerationGroup") -> None:
+        self.start()
+        with self._lock:
+            self._gen, self._group = gen, group
+        self._changed.set()
+
+    def end(self) -> None:
+        with self._lock:
+            gen, self._gen, self._group = self._gen, None, None
+        self._changed.set()
+        if gen is not None:  # wake the watcher, blocked on this generation's key
+            self._rt.store.set(protocol.abort_key(gen, self._rt.worker_id), protocol.SELF_WAKE)
+
+    def aborted(self, gen: int) -> bool:
+        with self._lock:
+            return gen in self._aborted
+
+    def _watch_aborts(self, ready: threading.Event) -> None:
+        store = self._rt.store  # this thread's own client
+        ready.set()
+        while True:
+            with self._lock:
+                gen = self._gen
+            if gen is None or self.aborted(gen):
+                self._changed.wait(60)
+                self._changed.clear()
+                continue
+            key = protocol.abort_key(gen, self._rt.worker_id)
+            try:
+                store.wait([key], datetime.timedelta(hours=1))
+                value = store.get(key)
+            except Exception:  # noqa: BLE001 - timeout or a lost store: look again
+                continue
+            with self._lock:
+                if self._gen != gen or value != protocol.ABORT:
+                    continue
+                self._aborted.add(gen)
+                group = self._group
+            if group is not None:
+                group.abort()
+
+    # -- progress -----------------------------------------------------------------------------
+    def record_step(self, gen: int, rank: int, step: int, busy: float, loss: Any = None,
+                    first: bool = False) -> None:
+        now = time.time()
+        self._progress = {"gen": gen, "rank": rank, "step": step, "t": now, "loss": loss,
+                          "busy": busy}
+        if first:
+            self._first_step = {"gen": gen, "rank": rank, "step": step, "t": now}
+            self._wake.set()
+        elif now - self._last_publish >= PUBLISH_INTERVAL_S:
+            self._wake.set()
+
+    def _publish(self, ready: threading.Event) -> None:
+        rt = self._rt
+        store = rt.store
+        ready.set()
+        pid = os.getpid()
+        while True:
+            self._wake.wait(HEARTBEAT_S)
+            self._wake.clear()
+            first, self._first_step = self._first_step, None
+            if first is not None:
+                rt.emit("first_step", **first)
+            progress = self._progress
+            record: dict[str, Any] = {"hb": time.time(), "pid": pid}
+            if progress is not None:
+                record.update(progress)
+                loss = progress.get("loss")
+                if loss is not None and not isinstance(loss, (int, float)):
+                    try:
+                        record["loss"] = float(loss)
+                    except Exception:  # noqa: BLE001 - a loss we cannot read is not worth a crash
+                        record["loss"] = None
+            self._last_publish = time.time()
+            try:
+                store.set(protocol.progress_key(rt.worker_id), protocol.dumps(record))
+            except Exception:  # noqa: BLE001 - the launcher is gone; it will kill us
+                time.sleep(HEARTBEAT_S)

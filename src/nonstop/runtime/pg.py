@@ -1,0 +1,136 @@
+"""The process group of one generation, and its prompt teardown.
+
+gloo cannot abort a collective: a rank blocked in a receive from a live peer waits the whole group
+timeout. We note which sockets the group opened and, to abort, shut down its connected sockets (never
+its listening one: gloo's listener thread terminates the process when its socket is shut). Every
+blocked operation on those sockets errors at once, and the peers' sockets error in turn.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import socket
+import threading
+import time
+
+
+def socket_fds() -> dict[int, str]:
+    """This process's socket descriptors, fd -> 'socket:[inode]'."""
+    out: dict[int, str] = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            out[int(name)] = link
+    return out
+
+
+def shutdown_sockets(fds: dict[int, str]) -> int:
+    """Shut down the connected sockets among ``fds`` (skipping any fd reused since it was noted).
+    Returns how many were shut."""
+    done = 0
+    for fd, link in fds.items():
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != link:
+                continue  # closed and reused by something else: not ours to touch
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                continue
+            sock.shutdown(socket.SHUT_RDWR)
+            done += 1
+        except OSError:
+            pass
+        finally:
+            sock.close()  # closes our duplicate only
+    return done
+
+
+class GenerationGroup:
+    """torch.distributed's default group for one generation, under a fresh store prefix."""
+
+    def __init__(self, host: str, port: int, gen: int, rank: int, world: int, backend: str,
+                 prefix: str, rendezvous_timeout_s: float, collective_timeout_s: float):
+        self.host, self.port, self.gen, self.rank, self.world = host, port, gen, rank, world
+        self.backend, self.prefix = backend, prefix
+        self.rendezvous_timeout_s = rendezvous_timeout_s
+        self.collective_timeout_s = collective_timeout_s
+        self._lock = threading.Lock()
+        self._before: dict[int, str] = {}
+        self._store_fds: dict[int, str] = {}
+        self._group_fds: dict[int, str] | None = None
+        self.aborted = False
+        self._started = False  # whether open() noted the sockets that existed before it
+        self.is_open = False
+        self.sockets_shut = 0
+
+    def open(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            raise RuntimeError("a default process group already exists: nonstop.wrap creates and "
+                               "tears down the group itself; remove the init_process_group call")
+        with self._lock:
+            if self.aborted:
+                raise RuntimeError(f"generation {self.gen} was aborted before rendezvous")
+            before = socket_fds()
+            self._before = before
+            self._started = True
+        store = dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=self.rendezvous_timeout_s))
+        after_store = socket_fds()
+        with self._lock:
+            self._before = after_store
+            self._store_fds = {fd: link for fd, link in after_store.items() if before.get(fd) != link}
+            if self.aborted:
+                shutdown_sockets(self._store_fds)
+                raise RuntimeError(f"generation {self.gen} was aborted during rendezvous")
+        dist.init_process_group(
+            self.backend, store=dist.PrefixStore(self.prefix, store), rank=self.rank,
+            world_size=self.world, timeout=datetime.timedelta(seconds=self.collective_timeout_s))
+        del store
+        opened = socket_fds()
+        with self._lock:
+            self._group_fds = {fd: link for fd, link in opened.items() if self._before.get(fd) != link}
+            self.is_open = True
+            if self.aborted:  # raced with an abort during rendezvous
+                self.sockets_shut += shutdown_sockets(self._group_fds)
+        if self.aborted:
+            raise RuntimeError(f"generation {self.gen} was aborted during rendezvous")
+
+    def abort(self) -> None:
+        """Release every operation blocked on this group. Safe from any thread, idempotent."""
+        with self._lock:
+            self.aborted = True
+            if not self._started:
+                return  # open() sees the flag and does not start
+            targets = dict(self._store_fds)
+            if self._group_fds is not None:
+                targets.update(self._group_fds)
+            else:  # rendezvous in progress: whatever sockets appeared since it began
+                targets.update({fd: link for fd, link in socket_fds().items()
+                                if self._before.get(fd) != link})
+            self.sockets_shut += shutdown_sockets(targets)
+
+    def close(self, collect: bool = True) -> float:
+        """Destroy the group and drop its references. Returns the seconds it took."""
+        import torch.distributed as dist
+
+        t0 = time.monotonic()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group may fail its own teardown
+                pass
+        self.is_open = False
+        t1 = time.monotonic()
+        if collect:
+            gc.collect()  # DDP's reducer keeps the group (and its threads) alive until collected
+        self.timing = (t1 - t0, time.monotonic() - t1)
+        return time.monotonic() - t0

@@ -1,0 +1,148 @@
+"""The rank process's link to the launcher: its worker id, mailbox, events and progress.
+
+One ``WorkerRuntime`` exists per process started by ``nonstop run``. It outlives generations: the
+training function is entered and left many times, the runtime stays.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+from typing import Any
+
+from .. import inject, protocol
+
+_RUNTIME: "WorkerRuntime | None" = None
+_DIST_ERROR_MARKERS = ("gloo", "nccl", "connection", "socket", "timed out", "timeout",
+                       "process group", "processgroup", "store", "peer")
+
+
+def is_collective_error(exc: BaseException) -> bool:
+    """Whether an exception looks like a failed collective (a peer died or was aborted), as
+    opposed to an error in the user's own code."""
+    import torch.distributed as dist
+
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    text = f"{type(exc).__name__} {exc}".lower()
+    return isinstance(exc, (RuntimeError, ConnectionError, OSError)) and any(
+        m in text for m in _DIST_ERROR_MARKERS)
+
+
+def current() -> "WorkerRuntime | None":
+    """The runtime of this process, or None when not started by ``nonstop run``."""
+    global _RUNTIME
+    if _RUNTIME is None and os.environ.get(protocol.ENV_STORE) and os.environ.get(protocol.ENV_WORKER_ID):
+        _RUNTIME = WorkerRuntime.from_env()
+    return _RUNTIME
+
+
+def _connect(host: str, port: int, timeout_s: float):
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, port, is_master=False, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class WorkerRuntime:
+    def __init__(self, host: str, port: int, worker_id: int):
+        self.host, self.port, self.worker_id = host, port, worker_id
+        self._local = threading.local()
+        self.job: dict[str, Any] = protocol.loads(self.store.get(protocol.JOB_KEY))
+        self._seq = 0  # next mailbox message to read
+        self.assignment: dict[str, Any] | None = None  # the newest assign message
+        self.assignment_consumed = False  # whether a generation was entered with it
+        self.entries = 0  # times this process entered the training function
+        self.ever_entered = False
+        self.wrapped = False
+        self.busy = 0.0  # seconds spent inside completed steps, over this process's life
+        self.faults = inject.from_env(os.environ.get(protocol.ENV_INJECT))
+        self.injector = inject.Injector(self.faults, self._claim_fault, self._announce_fault)
+        from .monitor import Monitor
+
+        self.monitor = Monitor(self)
+        self.monitor.start()
+
+    @classmethod
+    def from_env(cls) -> "WorkerRuntime":
+        host, _, port = os.environ[protocol.ENV_STORE].rpartition(":")
+        return cls(host, int(port), int(os.environ[protocol.ENV_WORKER_ID]))
+
+    # -- store access: one client per thread (a client serialises its operations) --------------
+    @property
+    def store(self):
+        client = getattr(self._local, "store", None)
+        if client is None:
+            client = _connect(self.host, self.port, 60.0)
+            self._local.store = client
+        return client
+
+    def emit(self, event_type: str, /, **fields: Any) -> None:
+        fields.setdefault("t", time.time())
+        fields["type"] = event_type
+        fields["wid"] = self.worker_id
+        store = self.store
+        slot = store.add(protocol.EVENT_COUNT_KEY, 1) - 1
+        store.set(protocol.event_key(slot), protocol.dumps(fields))
+
+    # -- mailbox --------------------------------------------------------------------------------
+    def poll_message(self) -> dict[str, Any] | None:
+        """The newest unread message if one is waiting (older unread ones are superseded)."""
+        store = self.store
+        msg = None
+        while store.check([protocol.mailbox_key(self.worker_id, self._seq)]):
+            msg = protocol.loads(store.get(protocol.mailbox_key(self.worker_id, self._seq)))
+            self._seq += 1
+        if msg is not None and msg["type"] == protocol.ASSIGN:
+            self.assignment, self.assignment_consumed = msg, False
+        return msg
+
+    def wait_message(self) -> dict[str, Any]:
+        """Block until the controller sends the next message (the launcher kills us if it dies)."""
+        store = self.store
+        while True:
+            key = protocol.mailbox_key(self.worker_id, self._seq)
+            try:
+                store.wait([key], datetime.timedelta(hours=1))
+            except Exception:  # noqa: BLE001 - a timeout: wait again
+                continue
+            msg = self.poll_message()
+            if msg is not None:
+                return msg
+
+    def next_assignment(self) -> dict[str, Any]:
+        """The assignment to enter next: an unconsumed one, else the next message."""
+        if self.assignment is not None and not self.assignment_consumed:
+            newer = self.poll_message()
+            if newer is None or newer["type"] == protocol.ASSIGN:
+                return self.assignment
+            return newer
+        return self.wait_message()
+
+    # -- faults ---------------------------------------------------------------------------------
+    def _claim_fault(self, index: int, fault: inject.FaultSpec) -> bool:
+        return self.store.add(protocol.inject_key(index), 1) <= fault.times
+
+    def _announce_fault(self, fault: inject.FaultSpec, step: int) -> None:
+        a = self.assignment or {}
+        self.emit("inject", fault=fault.describe(), kind=fault.kind, rank=fault.rank, step=step,
+                  gen=a.get("gen"), pid=os.getpid())
+
+    # -- environment ----------------------------------------------------------------------------
+    def apply_env(self, msg: dict[str, Any]) -> None:
+        """Export the torchrun environment of an assignment so scripts that read it see the truth."""
+        env = os.environ
+        rank, world = str(msg["rank"]), str(msg["world"])
+        env.update({
+            "RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world,
+            "GROUP_RANK": "0", "ROLE_RANK": rank, "ROLE_WORLD_SIZE": world, "ROLE_NAME": "default",
+            "MASTER_ADDR": self.host, "MASTER_PORT": str(msg.get("port") or self.port),
+            "TORCHELASTIC_RESTART_COUNT": str(msg["gen"]), "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RUN_ID": str(self.job.get("run_id", "nonstop")),
+            protocol.ENV_GENERATION: str(msg["gen"]),
+            protocol.ENV_ENTRIES: str(self.entries),
+            protocol.ENV_REPLACEMENTS: str(msg.get("replacements", 0)),
+        })

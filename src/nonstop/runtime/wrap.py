@@ -1,0 +1,226 @@
+"""The wrapper around the user's training function: leave, tear down, re-form, re-enter.
+
+Under ``nonstop run`` the wrapped function is entered once per generation. When any rank fails,
+every healthy rank leaves it, tears the group down, waits for the next generation's assignment and
+re-enters; the objects in ``State`` stay in memory. Outside ``nonstop run`` (plain ``python`` or
+torchrun) the function simply runs once, so the same script works everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable, Iterator, TypeVar
+
+from .. import protocol
+from .state import State, _StepOnly
+from .worker import is_collective_error
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """A seed that is a pure function of (seed, step, rank): data order survives any restart."""
+    return (seed * 1_000_003 + step * 7_919 + rank * 104_729) % (2**63 - 1)
+
+
+class Context:
+    """What the training function sees of its generation. Passed as its first argument."""
+
+    def __init__(self, rank: int, world_size: int, generation: int, entries: int,
+                 replacements: int, state: State, runtime: Any = None, resumed: Any = None):
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = rank
+        self.generation = generation
+        self.entries = entries  # times this process has entered the training function (1 = first)
+        self.replacements = replacements  # times this rank's process has been replaced
+        self.resumed = resumed  # how this generation's state was agreed (step, source, receivers)
+        self._state = state
+        self._rt = runtime
+        self._first_done = False
+        self._loss: Any = None
+
+    @property
+    def step(self) -> int:
+        """Steps completed (the index of the step running now, inside ``steps()``)."""
+        return self._state.step
+
+    def steps(self, total: int, *, reseed: int | None = None) -> Iterator[int]:
+        """Yield step indices from the agreed step up to ``total``; a step counts when the body
+        returns. With ``reseed``, torch's RNG is seeded from (reseed, step, rank) before each step
+        so dropout and the like replay exactly after a restart."""
+        state = self._state
+        rt = self._rt
+        while state.step < total:
+            step = state.step
+            if rt is not None:
+                rt.injector.check("start", self.rank, step)
+            if reseed is not None:
+                import torch
+
+                torch.manual_seed(step_seed(reseed, step, self.rank))
+            t0 = time.monotonic()
+            yield step
+            state.step = step + 1
+            state.dirty = False
+            if rt is not None:
+                rt.busy += time.monotonic() - t0
+                rt.monitor.record_step(self.generation, self.rank, step + 1, rt.busy, self._loss,
+                                       first=not self._first_done)
+                self._first_done = True
+
+    def report(self, loss: Any = None) -> None:
+        """Note this step's loss (a tensor or number); published in the background."""
+        self._loss = loss.detach() if hasattr(loss, "detach") else loss
+
+
+def wrap(state: State | Callable[..., Any] | None = None, *, backend: str = "gloo") -> Any:
+    """Make a training function restartable in-process.
+
+    Use as ``@nonstop.wrap(state)`` or ``@nonstop.wrap``; the function takes a ``Context`` first.
+    Build the model, optimizer and data pipeline *outside* it (they survive restarts); create what
+    depends on the process group (DDP) *inside* it.
+    """
+    if callable(state) and not isinstance(state, State):
+        return wrap(None, backend=backend)(state)
+    if state is not None and not isinstance(state, State):
+        raise TypeError("nonstop.wrap(state): state must be a nonstop.State")
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            from . import worker
+
+            rt = worker.current()
+            if rt is None:
+                return _run_standalone(fn, state, backend, args, kwargs)
+            return _run_managed(rt, fn, state, backend, args, kwargs)
+
+        return call  # type: ignore[return-value]
+
+    return decorate
+
+
+def _run_standalone(fn: Callable[..., Any], state: State | None, backend: str,
+                    args: tuple, kwargs: dict) -> Any:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    ctx = Context(dist.get_rank(), dist.get_world_size(), 0, 1, 0, state or _StepOnly())
+    return fn(ctx, *args, **kwargs)
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The traceback without nonstop's own frames above the user's function."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: str,
+                 args: tuple, kwargs: dict) -> Any:
+    from .pg import GenerationGroup
+    from .transfer import sync
+
+    job = rt.job
+    tracked = state if state is not None else _StepOnly()
+    tracked._on_optimizer_step = lambda: rt.injector.check("optimizer", _current_rank[0], tracked.step)
+    if not rt.wrapped:
+        rt.wrapped = True
+        rt.emit("wrapped", pid=os.getpid())
+    while True:
+        if rt.assignment is None:
+            rt.emit("ready", pid=os.getpid(), mode="script")
+        msg = rt.next_assignment()
+        if msg["type"] == protocol.EXIT:
+            _retire()
+        if msg["type"] != protocol.ASSIGN:
+            continue
+        rt.assignment_consumed = True
+        gen, rank, world = msg["gen"], msg["rank"], msg["world"]
+        _current_rank[0] = rank
+        rt.apply_env(msg)
+        t_assigned = time.time()
+        has_state = rt.ever_entered or bool(msg.get("initial"))
+        if state is None:  # nothing registered: nothing to agree on, every entry starts over
+            tracked.step, tracked.dirty, has_state = 0, False, True
+        group = GenerationGroup(rt.host, rt.port, gen, rank, world, backend,
+                                protocol.pg_prefix(gen), job["rendezvous_timeout_s"],
+                                job["collective_timeout_s"])
+        # Everything alive now (torch, the model, the script's setup) is moved out of the
+        # collector's sight: the collection at teardown then only walks this generation's objects.
+        gc.freeze()
+        rt.emit("joining", gen=gen, rank=rank)
+        rt.monitor.begin(gen, group)
+        phase = "rendezvous"
+        try:
+            if rt.store.check([protocol.abort_key(gen, rt.worker_id)]):
+                raise RuntimeError(f"generation {gen} was aborted before this rank joined")
+            group.open()
+            t_pg = time.time()
+            phase = "restore"
+            resumed = sync(tracked, rank, world, has_state)
+            t_restored = time.time()
+            rt.entries += 1
+            rt.ever_entered = True
+            os.environ[protocol.ENV_ENTRIES] = str(rt.entries)
+            rt.emit("entered", gen=gen, rank=rank, step=resumed.step, source=resumed.source,
+                    receivers=list(resumed.receivers), nbytes=resumed.nbytes,
+                    t_assigned=t_assigned, t_pg=t_pg, t_restored=t_restored)
+            ctx = Context(rank, world, gen, rt.entries, msg.get("replacements", 0), tracked, rt, resumed)
+            phase = "train"
+            result = fn(ctx, *args, **kwargs)
+        except (KeyboardInterrupt, SystemExit):
+            group.abort()
+            raise
+        except BaseException as exc:  # noqa: BLE001 - every failure leads to the next generation
+            t_caught = time.time()
+            group.abort()  # first: release the peers blocked on us
+            if rt.monitor.aborted(gen):
+                reason = "abort"
+            elif is_collective_error(exc) or phase == "rendezvous":
+                reason = "peer"
+            else:
+                reason = "exception"
+            detail = {"error": f"{type(exc).__name__}: {exc}"[:2000], "phase": phase}
+            if reason == "exception":
+                detail["traceback"] = _user_traceback(exc)[-20000:]
+            del exc  # its traceback holds the frames that hold DDP and the old group
+            rt.monitor.end()
+            t_destroy = group.close()
+            rt.emit("left", gen=gen, rank=rank, reason=reason, step=tracked.step,
+                    dirty=tracked.dirty, t_caught=t_caught, destroy_s=t_destroy, timing=group.timing,
+                    sockets_shut=group.sockets_shut, **detail)
+            continue
+        rt.emit("done", gen=gen, rank=rank, step=tracked.step, busy=rt.busy)
+        verdict = rt.wait_message()
+        if verdict["type"] == protocol.COMPLETE:
+            rt.monitor.end()
+            return result
+        rt.monitor.end()
+        group.close()
+        rt.emit("left", gen=gen, rank=rank, reason="reassigned", step=tracked.step,
+                dirty=tracked.dirty, t_caught=time.time())
+        if verdict["type"] == protocol.EXIT:
+            _retire()
+
+
+_current_rank = [0]
+
+
+def _retire() -> None:
+    """Leave quietly: the job is over and this process holds nothing anyone needs."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
