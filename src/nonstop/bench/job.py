@@ -1,0 +1,118 @@
+"""The training job every benchmark system runs: the same model, data and DDP reduction.
+
+``--mode nonstop`` wraps the loop with nonstop (state in memory, no checkpoint). ``--mode torchrun``
+is what a careful torchrun user writes: a checkpoint every N steps, resume from it on restart, and a
+fresh store prefix per restart (on torch 2.13 a restarted gloo group otherwise reads stale keys).
+Every rank appends ``<steps done> <time> <generation>`` to ``steps-r<rank>.txt`` when a step
+completes (the generation: nonstop's, or torchrun's restart count).
+"""
+
+import argparse
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import nonstop
+
+p = argparse.ArgumentParser()
+p.add_argument("--mode", choices=["nonstop", "torchrun"], required=True)
+p.add_argument("--steps", type=int, default=100)
+p.add_argument("--out", required=True)
+p.add_argument("--hidden", type=int, default=256)
+p.add_argument("--sleep-ms", type=float, default=20.0)
+p.add_argument("--ckpt-every", type=int, default=20)
+p.add_argument("--kill-rank", type=int, default=-1, help="torchrun mode: SIGKILL this rank...")
+p.add_argument("--kill-step", type=int, default=-1, help="...at the start of this step, first attempt")
+args = p.parse_args()
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(32, args.hidden), torch.nn.Tanh(),
+                            torch.nn.Linear(args.hidden, args.hidden), torch.nn.Tanh(),
+                            torch.nn.Linear(args.hidden, 1))
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def batch(step, rank):
+    g = torch.Generator().manual_seed(nonstop.step_seed(0, step, rank))
+    x = torch.randn(64, 32, generator=g)
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+def one_step(ddp, step, rank):
+    x, y = batch(step, rank)
+    loss = F.mse_loss(ddp(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    if args.sleep_ms:
+        time.sleep(args.sleep_ms / 1000)  # stand-in for accelerator work
+    return loss
+
+
+def log_step(fh, step, gen):
+    fh.write(f"{step} {time.time():.6f} {gen}\n")
+    fh.flush()
+
+
+def save_final(rank):
+    if rank == 0:
+        torch.save({k: v.clone() for k, v in model.state_dict().items()},
+                   os.path.join(args.out, "final.pt"))
+
+
+def run_nonstop():
+    state = nonstop.State(model=model, optimizer=optimizer)
+
+    @nonstop.wrap(state)
+    def train(ctx):
+        ddp = nonstop.reproducible(DDP(model))
+        with open(os.path.join(args.out, f"steps-r{ctx.rank}.txt"), "a") as fh:
+            for step in ctx.steps(args.steps):
+                one_step(ddp, step, ctx.rank)
+                log_step(fh, step + 1, ctx.generation)
+        return ctx.rank
+
+    save_final(train())
+
+
+def run_torchrun():
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, wait_for_workers=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", store),
+                            rank=rank, world_size=world)
+    ckpt = os.path.join(args.out, "ckpt.pt")
+    start = 0
+    if os.path.exists(ckpt):
+        saved = torch.load(ckpt)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        start = saved["step"]
+    ddp = nonstop.reproducible(DDP(model))
+    with open(os.path.join(args.out, f"steps-r{rank}.txt"), "a") as fh:
+        for step in range(start, args.steps):
+            if attempt == 0 and rank == args.kill_rank and step == args.kill_step:
+                with open(os.path.join(args.out, "kill.txt"), "w") as k:
+                    k.write(f"{time.time():.6f}\n")
+                os.kill(os.getpid(), signal.SIGKILL)
+            one_step(ddp, step, rank)
+            log_step(fh, step + 1, attempt)
+            if rank == 0 and (step + 1) % args.ckpt_every == 0:
+                tmp = ckpt + ".tmp"
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                            "step": step + 1}, tmp)
+                os.replace(tmp, ckpt)
+    save_final(rank)
+    dist.destroy_process_group()
+
+
+if args.mode == "nonstop":
+    run_nonstop()
+else:
+    run_torchrun()
