@@ -19,9 +19,12 @@ from .ladder import Counters, Decision, Fault, Level
 from .metrics import Incident
 from .policy import Policy
 
-TICK_BUSY_S = 0.002  # loop period while an incident is open
-TICK_IDLE_S = 0.05
+TICK_BUSY_S = 0.002  # loop period while survivors leave a failed generation
+TICK_WAIT_S = 0.02  # ...while a generation forms
+TICK_IDLE_S = 0.05  # ...while it trains
 PROGRESS_EVERY_S = 0.1
+DUMP_GRACE_S = 0.3
+EVENT_HOLE_S = 2.0  # an event slot taken but never written is skipped after this long  # between asking a stuck process for its stacks and killing it
 
 
 @dataclasses.dataclass
@@ -47,6 +50,11 @@ class Worker:
     t_first: float = 0.0
     entered_ev: dict[str, Any] | None = None
     exit_report: dict[str, Any] | None = None
+
+
+def _short(text: str, limit: int = 160) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 class Controller:
@@ -84,13 +92,16 @@ class Controller:
         self._gen_stores: dict[int, Any] = {}
         self._gen_t0 = 0.0
         self._busy_done = 0.0  # busy seconds of rank-0 processes that are gone
+        self._pending_kills: list[tuple[float, int]] = []
+        self._hole_since: float | None = None
         self.max_step = 0
 
     # == the loop ===============================================================================
     def run(self) -> int:
         self._start()
         while self.exit_code is None:
-            tick = TICK_BUSY_S if self.incident is not None or self.phase != "running" else TICK_IDLE_S
+            tick = (TICK_BUSY_S if self.phase == "tearing_down" else
+                    TICK_IDLE_S if self.phase == "running" else TICK_WAIT_S)
             exited = self.agent.poll(tick)
             self._read_events()
             for proc in exited:
@@ -143,12 +154,19 @@ class Controller:
         self.store.set(protocol.mailbox_key(w.wid, w.seq), protocol.dumps(msg))
         w.seq += 1
 
-    def _kill(self, w: Worker, why: str) -> None:
+    def _kill(self, w: Worker, why: str, dump: bool = False) -> None:
+        """End a worker. With ``dump``, it first writes every thread's Python stack to its log
+        (where was it stuck?) and is SIGKILLed a moment later; its rank moves on at once."""
         if w.dead:
             return
-        self.agent.signal(w.wid, signal.SIGKILL)
         w.dead = w.killed = True
-        self.log.write("kill", wid=w.wid, rank=w.rank, reason=why)
+        if dump:
+            self.agent.signal(w.wid, signal.SIGUSR1)
+            self._pending_kills.append((time.time() + DUMP_GRACE_S, w.wid))
+        else:
+            self.agent.signal(w.wid, signal.SIGKILL)
+        self.log.write("kill", wid=w.wid, rank=w.rank, reason=why,
+                       stacks=str(self.agent.procs[w.wid].log_path) if dump else None)
 
     # == generations =============================================================================
     def _publish(self, gen: int, initial: bool, level: str) -> None:
@@ -187,6 +205,7 @@ class Controller:
             self.deadline = now + self.policy.timeouts.teardown_s
         else:  # a plain script cannot leave a collective: end every rank process
             for wid in self.plan.values():
+                self.workers[wid].killed = True  # its exit is ours, not a new fault
                 self.agent.signal(wid, signal.SIGTERM)
             self.deadline = now + self.policy.timeouts.terminate_grace_s
         self.log.write("abort", gen=self.gen, managed=self.managed)
@@ -257,12 +276,16 @@ class Controller:
             t0 = self._fault_time(now) if t_fault is None else t_fault
             self.incident = Incident(id=len(self.incidents) + 1, t_fault=t0, t_detect=now,
                                      gen_from=self.gen, step_before=self.max_step)
-        self.incident.faults.append(fault.describe())
+        if fault.kind == "peer":  # a symptom: the cause is another rank's fault
+            self.incident.symptoms.append(_short(fault.describe()))
+        else:
+            self.incident.faults.append(_short(fault.describe()))
         self.round.append(fault)
         self.log.write("fault", kind=fault.kind, rank=fault.rank, code=fault.code,
                        attribution=fault.attribution.value, message=fault.message[:500],
                        incident=self.incident.id, gen=self.gen)
-        self.display.info(f"fault: {fault.describe()}")
+        if fault.kind != "peer":
+            self.display.info(f"fault: {_short(fault.describe())}")
         if self.phase in ("running", "rendezvous"):
             self._begin_teardown()
 
@@ -363,10 +386,20 @@ class Controller:
         count = self.store.add(protocol.EVENT_COUNT_KEY, 0)
         while self._events_read < count:
             key = protocol.event_key(self._events_read)
-            try:
-                ev = protocol.loads(self.store.get(key))
-            except Exception:  # noqa: BLE001 - slot taken but not written yet: next tick
-                return
+            if not self.store.check([key]):
+                # Taken but not written yet (a get would block): next tick. A writer killed
+                # between taking and writing leaves a hole: skip it after a while.
+                now = time.time()
+                if self._hole_since is None:
+                    self._hole_since = now
+                if now - self._hole_since < EVENT_HOLE_S:
+                    return
+                self.log.write("event_lost", slot=self._events_read)
+                self._events_read += 1
+                self._hole_since = None
+                continue
+            self._hole_since = None
+            ev = protocol.loads(self.store.get(key))
             self._events_read += 1
             self._on_event(ev)
 
@@ -376,7 +409,8 @@ class Controller:
             return
         kind = ev["type"]
         gen = ev.get("gen")
-        if kind in ("ready", "entered", "left", "done", "inject", "exit", "first_step", "wrapped"):
+        if kind in ("ready", "entered", "left", "done", "inject", "exit", "first_step", "wrapped",
+                    "joining"):
             self.log.write(f"rank_{kind}", **{k: v for k, v in ev.items() if k != "type"})
         if kind == "ready":
             w.ready = True
@@ -402,6 +436,8 @@ class Controller:
         elif kind == "done":
             w.done = gen
             w.busy = ev.get("busy", w.busy)
+            w.step = ev.get("step", w.step)
+            self.max_step = max(self.max_step, ev.get("step") or 0)
             if self.phase == "running" and all(self.workers[x].done >= self.gen
                                                for x in self.plan.values()):
                 if self.incident is not None:
@@ -457,13 +493,21 @@ class Controller:
 
     # == deadlines ==============================================================================
     def _check(self, now: float) -> None:
+        if self._pending_kills:
+            due = [k for k in self._pending_kills if k[0] <= now]
+            self._pending_kills = [k for k in self._pending_kills if k[0] > now]
+            for _, wid in due:
+                self.agent.signal(wid, signal.SIGKILL)
         if self.phase == "tearing_down":
             pending = self._pending_teardown()
             if not pending:
                 self._finish_teardown()
             elif now > self.deadline:
                 for w in pending:
-                    self._kill(w, "did not leave the generation in time")
+                    self._kill(w, "did not leave the generation in time", dump=True)
+                    self.display.info(f"rank {w.rank} did not leave generation {self.gen} within "
+                                      f"{self.policy.timeouts.teardown_s:g} s: killed; its stacks "
+                                      f"are in {self.agent.procs[w.wid].log_path}")
                     self.round.append(Fault("teardown_timeout", rank=w.rank,
                                             message=f"still in generation {self.gen} after "
                                                     f"{self.policy.timeouts.teardown_s:g} s"))
@@ -474,7 +518,7 @@ class Controller:
             culprits = [w for w in ranks if w.joining < self.gen] or \
                        [w for w in ranks if w.entered < self.gen]
             for w in culprits:
-                self._kill(w, "did not join the generation in time")
+                self._kill(w, "did not join the generation in time", dump=True)
             self._fault(Fault("rendezvous_timeout", rank=culprits[0].rank if culprits else None,
                               message=f"generation {self.gen} not formed after "
                                       f"{self.policy.timeouts.rendezvous_s:g} s"))
@@ -516,7 +560,6 @@ class Controller:
                 self._send(w, {"type": protocol.COMPLETE})
         for w in self._spares():
             self._send(w, {"type": protocol.EXIT})
-            self.agent.signal(w.wid, signal.SIGTERM)
 
     # == progress ===============================================================================
     def _read_progress(self) -> None:

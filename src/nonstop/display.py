@@ -45,7 +45,7 @@ class Display:
 
     def error(self, text: str) -> None:
         Console(file=sys.stderr, highlight=False, soft_wrap=True).print(
-            Text("nonstop: ", style="bold red") + Text(text))
+            Text("nonstop: error: ", style="bold red") + Text(text))
 
     def status(self, snap: dict[str, Any]) -> None:
         line = format_status(snap)

@@ -95,9 +95,9 @@ def decide(faults: list[Fault], dead: set[int], world: int, managed: bool, polic
     budgets = policy.budgets
     user = [f for f in faults if f.attribution is Attribution.USER]
     imports = [f for f in faults if f.kind == "import_error"]
-    if imports and len({f.rank for f in imports}) >= world:
+    if imports:  # the same code fails the same way on every attempt: retrying cannot help
         f = imports[0]
-        return Decision(Level.FAIL, reason="the script fails at import on every rank",
+        return Decision(Level.FAIL, reason="the script fails at import",
                         diagnosis=f"the script failed at import: {f.message}", usage_error=True)
     if user and counters.user_errors_in_a_row >= budgets.user_error_retries:
         f = user[0]

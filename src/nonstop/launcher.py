@@ -165,7 +165,7 @@ def run(cfg: RunConfig) -> int:
         code = controller.run()
     except _Interrupted as exc:
         display.stop()
-        display.error(f"interrupted by {signal.Signals(exc.signum).name}: ending every process")
+        display.info(f"interrupted by {signal.Signals(exc.signum).name}: ending every process")
         log.write("interrupted", signal=exc.signum)
         controller.diagnosis = f"interrupted by {signal.Signals(exc.signum).name}"
         code = 128 + exc.signum
@@ -188,5 +188,5 @@ def run(cfg: RunConfig) -> int:
         sys.stderr.write(controller.traceback if controller.traceback.endswith("\n")
                          else controller.traceback + "\n")
     if code != 0 and controller.diagnosis:
-        display.error(controller.diagnosis if not controller.usage_error else controller.diagnosis)
+        display.error(controller.diagnosis)
     return code

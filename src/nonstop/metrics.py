@@ -20,6 +20,7 @@ class Incident:
     t_fault: float
     t_detect: float
     faults: list[str] = dataclasses.field(default_factory=list)
+    symptoms: list[str] = dataclasses.field(default_factory=list)  # e.g. a peer's failed collective
     levels: list[str] = dataclasses.field(default_factory=list)
     replaced: list[int] = dataclasses.field(default_factory=list)
     gen_from: int = 0
@@ -62,7 +63,7 @@ class Incident:
         return max(0, self.step_before - self.resume_step)
 
     def to_record(self) -> dict[str, Any]:
-        return {"id": self.id, "faults": self.faults, "levels": self.levels,
+        return {"id": self.id, "faults": self.faults or self.symptoms[:1], "levels": self.levels,
                 "replaced": self.replaced, "gen_from": self.gen_from, "gen_to": self.gen_to,
                 "t_fault": self.t_fault, "mttr_s": self.mttr, "phases_s": self.phases(),
                 "step_before": self.step_before, "resume_step": self.resume_step,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import ctypes
+import faulthandler
 import importlib
 import os
 import runpy
@@ -68,6 +69,9 @@ def prewarm(names: list[str], uses_ddp: bool) -> None:
 
 def main() -> None:
     die_with_parent()
+    # SIGUSR1 writes every thread's Python stack to stderr (the worker's log): nonstop asks for it
+    # before killing a rank that missed a deadline, so a hang says where it was stuck.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if len(sys.argv) < 2:
         print("usage: python -m nonstop.runtime.bootstrap SCRIPT [ARGS...]", file=sys.stderr)
         sys.exit(2)
@@ -119,7 +123,12 @@ def run_script(rt: "worker.WorkerRuntime", script: str, args: list[str]) -> None
         while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__):
             tb = tb.tb_next
         text = "".join(traceback.format_exception(type(exc), exc, tb))
-        rt.emit("exit", code=1, error=f"{type(exc).__name__}: {exc}"[:2000], traceback=text[-20000:],
+        where = ""
+        for frame, lineno in traceback.walk_tb(tb):
+            if os.path.abspath(frame.f_code.co_filename) == os.path.abspath(script):
+                where = f" ({os.path.basename(script)}, line {lineno})"
+        rt.emit("exit", code=1, error=f"{type(exc).__name__}: {exc}{where}"[:2000],
+                traceback=text[-20000:],
                 import_error=isinstance(exc, (ImportError, SyntaxError)) and not rt.wrapped,
                 collective=worker.is_collective_error(exc),
                 gen=(rt.assignment or {}).get("gen"), rank=(rt.assignment or {}).get("rank"))

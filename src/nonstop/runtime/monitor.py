@@ -70,7 +70,7 @@ class Monitor:
             return gen in self._aborted
 
     def _watch_aborts(self, ready: threading.Event) -> None:
-        store = self._rt.store  # this thread's own client
+        self._rt.store  # noqa: B018 - open this thread's own connection now
         ready.set()
         while True:
             with self._lock:
@@ -81,9 +81,11 @@ class Monitor:
                 continue
             key = protocol.abort_key(gen, self._rt.worker_id)
             try:
-                store.wait([key], datetime.timedelta(hours=1))
-                value = store.get(key)
-            except Exception:  # noqa: BLE001 - timeout or a lost store: look again
+                self._rt.store.wait([key], datetime.timedelta(hours=1))
+                value = self._rt.store.get(key)
+            except Exception as exc:  # noqa: BLE001
+                if "timeout" not in str(exc).lower():
+                    self._rt.reconnect(exc)
                 continue
             with self._lock:
                 if self._gen != gen or value != protocol.ABORT:
@@ -107,7 +109,7 @@ class Monitor:
 
     def _publish(self, ready: threading.Event) -> None:
         rt = self._rt
-        store = rt.store
+        rt.store  # noqa: B018 - open this thread's own connection now
         ready.set()
         pid = os.getpid()
         while True:
@@ -128,6 +130,7 @@ class Monitor:
                         record["loss"] = None
             self._last_publish = time.time()
             try:
-                store.set(protocol.progress_key(rt.worker_id), protocol.dumps(record))
-            except Exception:  # noqa: BLE001 - the launcher is gone; it will kill us
+                rt.store.set(protocol.progress_key(rt.worker_id), protocol.dumps(record))
+            except Exception as exc:  # noqa: BLE001
+                rt.reconnect(exc)
                 time.sleep(HEARTBEAT_S)

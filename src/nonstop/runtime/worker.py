@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -102,16 +103,24 @@ class WorkerRuntime:
 
     def wait_message(self) -> dict[str, Any]:
         """Block until the controller sends the next message (the launcher kills us if it dies)."""
-        store = self.store
         while True:
             key = protocol.mailbox_key(self.worker_id, self._seq)
             try:
-                store.wait([key], datetime.timedelta(hours=1))
-            except Exception:  # noqa: BLE001 - a timeout: wait again
+                self.store.wait([key], datetime.timedelta(hours=1))
+            except Exception as exc:  # noqa: BLE001
+                if "timeout" not in str(exc).lower():
+                    self.reconnect(exc)
                 continue
             msg = self.poll_message()
             if msg is not None:
                 return msg
+
+    def reconnect(self, exc: BaseException) -> None:
+        """This thread's store connection failed: say so once, then open a new one."""
+        print(f"nonstop: store connection lost ({type(exc).__name__}: {exc}); reconnecting",
+              file=sys.stderr, flush=True)
+        self._local.store = None
+        time.sleep(0.05)
 
     def next_assignment(self) -> dict[str, Any]:
         """The assignment to enter next: an unconsumed one, else the next message."""

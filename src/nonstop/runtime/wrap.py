@@ -177,7 +177,8 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
             os.environ[protocol.ENV_ENTRIES] = str(rt.entries)
             rt.emit("entered", gen=gen, rank=rank, step=resumed.step, source=resumed.source,
                     receivers=list(resumed.receivers), nbytes=resumed.nbytes,
-                    t_assigned=t_assigned, t_pg=t_pg, t_restored=t_restored)
+                    t_assigned=t_assigned, t_pg=t_pg, t_restored=t_restored,
+                    fds=len(os.listdir("/proc/self/fd")), threads=len(os.listdir("/proc/self/task")))
             ctx = Context(rank, world, gen, rt.entries, msg.get("replacements", 0), tracked, rt, resumed)
             phase = "train"
             result = fn(ctx, *args, **kwargs)

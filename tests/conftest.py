@@ -1,0 +1,142 @@
+"""Helpers for tests that start real rank processes: run nonstop, read its events, compare weights,
+and make sure no process of ours outlives a test."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "src" / "nonstop" / "examples"
+TRAIN = EXAMPLES / "train_ddp.py"
+PLAIN = EXAMPLES / "plain_ddp.py"
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+MARKERS = ("nonstop.runtime.bootstrap", "-m nonstop run", "nonstop/bench/job.py")
+
+
+@dataclass
+class Run:
+    code: int
+    stdout: str
+    stderr: str
+    run_dir: Path
+    seconds: float
+
+    @property
+    def events(self) -> list[dict]:
+        path = self.run_dir / "events.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for e in self.events if e["type"] == kind]
+
+    @property
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+
+def nonstop_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "nonstop", *args]
+
+
+def start(run_dir: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(nonstop_cmd("run", "--no-live", f"--run-dir={run_dir}", *args),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, run_dir: Path, t0: float, timeout: float = 180) -> Run:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"nonstop run did not end within {timeout} s:\n{out[-3000:]}\n{err[-3000:]}")
+    return Run(proc.returncode, out, err, run_dir, time.time() - t0)
+
+
+def run_nonstop(run_dir: Path, *args: str, timeout: float = 180) -> Run:
+    t0 = time.time()
+    return finish(start(run_dir, *args), run_dir, t0, timeout)
+
+
+def wait_for_event(run_dir: Path, predicate, timeout: float = 60) -> dict:
+    path = run_dir / "events.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    ev = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if predicate(ev):
+                    return ev
+        time.sleep(0.05)
+    pytest.fail(f"no matching event in {path} within {timeout} s")
+
+
+def bitwise_equal(a: Path, b: Path) -> bool:
+    x, y = torch.load(a), torch.load(b)
+    return x.keys() == y.keys() and all(
+        torch.equal(x[k].reshape(-1).view(torch.uint8), y[k].reshape(-1).view(torch.uint8)) for k in x)
+
+
+def our_processes() -> list[str]:
+    """Processes that look like ours (launcher, ranks, spares, bench jobs), this one excluded."""
+    found = []
+    me = os.getpid()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == me:
+            continue
+        try:
+            cmd = (Path("/proc") / pid / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if any(m in cmd for m in MARKERS):
+            found.append(f"{pid}: {cmd[:200]}")
+    return found
+
+
+def assert_none_left(timeout: float = 10.0) -> None:
+    deadline = time.time() + timeout
+    left = our_processes()
+    while left and time.time() < deadline:
+        time.sleep(0.1)
+        left = our_processes()
+    assert not left, "processes left behind:\n" + "\n".join(left)
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    yield
+    assert_none_left()
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """Final weights of fault-free runs, cached by (world size, script arguments)."""
+    cache: dict[tuple, Path] = {}
+
+    def get(world: int, *script_args: str, script: Path = TRAIN) -> Path:
+        key = (world, str(script), script_args)
+        if key not in cache:
+            d = tmp_path_factory.mktemp("reference")
+            out = d / "final.pt"
+            run = run_nonstop(d / "run", f"--nproc={world}", "--quiet", str(script), *script_args,
+                              "--save", str(out))
+            assert run.code == 0, run.stdout + run.stderr
+            cache[key] = out
+        return cache[key]
+
+    return get

@@ -1,0 +1,57 @@
+"""Fault spec parsing: good specs parse, bad ones are one clear UsageError."""
+
+import pytest
+
+from nonstop import inject
+from nonstop.errors import UsageError
+
+
+def test_parse_several_specs_joined_and_repeated():
+    faults = inject.parse(["crash:rank=2,step=50;hang:rank=1,step=80", "exception:rank=0,step=3,at=optimizer,times=2"])
+    assert [f.kind for f in faults] == ["crash", "hang", "exception"]
+    assert faults[0].rank == 2 and faults[0].step == 50 and faults[0].times == 1
+    assert faults[2].at == "optimizer" and faults[2].times == 2
+
+
+def test_round_trip_through_environment():
+    faults = inject.parse("exit:rank=1,step=4,code=3")
+    assert inject.from_env(inject.to_env(faults)) == faults
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("explode:rank=1,step=2", "unknown fault 'explode'"),
+    ("crash", "needs rank= and step="),
+    ("crash:rank=1", "missing step="),
+    ("crash:rank=x,step=1", "not an integer"),
+    ("crash:rank=-1,step=1", "must be >= 0"),
+    ("crash:rank=1,step=1,colour=red", "unknown key 'colour'"),
+    ("crash:rank=1,rank=2,step=1", "given twice"),
+    ("crash:rank=1,step=1,at=middle", "at='middle'"),
+    ("crash:rank 1", "expected key=value"),
+    ("crash:rank=1,step=2,times=0", "times must be >= 1"),
+])
+def test_bad_specs_are_clear_errors(spec, words):
+    with pytest.raises(UsageError, match=words.replace("(", r"\(")):
+        inject.parse(spec)
+
+
+def test_rank_outside_world_is_refused():
+    with pytest.raises(UsageError, match="rank 4 does not exist"):
+        inject.check_world(inject.parse("crash:rank=4,step=1"), 4)
+
+
+def test_injector_fires_only_when_claimed():
+    fired, claims = [], {}
+
+    def claim(i, f):
+        claims[i] = claims.get(i, 0) + 1
+        return claims[i] <= f.times
+
+    faults = inject.parse("exception:rank=1,step=3")
+    inj = inject.Injector(faults, claim, lambda f, step: fired.append((f.kind, step)))
+    inj.check("start", rank=0, step=3)  # other rank: nothing
+    inj.check("start", rank=1, step=2)  # other step: nothing
+    with pytest.raises(inject.InjectedError):
+        inj.check("start", rank=1, step=3)
+    inj.check("start", rank=1, step=3)  # replayed step: already fired once
+    assert fired == [("exception", 3)]
