@@ -140,3 +140,15 @@ def reference(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """After the whole suite, no process of ours may be left: fail the run if one is."""
+    deadline = time.time() + 10
+    left = our_processes()
+    while left and time.time() < deadline:
+        time.sleep(0.2)
+        left = our_processes()
+    if left:
+        print("\nprocesses left behind after the suite:\n" + "\n".join(left), file=sys.stderr)
+        session.exitstatus = 1

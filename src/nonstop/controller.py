@@ -18,38 +18,12 @@ from .events import EventLog
 from .ladder import Counters, Decision, Fault, Level
 from .metrics import Incident
 from .policy import Policy
+from .workers import Worker, WorkerTable
 
 TICK_BUSY_S = 0.002  # loop period while survivors leave a failed generation
 TICK_WAIT_S = 0.02  # ...while a generation forms
 TICK_IDLE_S = 0.05  # ...while it trains
 PROGRESS_EVERY_S = 0.1
-DUMP_GRACE_S = 0.3
-EVENT_HOLE_S = 2.0  # an event slot taken but never written is skipped after this long  # between asking a stuck process for its stacks and killing it
-
-
-@dataclasses.dataclass
-class Worker:
-    wid: int
-    spare: bool
-    seq: int = 0  # next mailbox slot
-    rank: int | None = None
-    ready: bool = False
-    dead: bool = False
-    killed: bool = False
-    wrapped: bool = False
-    joining: int = -1  # newest generation it started to join
-    entered: int = -1
-    left: int = -1
-    done: int = -1
-    step: int | None = None
-    step_gen: int = -1
-    t_step: float = 0.0
-    loss: float | None = None
-    busy: float = 0.0
-    first_gen: int = -1  # newest generation in which it completed a step
-    t_first: float = 0.0
-    entered_ev: dict[str, Any] | None = None
-    exit_report: dict[str, Any] | None = None
 
 
 def _short(text: str, limit: int = 160) -> str:
@@ -68,8 +42,8 @@ class Controller:
         self.log = log
         self.display = display
         self.managed = managed
-        self.spare_mode = "script" if managed else "import"
-        self.workers: dict[int, Worker] = {}
+        self.table = WorkerTable(agent, store, log, "script" if managed else "import")
+        self.workers = self.table.workers
         self.plan: dict[int, int] = {}  # rank -> wid, for self.gen
         self.gen = -1
         self.phase = "starting"
@@ -79,21 +53,17 @@ class Controller:
         self.incidents: list[Incident] = []
         self.round: list[Fault] = []
         self.replacements = [0] * world
-        self.spare_failures = 0
         self.exit_code: int | None = None
         self.diagnosis: str | None = None
         self.traceback: str | None = None
         self.usage_error = False
         self.t_start = time.time()
         self.t_train_end: float | None = None
-        self._events_read = 0
         self._last_progress = 0.0
         self._recent_injects: list[dict[str, Any]] = []
         self._gen_stores: dict[int, Any] = {}
         self._gen_t0 = 0.0
         self._busy_done = 0.0  # busy seconds of rank-0 processes that are gone
-        self._pending_kills: list[tuple[float, int]] = []
-        self._hole_since: float | None = None
         self.max_step = 0
 
     # == the loop ===============================================================================
@@ -118,55 +88,16 @@ class Controller:
         self.log.write("run_start", world=self.world, spares=self.spares_target,
                        managed=self.managed, policy=self.policy.model_dump())
         for rank in range(self.world):
-            self.plan[rank] = self._new_worker(spare=False).wid
+            self.plan[rank] = self.table.new(spare=False).wid
         self._publish(0, initial=True, level="start")
         for w in (self.workers[wid] for wid in self.plan.values()):
-            self._spawn(w)
+            self.table.spawn(w)
         self._refill_spares()
 
     # == workers and spares ====================================================================
-    def _new_worker(self, spare: bool) -> Worker:
-        w = Worker(wid=self.agent.new_wid(), spare=spare)
-        self.workers[w.wid] = w
-        return w
-
-    def _spawn(self, w: Worker) -> Proc:
-        proc = self.agent.spawn(w.wid, spare=w.spare, spare_mode=self.spare_mode)
-        self.log.write("spawn", wid=w.wid, pid=proc.pid, spare=w.spare, rank=w.rank,
-                       mode=self.spare_mode)
-        return proc
-
-    def _spares(self) -> list[Worker]:
-        return [w for w in self.workers.values() if w.spare and not w.dead]
-
     def _refill_spares(self) -> None:
-        if self.phase in ("finishing", "over"):
-            return
-        budget = self.policy.budgets.spare_failures
-        while len(self._spares()) < self.spares_target and self.spare_failures <= budget:
-            self._spawn(self._new_worker(spare=True))
-
-    def _take_spare(self) -> Worker | None:
-        spares = sorted(self._spares(), key=lambda w: (not w.ready, w.wid))
-        return spares[0] if spares else None
-
-    def _send(self, w: Worker, msg: dict[str, Any]) -> None:
-        self.store.set(protocol.mailbox_key(w.wid, w.seq), protocol.dumps(msg))
-        w.seq += 1
-
-    def _kill(self, w: Worker, why: str, dump: bool = False) -> None:
-        """End a worker. With ``dump``, it first writes every thread's Python stack to its log
-        (where was it stuck?) and is SIGKILLed a moment later; its rank moves on at once."""
-        if w.dead:
-            return
-        w.dead = w.killed = True
-        if dump:
-            self.agent.signal(w.wid, signal.SIGUSR1)
-            self._pending_kills.append((time.time() + DUMP_GRACE_S, w.wid))
-        else:
-            self.agent.signal(w.wid, signal.SIGKILL)
-        self.log.write("kill", wid=w.wid, rank=w.rank, reason=why,
-                       stacks=str(self.agent.procs[w.wid].log_path) if dump else None)
+        if self.phase not in ("finishing", "over"):
+            self.table.refill(self.spares_target, self.policy.budgets.spare_failures)
 
     # == generations =============================================================================
     def _publish(self, gen: int, initial: bool, level: str) -> None:
@@ -183,7 +114,7 @@ class Controller:
         for rank, wid in sorted(self.plan.items()):
             w = self.workers[wid]
             w.rank = rank
-            self._send(w, {"type": protocol.ASSIGN, "gen": gen, "rank": rank, "world": self.world,
+            self.table.send(w, {"type": protocol.ASSIGN, "gen": gen, "rank": rank, "world": self.world,
                            "replacements": self.replacements[rank], "port": gen_store.port,
                            "initial": initial})
         self.phase = "rendezvous"
@@ -238,12 +169,12 @@ class Controller:
             return
         if decision.level is Level.JOB_RESTART:
             for wid in self.plan.values():
-                self._kill(self.workers[wid], "job restart")
+                self.table.kill(self.workers[wid], "job restart")
         new: list[Worker] = []
         for rank in sorted(decision.replace):
-            spare = self._take_spare()
+            spare = self.table.take_spare()
             if spare is None:
-                spare = self._new_worker(spare=False)
+                spare = self.table.new(spare=False)
                 new.append(spare)
             spare.spare = False
             self.plan[rank] = spare.wid
@@ -258,7 +189,7 @@ class Controller:
         if inc is not None:
             inc.gen_to = self.gen
         for w in new:
-            self._spawn(w)
+            self.table.spawn(w)
         self._refill_spares()
 
     def _announce(self, decision: Decision) -> None:
@@ -370,37 +301,20 @@ class Controller:
     def _on_spare_exit(self, w: Worker, code: int | None) -> None:
         if self.phase in ("finishing", "over"):
             return
-        self.spare_failures += 1
+        self.table.spare_failures += 1
         report = w.exit_report
-        if report and self.spare_mode == "script" and not w.ready:
-            self.spare_mode = "import"
+        if report and self.table.spare_mode == "script" and not w.ready:
+            self.table.spare_mode = "import"
             self.display.info("warm spares now wait before running the script: the script failed "
                               f"in a spare before reaching nonstop.wrap ({report.get('error')})")
         self.log.write("spare_lost", wid=w.wid, code=code, ready=w.ready,
-                       spare_failures=self.spare_failures)
+                       spare_failures=self.table.spare_failures)
         self.display.info(f"spare worker {w.wid} exited (code {code}); refilling the pool")
         self._refill_spares()
 
     # == worker events ==========================================================================
     def _read_events(self) -> None:
-        count = self.store.add(protocol.EVENT_COUNT_KEY, 0)
-        while self._events_read < count:
-            key = protocol.event_key(self._events_read)
-            if not self.store.check([key]):
-                # Taken but not written yet (a get would block): next tick. A writer killed
-                # between taking and writing leaves a hole: skip it after a while.
-                now = time.time()
-                if self._hole_since is None:
-                    self._hole_since = now
-                if now - self._hole_since < EVENT_HOLE_S:
-                    return
-                self.log.write("event_lost", slot=self._events_read)
-                self._events_read += 1
-                self._hole_since = None
-                continue
-            self._hole_since = None
-            ev = protocol.loads(self.store.get(key))
-            self._events_read += 1
+        for ev in self.table.read_events():
             self._on_event(ev)
 
     def _on_event(self, ev: dict[str, Any]) -> None:
@@ -415,7 +329,7 @@ class Controller:
         if kind == "ready":
             w.ready = True
             if w.spare:
-                self.spare_failures = 0
+                self.table.spare_failures = 0
         elif kind == "wrapped":
             w.wrapped = True
             self.managed = True
@@ -493,18 +407,14 @@ class Controller:
 
     # == deadlines ==============================================================================
     def _check(self, now: float) -> None:
-        if self._pending_kills:
-            due = [k for k in self._pending_kills if k[0] <= now]
-            self._pending_kills = [k for k in self._pending_kills if k[0] > now]
-            for _, wid in due:
-                self.agent.signal(wid, signal.SIGKILL)
+        self.table.kill_due(now)
         if self.phase == "tearing_down":
             pending = self._pending_teardown()
             if not pending:
                 self._finish_teardown()
             elif now > self.deadline:
                 for w in pending:
-                    self._kill(w, "did not leave the generation in time", dump=True)
+                    self.table.kill(w, "did not leave the generation in time", dump=True)
                     self.display.info(f"rank {w.rank} did not leave generation {self.gen} within "
                                       f"{self.policy.timeouts.teardown_s:g} s: killed; its stacks "
                                       f"are in {self.agent.procs[w.wid].log_path}")
@@ -518,7 +428,7 @@ class Controller:
             culprits = [w for w in ranks if w.joining < self.gen] or \
                        [w for w in ranks if w.entered < self.gen]
             for w in culprits:
-                self._kill(w, "did not join the generation in time", dump=True)
+                self.table.kill(w, "did not join the generation in time", dump=True)
             self._fault(Fault("rendezvous_timeout", rank=culprits[0].rank if culprits else None,
                               message=f"generation {self.gen} not formed after "
                                       f"{self.policy.timeouts.rendezvous_s:g} s"))
@@ -557,24 +467,14 @@ class Controller:
         for wid in self.plan.values():
             w = self.workers[wid]
             if not w.dead and self.managed:
-                self._send(w, {"type": protocol.COMPLETE})
-        for w in self._spares():
-            self._send(w, {"type": protocol.EXIT})
+                self.table.send(w, {"type": protocol.COMPLETE})
+        for w in self.table.spares():
+            self.table.send(w, {"type": protocol.EXIT})
 
     # == progress ===============================================================================
     def _read_progress(self) -> None:
-        ranks = [self.workers[x] for x in self.plan.values()]
-        keys = [protocol.progress_key(w.wid) for w in ranks]
-        if not keys or not self.store.check(keys):
-            return
-        for w, raw in zip(ranks, self.store.multi_get(keys)):
-            rec = protocol.loads(raw)
-            if rec.get("gen") == self.gen and rec.get("step") is not None:
-                if w.step_gen != self.gen or rec["step"] >= (w.step or 0):
-                    w.step, w.step_gen, w.t_step = rec["step"], self.gen, rec["t"]
-                self.max_step = max(self.max_step, rec["step"])
-            w.loss = rec.get("loss")
-            w.busy = rec.get("busy", w.busy)
+        self.max_step = max(self.max_step, self.table.read_progress(
+            [self.workers[x] for x in self.plan.values()], self.gen))
 
     def snapshot(self) -> dict[str, Any]:
         ranks = []
@@ -583,7 +483,7 @@ class Controller:
             ranks.append({"rank": rank, "wid": wid, "step": w.step, "loss": w.loss,
                           "alive": not w.dead})
         return {"gen": self.gen, "phase": self.phase, "ranks": ranks,
-                "spares": len(self._spares()), "spares_ready": sum(w.ready for w in self._spares()),
+                "spares": len(self.table.spares()), "spares_ready": sum(w.ready for w in self.table.spares()),
                 "incidents": len(self.incidents) + (self.incident is not None),
                 "max_step": self.max_step}
 

@@ -69,31 +69,31 @@ def _map_dict(obj: dict, fn) -> dict:
     return out
 
 
+def _map_tree(obj: Any, is_leaf: Any, fn: Any) -> Any:
+    """Rebuild dicts, lists and tuples, replacing each leaf by ``fn(leaf)``."""
+    if is_leaf(obj):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return _map_dict(obj, lambda v: _map_tree(v, is_leaf, fn))
+    if isinstance(obj, list):
+        return [_map_tree(v, is_leaf, fn) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_map_tree(v, is_leaf, fn) for v in obj)
+    return obj
+
+
 def _flatten(obj: Any, tensors: list) -> Any:
     import torch
 
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
+    def ref(t: Any) -> _Ref:
+        tensors.append(t)
         return _Ref(len(tensors) - 1)
-    if isinstance(obj, dict):
-        return _map_dict(obj, lambda v: _flatten(v, tensors))
-    if isinstance(obj, list):
-        return [_flatten(v, tensors) for v in obj]
-    if type(obj) is tuple:
-        return tuple(_flatten(v, tensors) for v in obj)
-    return obj
+
+    return _map_tree(obj, lambda x: isinstance(x, torch.Tensor), ref)
 
 
 def _unflatten(obj: Any, tensors: list) -> Any:
-    if isinstance(obj, _Ref):
-        return tensors[obj.i]
-    if isinstance(obj, dict):
-        return _map_dict(obj, lambda v: _unflatten(v, tensors))
-    if isinstance(obj, list):
-        return [_unflatten(v, tensors) for v in obj]
-    if type(obj) is tuple:
-        return tuple(_unflatten(v, tensors) for v in obj)
-    return obj
+    return _map_tree(obj, lambda x: isinstance(x, _Ref), lambda r: tensors[r.i])
 
 
 def _aligned(n: int) -> int:

@@ -1,0 +1,139 @@
+"""The controller's table of worker processes: their records, the warm spare pool, mailboxes,
+kills, and what the workers write to the store (events, progress)."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import time
+from typing import Any, Iterator
+
+from . import protocol
+from .agent import Agent, Proc
+from .events import EventLog
+
+DUMP_GRACE_S = 0.3  # between asking a stuck process for its stacks and killing it
+EVENT_HOLE_S = 2.0  # an event slot taken but never written is skipped after this long
+
+
+@dataclasses.dataclass
+class Worker:
+    """What the controller knows of one process (a rank, or a warm spare)."""
+
+    wid: int
+    spare: bool
+    seq: int = 0  # next mailbox slot
+    rank: int | None = None
+    ready: bool = False
+    dead: bool = False
+    killed: bool = False  # ended by nonstop: its exit is not a new fault
+    wrapped: bool = False
+    joining: int = -1  # newest generation it started to join
+    entered: int = -1
+    left: int = -1
+    done: int = -1
+    step: int | None = None
+    step_gen: int = -1
+    t_step: float = 0.0
+    loss: float | None = None
+    busy: float = 0.0
+    first_gen: int = -1  # newest generation in which it completed a step
+    t_first: float = 0.0
+    entered_ev: dict[str, Any] | None = None
+    exit_report: dict[str, Any] | None = None
+
+
+class WorkerTable:
+    def __init__(self, agent: Agent, store: Any, log: EventLog, spare_mode: str):
+        self.agent, self.store, self.log = agent, store, log
+        self.spare_mode = spare_mode  # "script": spares run the script up to nonstop.wrap
+        self.workers: dict[int, Worker] = {}
+        self.spare_failures = 0  # spares lost in a row
+        self._pending_kills: list[tuple[float, int]] = []
+        self._events_read = 0
+        self._hole_since: float | None = None
+
+    def new(self, spare: bool) -> Worker:
+        w = Worker(wid=self.agent.new_wid(), spare=spare)
+        self.workers[w.wid] = w
+        return w
+
+    def spawn(self, w: Worker) -> Proc:
+        proc = self.agent.spawn(w.wid, spare=w.spare, spare_mode=self.spare_mode)
+        self.log.write("spawn", wid=w.wid, pid=proc.pid, spare=w.spare, rank=w.rank,
+                       mode=self.spare_mode)
+        return proc
+
+    def spares(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.spare and not w.dead]
+
+    def refill(self, target: int, failure_budget: int) -> None:
+        while len(self.spares()) < target and self.spare_failures <= failure_budget:
+            self.spawn(self.new(spare=True))
+
+    def take_spare(self) -> Worker | None:
+        """The oldest ready spare, else the oldest still warming up."""
+        spares = sorted(self.spares(), key=lambda w: (not w.ready, w.wid))
+        return spares[0] if spares else None
+
+    def send(self, w: Worker, msg: dict[str, Any]) -> None:
+        self.store.set(protocol.mailbox_key(w.wid, w.seq), protocol.dumps(msg))
+        w.seq += 1
+
+    def kill(self, w: Worker, why: str, dump: bool = False) -> None:
+        """End a worker. With ``dump``, it first writes every thread's Python stack to its log
+        (where was it stuck?) and is SIGKILLed a moment later; its rank moves on at once."""
+        if w.dead:
+            return
+        w.dead = w.killed = True
+        if dump:
+            self.agent.signal(w.wid, signal.SIGUSR1)
+            self._pending_kills.append((time.time() + DUMP_GRACE_S, w.wid))
+        else:
+            self.agent.signal(w.wid, signal.SIGKILL)
+        self.log.write("kill", wid=w.wid, rank=w.rank, reason=why,
+                       stacks=str(self.agent.procs[w.wid].log_path) if dump else None)
+
+    def kill_due(self, now: float) -> None:
+        due = [wid for t, wid in self._pending_kills if t <= now]
+        self._pending_kills = [k for k in self._pending_kills if k[0] > now]
+        for wid in due:
+            self.agent.signal(wid, signal.SIGKILL)
+
+    def read_events(self) -> Iterator[dict[str, Any]]:
+        """The workers' new events, in the order they took their slots."""
+        count = self.store.add(protocol.EVENT_COUNT_KEY, 0)
+        while self._events_read < count:
+            key = protocol.event_key(self._events_read)
+            if not self.store.check([key]):
+                # Taken but not written yet (a get would block): next tick. A writer killed
+                # between taking and writing leaves a hole: skip it after a while.
+                now = time.time()
+                if self._hole_since is None:
+                    self._hole_since = now
+                if now - self._hole_since < EVENT_HOLE_S:
+                    return
+                self.log.write("event_lost", slot=self._events_read)
+                self._events_read += 1
+                self._hole_since = None
+                continue
+            self._hole_since = None
+            ev = protocol.loads(self.store.get(key))
+            self._events_read += 1
+            yield ev
+
+    def read_progress(self, ranks: list[Worker], gen: int) -> int:
+        """Update the ranks' step, loss and busy time; returns the newest step seen."""
+        keys = [protocol.progress_key(w.wid) for w in ranks]
+        newest = 0
+        if not keys or not self.store.check(keys):
+            return newest
+        for w, raw in zip(ranks, self.store.multi_get(keys)):
+            rec = protocol.loads(raw)
+            if rec.get("gen") == gen and rec.get("step") is not None:
+                if w.step_gen != gen or rec["step"] >= (w.step or 0):
+                    w.step, w.step_gen, w.t_step = rec["step"], gen, rec["t"]
+                newest = max(newest, rec["step"])
+            w.loss = rec.get("loss")
+            w.busy = rec.get("busy", w.busy)
+        return newest
