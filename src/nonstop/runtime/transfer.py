@@ -161,7 +161,7 @@ def sync(state: Any, rank: int, world: int, has_state: bool) -> SyncResult:
             dist.recv(meta_t, plan.source)
             buf = torch.empty(int(header[1]), dtype=torch.uint8)
             dist.recv(buf, plan.source)
-            state.load_state_dict(unpack(meta_t.numpy().tobytes(), buf))
+            state.load_state_dict(unpack(bytes(meta_t.tolist()), buf))
             nbytes = buf.numel()
     state.step = plan.step
     state.dirty = False
