@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,10 @@ EXAMPLES = ROOT / "src" / "nonstop" / "examples"
 TRAIN = EXAMPLES / "train_ddp.py"
 PLAIN = EXAMPLES / "plain_ddp.py"
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-MARKERS = ("nonstop.runtime.bootstrap", "-m nonstop run", "nonstop/bench/job.py")
+# Every process this test session starts inherits this variable, even once re-parented: that is
+# how a process left behind by this session is told from anyone else's.
+SESSION = f"NONSTOP_TEST_SESSION={uuid.uuid4().hex}"
+os.environ["NONSTOP_TEST_SESSION"] = SESSION.split("=", 1)[1]
 
 
 @dataclass
@@ -93,17 +97,22 @@ def bitwise_equal(a: Path, b: Path) -> bool:
 
 
 def our_processes() -> list[str]:
-    """Processes that look like ours (launcher, ranks, spares, bench jobs), this one excluded."""
+    """Processes started by this test session (launchers, ranks, spares, bench jobs) still alive."""
     found = []
     me = os.getpid()
+    marker = SESSION.encode()
     for pid in os.listdir("/proc"):
         if not pid.isdigit() or int(pid) == me:
             continue
         try:
+            env = (Path("/proc") / pid / "environ").read_bytes()
+            if marker not in env.split(b"\0"):
+                continue
             cmd = (Path("/proc") / pid / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (Path("/proc") / pid / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if any(m in cmd for m in MARKERS):
+        if state != "Z":
             found.append(f"{pid}: {cmd[:200]}")
     return found
 

@@ -159,3 +159,14 @@ def _no_budget(tmp_path):
     p = tmp_path / "policy.yaml"
     p.write_text("budgets:\n  user_error_retries: 100\n")
     return p
+
+
+def test_old_generation_objects_are_freed_before_reentry(tmp_path):
+    # the previous generation's DDP (and with it its process group and threads) must be gone when
+    # the function is entered again, in the main thread, not left to the collector
+    run = run_nonstop(tmp_path / "run", "--nproc=3", "--hang-timeout=1",
+                      "--inject=crash:rank=2,step=10;hang:rank=1,step=20;exception:rank=0,step=25",
+                      str(SCRIPTS / "ddp_freed.py"), "30")
+    assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert len(run.of("decision")) == 3
+    assert "LEAK" not in run.stdout, run.stdout

@@ -63,6 +63,7 @@ class Controller:
         self._recent_injects: list[dict[str, Any]] = []
         self._gen_stores: dict[int, Any] = {}
         self._gen_t0 = 0.0
+        self._warm: set[int] = set()
         self._busy_done = 0.0  # busy seconds of rank-0 processes that are gone
         self.max_step = 0
 
@@ -118,6 +119,9 @@ class Controller:
                            "replacements": self.replacements[rank], "port": gen_store.port,
                            "initial": initial})
         self.phase = "rendezvous"
+        # processes already running (survivors, ready spares) join within milliseconds
+        self._warm = {wid for wid in self.plan.values()
+                      if self.workers[wid].ready or self.workers[wid].entered >= 0}
         self._gen_t0 = time.time()
         self.deadline = self._gen_t0 + self.policy.timeouts.rendezvous_s
         self.log.write("generation", gen=gen, level=level,
@@ -423,15 +427,8 @@ class Controller:
                                                     f"{self.policy.timeouts.teardown_s:g} s"))
                     self.log.write("fault", kind="teardown_timeout", rank=w.rank,
                                    attribution="infrastructure", gen=self.gen)
-        elif self.phase == "rendezvous" and now > self.deadline:
-            ranks = [self.workers[x] for x in self.plan.values()]
-            culprits = [w for w in ranks if w.joining < self.gen] or \
-                       [w for w in ranks if w.entered < self.gen]
-            for w in culprits:
-                self.table.kill(w, "did not join the generation in time", dump=True)
-            self._fault(Fault("rendezvous_timeout", rank=culprits[0].rank if culprits else None,
-                              message=f"generation {self.gen} not formed after "
-                                      f"{self.policy.timeouts.rendezvous_s:g} s"))
+        elif self.phase == "rendezvous":
+            self._check_rendezvous(now)
         elif self.phase == "running" and self.managed:
             self._check_hang(now)
         elif self.phase == "finishing":
@@ -441,6 +438,26 @@ class Controller:
             elif now > self.deadline:
                 self.diagnosis = self.diagnosis or "the script did not end after training completed"
                 self._end(1)
+
+    def _check_rendezvous(self, now: float) -> None:
+        t = self.policy.timeouts
+        ranks = [self.workers[x] for x in self.plan.values()]
+        if now > self.deadline:  # the generation did not form at all
+            culprits = [w for w in ranks if w.joining < self.gen] or \
+                       [w for w in ranks if w.entered < self.gen]
+            why, limit = "did not join the generation in time", t.rendezvous_s
+        elif now > self._gen_t0 + t.join_s:  # a process that was already running should be quick
+            culprits = [w for w in ranks if w.wid in self._warm and w.joining < self.gen]
+            why, limit = "did not start to join the generation in time", t.join_s
+        else:
+            return
+        if not culprits:
+            return
+        for w in culprits:
+            self.table.kill(w, why, dump=True)
+        self._fault(Fault("rendezvous_timeout", rank=culprits[0].rank,
+                          message=f"rank(s) {', '.join(str(w.rank) for w in culprits)} {why} "
+                                  f"({limit:g} s, generation {self.gen})"))
 
     def _check_hang(self, now: float) -> None:
         t = self.policy.timeouts

@@ -20,8 +20,16 @@ def _per_gradient_allreduce(process_group, bucket):  # no annotations: DDP inspe
     world = dist.get_world_size(group)
     grads = bucket.gradients()
     works = [dist.all_reduce(g, group=group, async_op=True) for g in grads]
-    for w in works:
-        w.wait()
+    try:
+        for w in works:
+            w.wait()
+    except Exception as exc:
+        for w in works:  # leave nothing queued that still holds this bucket's tensors
+            try:
+                w.wait()
+            except Exception:  # noqa: BLE001 - they fail the same way
+                pass
+        raise RuntimeError(f"gradient allreduce failed: {exc}") from None
     buffer = bucket.buffer()
     # gradients() are views into the buffer unless DDP had to copy them out
     for g, view in zip(grads, _views(buffer, grads)):

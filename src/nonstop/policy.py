@@ -22,6 +22,9 @@ class Timeouts(_Strict):
     first_step_s: float = Field(300.0, gt=0, description="allowance for the first step of a generation")
     teardown_s: float = Field(1.0, gt=0, description="a rank that has not left the old generation by "
                                                     "then is killed and replaced")
+    join_s: float = Field(5.0, gt=0, description="a running process (a survivor, a ready spare) "
+                                                 "that has not started to join a new generation "
+                                                 "by then is killed and replaced")
     rendezvous_s: float = Field(120.0, gt=0, description="a rank that has not joined the new generation "
                                                         "by then is killed and replaced")
     collective_s: float = Field(600.0, gt=0, description="the process group's own timeout")

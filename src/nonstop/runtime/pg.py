@@ -69,6 +69,8 @@ class GenerationGroup:
         self._started = False  # whether open() noted the sockets that existed before it
         self.is_open = False
         self.sockets_shut = 0
+        self.collected = 0
+        self._kept = None
 
     def open(self) -> None:
         import torch.distributed as dist
@@ -118,19 +120,33 @@ class GenerationGroup:
                                 if self._before.get(fd) != link})
             self.sockets_shut += shutdown_sockets(targets)
 
-    def close(self, collect: bool = True) -> float:
-        """Destroy the group and drop its references. Returns the seconds it took."""
+    def close(self) -> float:
+        """Leave the group: unregister it and drop the references the failure left behind.
+        Returns the seconds it took.
+
+        The group object itself is kept (see ``release``): destroying a gloo group joins its
+        worker threads while holding the GIL, and a worker still finishing an aborted operation
+        may need the GIL to free a tensor Python handed it - a deadlock. Kept until the next
+        generation has run a step, it is destroyed when its workers are long idle, and off the
+        recovery path.
+        """
         import torch.distributed as dist
 
         t0 = time.monotonic()
         if dist.is_initialized():
             try:
+                self._kept = dist.distributed_c10d._get_default_group()
+            except Exception:  # noqa: BLE001 - private API: without it, no deferral
+                self._kept = None
+            try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a broken group may fail its own teardown
                 pass
         self.is_open = False
-        t1 = time.monotonic()
-        if collect:
-            gc.collect()  # DDP's reducer keeps the group (and its threads) alive until collected
-        self.timing = (t1 - t0, time.monotonic() - t1)
+        # DDP's reducer may sit in a reference cycle: collect it now, in this thread.
+        self.collected = gc.collect()
         return time.monotonic() - t0
+
+    def release(self) -> None:
+        """Destroy the group object kept by ``close`` (its workers are idle by now)."""
+        self._kept = None

@@ -60,6 +60,7 @@ class WorkerRuntime:
         self.ever_entered = False
         self.wrapped = False
         self.busy = 0.0  # seconds spent inside completed steps, over this process's life
+        self.closed_groups: list[Any] = []  # groups left but not yet destroyed (pg.close)
         self.faults = inject.from_env(os.environ.get(protocol.ENV_INJECT))
         self.injector = inject.Injector(self.faults, self._claim_fault, self._announce_fault)
         from .monitor import Monitor
@@ -130,6 +131,12 @@ class WorkerRuntime:
                 return self.assignment
             return newer
         return self.wait_message()
+
+    def release_closed_groups(self) -> None:
+        """Destroy the groups of earlier generations: called once a later one has run a step."""
+        groups, self.closed_groups = self.closed_groups, []
+        for group in groups:
+            group.release()
 
     # -- faults ---------------------------------------------------------------------------------
     def _claim_fault(self, index: int, fault: inject.FaultSpec) -> bool:

@@ -73,7 +73,9 @@ class Context:
                 rt.busy += time.monotonic() - t0
                 rt.monitor.record_step(self.generation, self.rank, step + 1, rt.busy, self._loss,
                                        first=not self._first_done)
-                self._first_done = True
+                if not self._first_done:
+                    self._first_done = True
+                    rt.release_closed_groups()
 
     def report(self, loss: Any = None) -> None:
         """Note this step's loss (a tensor or number); published in the background."""
@@ -131,7 +133,6 @@ def _user_traceback(exc: BaseException) -> str:
 def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: str,
                  args: tuple, kwargs: dict) -> Any:
     from .pg import GenerationGroup
-    from .transfer import sync
 
     job = rt.job
     tracked = state if state is not None else _StepOnly()
@@ -163,54 +164,29 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
         gc.freeze()
         rt.emit("joining", gen=gen, rank=rank)
         rt.monitor.begin(gen, group)
-        phase = "rendezvous"
-        try:
-            if rt.store.check([protocol.abort_key(gen, rt.worker_id)]):
-                raise RuntimeError(f"generation {gen} was aborted before this rank joined")
-            group.open()
-            t_pg = time.time()
-            phase = "restore"
-            resumed = sync(tracked, rank, world, has_state)
-            t_restored = time.time()
-            rt.entries += 1
-            rt.ever_entered = True
-            os.environ[protocol.ENV_ENTRIES] = str(rt.entries)
-            rt.emit("entered", gen=gen, rank=rank, step=resumed.step, source=resumed.source,
-                    receivers=list(resumed.receivers), nbytes=resumed.nbytes,
-                    t_assigned=t_assigned, t_pg=t_pg, t_restored=t_restored,
-                    fds=len(os.listdir("/proc/self/fd")), threads=len(os.listdir("/proc/self/task")))
-            ctx = Context(rank, world, gen, rt.entries, msg.get("replacements", 0), tracked, rt, resumed)
-            phase = "train"
-            result = fn(ctx, *args, **kwargs)
-        except (KeyboardInterrupt, SystemExit):
-            group.abort()
-            raise
-        except BaseException as exc:  # noqa: BLE001 - every failure leads to the next generation
-            t_caught = time.time()
-            group.abort()  # first: release the peers blocked on us
-            if rt.monitor.aborted(gen):
-                reason = "abort"
-            elif is_collective_error(exc) or phase == "rendezvous":
-                reason = "peer"
-            else:
-                reason = "exception"
-            detail = {"error": f"{type(exc).__name__}: {exc}"[:2000], "phase": phase}
-            if reason == "exception":
-                detail["traceback"] = _user_traceback(exc)[-20000:]
-            del exc  # its traceback holds the frames that hold DDP and the old group
+        outcome = _enter(rt, group, fn, tracked, has_state, msg, t_assigned, args, kwargs)
+        if isinstance(outcome, _Failure):
+            # Torn down only now, outside the except block: while an exception is being handled
+            # it keeps the failed frames (and DDP, and the group) alive, and the collector would
+            # then free the group later, in whatever thread happens to trigger it - possibly one
+            # of the group's own threads, which cannot join itself.
             rt.monitor.end()
             t_destroy = group.close()
-            rt.emit("left", gen=gen, rank=rank, reason=reason, step=tracked.step,
-                    dirty=tracked.dirty, t_caught=t_caught, destroy_s=t_destroy, timing=group.timing,
-                    sockets_shut=group.sockets_shut, **detail)
+            rt.closed_groups.append(group)
+            rt.emit("left", gen=gen, rank=rank, step=tracked.step, dirty=tracked.dirty,
+                    destroy_s=t_destroy, collected=group.collected,
+                    sockets_shut=group.sockets_shut, **outcome.detail)
             continue
+        result = outcome
         rt.emit("done", gen=gen, rank=rank, step=tracked.step, busy=rt.busy)
         verdict = rt.wait_message()
         if verdict["type"] == protocol.COMPLETE:
             rt.monitor.end()
+            rt.release_closed_groups()
             return result
         rt.monitor.end()
         group.close()
+        rt.closed_groups.append(group)
         rt.emit("left", gen=gen, rank=rank, reason="reassigned", step=tracked.step,
                 dirty=tracked.dirty, t_caught=time.time())
         if verdict["type"] == protocol.EXIT:
@@ -218,6 +194,71 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
 
 
 _current_rank = [0]
+
+
+class _Failure:
+    def __init__(self, detail: dict[str, Any]):
+        self.detail = detail
+
+
+def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_state: bool,
+           msg: dict[str, Any], t_assigned: float, args: tuple, kwargs: dict) -> Any:
+    """Join one generation, agree on the state, run the function. Returns its result, or a
+    ``_Failure`` describing why this rank left (the group already aborted, not yet closed)."""
+    from .transfer import sync
+
+    gen, rank, world = msg["gen"], msg["rank"], msg["world"]
+    phase = "rendezvous"
+    try:
+        if rt.store.check([protocol.abort_key(gen, rt.worker_id)]):
+            raise RuntimeError(f"generation {gen} was aborted before this rank joined")
+        group.open()
+        t_pg = time.time()
+        phase = "restore"
+        resumed = sync(tracked, rank, world, has_state)
+        t_restored = time.time()
+        rt.entries += 1
+        rt.ever_entered = True
+        os.environ[protocol.ENV_ENTRIES] = str(rt.entries)
+        rt.emit("entered", gen=gen, rank=rank, step=resumed.step, source=resumed.source,
+                receivers=list(resumed.receivers), nbytes=resumed.nbytes,
+                t_assigned=t_assigned, t_pg=t_pg, t_restored=t_restored,
+                fds=len(os.listdir("/proc/self/fd")), threads=len(os.listdir("/proc/self/task")))
+        ctx = Context(rank, world, gen, rt.entries, msg.get("replacements", 0), tracked, rt, resumed)
+        phase = "train"
+        return fn(ctx, *args, **kwargs)
+    except (KeyboardInterrupt, SystemExit):
+        group.abort()
+        raise
+    except BaseException as exc:  # noqa: BLE001 - every failure leads to the next generation
+        t_caught = time.time()
+        group.abort()  # first: release the peers blocked on us
+        if rt.monitor.aborted(gen):
+            reason = "abort"
+        elif is_collective_error(exc) or phase == "rendezvous":
+            reason = "peer"
+        else:
+            reason = "exception"
+        detail = {"reason": reason, "t_caught": t_caught, "phase": phase,
+                  "error": f"{type(exc).__name__}: {exc}"[:2000]}
+        if reason == "exception":
+            detail["traceback"] = _user_traceback(exc)[-20000:]
+        _release_frames(exc)
+        return _Failure(detail)
+
+
+def _release_frames(exc: BaseException | None) -> None:
+    """Drop what a failure's traceback keeps alive (the training function's frame, its DDP, the
+    old group), here and now. An exception raised in a comm hook crossed C++ on its way up, and
+    C++ may hold the exception object and release it later from one of the group's own threads:
+    were the frames still attached, the group would be destroyed in that thread, which holds the
+    GIL and waits to join itself."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__
 
 
 def _retire() -> None:
