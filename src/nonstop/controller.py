@@ -473,8 +473,8 @@ class Controller:
                 stalled.append(w)
         if stalled:
             self._fault(Fault("hang", rank=None, message=(
-                f"no step completed for {t.hang_s:g} s by rank(s) "
-                f"{', '.join(str(w.rank) for w in stalled)}")))
+                f"no step completed for {t.hang_s:g} s (rank(s) "
+                f"{', '.join(str(w.rank) for w in stalled)} stalled)")))
 
     def _training_complete(self, t: float) -> None:
         self.t_train_end = t

@@ -47,7 +47,9 @@ class Fault:
         return Attribution.UNKNOWN
 
     def describe(self) -> str:
-        where = f"rank {self.rank}" if self.rank is not None else "job"
+        if self.rank is None:
+            return f"{self.kind}: {self.message}" if self.message else self.kind
+        where = f"rank {self.rank}"
         if self.kind == "crash" and self.code is not None and self.code < 0:
             try:
                 name = _signal.Signals(-self.code).name
