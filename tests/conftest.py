@@ -74,6 +74,32 @@ def run_nonstop(run_dir: Path, *args: str, timeout: float = 180) -> Run:
     return finish(start(run_dir, *args), run_dir, t0, timeout)
 
 
+def train(tmp_path: Path, *flags: str, args: tuple = (), world: int = 3, timeout: float = 180,
+          ok: bool = True) -> tuple[Run, Path]:
+    """Run the example training script under nonstop; its final weights are in the path."""
+    out = tmp_path / "final.pt"
+    run = run_nonstop(tmp_path / "run", f"--nproc={world}", *flags, str(TRAIN), *args,
+                      "--save", str(out), timeout=timeout)
+    if ok:
+        assert run.code == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    return run, out
+
+
+def rank_wids(run: Run) -> dict[int, set[int]]:
+    """rank -> every worker that held it."""
+    held: dict[int, set[int]] = {}
+    for g in run.of("generation"):
+        for rank, wid in g["ranks"].items():
+            held.setdefault(int(rank), set()).add(wid)
+    return held
+
+
+def policy_file(tmp_path: Path, text: str) -> str:
+    p = tmp_path / "policy.yaml"
+    p.write_text(text)
+    return str(p)
+
+
 def wait_for_event(run_dir: Path, predicate, timeout: float = 60) -> dict:
     path = run_dir / "events.jsonl"
     deadline = time.time() + timeout

@@ -41,9 +41,9 @@ def test_bad_input(args, words):
 
 def test_bad_policy_names_the_field(tmp_path):
     p = tmp_path / "policy.yaml"
-    p.write_text("timeouts:\n  teardown: 2\n")
+    p.write_text("recover:\n  timeouts:\n    teardown: 2\n")
     assert_one_line_error(nonstop("run", "--policy", str(p), str(TRAIN)),
-                          "unknown key 'timeouts.teardown'")
+                          "unknown key 'recover.timeouts.teardown'")
 
 
 def test_directory_as_script(tmp_path):

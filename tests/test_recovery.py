@@ -9,7 +9,9 @@ import time
 
 import pytest
 
-from conftest import PLAIN, SCRIPTS, TRAIN, bitwise_equal, finish, run_nonstop, start, wait_for_event
+from conftest import (PLAIN, SCRIPTS, TRAIN, bitwise_equal, finish, rank_wids, run_nonstop, start,
+                      wait_for_event)
+from conftest import train as _train
 
 pytestmark = pytest.mark.integration
 
@@ -18,20 +20,7 @@ ARGS = ("--steps", "40", "--sleep-ms", "5")
 
 
 def train(tmp_path, *flags, args=ARGS, world=WORLD, timeout=180):
-    out = tmp_path / "final.pt"
-    run = run_nonstop(tmp_path / "run", f"--nproc={world}", *flags, str(TRAIN), *args,
-                      "--save", str(out), timeout=timeout)
-    assert run.code == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    return run, out
-
-
-def rank_wids(run) -> dict[int, set[int]]:
-    """rank -> every worker that held it."""
-    held: dict[int, set[int]] = {}
-    for g in run.of("generation"):
-        for rank, wid in g["ranks"].items():
-            held.setdefault(int(rank), set()).add(wid)
-    return held
+    return _train(tmp_path, *flags, args=args, world=world, timeout=timeout)
 
 
 def test_crash_is_replaced_by_a_warm_spare(tmp_path, reference):
@@ -157,7 +146,7 @@ def test_many_generations_do_not_leak(tmp_path):
 
 def _no_budget(tmp_path):
     p = tmp_path / "policy.yaml"
-    p.write_text("budgets:\n  user_error_retries: 100\n")
+    p.write_text("rules:\n  user_error_retries: 100\n")
     return p
 
 

@@ -15,7 +15,8 @@ __all__ = ["State", "wrap", "Context", "step_seed", "reproducible", "__version__
 if TYPE_CHECKING:
     from .runtime.state import State
     from .ddp import reproducible
-    from .runtime.wrap import Context, step_seed, wrap
+    from .runtime.context import Context, step_seed
+    from .runtime.wrap import wrap
 
 
 def __getattr__(name: str) -> Any:
@@ -23,10 +24,14 @@ def __getattr__(name: str) -> Any:
         from .runtime.state import State
 
         return State
-    if name in ("wrap", "Context", "step_seed"):
-        from .runtime import wrap as _wrap
+    if name == "wrap":
+        from .runtime.wrap import wrap
 
-        return getattr(_wrap, name)
+        return wrap
+    if name in ("Context", "step_seed"):
+        from .runtime import context
+
+        return getattr(context, name)
     if name == "reproducible":
         from .ddp import reproducible
 

@@ -63,8 +63,9 @@ class Agent:
         self._next_wid += 1
         return wid
 
-    def spawn(self, wid: int, spare: bool, spare_mode: str | None = None) -> Proc:
+    def spawn(self, wid: int, spare: bool, spare_mode: str | None = None, node: int = 0) -> Proc:
         env = dict(self.env)
+        env[protocol.ENV_NODE] = str(node)
         env[protocol.ENV_STORE] = self.store_addr
         env[protocol.ENV_WORKER_ID] = str(wid)
         env[protocol.ENV_LAUNCHER_PID] = str(os.getpid())

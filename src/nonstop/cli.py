@@ -1,4 +1,4 @@
-"""The ``nonstop`` command: run | demo | bench | report.
+"""The ``nonstop`` command: run | demo | bench | report | policy.
 
 Errors a user can cause print one line and exit with code 2; nothing is started before the input
 is known to be good.
@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="rank processes (default 1)")
     run.add_argument("--spares", type=int, default=0, metavar="K",
                      help="warm spare processes kept ready to replace a rank (default 0)")
+    run.add_argument("--nodes", type=int, default=1, metavar="K",
+                     help="split the ranks into K nodes (on one machine: agent groups) (default 1)")
+    run.add_argument("--spare-nodes", type=int, default=0, metavar="M",
+                     help="whole spare nodes, warm, to take over a failed node's ranks (default 0)")
     run.add_argument("--policy", metavar="FILE", help="recovery policy (YAML)")
     run.add_argument("--run-dir", metavar="DIR",
                      help="where the event log, logs and summary go (default nonstop-runs/<stamp>)")
@@ -65,18 +69,32 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--run-dir", metavar="DIR")
 
     bench = sub.add_parser("bench", help="measure recovery against peers")
-    bench.add_argument("scenario", choices=["crash"])
+    bench.add_argument("scenario", choices=["crash", "hang"])
     bench.add_argument("--ranks", type=int, default=4)
     bench.add_argument("--repeat", type=int, default=5)
     bench.add_argument("--steps", type=int, default=100)
     bench.add_argument("--kill-step", type=int, default=50)
-    bench.add_argument("--systems", default="nonstop-spare,nonstop-cold,torchrun",
-                       help="comma-separated subset to run")
+    bench.add_argument("--systems", help="comma-separated subset to run (default: all)")
+    bench.add_argument("--false-positive-minutes", type=float, default=10.0,
+                       help="hang: minutes of fault-free jittery training to count false alarms")
+    bench.add_argument("--collective-timeout", type=float, default=10.0,
+                       help="hang: torchrun's gloo timeout, its only way to notice a hang")
     bench.add_argument("--json", action="store_true", help="print the result as JSON, last on stdout")
     bench.add_argument("--out", metavar="DIR", help="keep the runs here (default: a temporary dir)")
 
     report = sub.add_parser("report", help="show the summary of a finished run")
     report.add_argument("run_dir")
+
+    pol = sub.add_parser("policy", help="check a policy file, or show the effective policy",
+                         description="Validate a recovery policy file, or print the policy a run "
+                                     "would use (defaults filled in) as YAML.")
+    pol_sub = pol.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser,
+                                 required=True)
+    check = pol_sub.add_parser("check", help="validate FILE: prints 'FILE: OK' or one error line")
+    check.add_argument("file", metavar="FILE")
+    show = pol_sub.add_parser("show", help="print the effective policy as YAML")
+    show.add_argument("file", metavar="FILE", nargs="?",
+                      help="policy file (default: show the defaults)")
     return parser
 
 
@@ -91,13 +109,18 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_demo(steps=args.steps, run_dir=args.run_dir)
         if args.command == "bench":
-            from .bench.crash import main as bench_main
+            from .bench import crash, hang
 
-            return bench_main(args)
+            module = crash if args.scenario == "crash" else hang
+            if args.systems is None:
+                args.systems = ",".join(module.SYSTEMS)
+            return module.main(args)
         if args.command == "report":
             from .report import show
 
             return show(args.run_dir)
+        if args.command == "policy":
+            return _policy(args)
         parser.print_help()
         return USAGE_EXIT
     except UsageError as exc:
@@ -111,11 +134,23 @@ def _run(args: argparse.Namespace) -> int:
     from .launcher import RunConfig, run
 
     cfg = RunConfig(script=args.script, script_args=list(args.script_args), nproc=args.nproc,
-                    spares=args.spares, policy_file=args.policy, run_dir=args.run_dir,
+                    spares=args.spares, nodes=args.nodes, spare_nodes=args.spare_nodes,
+                    policy_file=args.policy, run_dir=args.run_dir,
                     inject=args.inject, hang_timeout=args.hang_timeout,
                     teardown_timeout=args.teardown_timeout, max_restarts=args.max_restarts,
                     quiet=args.quiet, live=False if args.no_live else None)
     return run(cfg)
+
+
+def _policy(args: argparse.Namespace) -> int:
+    from . import policy
+
+    loaded = policy.load(args.file)
+    if args.action == "check":
+        print(f"{args.file}: OK")
+    else:
+        sys.stdout.write(policy.show_text(loaded, args.file))
+    return 0
 
 
 if __name__ == "__main__":

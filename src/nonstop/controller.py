@@ -7,18 +7,20 @@ surviving rank has left it, the ladder decides and the next generation is publis
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 import time
 from typing import Any
 
-from . import ladder, protocol
+from . import protocol
 from .agent import Agent, Proc
 from .events import EventLog
 from .ladder import Counters, Decision, Fault, Level
 from .metrics import Incident
 from .policy import Policy
-from .workers import Worker, WorkerTable
+from .recovery import Recovery
+from .logrules import LogWatch
+from .signals import Signals
+from .workers import DUMP_GRACE_S, Worker, WorkerTable
 
 TICK_BUSY_S = 0.002  # loop period while survivors leave a failed generation
 TICK_WAIT_S = 0.02  # ...while a generation forms
@@ -26,16 +28,18 @@ TICK_IDLE_S = 0.05  # ...while it trains
 PROGRESS_EVERY_S = 0.1
 
 
-def _short(text: str, limit: int = 160) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-class Controller:
+class Controller(Recovery):
     def __init__(self, *, world: int, spares: int, policy: Policy, store: Any, agent: Agent,
-                 log: EventLog, display: Any, managed: bool, faults_known: bool = False):
+                 log: EventLog, display: Any, managed: bool, nodes: int = 1, spare_nodes: int = 0,
+                 run_dir: Any = None):
         self.world = world
         self.spares_target = spares
+        self.nodes = nodes  # nodes that hold ranks at the start
+        self.total_nodes = nodes + spare_nodes  # and the spare nodes after them
+        self.slots = world // nodes  # ranks per node
+        self.run_dir = run_dir
+        self.health: Any = None  # the node health checks (started with the job)
+        self.logwatch = LogWatch(policy.detect.log_rules)
         self.policy = policy
         self.store = store
         self.agent = agent
@@ -49,6 +53,9 @@ class Controller:
         self.phase = "starting"
         self.deadline = float("inf")
         self.counters = Counters()
+        self.signals = Signals(policy)
+        self._t_running = 0.0  # when the current generation formed on every rank
+        self._nan_deadline: float | None = None  # every rank must report its non-finite step by then
         self.incident: Incident | None = None
         self.incidents: list[Incident] = []
         self.round: list[Fault] = []
@@ -83,13 +90,26 @@ class Controller:
                 self._read_progress()
                 self.display.status(self.snapshot())
             self._check(now)
+            self._poll_health(now)
+        if self.health is not None:
+            self.health.close()
         return self.exit_code
 
+    def _start_health(self) -> None:
+        from .health import HealthMonitor
+
+        d = self.policy.detect
+        self.health = HealthMonitor(d.health_checks, range(self.total_nodes), nvml=d.nvml)
+        if d.health_checks or d.nvml != "off":
+            self.log.write("health", status=self.health.nvml_status,
+                           checks=[c.name for c in d.health_checks])
+
     def _start(self) -> None:
+        self._start_health()
         self.log.write("run_start", world=self.world, spares=self.spares_target,
                        managed=self.managed, policy=self.policy.model_dump())
         for rank in range(self.world):
-            self.plan[rank] = self.table.new(spare=False).wid
+            self.plan[rank] = self.table.new(spare=False, node=rank // self.slots).wid
         self._publish(0, initial=True, level="start")
         for w in (self.workers[wid] for wid in self.plan.values()):
             self.table.spawn(w)
@@ -97,173 +117,17 @@ class Controller:
 
     # == workers and spares ====================================================================
     def _refill_spares(self) -> None:
-        if self.phase not in ("finishing", "over"):
-            self.table.refill(self.spares_target, self.policy.budgets.spare_failures)
-
-    # == generations =============================================================================
-    def _publish(self, gen: int, initial: bool, level: str) -> None:
-        """Send every rank its assignment for ``gen``."""
-        import torch.distributed as dist
-
-        self.gen = gen
-        # A plain script rendezvouses through MASTER_PORT with unprefixed keys: give it a fresh
-        # store per generation so no key is ever reused.
-        gen_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self._gen_stores[gen] = gen_store
-        for old in [g for g in self._gen_stores if g < gen - 1]:
-            del self._gen_stores[old]
-        for rank, wid in sorted(self.plan.items()):
-            w = self.workers[wid]
-            w.rank = rank
-            self.table.send(w, {"type": protocol.ASSIGN, "gen": gen, "rank": rank, "world": self.world,
-                           "replacements": self.replacements[rank], "port": gen_store.port,
-                           "initial": initial})
-        self.phase = "rendezvous"
-        # processes already running (survivors, ready spares) join within milliseconds
-        self._warm = {wid for wid in self.plan.values()
-                      if self.workers[wid].ready or self.workers[wid].entered >= 0}
-        self._gen_t0 = time.time()
-        self.deadline = self._gen_t0 + self.policy.timeouts.rendezvous_s
-        self.log.write("generation", gen=gen, level=level,
-                       ranks={str(r): w for r, w in sorted(self.plan.items())})
-
-    def _begin_teardown(self) -> None:
-        if self.phase == "tearing_down":
-            return
-        now = time.time()
-        if self.incident is not None and self.incident.t_decide is None:
-            self.incident.t_decide = now
-        self.phase = "tearing_down"
-        if self.managed:
-            keys = [protocol.abort_key(self.gen, wid) for wid in self.plan.values()]
-            self.store.multi_set(keys, [protocol.ABORT] * len(keys))
-            self.deadline = now + self.policy.timeouts.teardown_s
-        else:  # a plain script cannot leave a collective: end every rank process
-            for wid in self.plan.values():
-                self.workers[wid].killed = True  # its exit is ours, not a new fault
-                self.agent.signal(wid, signal.SIGTERM)
-            self.deadline = now + self.policy.timeouts.terminate_grace_s
-        self.log.write("abort", gen=self.gen, managed=self.managed)
-
-    def _pending_teardown(self) -> list[Worker]:
-        out = []
-        for wid in self.plan.values():
-            w = self.workers[wid]
-            if w.dead or w.left >= self.gen or w.done >= self.gen:
-                continue
-            if self.managed and w.joining < self.gen:
-                continue  # never joined: it will take the newest assignment
-            out.append(w)
-        return out
-
-    def _finish_teardown(self) -> None:
-        dead = {r for r, wid in self.plan.items() if self.workers[wid].dead}
-        faults = self.round or [Fault("exit", message="a rank left its generation")]
-        decision = ladder.decide(faults, dead, self.world, self.managed, self.policy, self.counters)
-        self.counters = ladder.charge(decision, faults, self.counters)
-        self.round = []
-        inc = self.incident
-        if inc is not None:
-            inc.t_torn = time.time()
-            inc.levels.append(decision.level.value)
-        self.log.write("decision", gen=self.gen, level=decision.level.value, reason=decision.reason,
-                       replace=sorted(decision.replace), counters=dataclasses.asdict(self.counters))
-        if decision.level is Level.FAIL:
-            self._fail(decision)
-            return
-        if decision.level is Level.JOB_RESTART:
-            for wid in self.plan.values():
-                self.table.kill(self.workers[wid], "job restart")
-        new: list[Worker] = []
-        for rank in sorted(decision.replace):
-            spare = self.table.take_spare()
-            if spare is None:
-                spare = self.table.new(spare=False)
-                new.append(spare)
-            spare.spare = False
-            self.plan[rank] = spare.wid
-            self.replacements[rank] += 1
-            if inc is not None:
-                inc.replaced.append(rank)
-            self.log.write("replace", rank=rank, wid=spare.wid, warm=spare.ready,
-                           cold=spare in new)
-        self._announce(decision)
-        self._publish(self.gen + 1, initial=decision.level is Level.JOB_RESTART,
-                      level=decision.level.value)
-        if inc is not None:
-            inc.gen_to = self.gen
-        for w in new:
-            self.table.spawn(w)
-        self._refill_spares()
-
-    def _announce(self, decision: Decision) -> None:
-        moved = ", ".join(f"rank {r} -> worker {self.plan[r]}" for r in sorted(decision.replace))
-        self.display.info(f"{decision.level.value} (generation {self.gen + 1})"
-                          + (f": {moved}" if moved else "") + f" [{decision.reason}]")
-
-    # == faults and incidents ====================================================================
-    def _fault(self, fault: Fault, t_fault: float | None = None) -> None:
-        now = time.time()
+        """Warm spares: ``--spares`` spread over the nodes that hold ranks, and a full node's
+        worth on each spare node (ready to take over a failed node)."""
         if self.phase in ("finishing", "over"):
-            self.log.write("fault_ignored", fault=fault.describe(), phase=self.phase)
             return
-        if self.incident is None:
-            t0 = self._fault_time(now) if t_fault is None else t_fault
-            self.incident = Incident(id=len(self.incidents) + 1, t_fault=t0, t_detect=now,
-                                     gen_from=self.gen, step_before=self.max_step)
-        if fault.kind == "peer":  # a symptom: the cause is another rank's fault
-            self.incident.symptoms.append(_short(fault.describe()))
-        else:
-            self.incident.faults.append(_short(fault.describe()))
-        self.round.append(fault)
-        self.log.write("fault", kind=fault.kind, rank=fault.rank, code=fault.code,
-                       attribution=fault.attribution.value, message=fault.message[:500],
-                       incident=self.incident.id, gen=self.gen)
-        if fault.kind != "peer":
-            self.display.info(f"fault: {_short(fault.describe())}")
-        if self.phase in ("running", "rendezvous"):
-            self._begin_teardown()
-
-    def _fault_time(self, now: float) -> float:
-        """When the fault happened: an injection we were told about, else when we saw it."""
-        recent = [e["t"] for e in self._recent_injects if now - e["t"] < 30]
-        self._recent_injects.clear()
-        return min(recent) if recent else now
-
-    def _close_incident(self, t_first: float, resume_step: int | None) -> None:
-        inc = self.incident
-        if inc is None:
-            return
-        inc.t_first_step = t_first
-        if resume_step is not None:
-            inc.resume_step = resume_step
-        inc.closed = True
-        self.incidents.append(inc)
-        self.incident = None
-        self.counters = ladder.progressed(self.counters)
-        rec = inc.to_record()
-        self.log.write("incident", **rec)
-        self.display.info(f"incident {inc.id} recovered in {inc.mttr:.3f} s "
-                          f"({', '.join(inc.levels)}), steps lost: {inc.steps_lost}")
-
-    def _fail(self, decision: Decision) -> None:
-        self.diagnosis = decision.diagnosis or decision.reason
-        self.traceback = decision.traceback
-        self.usage_error = decision.usage_error
-        if self.incident is not None:
-            self.incident.outcome = "gave up"
-            self.incidents.append(self.incident)
-            self.log.write("incident", **self.incident.to_record())
-            self.incident = None
-        self.log.write("give_up", diagnosis=self.diagnosis, usage_error=self.usage_error)
-        self._end(2 if self.usage_error else 1)
-
-    def _end(self, code: int) -> None:
-        self.phase = "over"
-        if self.t_train_end is None:
-            self.t_train_end = time.time()
-        self.agent.end_all(self.policy.timeouts.terminate_grace_s if code == 0 else 0.0)
-        self.exit_code = code
+        busy = sorted(set(self._node_of().values()) - self.counters.isolated)
+        targets = {n: 0 for n in busy}
+        for i in range(self.spares_target if busy else 0):
+            targets[busy[i % len(busy)]] += 1
+        for n in self._spare_node_ids():
+            targets[n] = self.slots
+        self.table.refill(targets, self.policy.rules.spare_failures)
 
     # == process exits ==========================================================================
     def _on_exit(self, proc: Proc) -> None:
@@ -303,7 +167,7 @@ class Controller:
         return Fault("exit", rank=w.rank, code=code)
 
     def _on_spare_exit(self, w: Worker, code: int | None) -> None:
-        if self.phase in ("finishing", "over"):
+        if self.phase in ("finishing", "over") or w.killed:
             return
         self.table.spare_failures += 1
         report = w.exit_report
@@ -351,6 +215,11 @@ class Controller:
             self._on_first_step(w, ev)
         elif kind == "left":
             self._on_left(w, ev)
+        elif kind == "nan":
+            w.retry_step, w.retry_loss = ev.get("step"), ev.get("output")
+            self._on_nan()
+        elif kind == "loss_rule":
+            self._on_loss_rule(ev)
         elif kind == "done":
             w.done = gen
             w.busy = ev.get("busy", w.busy)
@@ -373,6 +242,8 @@ class Controller:
         if not all(x.entered >= self.gen for x in ranks):
             return
         self.phase = "running"
+        self._t_running = time.time()
+        self.logwatch.start(self._t_running, self.plan.keys())
         self.deadline = float("inf")
         inc = self.incident
         if inc is None:
@@ -388,12 +259,24 @@ class Controller:
     def _on_first_step(self, w: Worker, ev: dict[str, Any]) -> None:
         w.step, w.step_gen, w.t_step = ev["step"], self.gen, ev["t"]
         w.first_gen, w.t_first = self.gen, ev["t"]
+        self.signals.on_first_step(w, ev["t"])
         self.max_step = max(self.max_step, ev["step"])
         if self.incident is None or self.phase != "running":
             return
         ranks = [self.workers[x] for x in self.plan.values()]
         if all(x.first_gen == self.gen for x in ranks):
             self._close_incident(max(x.t_first for x in ranks), self.incident.resume_step)
+
+    def _on_loss_rule(self, ev: dict[str, Any]) -> None:
+        text = (f"loss rule '{ev.get('rule')}' on rank {ev.get('rank')} at step {ev.get('step')} "
+                f"(loss {ev.get('loss')})")
+        self.log.write("loss_rule_fired", **{k: v for k, v in ev.items() if k != "type"})
+        self.display.info(text)
+        action = ev.get("action")
+        if action == "restart":
+            self._fault(Fault("loss_rule", rank=ev.get("rank"), message=text))
+        elif action == "fail":
+            self._fail(Decision(Level.FAIL, reason="loss rule", diagnosis=text))
 
     def _on_left(self, w: Worker, ev: dict[str, Any]) -> None:
         w.left = self.gen
@@ -420,61 +303,109 @@ class Controller:
                 for w in pending:
                     self.table.kill(w, "did not leave the generation in time", dump=True)
                     self.display.info(f"rank {w.rank} did not leave generation {self.gen} within "
-                                      f"{self.policy.timeouts.teardown_s:g} s: killed; its stacks "
+                                      f"{self.deadline - self.incident.t_decide:.2f} s: killed; its stacks "
                                       f"are in {self.agent.procs[w.wid].log_path}")
                     self.round.append(Fault("teardown_timeout", rank=w.rank,
                                             message=f"still in generation {self.gen} after "
-                                                    f"{self.policy.timeouts.teardown_s:g} s"))
-                    self.log.write("fault", kind="teardown_timeout", rank=w.rank,
+                                                    f"{self.deadline - self.incident.t_decide:.2f} s"))
+                    self.log.write("fault", kind="teardown_timeout", code="TEARDOWN_TIMEOUT",
+                                   rank=w.rank, node=w.node, domain="rank",
                                    attribution="infrastructure", gen=self.gen)
         elif self.phase == "rendezvous":
             self._check_rendezvous(now)
-        elif self.phase == "running" and self.managed:
+        if self.incident is not None and self.incident.level_deadline is not None and \
+                now > self.incident.level_deadline and self.phase in ("running", "rendezvous"):
+            level = self.incident.current_level
+            self.incident.level_deadline = None
+            self._fault(Fault("deadline", message=f"{level} did not recover within its deadline "
+                                                  "(recover.levels)"))
+            return
+        if self.phase == "running" and self.managed:
+            if self._nan_deadline is not None:
+                if now > self._nan_deadline:  # not every rank saw it: the coarse way
+                    self._nan_deadline = None
+                    self._fault(Fault("nan", message="not every rank reported the non-finite step"))
+                return
             self._check_hang(now)
+            for m in self.logwatch.tick(now):
+                self._log_match(m)
         elif self.phase == "finishing":
             ranks_alive = [self.workers[x] for x in self.plan.values() if not self.workers[x].dead]
             if not ranks_alive:
                 self._end(0 if self.diagnosis is None else 1)
             elif now > self.deadline:
-                self.diagnosis = self.diagnosis or "the script did not end after training completed"
+                self.diagnosis = self.diagnosis or (
+                    f"rank(s) {', '.join(str(w.rank) for w in ranks_alive)} did not end "
+                    f"{self.policy.timeouts.finish_s:g} s after training completed (their stacks "
+                    "are in their logs)")
+                for w in ranks_alive:
+                    self.agent.signal(w.wid, signal.SIGUSR1)
+                time.sleep(DUMP_GRACE_S)
                 self._end(1)
 
-    def _check_rendezvous(self, now: float) -> None:
-        t = self.policy.timeouts
-        ranks = [self.workers[x] for x in self.plan.values()]
-        if now > self.deadline:  # the generation did not form at all
-            culprits = [w for w in ranks if w.joining < self.gen] or \
-                       [w for w in ranks if w.entered < self.gen]
-            why, limit = "did not join the generation in time", t.rendezvous_s
-        elif now > self._gen_t0 + t.join_s:  # a process that was already running should be quick
-            culprits = [w for w in ranks if w.wid in self._warm and w.joining < self.gen]
-            why, limit = "did not start to join the generation in time", t.join_s
-        else:
+    # == health checks and log rules ================================================================
+    def _poll_health(self, now: float) -> None:
+        if self.health is None or self.exit_code is not None:
             return
-        if not culprits:
+        for r in self.health.poll(now):
+            if r.ok or r.node in self.counters.isolated:
+                continue
+            self.log.write("health", check=r.check, node=r.node, ok=r.ok, detail=r.detail)
+            message = f"health check {r.check!r} failed: {r.detail}"
+            if r.node not in set(self._node_of().values()):  # a spare node: just stop using it
+                self.display.info(f"node {r.node}: {message}")
+                self._isolate(r.node)
+                self._refill_spares()
+                continue
+            code = "NVML_ECC" if r.check == "nvml" else f"HEALTH_{r.check}"
+            self._fault(Fault("node_unhealthy", node=r.node, tag=code, message=message))
+
+    def on_output(self, wid: int, line: str) -> None:
+        """A line a process printed: checked against the policy's log rules."""
+        if not self.logwatch.active:
             return
-        for w in culprits:
-            self.table.kill(w, why, dump=True)
-        self._fault(Fault("rendezvous_timeout", rank=culprits[0].rank,
-                          message=f"rank(s) {', '.join(str(w.rank) for w in culprits)} {why} "
-                                  f"({limit:g} s, generation {self.gen})"))
+        w = self.workers.get(wid)
+        rank = None if w is None or w.spare else w.rank
+        for m in self.logwatch.feed(rank, line, time.time()):
+            self._log_match(m)
+
+    def _log_match(self, m: Any) -> None:
+        self.log.write("log_rule", rule=m.rule, kind=m.kind, action=m.action, code=m.code,
+                       rank=m.rank, line=m.line, message=m.message)
+        if m.action == "report":
+            self.display.info(m.message)
+        elif m.action == "slow":
+            if m.rank is not None:
+                self._straggler(Fault("straggler", rank=m.rank, message=m.message))
+        elif m.action == "hang":
+            self._fault(Fault("hang", message=m.message))
+        elif m.rank is not None or self.phase in ("running", "rendezvous"):
+            self._fault(Fault("log_rule", rank=m.rank, tag=m.code, message=m.message))
 
     def _check_hang(self, now: float) -> None:
-        t = self.policy.timeouts
-        stalled = []
-        for wid in self.plan.values():
-            w = self.workers[wid]
-            if w.done >= self.gen:
-                continue
-            stepped = w.first_gen == self.gen
-            limit = t.hang_s if stepped else t.first_step_s
-            since = w.t_step if stepped else self._gen_t0
-            if now - since > limit:
-                stalled.append(w)
-        if stalled:
-            self._fault(Fault("hang", rank=None, message=(
-                f"no step completed for {t.hang_s:g} s (rank(s) "
-                f"{', '.join(str(w.rank) for w in stalled)} stalled)")))
+        ranks = [self.workers[x] for x in self.plan.values()]
+        fault, culprits = self.signals.check_hang(ranks, self.gen, self._t_running, now)
+        if fault is not None:
+            # the ranks holding the job up are ended at once: no need to wait for them to fail
+            # to leave; the others, waiting in a collective, leave when the generation is aborted
+            for wid, why in culprits.items():
+                self.table.kill(self.workers[wid], f"hung: {why}")
+            self.log.write("hang_detected", timeout_s=round(self.signals.last_limit, 3),
+                           frozen={str(self.workers[w].rank): why for w, why in culprits.items()},
+                           where=fault.traceback)
+            self._fault(fault)
+            return
+        for f in self.signals.check_stragglers(ranks, now):
+            self._straggler(f)
+
+    def _straggler(self, fault: Fault) -> None:
+        action = self.policy.detect.straggler.action
+        self.log.write("straggler", rank=fault.rank, message=fault.message, action=action)
+        self.display.info(f"straggler: rank {fault.rank}: {fault.message}"
+                          + (" - replacing it" if action == "replace" else ""))
+        if action == "replace":
+            self.table.kill(self.workers[self.plan[fault.rank]], "straggler", dump=True)
+            self._fault(fault)
 
     def _training_complete(self, t: float) -> None:
         self.t_train_end = t
@@ -490,8 +421,20 @@ class Controller:
 
     # == progress ===============================================================================
     def _read_progress(self) -> None:
-        self.max_step = max(self.max_step, self.table.read_progress(
-            [self.workers[x] for x in self.plan.values()], self.gen))
+        ranks = [self.workers[x] for x in self.plan.values()]
+        for w, rec in self.table.read_progress(ranks):
+            if rec.get("gen") == self.gen and rec.get("step") is not None:
+                if w.step_gen != self.gen or rec["step"] >= (w.step or 0):
+                    w.step, w.step_gen, w.t_step = rec["step"], self.gen, rec["t"]
+                self.max_step = max(self.max_step, rec["step"])
+            loss = rec.get("loss")
+            w.loss = loss if isinstance(loss, (int, float)) else None
+            w.busy = rec.get("busy", w.busy)
+            self.signals.on_progress(w, rec, self.gen)
+        tuned = self.signals.timeout_changed()
+        if tuned is not None:
+            self.log.write("hang_timeout", timeout_s=round(tuned, 3),
+                           first_step_s=round(self.signals.hang.first_step_timeout(), 3))
 
     def snapshot(self) -> dict[str, Any]:
         ranks = []

@@ -19,17 +19,14 @@ def _per_gradient_allreduce(process_group, bucket):  # no annotations: DDP inspe
     group = process_group if process_group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     grads = bucket.gradients()
-    works = [dist.all_reduce(g, group=group, async_op=True) for g in grads]
-    try:
-        for w in works:
-            w.wait()
-    except Exception as exc:
-        for w in works:  # leave nothing queued that still holds this bucket's tensors
-            try:
-                w.wait()
-            except Exception:  # noqa: BLE001 - they fail the same way
-                pass
-        raise RuntimeError(f"gradient allreduce failed: {exc}") from None
+    aborted = _abort_flag()
+    works = []
+    for g in grads:
+        if aborted():  # an operation posted on an aborted group may never be released
+            raise RuntimeError("gloo: the generation was aborted during the gradient reduction")
+        works.append(dist.all_reduce(g, group=group, async_op=True))
+    for w in works:
+        w.wait()
     buffer = bucket.buffer()
     # gradients() are views into the buffer unless DDP had to copy them out
     for g, view in zip(grads, _views(buffer, grads)):
@@ -39,6 +36,15 @@ def _per_gradient_allreduce(process_group, bucket):  # no annotations: DDP inspe
     fut = torch.futures.Future()
     fut.set_result(buffer)
     return fut
+
+
+def _abort_flag():
+    from .runtime import worker
+
+    rt = worker._RUNTIME
+    if rt is None:
+        return lambda: False
+    return rt.monitor.current_aborted
 
 
 def _views(buffer: Any, grads: list) -> list:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import random
 import signal
 import sys
 import time
@@ -23,9 +25,17 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "exception": ("the training function raises an exception (a user-level error)", ()),
     "hang": ("the rank's main thread stops making progress (blocks in Python, forever)", ()),
     "stop": ("the rank process is frozen with SIGSTOP", ()),
+    "nan": ("the rank's forward output turns NaN at that step (its gradients, and so everyone's, "
+            "are non-finite)", ()),
+    "slow": ("the rank's forward pass takes `ms` longer at every step from `step` on (a straggler)",
+             ("ms",)),
+    "jitter": ("the forward pass takes a random extra time, `ms` on average, at every step from "
+               "`step` on (rank=all: every rank)", ("ms",)),
 }
 POINTS = ("start", "optimizer")
 COMMON_KEYS = ("rank", "step", "at", "times")
+PERSISTENT = ("slow", "jitter")  # act at every step from `step` on; rank may be `all`
+ALL_RANKS = -1
 
 
 class InjectedError(RuntimeError):
@@ -40,10 +50,17 @@ class FaultSpec:
     at: str = "start"  # "start" of the step, or right after the "optimizer" step
     times: int = 1  # how many times it fires in the whole job
     code: int = 1  # exit code for "exit"
+    ms: int = 0  # delay for "slow" and "jitter"
 
     def describe(self) -> str:
         extra = "" if self.at == "start" else f",at={self.at}"
-        return f"{self.kind}:rank={self.rank},step={self.step}{extra}"
+        if self.kind in PERSISTENT:
+            extra += f",ms={self.ms}"
+        rank = "all" if self.rank == ALL_RANKS else self.rank
+        return f"{self.kind}:rank={rank},step={self.step}{extra}"
+
+    def applies(self, rank: int) -> bool:
+        return self.rank in (rank, ALL_RANKS)
 
 
 def _int(kind: str, key: str, value: str, minimum: int) -> int:
@@ -76,12 +93,20 @@ def parse_one(text: str) -> FaultSpec:
             raise UsageError(f"fault '{kind}': unknown key {key!r} (allowed: {', '.join(allowed)})")
         if key in fields:
             raise UsageError(f"fault '{kind}': {key} given twice")
-        if key == "at":
+        if key == "rank" and value == "all":
+            if kind not in PERSISTENT:
+                raise UsageError(f"fault '{kind}': rank=all is only for {', '.join(PERSISTENT)}")
+            fields[key] = ALL_RANKS
+        elif key == "at":
             if value not in POINTS:
                 raise UsageError(f"fault '{kind}': at={value!r} (expected one of {', '.join(POINTS)})")
             fields[key] = value
         else:
             fields[key] = _int(kind, key, value, 1 if key == "times" else 0)
+    if kind in PERSISTENT:
+        fields.setdefault("step", 0)
+        if fields.get("ms", 0) < 1:
+            raise UsageError(f"fault '{kind}': needs ms= (milliseconds, at least 1)")
     for needed in ("rank", "step"):
         if needed not in fields:
             raise UsageError(f"fault '{kind}': missing {needed}=")
@@ -104,7 +129,7 @@ def parse(specs: list[str] | str | None) -> list[FaultSpec]:
 
 def check_world(faults: list[FaultSpec], world: int) -> None:
     for f in faults:
-        if f.rank >= world:
+        if f.rank != ALL_RANKS and f.rank >= world:
             raise UsageError(f"fault {f.describe()!r}: rank {f.rank} does not exist (world size {world})")
 
 
@@ -127,13 +152,42 @@ class Injector:
         self.faults = faults
         self._claim = claim
         self._announce = announce
-        self._by_point = {p: [(i, f) for i, f in enumerate(faults) if f.at == p] for p in POINTS}
+        forward = ("nan",) + PERSISTENT
+        self._by_point = {p: [(i, f) for i, f in enumerate(faults)
+                              if f.at == p and f.kind not in forward] for p in POINTS}
+        self._forward = [(i, f) for i, f in enumerate(faults) if f.kind in forward]
+        self._announced: set[int] = set()
 
     def check(self, point: str, rank: int, step: int) -> None:
         for i, f in self._by_point.get(point, ()):
             if f.rank == rank and f.step == step and self._claim(i, f):
                 self._announce(f, step)
                 fire(f)
+
+    @property
+    def has_forward(self) -> bool:
+        return bool(self._forward)
+
+    def forward(self, rank: int, step: int) -> tuple[float, bool]:
+        """Faults acting in a forward pass: (seconds to sleep, whether to poison the output)."""
+        delay, poison = 0.0, False
+        for i, f in self._forward:
+            if not f.applies(rank) or step < f.step:
+                continue
+            if f.kind == "nan":
+                if step == f.step and self._claim(i, f):
+                    self._announce(f, step)
+                    poison = True
+                continue
+            if i not in self._announced:  # persistent faults are announced once per process
+                self._announced.add(i)
+                self._announce(f, step)
+            if f.kind == "slow":
+                delay += f.ms / 1000
+            else:  # jitter: exponential, mean ms, capped: a realistic tail, repeatable per step
+                u = random.Random(step * 1_000_003 + rank).random()
+                delay += min(10.0, -math.log(1.0 - u)) * f.ms / 1000
+        return delay, poison
 
 
 def fire(f: FaultSpec) -> None:

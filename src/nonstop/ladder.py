@@ -1,153 +1,297 @@
-"""The recovery ladder as pure decision logic: faults + counters + policy -> one decision.
+"""The recovery ladder as pure decision logic: faults + history + policy -> one decision.
 
-No processes, no store, no clocks: the controller gathers what happened in one round of an incident
-(which ranks died, which left, what they reported) and asks ``decide`` what to do next.
+Levels, finest first: step retry, in-process restart, rank replacement, node replacement,
+scale-in, job restart, fail. A fault starts at the finest level that can handle it; a level that
+is disabled, out of budget or not possible right now hands over to the next coarser one, and so
+does a level that failed or missed its deadline (``escalate_from``). Rules about repetition
+(isolate a node, blame the user's code, stop after repeated hangs) are checked first.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import signal as _signal
+import math
+from typing import Any
 
+from .faults import Attribution, Domain, Fault
 from .policy import Policy
+
+__all__ = ["Attribution", "Counters", "Decision", "Fault", "JobView", "Level", "charge", "decide",
+           "decide_nan", "progressed", "quiet"]
 
 
 class Level(str, enum.Enum):
+    STEP_RETRY = "step retry"
     IN_PROCESS = "in-process restart"
     REPLACE_RANK = "rank replacement"
+    REPLACE_NODE = "node replacement"
+    SCALE_IN = "scale-in"
     JOB_RESTART = "job restart"
     FAIL = "fail"
 
 
-class Attribution(str, enum.Enum):
-    USER = "user"
-    INFRA = "infrastructure"
-    UNKNOWN = "unknown"
+LADDER = [Level.STEP_RETRY, Level.IN_PROCESS, Level.REPLACE_RANK, Level.REPLACE_NODE,
+          Level.SCALE_IN, Level.JOB_RESTART]
+_FIELD = {Level.STEP_RETRY: "step_retry", Level.IN_PROCESS: "in_process",
+          Level.REPLACE_RANK: "rank_replacement", Level.REPLACE_NODE: "node_replacement",
+          Level.SCALE_IN: "scale_in", Level.JOB_RESTART: "job_restart"}
+_ESCALATING = ("rendezvous_timeout", "deadline")  # faults that mean "this level did not work"
 
 
-@dataclasses.dataclass(frozen=True)
-class Fault:
-    """One signal that something went wrong, already attributed to a rank where possible."""
-
-    kind: str  # crash | exit | exception | hang | teardown_timeout | rendezvous_timeout | no_state | import_error
-    rank: int | None = None
-    code: int | None = None  # exit code, or -signal
-    message: str = ""
-    traceback: str | None = None
-
-    @property
-    def attribution(self) -> Attribution:
-        if self.kind in ("exception", "import_error"):
-            return Attribution.USER
-        if self.kind in ("crash", "teardown_timeout", "rendezvous_timeout"):
-            return Attribution.INFRA
-        if self.kind == "exit":  # an exit code without a Python exception: unknown cause
-            return Attribution.UNKNOWN
-        return Attribution.UNKNOWN
-
-    def describe(self) -> str:
-        if self.rank is None:
-            return f"{self.kind}: {self.message}" if self.message else self.kind
-        where = f"rank {self.rank}"
-        if self.kind == "crash" and self.code is not None and self.code < 0:
-            try:
-                name = _signal.Signals(-self.code).name
-            except ValueError:
-                name = f"signal {-self.code}"
-            return f"{where} killed by {name}"
-        if self.kind == "exit":
-            return f"{where} exited with code {self.code}"
-        if self.message:
-            return f"{where}: {self.kind}: {self.message}"
-        return f"{where}: {self.kind}"
+def level_policy(policy: Policy, level: Level) -> Any:
+    return getattr(policy.levels, _FIELD[level])
 
 
 @dataclasses.dataclass
 class Counters:
-    """What the job has spent so far; budgets count per job."""
+    """What the job has spent and seen so far; budgets count per job, not per process."""
 
+    spent: dict[str, int] = dataclasses.field(default_factory=dict)  # level -> times (ranks) used
     user_errors_in_a_row: int = 0  # user exceptions with no step completed since
-    rank_replacements: int = 0
-    job_restarts: int = 0
+    nan_in_a_row: int = 0  # step retries for non-finite gradients, no step completed since
+    hangs_in_a_row: int = 0  # hang recoveries, no step completed since
+    restarts_without_infra: int = 0  # job restarts in a row with no infrastructure fault
+    recent: list[tuple[float, str, int | None, int | None]] = dataclasses.field(default_factory=list)
+    isolated: set[int] = dataclasses.field(default_factory=set)  # nodes never used again
+    last_fault_t: float = 0.0
+
+    def used(self, level: Level) -> int:
+        return self.spent.get(level.value, 0)
+
+    # kept for the event log and older callers
+    @property
+    def rank_replacements(self) -> int:
+        return self.used(Level.REPLACE_RANK)
+
+    @property
+    def job_restarts(self) -> int:
+        return self.used(Level.JOB_RESTART)
+
+    @property
+    def step_retries(self) -> int:
+        return self.used(Level.STEP_RETRY)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobView:
+    """What the ladder needs to know of the job's placement."""
+
+    world: int
+    managed: bool = True  # the ranks run inside nonstop.wrap
+    node_of: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> node
+    spare_nodes: int = 0  # healthy nodes with no rank on them, able to take a node's ranks
+    capacity: int | None = None  # ranks the healthy nodes can hold (None: enough)
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
     level: Level
     replace: frozenset[int] = frozenset()  # ranks that get a new process
+    isolate: frozenset[int] = frozenset()  # nodes never used again
     reason: str = ""
     diagnosis: str | None = None  # for FAIL: what to tell the user
     traceback: str | None = None  # for FAIL on a user error: shown once
     usage_error: bool = False  # FAIL caused by bad input (exit code 2)
+    skip: bool = False  # STEP_RETRY: skip the batch instead of redoing it
+    passed_over: tuple[str, ...] = ()  # finer levels that could not take it, and why
 
 
-def decide(faults: list[Fault], dead: set[int], world: int, managed: bool, policy: Policy,
-           counters: Counters) -> Decision:
+def _fail(reason: str, diagnosis: str, **kw: Any) -> Decision:
+    return Decision(Level.FAIL, reason=reason, diagnosis=diagnosis, **kw)
+
+
+def _isolations(faults: list[Fault], view: JobView, policy: Policy, counters: Counters,
+                now: float) -> set[int]:
+    """Nodes whose ranks (or which) saw the same fault code ``isolate.times`` times within the
+    window, this round included: treated as failing hardware."""
+    rule = policy.rules.isolate
+    out = set()
+    for f in faults:
+        if f.attribution is not Attribution.INFRA:
+            continue
+        node = f.node if f.node is not None else view.node_of.get(f.rank) if f.rank is not None else None
+        if node is None or node in counters.isolated:
+            continue
+        same = 1 + sum(1 for t, code, rank, n in counters.recent
+                       if now - t <= rule.window_s and code == f.fault_code
+                       and (n == node or (rank is not None and rank == f.rank)))
+        if same >= rule.times:
+            out.add(node)
+    return out
+
+
+def decide(faults: list[Fault], dead: set[int], view: JobView, policy: Policy,
+           counters: Counters, now: float = 0.0, escalate_from: Level | None = None) -> Decision:
     """Decide one round of an incident.
 
     Args:
         faults: what was observed in this round (at least one).
         dead: ranks whose process is gone (died, or killed for missing a deadline).
-        world: ranks in the job.
-        managed: whether the ranks run inside ``nonstop.wrap`` (else only whole restarts work).
-        policy: budgets.
-        counters: spent budgets (not modified).
+        view: the job's placement.
+        policy: levels, budgets and rules.
+        counters: what was spent so far (not modified; see ``charge``).
+        now: the time, for the isolation window.
+        escalate_from: the level that was tried and failed; only coarser levels are considered.
     """
-    budgets = policy.budgets
+    rules = policy.rules
     user = [f for f in faults if f.attribution is Attribution.USER]
+    infra = [f for f in faults if f.attribution is Attribution.INFRA]
     imports = [f for f in faults if f.kind == "import_error"]
     if imports:  # the same code fails the same way on every attempt: retrying cannot help
-        f = imports[0]
-        return Decision(Level.FAIL, reason="the script fails at import",
-                        diagnosis=f"the script failed at import: {f.message}", usage_error=True)
-    if user and counters.user_errors_in_a_row >= budgets.user_error_retries:
+        return _fail("the script fails at import", f"the script failed at import: {imports[0].message}",
+                     usage_error=True)
+    if user and counters.user_errors_in_a_row >= rules.user_error_retries:
         f = user[0]
-        return Decision(Level.FAIL, reason="user error budget spent",
-                        diagnosis=(f"rank {f.rank} raised {f.message} on "
-                                   f"{counters.user_errors_in_a_row + 1} attempts in a row; giving up "
-                                   f"(budgets.user_error_retries={budgets.user_error_retries})"),
-                        traceback=f.traceback)
-    no_state = any(f.kind == "no_state" for f in faults)
-    if not managed or no_state or len(dead) >= world:
-        if counters.job_restarts >= budgets.job_restarts:
-            return Decision(Level.FAIL, reason="job restart budget spent",
-                            diagnosis=_summary(faults, f"job restart budget spent "
-                                               f"(budgets.job_restarts={budgets.job_restarts})"),
-                            traceback=user[0].traceback if user else None)
-        why = ("the script does not use nonstop.wrap" if not managed else
-               "no consistent state in memory" if no_state else "every rank process is gone")
-        return Decision(Level.JOB_RESTART, replace=frozenset(range(world)), reason=why)
-    if dead:
-        if counters.rank_replacements + len(dead) > budgets.rank_replacements:
-            if counters.job_restarts >= budgets.job_restarts:
-                return Decision(Level.FAIL, reason="replacement and restart budgets spent",
-                                diagnosis=_summary(faults, "rank replacement and job restart budgets "
-                                                   "are spent"))
-            return Decision(Level.JOB_RESTART, replace=frozenset(range(world)),
-                            reason=f"rank replacement budget spent "
-                                   f"(budgets.rank_replacements={budgets.rank_replacements})")
-        return Decision(Level.REPLACE_RANK, replace=frozenset(dead),
-                        reason=", ".join(f.describe() for f in faults if f.rank in dead) or "process lost")
-    return Decision(Level.IN_PROCESS, reason="; ".join(f.describe() for f in faults))
+        return _fail("user error budget spent",
+                     f"rank {f.rank} raised {f.message} on {counters.user_errors_in_a_row + 1} "
+                     f"attempts in a row; giving up (rules.user_error_retries="
+                     f"{rules.user_error_retries})", traceback=f.traceback)
+    if any(f.kind == "hang" for f in faults) and counters.hangs_in_a_row >= rules.hang_restarts:
+        return _fail("hung again and again",
+                     f"the job hung {counters.hangs_in_a_row + 1} times in a row with no step "
+                     f"completed in between (rules.hang_restarts={rules.hang_restarts}); last: "
+                     f"{_last(faults)}")
+    if any(f.kind in _ESCALATING for f in faults) and escalate_from is None:
+        escalate_from = Level.REPLACE_RANK if dead else Level.IN_PROCESS
+    isolate = _isolations(faults, view, policy, counters, now)
+    sick_nodes = isolate | {f.node for f in faults if f.domain is Domain.NODE and f.node is not None}
+    if not view.managed or any(f.kind == "no_state" for f in faults) or len(dead) >= view.world:
+        base = Level.JOB_RESTART
+    elif sick_nodes:
+        base = Level.REPLACE_NODE
+    elif dead:
+        base = Level.REPLACE_RANK
+    else:
+        base = Level.IN_PROCESS
+    start = LADDER.index(base)
+    if escalate_from is not None and escalate_from in LADDER:
+        start = max(start, LADDER.index(escalate_from) + 1)
+    # the ranks a coarser level would give new processes besides the dead ones
+    at_fault = {f.rank for f in faults if f.rank is not None and f.domain is Domain.RANK
+                and f.kind != "peer"}
+    passed: list[str] = []
+    for level in LADDER[start:]:
+        cfg = level_policy(policy, level)
+        replace: set[int] = set()
+        if level is Level.IN_PROCESS and dead:
+            passed.append(f"{level.value}: rank processes are gone")
+            continue
+        if level is Level.REPLACE_RANK:
+            replace = set(dead) | at_fault
+            if not view.managed:
+                passed.append(f"{level.value}: the script does not use nonstop.wrap")
+                continue
+            if not replace:
+                passed.append(f"{level.value}: no rank at fault")
+                continue
+        if level is Level.REPLACE_NODE:
+            nodes = sick_nodes or {view.node_of[r] for r in set(dead) | at_fault if r in view.node_of}
+            if not nodes:
+                passed.append(f"{level.value}: no node at fault")
+                continue
+            if view.spare_nodes < len(nodes):
+                passed.append(f"{level.value}: no spare node")
+                continue
+            replace = {r for r, n in view.node_of.items() if n in nodes} | set(dead)
+            isolate = isolate | nodes
+        if level is Level.SCALE_IN:
+            passed.append(f"{level.value}: not available yet")
+            continue
+        if level is Level.JOB_RESTART:
+            replace = set(range(view.world))
+            if view.capacity is not None and view.capacity < view.world:
+                return _fail("not enough healthy nodes",
+                             f"{len(counters.isolated | isolate)} node(s) isolated: the healthy "
+                             f"nodes cannot hold {view.world} ranks; last: {_last(faults)}",
+                             passed_over=tuple(passed))
+            if not infra and counters.restarts_without_infra >= rules.user_code_job_restarts:
+                return _fail("the user's code",
+                             f"{counters.restarts_without_infra} job restarts in a row with no "
+                             f"infrastructure fault: the training code itself fails "
+                             f"(rules.user_code_job_restarts={rules.user_code_job_restarts}); "
+                             f"last: {_last(faults)}",
+                             traceback=user[0].traceback if user else None, passed_over=tuple(passed))
+        cost = len(replace) if level is Level.REPLACE_RANK else 1
+        if not cfg.enabled:
+            passed.append(f"{level.value}: disabled")
+            continue
+        if counters.used(level) + cost > cfg.budget:
+            passed.append(f"{level.value}: budget of {cfg.budget} spent")
+            continue
+        reason = "; ".join(f.describe() for f in faults if f.kind != "peer") or _last(faults)
+        return Decision(level, replace=frozenset(replace), isolate=frozenset(isolate),
+                        reason=reason, passed_over=tuple(passed))
+    return _fail("no level left", f"no recovery level left ({'; '.join(passed)}); last: "
+                 f"{_last(faults)}", traceback=user[0].traceback if user else None,
+                 passed_over=tuple(passed))
 
 
-def _summary(faults: list[Fault], why: str) -> str:
-    return f"{why}; last fault: {faults[-1].describe()}" if faults else why
+def _last(faults: list[Fault]) -> str:
+    real = [f for f in faults if f.kind != "peer"] or faults
+    return real[-1].describe() if real else "no fault"
 
 
-def charge(decision: Decision, faults: list[Fault], counters: Counters) -> Counters:
+def decide_nan(step: int, outputs: dict[int, Any], policy: Policy, counters: Counters) -> Decision:
+    """Every rank found non-finite gradients at ``step`` (they were reduced together, so all
+    agree). Redo or skip the step from its in-memory start, until the policy says enough."""
+    nan = policy.detect.nan
+    bad = sorted(r for r, out in outputs.items()
+                 if out is not None and not (isinstance(out, (int, float)) and math.isfinite(out)))
+    who = (f"non-finite forward output on rank(s) {', '.join(map(str, bad))}" if bad
+           else "every rank's forward output was finite")
+    if nan.action == "fail":
+        return _fail("detect.nan.action is fail", f"non-finite gradients at step {step} ({who})")
+    if counters.nan_in_a_row >= nan.max_consecutive:
+        return _fail("non-finite gradients again and again",
+                     f"non-finite gradients at step {step} on {counters.nan_in_a_row + 1} attempts "
+                     f"in a row ({who}); no earlier snapshot to roll back to")
+    level = policy.levels.step_retry
+    if not level.enabled or counters.used(Level.STEP_RETRY) >= level.budget:
+        return _fail("step retry disabled or its budget spent",
+                     f"non-finite gradients at step {step} ({who}) and no step retry left "
+                     "(recover.levels.step_retry)")
+    skip = nan.action == "skip_batch"
+    return Decision(Level.STEP_RETRY, skip=skip,
+                    reason=f"non-finite gradients at step {step} ({who}): "
+                           + ("skipping the batch" if skip else "redoing the step"))
+
+
+def charge(decision: Decision, faults: list[Fault], counters: Counters, now: float = 0.0) -> Counters:
     """The counters after carrying out ``decision`` (pure)."""
-    out = dataclasses.replace(counters)
-    if any(f.attribution is Attribution.USER for f in faults):
+    out = dataclasses.replace(counters, spent=dict(counters.spent), recent=list(counters.recent),
+                              isolated=set(counters.isolated))
+    out.last_fault_t = now
+    level = decision.level
+    if level is Level.STEP_RETRY:
+        out.nan_in_a_row += 1
+    if level in _FIELD:
+        out.spent[level.value] = out.used(level) + (len(decision.replace)
+                                                    if level is Level.REPLACE_RANK else 1)
+    if any(f.attribution is Attribution.USER and f.kind != "nan" for f in faults):
         out.user_errors_in_a_row += 1
-    if decision.level is Level.REPLACE_RANK:
-        out.rank_replacements += len(decision.replace)
-    elif decision.level is Level.JOB_RESTART:
-        out.job_restarts += 1
+    if any(f.kind == "hang" for f in faults):
+        out.hangs_in_a_row += 1
+    if level is Level.JOB_RESTART:
+        infra = any(f.attribution is Attribution.INFRA for f in faults)
+        out.restarts_without_infra = 0 if infra else out.restarts_without_infra + 1
+    for f in faults:
+        if f.kind != "peer":
+            out.recent.append((now, f.fault_code, f.rank, f.node))
+    out.isolated |= set(decision.isolate)
     return out
 
 
 def progressed(counters: Counters) -> Counters:
-    """Every rank completed a step after recovery: consecutive-failure counters start over."""
-    return dataclasses.replace(counters, user_errors_in_a_row=0)
+    """Every rank completed a step after recovery: the in-a-row counters start over."""
+    return dataclasses.replace(counters, user_errors_in_a_row=0, nan_in_a_row=0, hangs_in_a_row=0,
+                               restarts_without_infra=0)
+
+
+def quiet(counters: Counters, now: float, policy: Policy) -> Counters:
+    """De-escalation: after ``rules.quiet_period_s`` with no fault, old faults stop counting
+    towards isolation and the in-a-row counters start over (isolated nodes stay isolated)."""
+    if counters.last_fault_t and now - counters.last_fault_t > policy.rules.quiet_period_s:
+        out = progressed(counters)
+        return dataclasses.replace(out, recent=[], last_fault_t=0.0)
+    return counters

@@ -29,6 +29,8 @@ class RunConfig:
     script_args: list[str]
     nproc: int = 1
     spares: int = 0
+    nodes: int = 1
+    spare_nodes: int = 0
     policy_file: str | None = None
     run_dir: str | None = None
     inject: list[str] = dataclasses.field(default_factory=list)
@@ -87,9 +89,15 @@ def prepare(cfg: RunConfig) -> tuple[policy_mod.Policy, list[inject.FaultSpec], 
         raise UsageError(f"--nproc must be at least 1, got {cfg.nproc}")
     if cfg.spares < 0:
         raise UsageError(f"--spares must be 0 or more, got {cfg.spares}")
+    if cfg.nodes < 1 or cfg.nproc % cfg.nodes:
+        raise UsageError(f"--nodes must be at least 1 and divide --nproc ({cfg.nproc}), got {cfg.nodes}")
+    if cfg.spare_nodes < 0:
+        raise UsageError(f"--spare-nodes must be 0 or more, got {cfg.spare_nodes}")
     pol = policy_mod.load(cfg.policy_file).with_overrides(**{
-        "timeouts.hang_s": cfg.hang_timeout, "timeouts.teardown_s": cfg.teardown_timeout,
-        "budgets.job_restarts": cfg.max_restarts})
+        "detect.hang.auto": False if cfg.hang_timeout is not None else None,
+        "detect.hang.timeout_s": cfg.hang_timeout,
+        "recover.timeouts.teardown_s": cfg.teardown_timeout,
+        "recover.levels.job_restart.budget": cfg.max_restarts})
     faults = inject.parse(cfg.inject)
     inject.check_world(faults, cfg.nproc)
     uses_nonstop, _ = check_script(cfg.script)
@@ -140,7 +148,7 @@ def run(cfg: RunConfig) -> int:
     store.set(protocol.JOB_KEY, protocol.dumps({
         "run_id": run_dir.name, "world": cfg.nproc,
         "rendezvous_timeout_s": pol.timeouts.rendezvous_s,
-        "collective_timeout_s": pol.timeouts.collective_s}))
+        "collective_timeout_s": pol.timeouts.collective_s, "policy": pol.model_dump()}))
     controller: Controller | None = None
 
     def label(wid: int) -> str:
@@ -149,16 +157,23 @@ def run(cfg: RunConfig) -> int:
             return f"spare {wid}"
         return f"rank {w.rank}"
 
+    def output(wid: int, line: str) -> None:
+        display.worker_line(label(wid), line)
+        if controller is not None:
+            controller.on_output(wid, line)
+
     agent = Agent(cfg.script, cfg.script_args, f"127.0.0.1:{store.port}", run_dir,
-                  worker_env(cfg, run_dir, faults), lambda wid, line: display.worker_line(label(wid), line))
+                  worker_env(cfg, run_dir, faults), output)
     controller = Controller(world=cfg.nproc, spares=cfg.spares, policy=pol, store=store, agent=agent,
-                            log=log, display=display, managed=uses_nonstop)
+                            log=log, display=display, managed=uses_nonstop, nodes=cfg.nodes,
+                            spare_nodes=cfg.spare_nodes, run_dir=run_dir)
 
     def on_signal(signum: int, _frame: Any) -> None:
         raise _Interrupted(signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    display.info(f"{cfg.nproc} rank(s), {cfg.spares} warm spare(s), run directory {run_dir}")
+    nodes = f" on {cfg.nodes} node(s) + {cfg.spare_nodes} spare" if cfg.nodes > 1 or cfg.spare_nodes else ""
+    display.info(f"{cfg.nproc} rank(s){nodes}, {cfg.spares} warm spare(s), run directory {run_dir}")
     display.start()
     code: int
     try:

@@ -35,6 +35,8 @@ class Incident:
     t_first_step: float | None = None  # every rank completed a step
     closed: bool = False
     outcome: str = "recovered"
+    current_level: str | None = None  # the level being tried now...
+    level_deadline: float | None = None  # ...and when it must have recovered by
 
     def timeline(self) -> list[float]:
         points = [self.t_fault, self.t_detect, self.t_decide, self.t_torn, self.t_assigned,

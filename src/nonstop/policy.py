@@ -1,91 +1,258 @@
-"""The recovery policy: timeouts and budgets, from YAML, validated, with defaults.
+"""The recovery policy: what is detected, how the ladder recovers, when to give up.
 
-Unknown keys are errors: a typo must never silently disable a rule.
+One YAML file validated against this schema, defaults for everything; ``load`` reports any problem
+(an unknown key included: a typo must never silently disable a rule) as one UsageError line.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import UsageError
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No inf/nan: a NaN threshold never fires (a rule silently off) and an infinite timeout
+    # overflows the timedelta the process group is given.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+# -- detect ---------------------------------------------------------------------------------------
+class HangTuning(_Strict):
+    """How long a step may take before it is a hang: ``multiplier`` x the slowest recent step,
+    clamped to [floor_s, ceiling_s]; ``initial_s`` until enough steps were seen."""
+
+    multiplier: float = Field(5.0, gt=1)
+    floor_s: float = Field(1.0, gt=0)
+    ceiling_s: float = Field(600.0, gt=0)
+    initial_s: float = Field(60.0, gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "HangTuning":
+        if self.floor_s > self.ceiling_s:
+            raise ValueError(f"floor_s ({self.floor_s:g}) is above ceiling_s ({self.ceiling_s:g})")
+        return self
+
+
+class Hang(_Strict):
+    auto: bool = True  # tune the timeouts from observed step times
+    timeout_s: float = Field(30.0, gt=0)  # the steady-state timeout when auto is false
+    steady: HangTuning = HangTuning()
+    first_step: HangTuning = HangTuning(multiplier=3.0, floor_s=10.0, ceiling_s=1800.0,
+                                        initial_s=300.0)
+    window: int = Field(50, ge=1, le=100_000)  # recent step times kept per rank
+    warmup_steps: int = Field(5, ge=1)  # steps seen before the steady timeout is tuned
+    heartbeat_s: float = Field(2.0, gt=0)  # older heartbeat during a hang: the process is frozen
+
+
+class Nan(_Strict):
+    enabled: bool = True
+    action: Literal["retry_step", "skip_batch", "fail"] = "retry_step"
+    max_consecutive: int = Field(3, ge=1)  # then roll back to the last good snapshot, else fail
+
+
+Operator = Literal[">", ">=", "<", "<="]
+
+
+class LossRule(_Strict):
+    name: str = Field(min_length=1)
+    operator: Operator = ">"
+    threshold: float
+    data_points: int = Field(1, ge=1)  # consecutive reported losses that must satisfy it
+    action: Literal["report", "restart", "fail"] = "report"
+
+
+class Straggler(_Strict):
+    enabled: bool = True
+    factor: float = Field(2.0, gt=1)  # compute time above factor x the median of the others
+    window: int = Field(20, ge=3, le=100_000)  # steps it must persist over
+    action: Literal["report", "replace"] = "report"
+
+
+class LogRule(_Strict):
+    name: str = Field(min_length=1)
+    pattern: str = Field(min_length=1)  # a Python regular expression, searched in each line
+    action: Literal["fault", "hang", "slow", "report"] = "fault"
+    code: str | None = None  # the fault code (default: LOG_<NAME>)
+    expected_within_s: float | None = Field(None, gt=0)  # must match this soon after each start
+    expected_every_s: float | None = Field(None, gt=0)  # and then keep matching this often
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, pattern: str) -> str:
+        import re
+
+        try:
+            re.compile(pattern)
+        # re raises OverflowError for a{99999999999} and RecursionError for deep nesting
+        except (re.error, OverflowError, RecursionError) as exc:
+            raise ValueError(f"not a valid regular expression: {exc}") from None
+        return pattern
+
+
+class HealthCheck(_Strict):
+    name: str = Field(min_length=1)
+    command: str = Field(min_length=1)  # run by the shell on each node; non-zero = unhealthy
+    every_s: float = Field(30.0, gt=0)
+    timeout_s: float = Field(10.0, gt=0)
+
+
+class Detect(_Strict):
+    hang: Hang = Hang()
+    nan: Nan = Nan()
+    loss_rules: list[LossRule] = []
+    straggler: Straggler = Straggler()
+    log_rules: list[LogRule] = []
+    health_checks: list[HealthCheck] = []
+    nvml: Literal["auto", "off"] = "auto"  # GPU checks where NVML exists; skipped elsewhere
+
+
+# -- recover ----------------------------------------------------------------------------------------
+class Level(_Strict):
+    """One rung of the ladder: whether it is used, how often per job, how long it may take."""
+
+    enabled: bool = True
+    budget: int = Field(50, ge=0)
+    deadline_s: float = Field(120.0, gt=0)
+
+
+class Levels(_Strict):
+    step_retry: Level = Level(budget=20, deadline_s=60.0)
+    in_process: Level = Level(budget=50, deadline_s=60.0)
+    rank_replacement: Level = Level(budget=50, deadline_s=180.0)
+    node_replacement: Level = Level(budget=5, deadline_s=300.0)
+    scale_in: Level = Level(enabled=False, budget=3, deadline_s=300.0)
+    job_restart: Level = Level(budget=3, deadline_s=900.0)
 
 
 class Timeouts(_Strict):
-    hang_s: float = Field(30.0, gt=0, description="no step completed by some rank for this long: a hang")
-    first_step_s: float = Field(300.0, gt=0, description="allowance for the first step of a generation")
-    teardown_s: float = Field(1.0, gt=0, description="a rank that has not left the old generation by "
-                                                    "then is killed and replaced")
-    join_s: float = Field(5.0, gt=0, description="a running process (a survivor, a ready spare) "
-                                                 "that has not started to join a new generation "
-                                                 "by then is killed and replaced")
-    rendezvous_s: float = Field(120.0, gt=0, description="a rank that has not joined the new generation "
-                                                        "by then is killed and replaced")
-    collective_s: float = Field(600.0, gt=0, description="the process group's own timeout")
-    terminate_grace_s: float = Field(2.0, ge=0, description="SIGTERM to SIGKILL when ending processes")
-    finish_s: float = Field(600.0, gt=0, description="for the script to end after training completed")
+    teardown_s: float = Field(0.5, gt=0, le=604800.0)  # a rank still in a failed generation is then killed
+    # (after a crash, plus twice the slowest recent step: a survivor may be mid-step)
+    join_s: float = Field(5.0, gt=0, le=604800.0)  # a running process must start joining a generation by then
+    rendezvous_s: float = Field(120.0, gt=0, le=604800.0)  # a new generation must form by then
+    collective_s: float = Field(600.0, gt=0, le=604800.0)  # the process group's own timeout
+    terminate_grace_s: float = Field(2.0, ge=0)  # SIGTERM to SIGKILL when ending processes
+    finish_s: float = Field(600.0, gt=0, le=604800.0)  # for the script to end after training completed
 
 
-class Budgets(_Strict):
-    user_error_retries: int = Field(3, ge=0, description="in-process retries of a user exception "
-                                                         "with no step completed in between")
-    rank_replacements: int = Field(50, ge=0, description="rank replacements per job")
-    job_restarts: int = Field(3, ge=0, description="restarts of every rank process per job")
-    spare_failures: int = Field(3, ge=0, description="spares dying in a row before the pool stops "
-                                                     "refilling")
+class Recover(_Strict):
+    levels: Levels = Levels()
+    timeouts: Timeouts = Timeouts()
+
+
+# -- rules ------------------------------------------------------------------------------------------
+class Isolate(_Strict):
+    times: int = Field(3, ge=1)  # the same fault code on the same rank or node this often...
+    window_s: float = Field(86400.0, gt=0)  # ...within this window: hardware; isolate the node
+
+
+class Rules(_Strict):
+    isolate: Isolate = Isolate()
+    user_error_retries: int = Field(3, ge=0)  # user exceptions in a row (no step in between)
+    user_code_job_restarts: int = Field(3, ge=1)  # job restarts in a row with no infra fault
+    hang_restarts: int = Field(3, ge=1)  # hang recoveries in a row (no step in between)
+    quiet_period_s: float = Field(3600.0, gt=0)  # fault-free this long: the counters start over
+    spare_failures: int = Field(3, ge=0)  # spares dying in a row before the pool stops refilling
+
+
+# -- hooks ------------------------------------------------------------------------------------------
+class GiveUpHook(_Strict):
+    command: str | None = None  # run by the shell with the diagnosis JSON on stdin
+    url: str | None = None  # the diagnosis JSON is POSTed here
+    timeout_s: float = Field(10.0, gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _url_scheme(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return url
+
+
+class Hooks(_Strict):
+    on_give_up: GiveUpHook = GiveUpHook()
 
 
 class Policy(_Strict):
-    timeouts: Timeouts = Timeouts()
-    budgets: Budgets = Budgets()
+    detect: Detect = Detect()
+    recover: Recover = Recover()
+    rules: Rules = Rules()
+    hooks: Hooks = Hooks()
 
     def with_overrides(self, **dotted: Any) -> "Policy":
-        """Return a copy with ``section.field`` values replaced (None values are ignored)."""
+        """A copy with ``a.b.c`` values replaced (None values are ignored).
+
+        An unknown path is a KeyError (a bug in the caller); a bad value is a UsageError (it came
+        from the user, e.g. a command-line flag)."""
         data = self.model_dump()
         for key, value in dotted.items():
             if value is None:
                 continue
-            section, field = key.split(".", 1)
-            data[section][field] = value
-        return Policy.model_validate(data)
+            node = data
+            *path, last = key.split(".")
+            for part in path:
+                node = node[part]
+            if last not in node:
+                raise KeyError(key)
+            node[last] = value
+        try:
+            return Policy.model_validate(data)
+        except ValidationError as exc:
+            from . import policy_yaml
+
+            policy_yaml.fail_without_file("policy override", exc, Policy)
+
+    # shorthands used all over the controller
+    @property
+    def timeouts(self) -> Timeouts:
+        return self.recover.timeouts
+
+    @property
+    def levels(self) -> Levels:
+        return self.recover.levels
 
 
-def _describe(err: ValidationError, source: str) -> str:
-    first = err.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-    if first["type"] == "extra_forbidden":
-        return f"{source}: unknown key '{where}'"
-    return f"{source}: {where}: {first['msg']}"
+# A policy is a page of YAML; the cap bounds what a wrong path (/dev/zero, a huge log) costs.
+_MAX_BYTES = 1 << 20
 
 
 def load(path: str | Path | None) -> Policy:
     """Read a policy file (None: the defaults). Raises UsageError with one clear line."""
     if path is None:
         return Policy()
-    import yaml
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_BYTES + 1)
+    except (OSError, ValueError) as exc:  # ValueError: a path with a NUL byte
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise UsageError(f"policy file {path}: {why}") from None
+    if len(raw) > _MAX_BYTES:
+        raise UsageError(f"policy file {path}: larger than {_MAX_BYTES >> 20} MiB, not a policy")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise UsageError(f"policy file {path} line {line}: not UTF-8 text "
+                         f"(byte {raw[exc.start]:#04x})") from None
+    return load_text(text, f"policy file {path}")
 
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise UsageError(f"policy file {path}: {exc.strerror or exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f" line {mark.line + 1}" if mark is not None else ""
-        raise UsageError(f"policy file {path}:{line} is not valid YAML") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise UsageError(f"policy file {path}: expected a mapping at the top level")
-    try:
-        return Policy.model_validate(data)
-    except ValidationError as exc:
-        raise UsageError(_describe(exc, f"policy file {path}")) from None
+
+def load_text(text: str, source: str) -> Policy:
+    """A policy from YAML text; ``source`` starts every error message (e.g. "policy file p.yaml").
+
+    Raises UsageError ``"<source> line <n>: <dotted.field>: <problem>"``, one line, for any text."""
+    from . import policy_yaml
+
+    return policy_yaml.validate(text, source, Policy)
+
+
+def show_text(policy: Policy, source: str | None = None) -> str:
+    """The effective policy as YAML, every field in schema order; ``load_text`` reads it back to
+    an equal Policy. ``source`` (the file it came from) goes into the header comment."""
+    from . import policy_yaml
+
+    origin = f"from {source}, defaults for the rest" if source else "all defaults"
+    return policy_yaml.dump(policy.model_dump(), header=f"nonstop policy ({origin})")

@@ -19,6 +19,7 @@ ENV_GENERATION = "NONSTOP_GENERATION"
 ENV_ENTRIES = "NONSTOP_ENTRIES"  # times this process has entered the training function
 ENV_REPLACEMENTS = "NONSTOP_REPLACEMENTS"  # times this rank has been replaced
 ENV_INJECT = "NONSTOP_INJECT"  # JSON list of fault specs, see inject.py
+ENV_NODE = "NONSTOP_NODE"  # the node (agent group) the process belongs to
 
 # -- store keys ---------------------------------------------------------------------------------
 JOB_KEY = "job"  # JSON: settings the runtime needs
@@ -60,10 +61,12 @@ def inject_key(index: int) -> str:
 # controller -> worker (mailbox): {"type": "assign", "gen", "rank", "world", "replacements", "port"?}
 #                                 {"type": "complete"}   training finished on every rank
 #                                 {"type": "exit"}       leave now (spares at the end of a job)
+#                                 {"type": "retry", "skip"}  redo (or skip) a step, same generation
 # worker -> controller (events):  hello, ready, wrapped, entered, first_step, left, done, inject, exit
 ASSIGN = "assign"
 COMPLETE = "complete"
 EXIT = "exit"
+RETRY = "retry"  # re-enter the same generation and redo (or skip) the step
 
 
 def dumps(obj: dict[str, Any]) -> bytes:

@@ -22,6 +22,7 @@ class Worker:
 
     wid: int
     spare: bool
+    node: int = 0  # the node (on one machine: the agent group) the process runs on
     seq: int = 0  # next mailbox slot
     rank: int | None = None
     ready: bool = False
@@ -41,6 +42,14 @@ class Worker:
     t_first: float = 0.0
     entered_ev: dict[str, Any] | None = None
     exit_report: dict[str, Any] | None = None
+    hb: float = 0.0  # the last heartbeat of its background thread
+    where: str = ""  # its main thread: "torch", "nonstop", "python"
+    loc: str = ""  # file:line in function
+    same_s: float = 0.0  # how long its main thread had been at loc
+    paused: str | None = None  # busy with something long that is not a step
+    compute_s: float | None = None  # forward time per step, smoothed
+    retry_step: int | None = None  # the step it asks to retry (non-finite gradients)
+    retry_loss: Any = None
 
 
 class WorkerTable:
@@ -53,28 +62,37 @@ class WorkerTable:
         self._events_read = 0
         self._hole_since: float | None = None
 
-    def new(self, spare: bool) -> Worker:
-        w = Worker(wid=self.agent.new_wid(), spare=spare)
+    def new(self, spare: bool, node: int = 0) -> Worker:
+        w = Worker(wid=self.agent.new_wid(), spare=spare, node=node)
         self.workers[w.wid] = w
         return w
 
     def spawn(self, w: Worker) -> Proc:
-        proc = self.agent.spawn(w.wid, spare=w.spare, spare_mode=self.spare_mode)
-        self.log.write("spawn", wid=w.wid, pid=proc.pid, spare=w.spare, rank=w.rank,
+        proc = self.agent.spawn(w.wid, spare=w.spare, spare_mode=self.spare_mode, node=w.node)
+        self.log.write("spawn", wid=w.wid, pid=proc.pid, spare=w.spare, rank=w.rank, node=w.node,
                        mode=self.spare_mode)
         return proc
 
-    def spares(self) -> list[Worker]:
-        return [w for w in self.workers.values() if w.spare and not w.dead]
+    def spares(self, node: int | None = None) -> list[Worker]:
+        return [w for w in self.workers.values()
+                if w.spare and not w.dead and (node is None or w.node == node)]
 
-    def refill(self, target: int, failure_budget: int) -> None:
-        while len(self.spares()) < target and self.spare_failures <= failure_budget:
-            self.spawn(self.new(spare=True))
+    def refill(self, targets: dict[int, int], failure_budget: int) -> None:
+        """Start spares until each node has its target number (nodes not listed get none)."""
+        for node, target in sorted(targets.items()):
+            while len(self.spares(node)) < target and self.spare_failures <= failure_budget:
+                self.spawn(self.new(spare=True, node=node))
 
-    def take_spare(self) -> Worker | None:
-        """The oldest ready spare, else the oldest still warming up."""
-        spares = sorted(self.spares(), key=lambda w: (not w.ready, w.wid))
-        return spares[0] if spares else None
+    def take_spare(self, node: int, only: bool = False, avoid: set[int] | None = None
+                   ) -> Worker | None:
+        """A spare for a rank that goes to ``node``: one on that node, else (unless ``only``)
+        one on another node not in ``avoid``; ready ones first, oldest first."""
+        mine = sorted(self.spares(node), key=lambda w: (not w.ready, w.wid))
+        if mine or only:
+            return mine[0] if mine else None
+        others = sorted((w for w in self.spares() if w.node not in (avoid or set())),
+                        key=lambda w: (not w.ready, w.wid))
+        return others[0] if others else None
 
     def send(self, w: Worker, msg: dict[str, Any]) -> None:
         self.store.set(protocol.mailbox_key(w.wid, w.seq), protocol.dumps(msg))
@@ -122,18 +140,9 @@ class WorkerTable:
             self._events_read += 1
             yield ev
 
-    def read_progress(self, ranks: list[Worker], gen: int) -> int:
-        """Update the ranks' step, loss and busy time; returns the newest step seen."""
+    def read_progress(self, ranks: list[Worker]) -> list[tuple[Worker, dict[str, Any]]]:
+        """The ranks' newest progress records."""
         keys = [protocol.progress_key(w.wid) for w in ranks]
-        newest = 0
         if not keys or not self.store.check(keys):
-            return newest
-        for w, raw in zip(ranks, self.store.multi_get(keys)):
-            rec = protocol.loads(raw)
-            if rec.get("gen") == gen and rec.get("step") is not None:
-                if w.step_gen != gen or rec["step"] >= (w.step or 0):
-                    w.step, w.step_gen, w.t_step = rec["step"], gen, rec["t"]
-                newest = max(newest, rec["step"])
-            w.loss = rec.get("loss")
-            w.busy = rec.get("busy", w.busy)
-        return newest
+            return []
+        return [(w, protocol.loads(raw)) for w, raw in zip(ranks, self.store.multi_get(keys))]

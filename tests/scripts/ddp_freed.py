@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import nonstop
 
 model = torch.nn.Linear(8, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
 state = nonstop.State(model=model, optimizer=opt)
 previous = []
 
@@ -26,7 +26,7 @@ def train(ctx):
     ddp = nonstop.reproducible(DDP(model))
     previous.append(weakref.ref(ddp))
     for step in ctx.steps(int(sys.argv[1])):
-        x = torch.ones(4, 8) * step
+        x = torch.full((4, 8), 0.1 + 0.001 * step)
         loss = ddp(x).pow(2).mean()
         opt.zero_grad()
         loss.backward()

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 JOB = Path(__file__).resolve().parent / "job.py"
 
@@ -84,19 +86,105 @@ def stats(values: list[float]) -> dict[str, float | None]:
             "max": round(max(vals), 4)}
 
 
+def setup(args: Any, known: tuple[str, ...]) -> tuple[list[str], Path, Any]:
+    """Check a bench's common arguments; returns (systems, base directory, say)."""
+    from ..errors import UsageError
+
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in known]
+    if unknown:
+        raise UsageError(f"unknown system(s) {', '.join(unknown)} (known: {', '.join(known)})")
+    if args.ranks < 2 or args.repeat < 1:
+        raise UsageError("--ranks must be at least 2 and --repeat at least 1")
+    if not 0 < args.kill_step < args.steps:
+        raise UsageError("--kill-step must lie inside the run (0 < kill-step < steps)")
+    base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="nonstop-bench-"))
+    base.mkdir(parents=True, exist_ok=True)
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
+    return systems, base, say
+
+
+def fresh(out: Path) -> None:
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+
+
+def torchrun_cmd(ranks: int, *job: str) -> list[str]:
+    """torchrun as well as it can: 3 restarts, its fastest monitor interval (the default)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={ranks}", "--max-restarts=3", "--monitor-interval=0.1", *job]
+
+
 def nonstop_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "nonstop", "run", "--quiet", *args]
 
 
+def events(run_dir: Path) -> Iterator[dict[str, Any]]:
+    path = run_dir / "events.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                yield json.loads(line)
+
+
 def inject_time(run_dir: Path) -> float | None:
-    events = run_dir / "events.jsonl"
-    if not events.exists():
-        return None
-    for line in events.read_text().splitlines():
-        ev = json.loads(line)
+    for ev in events(run_dir):
         if ev.get("type") == "rank_inject":
             return ev["t"]
     return None
+
+
+def measure(system: str, cmd: list[str], out: Path, timeout_s: float) -> dict[str, Any]:
+    """Run one job and measure its recovery from the step logs. The fault's moment comes from
+    the job itself (torchrun: ``kill.txt``) or from nonstop's event log (the injection)."""
+    code = run_child(cmd, out / "output.log", timeout_s)
+    result: dict[str, Any] = {"system": system, "exit_code": code}
+    if system == "reference":
+        return result
+    if system == "torchrun":
+        kill_file = out / "kill.txt"
+        t_fault = float(kill_file.read_text()) if kill_file.exists() else None
+    else:
+        t_fault = inject_time(out / "run")
+    if t_fault is None:
+        result.update(mttr_s=None, lost_steps=None)
+    else:
+        result.update(recovery(read_steps(out), t_fault))
+    return result
+
+
+def aggregate(system: str, runs: list[dict[str, Any]], extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One system's repeats -> the JSON shape every benchmark shares."""
+    lost = [r["lost_steps"] for r in runs if r["lost_steps"] is not None]
+    out: dict[str, Any] = {
+        "system": system,
+        "mttr_s": stats([r["mttr_s"] for r in runs]),
+        "lost_steps": {"max": max(lost) if len(lost) == len(runs) else None},
+        "params_match_reference": all(r["params_match_reference"] for r in runs),
+    }
+    for key in extra:
+        vals = [r.get(key) for r in runs if r.get(key) is not None]
+        out[key] = stats(vals) if vals else None
+    out["runs"] = runs
+    return out
+
+
+def table(summary: dict[str, Any], extra: tuple[str, ...] = ()) -> str:
+    head = "| system | MTTR median s | min | max | steps lost (max) | weights match |"
+    rule = "|---|---|---|---|---|---|"
+    for key in extra:
+        head += f" {key} (median) |"
+        rule += "---|"
+    lines = [head, rule]
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    for r in summary["results"]:
+        m = r["mttr_s"]
+        row = (f"| {r['system']} | {fmt(m['median'])} | {fmt(m['min'])} | {fmt(m['max'])} | "
+               f"{r['lost_steps']['max']} | {r['params_match_reference']} |")
+        for key in extra:
+            row += f" {fmt((r.get(key) or {}).get('median'))} |"
+        lines.append(row)
+    return "\n".join(lines)
 
 
 def emit(result: dict[str, Any], as_json: bool) -> None:

@@ -8,6 +8,7 @@ completes (the generation: nonstop's, or torchrun's restart count).
 """
 
 import argparse
+import datetime
 import os
 import signal
 import time
@@ -28,6 +29,9 @@ p.add_argument("--sleep-ms", type=float, default=20.0)
 p.add_argument("--ckpt-every", type=int, default=20)
 p.add_argument("--kill-rank", type=int, default=-1, help="torchrun mode: SIGKILL this rank...")
 p.add_argument("--kill-step", type=int, default=-1, help="...at the start of this step, first attempt")
+p.add_argument("--kill-signal", default="SIGKILL", help="torchrun mode: the signal (SIGSTOP: a hang)")
+p.add_argument("--collective-timeout", type=float, default=1800.0,
+               help="torchrun mode: the process group timeout (how a hang is noticed there)")
 args = p.parse_args()
 
 torch.manual_seed(0)
@@ -86,7 +90,8 @@ def run_torchrun():
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, wait_for_workers=False)
     dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", store),
-                            rank=rank, world_size=world)
+                            rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args.collective_timeout))
     ckpt = os.path.join(args.out, "ckpt.pt")
     start = 0
     if os.path.exists(ckpt):
@@ -100,7 +105,7 @@ def run_torchrun():
             if attempt == 0 and rank == args.kill_rank and step == args.kill_step:
                 with open(os.path.join(args.out, "kill.txt"), "w") as k:
                     k.write(f"{time.time():.6f}\n")
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), getattr(signal, args.kill_signal))
             one_step(ddp, step, rank)
             log_step(fh, step + 1, attempt)
             if rank == 0 and (step + 1) % args.ckpt_every == 0:

@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 import traceback
+from typing import Any
 
 from .. import protocol
 
@@ -102,22 +103,27 @@ def main() -> None:
     run_script(rt, script, args)
 
 
-def run_script(rt: "worker.WorkerRuntime", script: str, args: list[str]) -> None:
+def run_script(rt: Any, script: str, args: list[str]) -> None:
+    """Run the script as ``__main__`` and end the process with its exit code.
+
+    The process ends from *inside* each handler, with ``os._exit``, and the script's globals stay
+    referenced until then: freeing them (or a failed script's frames) would destroy its process
+    group, and a gloo group's destructor joins its worker
+    threads while holding the GIL - a worker still finishing an aborted operation may need the
+    GIL, and both would wait forever. Nothing needs destroying in a process that ends anyway.
+    """
     from . import worker
 
     sys.argv = [script] + args
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        # keep the script's globals (its DDP, its group) referenced until the process ends
+        kept = runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
-        if exc.code is None:
-            code = 0
-        elif isinstance(exc.code, int):
-            code = exc.code
-        else:
-            print(exc.code, file=sys.stderr)
-            code = 1
+        if exc.code is None or isinstance(exc.code, int):
+            _end(exc.code or 0)
+        print(exc.code, file=sys.stderr)
+        _end(1)
     except BaseException as exc:  # noqa: BLE001 - report the user's error to the launcher, once
         tb = exc.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__):
@@ -132,7 +138,11 @@ def run_script(rt: "worker.WorkerRuntime", script: str, args: list[str]) -> None
                 import_error=isinstance(exc, (ImportError, SyntaxError)) and not rt.wrapped,
                 collective=worker.is_collective_error(exc),
                 gen=(rt.assignment or {}).get("gen"), rank=(rt.assignment or {}).get("rank"))
-        code = 1
+        _end(1)
+    _end(0, kept)
+
+
+def _end(code: int, *keep: Any) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -7,7 +7,9 @@ progress reporting costs the step path next to nothing and an abort reaches a ra
 from __future__ import annotations
 
 import datetime
+import math
 import os
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -18,8 +20,11 @@ if TYPE_CHECKING:
     from .pg import GenerationGroup
     from .worker import WorkerRuntime
 
-PUBLISH_INTERVAL_S = 0.1  # progress is published at most this often...
-HEARTBEAT_S = 1.0  # ...and at least this often
+PUBLISH_INTERVAL_S = 0.05  # progress is published at most this often...
+HEARTBEAT_S = 0.2  # ...and at least this often: a silent rank is frozen
+_TORCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__import__("torch").__file__))) + \
+    os.sep + "torch" + os.sep
+_RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class Monitor:
@@ -36,6 +41,10 @@ class Monitor:
         self._last_publish = 0.0
         self._wake = threading.Event()
         self._started = False
+        self._main_ident = threading.main_thread().ident
+        self._max_step_s = 0.0  # slowest step since the last publish
+        self._compute: float | None = None  # forward time per step, smoothed
+        self._paused: str | None = None
 
     def start(self) -> None:
         if self._started:
@@ -69,6 +78,11 @@ class Monitor:
         with self._lock:
             return gen in self._aborted
 
+    def current_aborted(self) -> bool:
+        """Whether the generation this rank is in has been aborted (cheap: no store access)."""
+        gen = self._gen
+        return gen is not None and gen in self._aborted
+
     def _watch_aborts(self, ready: threading.Event) -> None:
         self._rt.store  # noqa: B018 - open this thread's own connection now
         ready.set()
@@ -96,9 +110,13 @@ class Monitor:
                 group.abort()
 
     # -- progress -----------------------------------------------------------------------------
-    def record_step(self, gen: int, rank: int, step: int, busy: float, loss: Any = None,
-                    first: bool = False) -> None:
+    def record_step(self, gen: int, rank: int, step: int, busy: float, step_s: float,
+                    compute_s: float, loss: Any = None, first: bool = False) -> None:
+        """Called by the training loop after each step: stores numbers, wakes the publisher only
+        when it is due (or for a generation's first step, published at once)."""
         now = time.time()
+        self._max_step_s = max(self._max_step_s, step_s)
+        self._compute = compute_s if self._compute is None else 0.8 * self._compute + 0.2 * compute_s
         self._progress = {"gen": gen, "rank": rank, "step": step, "t": now, "loss": loss,
                           "busy": busy}
         if first:
@@ -107,19 +125,46 @@ class Monitor:
         elif now - self._last_publish >= PUBLISH_INTERVAL_S:
             self._wake.set()
 
+    def pause(self, label: str | None) -> None:
+        """Mark the rank as busy with something long that is not a step (None: done)."""
+        self._paused = label
+        self._wake.set()
+
+    def _where(self) -> tuple[str, str]:
+        """Where the main thread is: "torch" (inside torch: a collective, a kernel), "nonstop"
+        (waiting in the runtime), or "python" (the user's own code); and file:line."""
+        frame = sys._current_frames().get(self._main_ident)
+        if frame is None:
+            return "", ""
+        path = frame.f_code.co_filename
+        location = f"{os.path.basename(path)}:{frame.f_lineno} in {frame.f_code.co_name}"
+        if path.startswith(_TORCH_DIR):
+            return "torch", location
+        if path.startswith(_RUNTIME_DIR):
+            return "nonstop", location
+        return "python", location
+
     def _publish(self, ready: threading.Event) -> None:
         rt = self._rt
         rt.store  # noqa: B018 - open this thread's own connection now
         ready.set()
         pid = os.getpid()
+        place, since = "", time.time()
         while True:
             self._wake.wait(HEARTBEAT_S)
             self._wake.clear()
             first, self._first_step = self._first_step, None
             if first is not None:
                 rt.emit("first_step", **first)
+            now = time.time()
+            where, location = self._where()
+            if location != place:
+                place, since = location, now
+            record: dict[str, Any] = {"hb": now, "pid": pid, "where": where, "loc": location,
+                                      "same_s": round(now - since, 3), "paused": self._paused,
+                                      "max_step_s": self._max_step_s, "compute_s": self._compute}
+            self._max_step_s = 0.0
             progress = self._progress
-            record: dict[str, Any] = {"hb": time.time(), "pid": pid}
             if progress is not None:
                 record.update(progress)
                 loss = progress.get("loss")
@@ -128,7 +173,9 @@ class Monitor:
                         record["loss"] = float(loss)
                     except Exception:  # noqa: BLE001 - a loss we cannot read is not worth a crash
                         record["loss"] = None
-            self._last_publish = time.time()
+                if record.get("loss") is not None and not math.isfinite(record["loss"]):
+                    record["loss"] = str(record["loss"])  # JSON has no NaN
+            self._last_publish = now
             try:
                 rt.store.set(protocol.progress_key(rt.worker_id), protocol.dumps(record))
             except Exception as exc:  # noqa: BLE001

@@ -7,7 +7,20 @@ the step, so it must receive state from a clean peer.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
+
+
+class NonFiniteGradients(BaseException):
+    """Raised from ``optimizer.step()`` when a gradient is NaN or Inf: the step is not applied.
+
+    A BaseException so that a user's ``except Exception`` does not swallow it: nonstop catches it
+    around the training function and retries (or skips) the step on every rank at once.
+    """
+
+    def __init__(self, step: int):
+        super().__init__(f"non-finite gradients at step {step}")
+        self.step = step
 
 
 class State:
@@ -32,19 +45,75 @@ class State:
                         and callable(getattr(obj, "load_state_dict", None)))):
                 raise TypeError(f"nonstop.State: {name!r} ({type(obj).__name__}) has no "
                                 "state_dict()/load_state_dict() and is not a dict or tensor")
+        self._init_counters()
         self._objects = dict(objects)
-        self.step = 0  # steps completed
-        self.dirty = False  # an optimizer stepped inside a step that has not completed
-        self._on_optimizer_step: Callable[[], None] | None = None
         for obj in objects.values():
             if isinstance(obj, torch.optim.Optimizer):
+                obj.register_step_pre_hook(self._before_optimizer_step)
                 obj.register_step_post_hook(self._optimizer_stepped)
+            elif isinstance(obj, torch.nn.Module):
+                obj.register_forward_pre_hook(self._before_forward)
+                obj.register_forward_hook(self._after_forward)
+
+    def _init_counters(self) -> None:
+        self._objects: dict[str, Any] = {}
+        self.step = 0  # steps completed
+        self.dirty = False  # an optimizer stepped inside a step that has not completed
+        self.check_finite = False  # set by the runtime from the policy
+        self.compute_s = 0.0  # forward time of the registered modules in the current step
+        self._on_optimizer_step: Callable[[], None] | None = None
+        self._forward_fault: Callable[[int], tuple[float, bool]] | None = None
+        self._rank = 0
+        self._t_forward = 0.0
+        self._poison = False
+        self._last_output: Any = None
+
+    # -- hooks (cheap: they run at every step) ------------------------------------------------
+    def _before_forward(self, module: Any, args: Any) -> None:
+        self._t_forward = time.perf_counter()
+        if self._forward_fault is not None:
+            delay, self._poison = self._forward_fault(self.step)
+            if delay:
+                time.sleep(delay)  # an injected straggler: slow compute, inside the forward pass
+
+    def _after_forward(self, module: Any, args: Any, output: Any) -> Any:
+        self.compute_s += time.perf_counter() - self._t_forward
+        if self._poison:
+            self._poison = False
+            output = _poisoned(output)
+            self._last_output = _detached(output)
+            return output
+        self._last_output = _detached(output)  # a view, no copy: checked only if a step goes bad
+        return None
+
+    def forward_finite(self) -> bool | None:
+        """Whether this rank's last forward output was finite (None: unknown). Costs a pass over
+        the output, so it is only asked when gradients turned out non-finite."""
+        import torch
+
+        out = self._last_output
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            return None
+        return bool(torch.isfinite(out).all())
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.check_finite and not _grads_finite(optimizer):
+            raise NonFiniteGradients(self.step)
 
     def _optimizer_stepped(self, *_: Any) -> None:
         self.dirty = True
         if self._on_optimizer_step is not None:
             self._on_optimizer_step()
 
+    def zero_grads(self) -> None:
+        """Drop the gradients of every registered optimizer (a step is being retried)."""
+        import torch
+
+        for obj in self._objects.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                obj.zero_grad(set_to_none=True)
+
+    # -- state ----------------------------------------------------------------------------------
     def objects(self) -> dict[str, Any]:
         return dict(self._objects)
 
@@ -82,7 +151,35 @@ class _StepOnly(State):
     """The step counter of a function wrapped with no registered state."""
 
     def __init__(self) -> None:  # noqa: D107 - no objects to check
-        self._objects = {}
-        self.step = 0
-        self.dirty = False
-        self._on_optimizer_step = None
+        self._init_counters()
+
+
+def _grads_finite(optimizer: Any) -> bool:
+    import torch
+
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+             if p.grad is not None]
+    if not grads:
+        return True
+    norms = torch._foreach_norm(grads)  # one pass; a NaN or Inf anywhere makes its norm non-finite
+    return bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
+
+
+def _detached(output: Any) -> Any:
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return output.detach()
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0].detach()
+    return None
+
+
+def _poisoned(output: Any) -> Any:
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return output * float("nan")
+    if isinstance(output, (tuple, list)):
+        return type(output)(_poisoned(o) for o in output)
+    return output

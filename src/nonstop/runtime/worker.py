@@ -58,6 +58,8 @@ class WorkerRuntime:
         self.assignment_consumed = False  # whether a generation was entered with it
         self.entries = 0  # times this process entered the training function
         self.ever_entered = False
+        self.rank = 0  # the rank of the newest assignment
+        self.last_loss: Any = None  # the last loss reported by the training function
         self.wrapped = False
         self.busy = 0.0  # seconds spent inside completed steps, over this process's life
         self.closed_groups: list[Any] = []  # groups left but not yet destroyed (pg.close)

@@ -14,72 +14,14 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, TypeVar
 
 from .. import protocol
-from .state import State, _StepOnly
+from .context import Context
+from .state import NonFiniteGradients, State, _StepOnly
 from .worker import is_collective_error
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """A seed that is a pure function of (seed, step, rank): data order survives any restart."""
-    return (seed * 1_000_003 + step * 7_919 + rank * 104_729) % (2**63 - 1)
-
-
-class Context:
-    """What the training function sees of its generation. Passed as its first argument."""
-
-    def __init__(self, rank: int, world_size: int, generation: int, entries: int,
-                 replacements: int, state: State, runtime: Any = None, resumed: Any = None):
-        self.rank = rank
-        self.world_size = world_size
-        self.local_rank = rank
-        self.generation = generation
-        self.entries = entries  # times this process has entered the training function (1 = first)
-        self.replacements = replacements  # times this rank's process has been replaced
-        self.resumed = resumed  # how this generation's state was agreed (step, source, receivers)
-        self._state = state
-        self._rt = runtime
-        self._first_done = False
-        self._loss: Any = None
-
-    @property
-    def step(self) -> int:
-        """Steps completed (the index of the step running now, inside ``steps()``)."""
-        return self._state.step
-
-    def steps(self, total: int, *, reseed: int | None = None) -> Iterator[int]:
-        """Yield step indices from the agreed step up to ``total``; a step counts when the body
-        returns. With ``reseed``, torch's RNG is seeded from (reseed, step, rank) before each step
-        so dropout and the like replay exactly after a restart."""
-        state = self._state
-        rt = self._rt
-        while state.step < total:
-            step = state.step
-            if rt is not None:
-                rt.injector.check("start", self.rank, step)
-            if reseed is not None:
-                import torch
-
-                torch.manual_seed(step_seed(reseed, step, self.rank))
-            t0 = time.monotonic()
-            yield step
-            state.step = step + 1
-            state.dirty = False
-            if rt is not None:
-                rt.busy += time.monotonic() - t0
-                rt.monitor.record_step(self.generation, self.rank, step + 1, rt.busy, self._loss,
-                                       first=not self._first_done)
-                if not self._first_done:
-                    self._first_done = True
-                    rt.release_closed_groups()
-
-    def report(self, loss: Any = None) -> None:
-        """Note this step's loss (a tensor or number); published in the background."""
-        self._loss = loss.detach() if hasattr(loss, "detach") else loss
 
 
 def wrap(state: State | Callable[..., Any] | None = None, *, backend: str = "gloo") -> Any:
@@ -136,7 +78,7 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
 
     job = rt.job
     tracked = state if state is not None else _StepOnly()
-    tracked._on_optimizer_step = lambda: rt.injector.check("optimizer", _current_rank[0], tracked.step)
+    _attach(rt, tracked)
     if not rt.wrapped:
         rt.wrapped = True
         rt.emit("wrapped", pid=os.getpid())
@@ -150,7 +92,7 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
             continue
         rt.assignment_consumed = True
         gen, rank, world = msg["gen"], msg["rank"], msg["world"]
-        _current_rank[0] = rank
+        rt.rank = rank
         rt.apply_env(msg)
         t_assigned = time.time()
         has_state = rt.ever_entered or bool(msg.get("initial"))
@@ -165,11 +107,17 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
         rt.emit("joining", gen=gen, rank=rank)
         rt.monitor.begin(gen, group)
         outcome = _enter(rt, group, fn, tracked, has_state, msg, t_assigned, args, kwargs)
+        while isinstance(outcome, _Retry):
+            verdict = _report_retry(rt, tracked, gen, rank, outcome)
+            if verdict is None:
+                outcome = _Failure({"reason": "abort", "t_caught": time.time(), "phase": "retry",
+                                    "error": "the step retry was called off"})
+                break
+            outcome = _enter(rt, group, fn, tracked, has_state, msg, t_assigned, args, kwargs,
+                             rejoin=verdict)
         if isinstance(outcome, _Failure):
             # Torn down only now, outside the except block: while an exception is being handled
-            # it keeps the failed frames (and DDP, and the group) alive, and the collector would
-            # then free the group later, in whatever thread happens to trigger it - possibly one
-            # of the group's own threads, which cannot join itself.
+            # it keeps the failed frames (and DDP, and the group) alive.
             rt.monitor.end()
             t_destroy = group.close()
             rt.closed_groups.append(group)
@@ -193,7 +141,30 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
             _retire()
 
 
-_current_rank = [0]
+def _attach(rt: Any, tracked: State) -> None:
+    """Connect the state's hooks to this process's runtime and policy."""
+    detect = rt.job.get("policy", {}).get("detect", {})
+    tracked.check_finite = bool(detect.get("nan", {}).get("enabled", True))
+    tracked._on_optimizer_step = lambda: rt.injector.check("optimizer", rt.rank, tracked.step)
+    if rt.injector.has_forward:
+        tracked._forward_fault = lambda step: rt.injector.forward(rt.rank, step)
+
+
+def _report_retry(rt: Any, tracked: State, gen: int, rank: int, retry: "_Retry") -> Any:
+    """Every rank saw the same non-finite gradients (they were reduced together): report, and
+    let the controller say retry (same generation, no teardown) or call it off. Returns the
+    retry message, or None when called off (a new assignment is then waiting)."""
+    rt.emit("nan", gen=gen, rank=rank, step=retry.step, output=retry.loss)
+    verdict = rt.wait_message()
+    if verdict["type"] == protocol.EXIT:
+        _retire()
+    if verdict["type"] != protocol.RETRY:
+        return None
+    tracked.zero_grads()
+    tracked.dirty = False
+    if verdict.get("skip"):
+        tracked.step = retry.step + 1  # the batch is skipped: the data order moves on
+    return verdict
 
 
 class _Failure:
@@ -201,15 +172,26 @@ class _Failure:
         self.detail = detail
 
 
+class _Retry:
+    def __init__(self, step: int, loss: Any):
+        self.step, self.loss = step, loss
+
+
 def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_state: bool,
-           msg: dict[str, Any], t_assigned: float, args: tuple, kwargs: dict) -> Any:
-    """Join one generation, agree on the state, run the function. Returns its result, or a
-    ``_Failure`` describing why this rank left (the group already aborted, not yet closed)."""
+           msg: dict[str, Any], t_assigned: float, args: tuple, kwargs: dict,
+           rejoin: Any = None) -> Any:
+    """Join one generation, agree on the state, run the function. Returns its result, a
+    ``_Retry`` (the step's gradients were not finite: nothing applied, group intact), or a
+    ``_Failure`` describing why this rank left (the group already aborted, not yet closed).
+    ``rejoin``: re-enter a generation already joined, to retry a step."""
     from .transfer import sync
 
     gen, rank, world = msg["gen"], msg["rank"], msg["world"]
-    phase = "rendezvous"
+    phase = "train" if rejoin else "rendezvous"
     try:
+        if rejoin:
+            ctx = _context(rt, tracked, msg, None)
+            return fn(ctx, *args, **kwargs)
         if rt.store.check([protocol.abort_key(gen, rt.worker_id)]):
             raise RuntimeError(f"generation {gen} was aborted before this rank joined")
         group.open()
@@ -224,9 +206,13 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
                 receivers=list(resumed.receivers), nbytes=resumed.nbytes,
                 t_assigned=t_assigned, t_pg=t_pg, t_restored=t_restored,
                 fds=len(os.listdir("/proc/self/fd")), threads=len(os.listdir("/proc/self/task")))
-        ctx = Context(rank, world, gen, rt.entries, msg.get("replacements", 0), tracked, rt, resumed)
+        ctx = _context(rt, tracked, msg, resumed)
         phase = "train"
         return fn(ctx, *args, **kwargs)
+    except NonFiniteGradients as exc:
+        finite = tracked.forward_finite()
+        _release_frames(exc)
+        return _Retry(exc.step, None if finite is None else (1.0 if finite else "nan"))
     except (KeyboardInterrupt, SystemExit):
         group.abort()
         raise
@@ -245,6 +231,17 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
             detail["traceback"] = _user_traceback(exc)[-20000:]
         _release_frames(exc)
         return _Failure(detail)
+
+
+def _context(rt: Any, tracked: State, msg: dict[str, Any], resumed: Any) -> Context:
+    rules = rt.job.get("policy", {}).get("detect", {}).get("loss_rules") or None
+    if rules:
+        from ..detect import LossRules
+        from ..policy import LossRule
+
+        rules = LossRules(LossRule(**r) for r in rules)
+    return Context(msg["rank"], msg["world"], msg["gen"], rt.entries, msg.get("replacements", 0),
+                   tracked, rt, resumed, loss_rules=rules)
 
 
 def _release_frames(exc: BaseException | None) -> None:

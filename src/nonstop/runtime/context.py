@@ -1,0 +1,104 @@
+"""What the training function sees of its generation: rank, world, the step loop, reporting.
+
+The step loop is where a step counts, where faults are injected, and where per-step numbers
+(duration, compute time, loss) are handed to the background publisher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any, Iterator
+
+from .state import State
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """A seed that is a pure function of (seed, step, rank): data order survives any restart."""
+    return (seed * 1_000_003 + step * 7_919 + rank * 104_729) % (2**63 - 1)
+
+
+class Context:
+    """What the training function sees of its generation. Passed as its first argument."""
+
+    def __init__(self, rank: int, world_size: int, generation: int, entries: int,
+                 replacements: int, state: State, runtime: Any = None, resumed: Any = None,
+                 loss_rules: Any = None):
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = rank
+        self.generation = generation
+        self.entries = entries  # times this process has entered the training function (1 = first)
+        self.replacements = replacements  # times this rank's process has been replaced
+        self.resumed = resumed  # how this generation's state was agreed (step, source, receivers)
+        self._state = state
+        self._rt = runtime
+        self._first_done = False
+        self._loss: Any = None
+        self._loss_rules = loss_rules
+
+    @property
+    def step(self) -> int:
+        """Steps completed (the index of the step running now, inside ``steps()``)."""
+        return self._state.step
+
+    def steps(self, total: int, *, reseed: int | None = None) -> Iterator[int]:
+        """Yield step indices from the agreed step up to ``total``; a step counts when the body
+        returns. With ``reseed``, torch's RNG is seeded from (reseed, step, rank) before each step
+        so dropout and the like replay exactly after a restart."""
+        state = self._state
+        rt = self._rt
+        while state.step < total:
+            step = state.step
+            if rt is not None:
+                rt.injector.check("start", self.rank, step)
+            if reseed is not None:
+                import torch
+
+                torch.manual_seed(step_seed(reseed, step, self.rank))
+            state.compute_s = 0.0
+            t0 = time.monotonic()
+            yield step
+            state.step = step + 1
+            state.dirty = False
+            if rt is not None:
+                step_s = time.monotonic() - t0
+                rt.busy += step_s
+                rt.monitor.record_step(self.generation, self.rank, step + 1, rt.busy, step_s,
+                                       state.compute_s, self._loss, first=not self._first_done)
+                if not self._first_done:
+                    self._first_done = True
+                    rt.release_closed_groups()  # the previous generation's group, now idle
+
+    def report(self, loss: Any = None) -> None:
+        """Note this step's loss (a tensor or number); published in the background. With loss
+        rules in the policy, each reported loss is also checked against them here."""
+        self._loss = loss.detach() if hasattr(loss, "detach") else loss
+        if self._rt is not None:
+            self._rt.last_loss = self._loss
+        if self._loss_rules is not None and self._loss is not None and self._rt is not None:
+            value = float(self._loss)
+            for rule in self._loss_rules.observe(value):
+                self._rt.emit("loss_rule", rule=rule.name, action=rule.action, rank=self.rank,
+                              step=self._state.step, loss=value if math.isfinite(value) else str(value),
+                              gen=self.generation)
+
+    @contextlib.contextmanager
+    def pause(self, label: str = "paused") -> Iterator[None]:
+        """Tell nonstop that this rank is busy with something long that is not a step (an
+        evaluation, a checkpoint save), so that it is not taken for a hang.
+
+        Example::
+
+            with ctx.pause("evaluation"):
+                evaluate(model)
+        """
+        if self._rt is None:
+            yield
+            return
+        self._rt.monitor.pause(label)
+        try:
+            yield
+        finally:
+            self._rt.monitor.pause(None)
