@@ -70,3 +70,23 @@ def test_spent_budgets_end_the_job_and_run_the_escalation_hook(tmp_path):
     diagnosis = json.loads(got.read_text())
     assert "no recovery level left" in diagnosis["diagnosis"] and diagnosis["exit_code"] == 1
     assert len(diagnosis["incidents"]) == 2
+
+
+def test_hanging_again_and_again_stops_the_job(tmp_path):
+    pol = policy_file(tmp_path, "rules:\n  hang_restarts: 1\n"
+                                "detect:\n  hang:\n    first_step: {floor_s: 2.0}\n")
+    run, _ = train(tmp_path, "--spares=1", "--policy", pol,
+                   "--inject=hang:rank=1,step=15,times=5", args=ARGS, ok=False)
+    assert run.code == 1 and "hung 2 times in a row" in run.stderr
+    assert [d["level"] for d in run.of("decision")] == ["rank replacement", "fail"]
+
+
+def test_restarts_without_an_infrastructure_fault_blame_the_training_code(tmp_path):
+    from conftest import SCRIPTS, run_nonstop
+
+    pol = policy_file(tmp_path, "rules:\n  user_code_job_restarts: 2\n")
+    run = run_nonstop(tmp_path / "run", "--nproc=2", "--policy", pol,
+                      str(SCRIPTS / "plain_exits.py"))
+    assert run.code == 1 and "training code itself fails" in run.stderr
+    assert [d["level"] for d in run.of("decision")] == ["job restart", "job restart", "fail"]
+    assert all(f["attribution"] != "infrastructure" for f in run.of("fault"))

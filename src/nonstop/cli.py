@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--inject", action="append", default=[], metavar="SPEC",
                      help="fault to inject, e.g. crash:rank=2,step=50 (repeatable; ';' joins several)")
     run.add_argument("--hang-timeout", type=_positive_float, metavar="S",
-                     help="seconds without a completed step before a rank is declared hung")
+                     help="a fixed steady-state hang timeout instead of the tuned one (the first "
+                          "step of a generation keeps the policy's allowance)")
     run.add_argument("--teardown-timeout", type=_positive_float, metavar="S",
                      help="seconds a rank has to leave a failed generation before it is killed")
     run.add_argument("--max-restarts", type=int, metavar="N",

@@ -1,16 +1,19 @@
 """Log-pattern rules on the ranks' output: trigger rules (a matching line is a fault) and liveness
-rules (a line that must appear soon after a start, and then keep appearing). Pure logic."""
+rules (a line that must appear soon after each start, then keep appearing). Pure logic, no I/O."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from .policy import LogRule
 
+LINE_MAX = 300  # a Match keeps at most this much of the line: event logs stay small
+_SHOWN_MAX = 80  # and its message quotes at most this much: one readable line
 
-@dataclasses.dataclass(frozen=True)
+
+@dataclass(frozen=True)
 class Match:
     rule: str
     kind: str  # "match": a trigger rule matched; "missing": a liveness rule's line did not come
@@ -18,81 +21,103 @@ class Match:
     code: str
     rank: int | None
     t: float
-    line: str | None  # the matching line (truncated), None for "missing"
-    message: str
+    line: str | None  # the matching line (truncated to LINE_MAX), None for "missing"
+    message: str  # one line for humans
 
 
 def default_code(name: str) -> str:
-    return "LOG_" + re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_").upper()
+    """LOG_<NAME>: upper-cased, each run of non-alphanumerics one underscore (codes stay ASCII)."""
+    return "LOG_" + (re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_").upper() or "RULE")
 
 
+@dataclass(frozen=True)
 class _Rule:
-    def __init__(self, rule: LogRule):
-        self.rule = rule
-        self.regex = re.compile(rule.pattern)
-        self.code = rule.code or default_code(rule.name)
-        self.liveness = rule.expected_within_s is not None or rule.expected_every_s is not None
+    """A LogRule prepared once: the regex compiled, the code derived, the kind decided."""
+
+    name: str
+    pattern: str
+    regex: re.Pattern[str]
+    action: str
+    code: str
+    within: float | None
+    every: float | None
+
+    @classmethod
+    def of(cls, r: LogRule) -> _Rule:
+        return cls(r.name, r.pattern, re.compile(r.pattern), r.action, r.code or default_code(r.name),
+                   r.expected_within_s, r.expected_every_s)
+
+
+class _Clock:
+    """One rank's clock for one liveness rule."""
+
+    __slots__ = ("since", "matched", "reported")
+
+    def __init__(self, t: float) -> None:
+        self.since = t  # the (re)start, then the last matching line
+        self.matched = False  # the first matching line came: expected_every_s applies from now on
+        self.reported = False  # "missing" already fired: not again until the next match
 
 
 class LogWatch:
-    def __init__(self, rules: Sequence[LogRule]):
-        self._rules = [_Rule(r) for r in rules]
-        # per (rule index, rank): when the clock started, whether the rank matched since, whether
-        # the missing line was already reported
-        self._since: dict[tuple[int, int], float] = {}
-        self._matched: dict[tuple[int, int], bool] = {}
-        self._reported: set[tuple[int, int]] = set()
+    """Checks every line a rank prints against the rules; ``tick`` reports expected lines missing."""
+
+    def __init__(self, rules: Sequence[LogRule]) -> None:
+        prepared = [_Rule.of(r) for r in rules]
+        self._triggers = [r for r in prepared if r.within is None and r.every is None]
+        self._liveness = [r for r in prepared if r.within is not None or r.every is not None]
+        # (index into _liveness, rank) -> clock. start() swaps in a new dict rather than mutating
+        # this one: output readers may feed lines while the main loop ticks.
+        self._clocks: dict[tuple[int, int], _Clock] = {}
 
     @property
     def active(self) -> bool:
-        return bool(self._rules)
+        return bool(self._triggers or self._liveness)
 
     def start(self, t: float, ranks: Iterable[int]) -> None:
-        """A generation started: the liveness clocks of these ranks restart; others are forgotten."""
-        self._since.clear()
-        self._matched.clear()
-        self._reported.clear()
-        for i, r in enumerate(self._rules):
-            if r.liveness:
-                for rank in ranks:
-                    self._since[(i, rank)] = t
-                    self._matched[(i, rank)] = False
+        """A generation started: these ranks' clocks restart at t; every other rank is forgotten."""
+        ranks = list(ranks)  # iterated once per rule: a generator would only serve the first
+        self._clocks = {(i, rank): _Clock(t) for i in range(len(self._liveness)) for rank in ranks}
 
     def feed(self, rank: int | None, line: str, t: float) -> list[Match]:
-        if not self._rules:
+        """One line a process printed (rank None: not a rank, e.g. a warm spare)."""
+        if not self._triggers and not self._liveness:
             return []
-        out = []
-        for i, r in enumerate(self._rules):
-            if not r.regex.search(line):
-                continue
-            if r.liveness:
-                key = (i, rank)
-                if rank is not None and key in self._since:
-                    self._since[key] = t
-                    self._matched[key] = True
-                    self._reported.discard(key)  # re-armed
-                continue
-            who = f"rank {rank}" if rank is not None else "a spare"
-            shown = line.strip()[:300]
-            out.append(Match(r.rule.name, "match", r.rule.action, r.code, rank, t, shown,
-                             f"{who} printed {shown[:120]!r} (rule {r.rule.name})"))
+        out: list[Match] = []
+        for r in self._triggers:
+            if r.regex.search(line):
+                kept = line.rstrip("\r\n")[:LINE_MAX]
+                shown = kept.strip()
+                if len(shown) > _SHOWN_MAX:
+                    shown = shown[:_SHOWN_MAX] + "..."
+                who = "a spare" if rank is None else f"rank {rank}"
+                out.append(Match(r.name, "match", r.action, r.code, rank, t, kept,
+                                 f"{who} printed {shown!r} (rule {r.name})"))
+        if rank is not None:
+            clocks = self._clocks
+            for i, r in enumerate(self._liveness):
+                clock = clocks.get((i, rank))
+                # a rank not started has no clock: don't spend a regex search on it
+                if clock is not None and r.regex.search(line):
+                    clock.since = max(clock.since, t)  # lines may arrive slightly out of order
+                    clock.matched = True
+                    clock.reported = False  # re-armed: the next silence is reported again
         return out
 
     def tick(self, now: float) -> list[Match]:
-        out = []
-        for (i, rank), since in self._since.items():
-            r = self._rules[i]
-            key = (i, rank)
-            if key in self._reported:
+        """Liveness rules whose line is overdue, once per rank and rule until it matches again."""
+        out: list[Match] = []
+        for (i, rank), clock in self._clocks.items():
+            if clock.reported:
                 continue
-            matched = self._matched[key]
-            limit = (r.rule.expected_every_s if matched or r.rule.expected_within_s is None
-                     else r.rule.expected_within_s)
-            if limit is None:  # only expected_within, and it came: nothing more to expect
+            r = self._liveness[i]
+            # before the first match the start cut-off applies; without one, the recurring
+            # frequency runs from the start too
+            limit = r.every if clock.matched or r.within is None else r.within
+            if limit is None or now - clock.since <= limit:  # None: only a cut-off, and it was met
                 continue
-            if now - since > limit:
-                self._reported.add(key)
-                out.append(Match(r.rule.name, "missing", r.rule.action, r.code, rank, now, None,
-                                 f"rank {rank}: no line matching {r.rule.pattern!r} for "
-                                 f"{limit:g} s (rule {r.rule.name})"))
+            clock.reported = True
+            out.append(Match(r.name, "missing", r.action, r.code, rank, now, None,
+                             f"rank {rank}: no line matching {r.pattern!r} for {limit:g} s "
+                             f"(rule {r.name})"))
         return out

@@ -266,7 +266,8 @@ class Recovery(_Base):
         inc.closed = True
         self.incidents.append(inc)
         self.incident = None
-        self.counters = ladder.progressed(self.counters)
+        if resume_step is not None:  # steps were seen: the in-a-row counters start over
+            self.counters = ladder.progressed(self.counters)
         rec = inc.to_record()
         self.log.write("incident", **rec)
         self.display.info(f"incident {inc.id} recovered in {inc.mttr:.3f} s "

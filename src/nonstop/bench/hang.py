@@ -59,7 +59,7 @@ def _detected_timeout(run_dir: Path) -> float | None:
 def false_positive_run(ranks: int, minutes: float, out: Path) -> dict[str, Any]:
     """A fault-free run with jittery steps for about ``minutes``: every hang alarm is false."""
     common.fresh(out)
-    steps = max(50, int(minutes * 60 / (STEP_MS / 1000 + 0.03)))
+    steps = max(50, int(minutes * 60 / 0.13))  # ~0.13 s a jittery step here (measured)
     cmd = common.nonstop_cmd(f"--nproc={ranks}", f"--run-dir={out / 'run'}",
                              f"--inject=jitter:rank=all,ms={STEP_MS // 2}",
                              *_job(steps, out, ["--mode", "nonstop"]))
