@@ -232,8 +232,20 @@ def test_show_round_trips_and_keeps_schema_order():
     assert policy.load_text(text, "shown") == p
     assert text.isascii()
     tops = [line[:-1] for line in text.splitlines() if re.match(r"^\w+:$", line)]
-    assert tops == ["detect", "recover", "rules", "hooks"]
+    assert tops == ["detect", "recover", "rules", "state", "hooks"]
     assert text.index("steady:") < text.index("first_step:") < text.index("heartbeat_s:")
+
+
+def test_state_fields():
+    p = policy.load_text("state:\n  snapshot:\n    every_steps: 4\n  checkpoint:\n    dir: ck\n", SRC)
+    assert p.state.snapshot.every_steps == 4 and p.state.checkpoint.dir == "ck"
+    assert policy.Policy().state.snapshot.every_steps == "auto"
+    assert error_of("state:\n  snapshot:\n    every_steps: 0\n") == (
+        f"{SRC} line 3: state.snapshot.every_steps: must be 'auto' or a whole number of steps "
+        ">= 1 (got 0)")
+    assert "must be 'auto'" in error_of("state:\n  snapshot:\n    every_steps: often\n")
+    assert "needs snapshot.enabled" in error_of(
+        "state:\n  snapshot:\n    enabled: false\n  checkpoint:\n    dir: ck\n")
 
 
 # -- the command line -----------------------------------------------------------------------------------

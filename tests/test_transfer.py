@@ -1,34 +1,8 @@
-"""Agreeing on one step, and moving state bit for bit (pure parts, no process group)."""
+"""Moving state bit for bit: a state dict as (structure, one flat buffer) and back."""
 
-import pytest
 import torch
 
-from nonstop.runtime.transfer import NoConsistentState, pack, plan_sync, unpack
-
-
-def test_newest_clean_step_wins_and_lowest_rank_sends():
-    plan = plan_sync([(1, 30, 0), (1, 31, 0), (1, 31, 0), (0, 0, 0)])
-    assert plan.step == 31 and plan.source == 1 and plan.receivers == (0, 3)
-
-
-def test_dirty_rank_receives_even_at_the_newest_step():
-    plan = plan_sync([(1, 30, 1), (1, 30, 0)])
-    assert plan.step == 30 and plan.source == 1 and plan.receivers == (0,)
-
-
-def test_everyone_in_agreement_moves_nothing():
-    plan = plan_sync([(1, 7, 0)] * 4)
-    assert plan.step == 7 and plan.receivers == ()
-
-
-def test_nobody_with_state_starts_from_zero():
-    plan = plan_sync([(0, 0, 0)] * 3)
-    assert plan.step == 0 and plan.source is None
-
-
-def test_only_dirty_state_is_not_consistent():
-    with pytest.raises(NoConsistentState):
-        plan_sync([(1, 5, 1), (0, 0, 0)])
+from nonstop.state.packing import layout, pack, unpack, unpack_with_info
 
 
 def test_pack_unpack_is_bitwise_and_keeps_structure():
@@ -51,3 +25,14 @@ def test_pack_unpack_is_bitwise_and_keeps_structure():
     fresh.load_state_dict(out["model"])
     fresh_opt.load_state_dict(out["optimizer"])
     assert fresh_opt.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
+
+
+def test_layout_plans_without_copying_and_info_rides_along():
+    sd = {"w": torch.randn(5, 3), "b": torch.arange(7, dtype=torch.int16), "n": {"x": 1}}
+    lay = layout(sd, {"step": 9})
+    assert [s[3] for s in lay.specs] == [60, 14]
+    assert all(off % 16 == 0 for _, _, off, _ in lay.specs) and lay.nbytes >= 74
+    assert lay.tensors[0] is sd["w"]  # a reference, not a copy
+    meta, buf = pack(sd, {"step": 9})
+    out, info = unpack_with_info(meta, buf)
+    assert info == {"step": 9} and torch.equal(out["w"], sd["w"]) and out["n"] == {"x": 1}

@@ -1,7 +1,8 @@
 """nonstop: distributed PyTorch training that keeps going.
 
 The public API is small: ``State`` (what survives a restart), ``wrap`` (make a training function
-restartable in-process), ``Context`` (what the function sees of its generation) and ``step_seed``.
+restartable in-process), ``Context`` (what the function sees of its generation), ``step_seed``,
+``reproducible`` and ``RNGState`` (the random generators, as state to register).
 Importing nonstop does not import torch.
 """
 
@@ -10,20 +11,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["State", "wrap", "Context", "step_seed", "reproducible", "__version__"]
+__all__ = ["State", "RNGState", "wrap", "Context", "step_seed", "reproducible", "__version__"]
 
 if TYPE_CHECKING:
-    from .runtime.state import State
+    from .runtime.state import RNGState, State
     from .ddp import reproducible
     from .runtime.context import Context, step_seed
     from .runtime.wrap import wrap
 
 
 def __getattr__(name: str) -> Any:
-    if name == "State":
-        from .runtime.state import State
+    if name in ("State", "RNGState"):
+        from .runtime import state
 
-        return State
+        return getattr(state, name)
     if name == "wrap":
         from .runtime.wrap import wrap
 

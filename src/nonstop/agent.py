@@ -63,19 +63,32 @@ class Agent:
         self._next_wid += 1
         return wid
 
-    def spawn(self, wid: int, spare: bool, spare_mode: str | None = None, node: int = 0) -> Proc:
+    def spawn(self, wid: int, spare: bool, spare_mode: str | None = None, node: int = 0,
+              keeper: str | None = None) -> Proc:
         env = dict(self.env)
         env[protocol.ENV_NODE] = str(node)
         env[protocol.ENV_STORE] = self.store_addr
         env[protocol.ENV_WORKER_ID] = str(wid)
         env[protocol.ENV_LAUNCHER_PID] = str(os.getpid())
+        if keeper:
+            env[protocol.ENV_KEEPER] = keeper
         if spare_mode:
             env[protocol.ENV_SPARE_MODE] = spare_mode
         cmd = [sys.executable, "-u", "-m", "nonstop.runtime.bootstrap", self.script, *self.script_args]
+        return self._start(wid, cmd, env, f"worker-{wid}.log", spare)
+
+    def spawn_keeper(self, wid: int, node: int, name: str, writer: bool) -> Proc:
+        """The node's memory (``nonstop.state.keeper``): ends with this process."""
+        cmd = [sys.executable, "-u", "-m", "nonstop.state.keeper", name, "--node", str(node),
+               "--parent", str(os.getpid())] + (["--writer"] if writer else [])
+        return self._start(wid, cmd, dict(self.env), f"keeper-n{node}.log", spare=False)
+
+    def _start(self, wid: int, cmd: list[str], env: dict[str, str], log_name: str,
+               spare: bool) -> Proc:
         popen = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
         proc = Proc(wid=wid, popen=popen, started=time.time(), spare=spare,
-                    log_path=self.logs / f"worker-{wid}.log")
+                    log_path=self.logs / log_name)
         self._logs[wid] = open(proc.log_path, "ab", buffering=0)
         os.set_blocking(popen.stdout.fileno(), False)
         self._sel.register(popen.stdout, selectors.EVENT_READ, ("out", wid))

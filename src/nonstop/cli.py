@@ -60,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds a rank has to leave a failed generation before it is killed")
     run.add_argument("--max-restarts", type=int, metavar="N",
                      help="job restarts allowed (every rank restarted) before giving up")
+    run.add_argument("--checkpoint-dir", metavar="DIR",
+                     help="write disk checkpoints (DCP format) here, and resume from the newest "
+                          "one found there")
+    run.add_argument("--checkpoint-every", type=int, metavar="N",
+                     help="steps between disk checkpoints (default 100)")
+    run.add_argument("--snapshot-every", metavar="N|auto",
+                     help="steps between memory snapshots (default auto: as often as stays under "
+                          "5%% of step time)")
     run.add_argument("--quiet", action="store_true", help="no rank output or progress")
     run.add_argument("--no-live", action="store_true", help="plain progress lines, no live status")
     run.add_argument("script", help="the training script")
@@ -139,6 +147,8 @@ def _run(args: argparse.Namespace) -> int:
                     policy_file=args.policy, run_dir=args.run_dir,
                     inject=args.inject, hang_timeout=args.hang_timeout,
                     teardown_timeout=args.teardown_timeout, max_restarts=args.max_restarts,
+                    checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                    snapshot_every=args.snapshot_every,
                     quiet=args.quiet, live=False if args.no_live else None)
     return run(cfg)
 

@@ -20,12 +20,14 @@ from .policy import Policy
 from .recovery import Recovery
 from .logrules import LogWatch
 from .signals import Signals
+from .state.service import NodeMemory
 from .workers import DUMP_GRACE_S, Worker, WorkerTable
 
 TICK_BUSY_S = 0.002  # loop period while survivors leave a failed generation
 TICK_WAIT_S = 0.02  # ...while a generation forms
 TICK_IDLE_S = 0.05  # ...while it trains
 PROGRESS_EVERY_S = 0.1
+KEEPER_GRACE_S = 1.0  # a node's memory is gone: its ranks dying within this long make it a lost node
 
 
 class Controller(Recovery):
@@ -46,8 +48,14 @@ class Controller(Recovery):
         self.log = log
         self.display = display
         self.managed = managed
-        self.table = WorkerTable(agent, store, log, "script" if managed else "import")
+        run_id = getattr(run_dir, "name", None) or "run"
+        self.memory = NodeMemory(policy, agent, log, display, run_id, agent.new_wid)
+        self.table = WorkerTable(agent, store, log, "script" if managed else "import",
+                                 keeper_of=self.memory.name)
         self.workers = self.table.workers
+        self.final_persist: int | None = None  # the last step's checkpoint, awaited at the end
+        self._sick_nodes: set[int] = set()  # nodes with a node-level fault in this incident
+        self.snap_stats: dict[str, Any] | None = None  # rank 0's snapshot numbers
         self.plan: dict[int, int] = {}  # rank -> wid, for self.gen
         self.gen = -1
         self.phase = "starting"
@@ -91,6 +99,8 @@ class Controller(Recovery):
                 self.display.status(self.snapshot())
             self._check(now)
             self._poll_health(now)
+            self.memory.poll()
+            self._check_keepers(now)
         if self.health is not None:
             self.health.close()
         return self.exit_code
@@ -108,6 +118,8 @@ class Controller(Recovery):
         self._start_health()
         self.log.write("run_start", world=self.world, spares=self.spares_target,
                        managed=self.managed, policy=self.policy.model_dump())
+        self.memory.world = self.world
+        self.memory.start(range(self.total_nodes))
         for rank in range(self.world):
             self.plan[rank] = self.table.new(spare=False, node=rank // self.slots).wid
         self._publish(0, initial=True, level="start")
@@ -131,6 +143,9 @@ class Controller(Recovery):
 
     # == process exits ==========================================================================
     def _on_exit(self, proc: Proc) -> None:
+        if self.memory.node_of_wid(proc.wid) is not None:
+            self._on_keeper_exit(proc)
+            return
         w = self.workers[proc.wid]
         was_killed = w.killed
         w.dead = True
@@ -153,6 +168,37 @@ class Controller(Recovery):
                 self._training_complete(time.time())
             return
         self._fault(self._exit_fault(w, code))
+
+    def _on_keeper_exit(self, proc: Proc) -> None:
+        """A node's memory is gone. With its ranks gone too, the node is lost (the next decision
+        says so); otherwise a new, empty memory takes over and training goes on."""
+        h = self.memory.on_exit(proc.wid, proc.returncode)
+        if h is None or h.killed or self.phase in ("finishing", "over"):
+            return
+        self.display.info(f"node {h.node}: its memory (keeper) is gone (code {proc.returncode})")
+
+    def _check_keepers(self, now: float) -> None:
+        """A node that lost only its memory (its ranks still run after a grace) gets a new one;
+        one whose ranks died too is lost, and the next decision moves them."""
+        for h in list(self.memory.keepers.values()):
+            if (h.lost and not h.killed and h.node not in self.counters.isolated
+                    and self.phase == "running" and self.incident is None
+                    and now - h.lost_at > KEEPER_GRACE_S):
+                self.memory.restart(h.node)
+                self.memory.configure(self._node_of(), self._usable_nodes())
+
+    def _usable_nodes(self) -> list[int]:
+        return [n for n in range(self.total_nodes) if n not in self.counters.isolated]
+
+    def _shut_node(self, node: int) -> None:
+        """A faulty node goes at once: its processes and its memory."""
+        for w in list(self.workers.values()):
+            if w.node == node and not w.dead:
+                self.table.kill(w, f"node {node} is faulty: shut down")
+        self.memory.kill(node, "faulty node shut down")
+
+    def _faulty_nodes(self) -> set[int]:
+        return set(self.counters.isolated) | self._sick_nodes
 
     def _exit_fault(self, w: Worker, code: int | None) -> Fault:
         report = w.exit_report
@@ -192,7 +238,7 @@ class Controller(Recovery):
         kind = ev["type"]
         gen = ev.get("gen")
         if kind in ("ready", "entered", "left", "done", "inject", "exit", "first_step", "wrapped",
-                    "joining"):
+                    "joining", "snapshot_interval", "snapshot_failed"):
             self.log.write(f"rank_{kind}", **{k: v for k, v in ev.items() if k != "type"})
         if kind == "ready":
             w.ready = True
@@ -205,6 +251,10 @@ class Controller(Recovery):
             w.joining = max(w.joining, gen)
         elif kind == "inject":
             self._recent_injects.append(ev)
+            if ev.get("kind") == "node_crash":  # the rest of the node dies with it
+                for x in self.workers.values():
+                    if x.node == w.node and not x.dead:
+                        self.agent.signal(x.wid)
         elif kind == "exit":
             w.exit_report = ev
         elif gen != self.gen or self.plan.get(ev.get("rank", -1)) != w.wid:
@@ -223,6 +273,8 @@ class Controller(Recovery):
         elif kind == "done":
             w.done = gen
             w.busy = ev.get("busy", w.busy)
+            if ev.get("final_persist") is not None:
+                self.final_persist = max(self.final_persist or 0, ev["final_persist"])
             w.step = ev.get("step", w.step)
             self.max_step = max(self.max_step, ev.get("step") or 0)
             if self.phase == "running" and all(self.workers[x].done >= self.gen
@@ -232,6 +284,8 @@ class Controller(Recovery):
                 self._training_complete(ev["t"])
 
     def _on_entered(self, w: Worker, ev: dict[str, Any]) -> None:
+        if ev.get("sharded") is not None:
+            self.memory.sharded = bool(ev["sharded"])
         w.entered = self.gen
         w.entered_ev = ev
         w.joining = max(w.joining, self.gen)
@@ -245,6 +299,7 @@ class Controller(Recovery):
         self._t_running = time.time()
         self.logwatch.start(self._t_running, self.plan.keys())
         self.deadline = float("inf")
+        self._log_restore(ranks)
         inc = self.incident
         if inc is None:
             return
@@ -255,6 +310,27 @@ class Controller(Recovery):
         inc.resume_step = ev.get("step")
         if ev.get("plain"):  # no step reporting in a plain script: recovered once it runs again
             self._close_incident(max(e["t"] for e in evs), None)
+
+    def _log_restore(self, ranks: list[Worker]) -> None:
+        """Where every rank's state came from in this generation (and a resumed job says so)."""
+        evs = [x.entered_ev for x in ranks if x.entered_ev is not None and not x.entered_ev.get("plain")]
+        if not evs:
+            return
+        sources = {str(e["rank"]): e.get("source") for e in evs}
+        skipped: list[dict[str, Any]] = []
+        for s in (s for e in evs for s in (e.get("skipped") or [])):
+            if s not in skipped:  # every rank learnt of every failed source
+                skipped.append(s)
+        step = evs[0].get("step")
+        self.log.write("restore", gen=self.gen, step=step, sources=sources, skipped=skipped,
+                       seconds=max(e.get("restore_s") or 0.0 for e in evs),
+                       bytes=sum(e.get("nbytes") or 0 for e in evs))
+        for s in skipped:
+            self.display.info(f"rank {s.get('rank')}: {s.get('source')} copy of step "
+                              f"{s.get('step')} skipped: {s.get('why')}")
+        if self.gen == 0 and step:
+            how = sorted(set(sources.values()))
+            self.display.info(f"resumed at step {step} (from {', '.join(how)})")
 
     def _on_first_step(self, w: Worker, ev: dict[str, Any]) -> None:
         w.step, w.step_gen, w.t_step = ev["step"], self.gen, ev["t"]
@@ -331,13 +407,15 @@ class Controller(Recovery):
                 self._log_match(m)
         elif self.phase == "finishing":
             ranks_alive = [self.workers[x] for x in self.plan.values() if not self.workers[x].dead]
-            if not ranks_alive:
+            if not ranks_alive and self.memory.settled(self.final_persist):
                 self._end(0 if self.diagnosis is None else 1)
             elif now > self.deadline:
                 self.diagnosis = self.diagnosis or (
                     f"rank(s) {', '.join(str(w.rank) for w in ranks_alive)} did not end "
                     f"{self.policy.timeouts.finish_s:g} s after training completed (their stacks "
-                    "are in their logs)")
+                    "are in their logs)" if ranks_alive else
+                    f"the checkpoint of the last step ({self.final_persist}) was not written "
+                    f"{self.policy.timeouts.finish_s:g} s after training completed")
                 for w in ranks_alive:
                     self.agent.signal(w.wid, signal.SIGUSR1)
                 time.sleep(DUMP_GRACE_S)
@@ -429,6 +507,8 @@ class Controller(Recovery):
                 self.max_step = max(self.max_step, rec["step"])
             loss = rec.get("loss")
             w.loss = loss if isinstance(loss, (int, float)) else None
+            if w.rank == 0 and rec.get("snap"):
+                self.snap_stats = rec["snap"]
             w.busy = rec.get("busy", w.busy)
             self.signals.on_progress(w, rec, self.gen)
         tuned = self.signals.timeout_changed()

@@ -36,6 +36,7 @@ KINDS: dict[str, tuple[Domain, Attribution, str]] = {
     "straggler": (Domain.RANK, Attribution.INFRA, "a rank's compute stays far slower than the others'"),
     "log_rule": (Domain.RANK, Attribution.UNKNOWN, "a log rule of the policy fired"),
     "node_unhealthy": (Domain.NODE, Attribution.INFRA, "a node health check failed"),
+    "node_lost": (Domain.NODE, Attribution.INFRA, "a node's ranks and its memory (its keeper) are gone"),
     "no_state": (Domain.JOB, Attribution.UNKNOWN, "no rank holds a consistent copy of the state"),
     "deadline": (Domain.JOB, Attribution.UNKNOWN, "a recovery level missed its deadline"),
 }

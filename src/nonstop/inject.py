@@ -31,8 +31,13 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
              ("ms",)),
     "jitter": ("the forward pass takes a random extra time, `ms` on average, at every step from "
                "`step` on (rank=all: every rank)", ("ms",)),
+    "corrupt": ("a bit flips in the rank's memory snapshot taken at the end of that step (once its "
+                "replica is safe on the buddy node): the checksum must catch it", ()),
+    "node_crash": ("the rank's whole node dies: its keeper (the node's memory), then every process "
+                   "of the node", ()),
 }
-POINTS = ("start", "optimizer")
+POINTS = ("start", "optimizer", "snapshot")  # snapshot: half-way through writing the step's snapshot
+CLAIMED = ("corrupt",)  # fired by the code that can do them, through Injector.claim_kind
 COMMON_KEYS = ("rank", "step", "at", "times")
 PERSISTENT = ("slow", "jitter")  # act at every step from `step` on; rank may be `all`
 ALL_RANKS = -1
@@ -154,7 +159,8 @@ class Injector:
         self._announce = announce
         forward = ("nan",) + PERSISTENT
         self._by_point = {p: [(i, f) for i, f in enumerate(faults)
-                              if f.at == p and f.kind not in forward] for p in POINTS}
+                              if f.at == p and f.kind not in forward + CLAIMED] for p in POINTS}
+        self._claimed = [(i, f) for i, f in enumerate(faults) if f.kind in CLAIMED]
         self._forward = [(i, f) for i, f in enumerate(faults) if f.kind in forward]
         self._announced: set[int] = set()
 
@@ -163,6 +169,18 @@ class Injector:
             if f.rank == rank and f.step == step and self._claim(i, f):
                 self._announce(f, step)
                 fire(f)
+
+    def has_point(self, point: str) -> bool:
+        return bool(self._by_point.get(point))
+
+    def claim_kind(self, kind: str, rank: int, step: int) -> bool:
+        """Whether a fault of ``kind`` fires here (claimed and announced; the caller carries it
+        out): for faults only the caller can do, such as corrupting a snapshot."""
+        for i, f in self._claimed:
+            if f.kind == kind and f.rank == rank and f.step == step and self._claim(i, f):
+                self._announce(f, step)
+                return True
+        return False
 
     @property
     def has_forward(self) -> bool:
@@ -190,10 +208,35 @@ class Injector:
         return delay, poison
 
 
+def _keeper_pid() -> int | None:
+    """The pid of this node's keeper, asked of the kernel (the peer of a connection to it)."""
+    from .protocol import ENV_KEEPER
+
+    name = os.environ.get(ENV_KEEPER)
+    if not name:
+        return None
+    try:
+        from .state import wire
+
+        client = wire.Client(name, timeout_s=5.0)
+        client.close()
+        return client.pid
+    except OSError:
+        return None
+
+
 def fire(f: FaultSpec) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     if f.kind == "crash":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif f.kind == "node_crash":
+        keeper = _keeper_pid()
+        if keeper:  # the node's memory first: the node is gone, not just this process
+            try:
+                os.kill(keeper, signal.SIGKILL)
+            except OSError:
+                pass
         os.kill(os.getpid(), signal.SIGKILL)
     elif f.kind == "exit":
         os._exit(f.code or 1)

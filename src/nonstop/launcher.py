@@ -37,6 +37,9 @@ class RunConfig:
     hang_timeout: float | None = None
     teardown_timeout: float | None = None
     max_restarts: int | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    snapshot_every: str | None = None
     quiet: bool = False
     live: bool | None = None
 
@@ -97,11 +100,28 @@ def prepare(cfg: RunConfig) -> tuple[policy_mod.Policy, list[inject.FaultSpec], 
         "detect.hang.auto": False if cfg.hang_timeout is not None else None,
         "detect.hang.timeout_s": cfg.hang_timeout,
         "recover.timeouts.teardown_s": cfg.teardown_timeout,
-        "recover.levels.job_restart.budget": cfg.max_restarts})
+        "recover.levels.job_restart.budget": cfg.max_restarts,
+        "state.checkpoint.dir": cfg.checkpoint_dir,
+        "state.checkpoint.every_steps": cfg.checkpoint_every,
+        "state.snapshot.every_steps": _snapshot_every(cfg.snapshot_every)})
+    if pol.state.checkpoint.dir:  # every process (ranks, keepers) must agree where it is
+        root = Path(pol.state.checkpoint.dir).expanduser().resolve()
+        if root.exists() and not root.is_dir():
+            raise UsageError(f"checkpoint directory {pol.state.checkpoint.dir} is not a directory")
+        pol = pol.with_overrides(**{"state.checkpoint.dir": str(root)})
     faults = inject.parse(cfg.inject)
     inject.check_world(faults, cfg.nproc)
     uses_nonstop, _ = check_script(cfg.script)
     return pol, faults, uses_nonstop
+
+
+def _snapshot_every(text: str | None) -> Any:
+    if text is None or text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"--snapshot-every takes 'auto' or a number of steps, got {text!r}") from None
 
 
 def make_run_dir(run_dir: str | None) -> Path:
@@ -180,10 +200,18 @@ def run(cfg: RunConfig) -> int:
         code = controller.run()
     except _Interrupted as exc:
         display.stop()
-        display.info(f"interrupted by {signal.Signals(exc.signum).name}: ending every process")
+        name = signal.Signals(exc.signum).name
         log.write("interrupted", signal=exc.signum)
-        controller.diagnosis = f"interrupted by {signal.Signals(exc.signum).name}"
+        controller.diagnosis = f"interrupted by {name}"
         code = 128 + exc.signum
+        if pol.state.emergency.on_signal and controller.phase not in ("finishing", "over"):
+            display.info(f"interrupted by {name}: saving the newest snapshot, then ending every "
+                         "process")
+            for s in old:  # a second signal ends it at once
+                signal.signal(s, signal.SIG_DFL)
+            controller.emergency(f"signal {name}")
+        else:
+            display.info(f"interrupted by {name}: ending every process")
     finally:
         display.stop()
         for s, h in old.items():
@@ -194,6 +222,7 @@ def run(cfg: RunConfig) -> int:
                                 controller.productive_s(), controller.max_step, code)
     summary["run_dir"] = str(run_dir)
     summary["diagnosis"] = controller.diagnosis
+    summary["state"] = dict(controller.memory.summary(), snapshot=controller.snap_stats)
     log.write("run_end", **{k: v for k, v in summary.items() if k != "incident_list"})
     log.close()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

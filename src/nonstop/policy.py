@@ -7,7 +7,7 @@ One YAML file validated against this schema, defaults for everything; ``load`` r
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -158,6 +158,54 @@ class Rules(_Strict):
     spare_failures: int = Field(3, ge=0)  # spares dying in a row before the pool stops refilling
 
 
+# -- state ------------------------------------------------------------------------------------------
+class Snapshot(_Strict):
+    """Memory snapshots: each rank's registered state copied into its node's memory."""
+
+    enabled: bool = True
+    every_steps: Union[Literal["auto"], int] = "auto"
+    max_overhead_pct: float = Field(5.0, gt=0, le=100)  # auto: the interval keeps snapshots under this
+    replicate: bool = True  # also copy each snapshot to a buddy node's memory
+
+    @field_validator("every_steps", mode="before")
+    @classmethod
+    def _auto_or_steps(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ValueError("must be 'auto' or a whole number of steps >= 1")
+
+
+class Checkpoint(_Strict):
+    """Disk checkpoints (DCP format), written from the memory snapshots by the node's keeper."""
+
+    dir: Optional[str] = None  # none without it
+    every_steps: int = Field(100, ge=1)
+    keep: int = Field(3, ge=1)  # complete checkpoints kept; older ones are deleted
+    at_end: bool = True  # the last step of a completed run is written too
+
+
+class Emergency(_Strict):
+    """Saving the newest snapshot to disk when the memory is about to be lost."""
+
+    on_signal: bool = True  # SIGTERM / SIGINT to nonstop run (a scheduler's preemption)
+    on_give_up: bool = True
+    on_job_restart: bool = True
+    grace_s: float = Field(20.0, gt=0, le=3600)  # the most a save may take before nonstop ends
+
+
+class StateConfig(_Strict):
+    snapshot: Snapshot = Snapshot()
+    checkpoint: Checkpoint = Checkpoint()
+    emergency: Emergency = Emergency()
+
+    @model_validator(mode="after")
+    def _checkpoints_need_snapshots(self) -> "StateConfig":
+        if self.checkpoint.dir is not None and not self.snapshot.enabled:
+            raise ValueError("checkpoint.dir needs snapshot.enabled: checkpoints are written "
+                             "from the memory snapshots")
+        return self
+
+
 # -- hooks ------------------------------------------------------------------------------------------
 class GiveUpHook(_Strict):
     command: str | None = None  # run by the shell with the diagnosis JSON on stdin
@@ -180,6 +228,7 @@ class Policy(_Strict):
     detect: Detect = Detect()
     recover: Recover = Recover()
     rules: Rules = Rules()
+    state: StateConfig = StateConfig()
     hooks: Hooks = Hooks()
 
     def with_overrides(self, **dotted: Any) -> "Policy":

@@ -20,6 +20,7 @@ ENV_ENTRIES = "NONSTOP_ENTRIES"  # times this process has entered the training f
 ENV_REPLACEMENTS = "NONSTOP_REPLACEMENTS"  # times this rank has been replaced
 ENV_INJECT = "NONSTOP_INJECT"  # JSON list of fault specs, see inject.py
 ENV_NODE = "NONSTOP_NODE"  # the node (agent group) the process belongs to
+ENV_KEEPER = "NONSTOP_KEEPER"  # the abstract socket name of the node's keeper (its memory)
 
 # -- store keys ---------------------------------------------------------------------------------
 JOB_KEY = "job"  # JSON: settings the runtime needs

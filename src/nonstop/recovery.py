@@ -46,6 +46,12 @@ class Recovery(_Base):
                            "replacements": self.replacements[rank], "port": gen_store.port,
                            "initial": initial})
         self.phase = "rendezvous"
+        usable = self._usable_nodes()
+        for node in usable:  # a node that keeps working after losing its memory gets a new one
+            h = self.memory.keepers.get(node)
+            if h is not None and h.lost:
+                self.memory.restart(node)
+        self.memory.configure(self._node_of(), usable)
         # processes already running (survivors, ready spares) join within milliseconds
         self._warm = {wid for wid in self.plan.values()
                       if self.workers[wid].ready or self.workers[wid].entered >= 0}
@@ -96,6 +102,12 @@ class Recovery(_Base):
         now = time.time()
         dead = {r for r, wid in self.plan.items() if self.workers[wid].dead}
         faults = self.round or [Fault("exit", message="a rank left its generation")]
+        for node in sorted({self.workers[wid].node for r, wid in self.plan.items() if r in dead}):
+            h = self.memory.keepers.get(node)
+            if h is not None and h.lost and not h.killed:  # its ranks and its memory: the node
+                faults = faults + [Fault("node_lost", node=node, message=(
+                    f"node {node}'s ranks and its memory (keeper) are gone"))]
+                self._sick_nodes.add(node)
         inc = self.incident
         escalate = None
         if inc is not None and inc.current_level and any(
@@ -136,6 +148,9 @@ class Recovery(_Base):
         if decision.level is Level.JOB_RESTART:
             for wid in self.plan.values():
                 self.table.kill(self.workers[wid], "job restart")
+            if self.policy.state.emergency.on_job_restart:  # the memory survives; disk is insurance
+                self.memory.emergency("job restart", self._faulty_nodes() | set(decision.isolate),
+                                      self._shut_node, wait_s=None, tick=lambda: None)
         targets = self._placement(decision)
         new: list[Worker] = []
         for rank in sorted(decision.replace):
@@ -227,6 +242,8 @@ class Recovery(_Base):
         else:
             self.incident.faults.append(_short(fault.describe()))
         self.round.append(fault)
+        if fault.domain.value == "node" and fault.node is not None:
+            self._sick_nodes.add(fault.node)
         self.log.write("fault", kind=fault.kind, code=fault.fault_code, rank=fault.rank,
                        node=fault.node, domain=fault.domain.value, exit_code=fault.code,
                        attribution=fault.attribution.value, message=fault.message[:500],
@@ -266,6 +283,7 @@ class Recovery(_Base):
         inc.closed = True
         self.incidents.append(inc)
         self.incident = None
+        self._sick_nodes.clear()
         if resume_step is not None:  # steps were seen: the in-a-row counters start over
             self.counters = ladder.progressed(self.counters)
         rec = inc.to_record()
@@ -283,6 +301,8 @@ class Recovery(_Base):
             self.log.write("incident", **self.incident.to_record())
             self.incident = None
         self.log.write("give_up", diagnosis=self.diagnosis, usage_error=self.usage_error)
+        if not self.usage_error and self.policy.state.emergency.on_give_up:
+            self.emergency("give up")
         hook = self.policy.hooks.on_give_up
         if not self.usage_error and (hook.command or hook.url):
             from .hooks import run_give_up_hook
@@ -296,6 +316,17 @@ class Recovery(_Base):
                 if not record["ok"]:
                     self.display.info(f"give-up hook {record['action']} failed: {record['detail']}")
         self._end(2 if self.usage_error else 1)
+
+    def emergency(self, reason: str) -> None:
+        """The memory is about to be lost: persist the newest snapshot, waiting up to the grace.
+        The ranks stop first: a step completed after the snapshot would be lost anyway, and the
+        node's CPU and memory bandwidth go to the save."""
+        for wid in self.plan.values():
+            self.table.kill(self.workers[wid], f"emergency checkpoint ({reason})")
+        self.memory.poll()
+        self.memory.emergency(reason, self._faulty_nodes(), self._shut_node,
+                              wait_s=self.policy.state.emergency.grace_s,
+                              tick=lambda: self.agent.poll(0.02))
 
     def _end(self, code: int) -> None:
         self.phase = "over"

@@ -53,8 +53,10 @@ class Worker:
 
 
 class WorkerTable:
-    def __init__(self, agent: Agent, store: Any, log: EventLog, spare_mode: str):
+    def __init__(self, agent: Agent, store: Any, log: EventLog, spare_mode: str,
+                 keeper_of: Any = None):
         self.agent, self.store, self.log = agent, store, log
+        self.keeper_of = keeper_of  # node -> the name of its keeper (its memory), if any
         self.spare_mode = spare_mode  # "script": spares run the script up to nonstop.wrap
         self.workers: dict[int, Worker] = {}
         self.spare_failures = 0  # spares lost in a row
@@ -68,7 +70,8 @@ class WorkerTable:
         return w
 
     def spawn(self, w: Worker) -> Proc:
-        proc = self.agent.spawn(w.wid, spare=w.spare, spare_mode=self.spare_mode, node=w.node)
+        proc = self.agent.spawn(w.wid, spare=w.spare, spare_mode=self.spare_mode, node=w.node,
+                                keeper=self.keeper_of(w.node) if self.keeper_of else None)
         self.log.write("spawn", wid=w.wid, pid=proc.pid, spare=w.spare, rank=w.rank, node=w.node,
                        mode=self.spare_mode)
         return proc

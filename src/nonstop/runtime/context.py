@@ -64,12 +64,18 @@ class Context:
             state.dirty = False
             if rt is not None:
                 step_s = time.monotonic() - t0
+                # a snapshot is not a step that counts (goodput), but it is time between steps
+                # that the hang timeout must allow for
+                spent = rt.after_step(state, self.rank, self.world_size, self.generation, step_s,
+                                      not self._first_done)
                 rt.busy += step_s
-                rt.monitor.record_step(self.generation, self.rank, step + 1, rt.busy, step_s,
+                rt.monitor.record_step(self.generation, self.rank, step + 1, rt.busy, step_s + spent,
                                        state.compute_s, self._loss, first=not self._first_done)
                 if not self._first_done:
                     self._first_done = True
                     rt.release_closed_groups()  # the previous generation's group, now idle
+        if rt is not None and state.step >= total:
+            rt.steps_done(state, self.rank, self.world_size, self.generation)
 
     def report(self, loss: Any = None) -> None:
         """Note this step's loss (a tensor or number); published in the background. With loss

@@ -164,6 +164,11 @@ class Monitor:
                                       "same_s": round(now - since, 3), "paused": self._paused,
                                       "max_step_s": self._max_step_s, "compute_s": self._compute}
             self._max_step_s = 0.0
+            snaps = rt.snapshots
+            if snaps is not None and snaps.taken:
+                record["snap"] = {"every": snaps.every, "cost_s": snaps.cost_s,
+                                  "step_s": snaps.step_s, "last": snaps.last_step,
+                                  "repl_s": snaps.repl_s}
             progress = self._progress
             if progress is not None:
                 record.update(progress)

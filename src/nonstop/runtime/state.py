@@ -27,16 +27,25 @@ class State:
     """Objects that don't depend on the process group, kept across generations.
 
     Each object must have ``state_dict()`` and ``load_state_dict()`` (modules, optimizers, LR
-    schedulers, grad scalers...), or be a ``dict`` (updated in place) or a tensor (copied in place).
+    schedulers, grad scalers, ``nonstop.RNGState()``...), or be a ``dict`` (updated in place) or a
+    tensor (copied in place).
+
+    ``sharded=True`` says the state differs from rank to rank (an optimizer sharded across the
+    data-parallel ranks, ZeRO-style): a rank's state then only ever comes from its own snapshots
+    (its node's memory, the replica on its buddy node, its part of a disk checkpoint), and after a
+    failure every rank resumes from the newest step every shard has.
 
     Example::
 
         state = nonstop.State(model=model, optimizer=opt, scheduler=sched)
     """
 
-    def __init__(self, **objects: Any):
+    def __init__(self, sharded: bool = False, **objects: Any):
         import torch
 
+        if not isinstance(sharded, bool):
+            raise TypeError("nonstop.State(sharded=...) takes True or False; 'sharded' is not a "
+                            "name an object can be registered under")
         if not objects:
             raise ValueError("nonstop.State needs at least one object, e.g. State(model=model)")
         for name, obj in objects.items():
@@ -46,6 +55,7 @@ class State:
                 raise TypeError(f"nonstop.State: {name!r} ({type(obj).__name__}) has no "
                                 "state_dict()/load_state_dict() and is not a dict or tensor")
         self._init_counters()
+        self.sharded = sharded
         self._objects = dict(objects)
         for obj in objects.values():
             if isinstance(obj, torch.optim.Optimizer):
@@ -57,6 +67,7 @@ class State:
 
     def _init_counters(self) -> None:
         self._objects: dict[str, Any] = {}
+        self.sharded = False
         self.step = 0  # steps completed
         self.dirty = False  # an optimizer stepped inside a step that has not completed
         self.check_finite = False  # set by the runtime from the policy
@@ -145,6 +156,47 @@ class State:
                 obj.update(sd[name])
             else:
                 obj.load_state_dict(sd[name])
+
+
+class RNGState:
+    """The random number generators of this process (Python's, NumPy's if loaded, torch's CPU and
+    CUDA ones), as an object to register: ``State(model=m, optimizer=o, rng=nonstop.RNGState())``.
+    Snapshots and checkpoints then carry them, so dropout and data shuffling replay exactly after
+    a restore. (A peer's live state carries the peer's generators: seed per rank with
+    ``ctx.steps(reseed=...)`` where that matters.)"""
+
+    def state_dict(self) -> dict[str, Any]:
+        import random
+        import sys
+
+        import torch
+
+        out: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        if "numpy" in sys.modules:
+            out["numpy"] = sys.modules["numpy"].random.get_state()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["cuda"] = torch.cuda.get_rng_state_all()
+        return out
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        import random
+        import sys
+
+        import torch
+
+        random.setstate(_as_rng_tuple(sd["python"]))
+        torch.set_rng_state(sd["torch"].clone())
+        if "numpy" in sd and "numpy" in sys.modules:
+            sys.modules["numpy"].random.set_state(_as_rng_tuple(sd["numpy"]))
+        if "cuda" in sd and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([t.clone() for t in sd["cuda"]])
+
+
+def _as_rng_tuple(value: Any) -> Any:
+    """A generator state back as the nested tuples ``setstate`` wants (it may come back as lists)."""
+    if isinstance(value, list):
+        return tuple(_as_rng_tuple(v) for v in value)
+    return value
 
 
 class _StepOnly(State):

@@ -65,6 +65,18 @@ class WorkerRuntime:
         self.closed_groups: list[Any] = []  # groups left but not yet destroyed (pg.close)
         self.faults = inject.from_env(os.environ.get(protocol.ENV_INJECT))
         self.injector = inject.Injector(self.faults, self._claim_fault, self._announce_fault)
+        self.registered = False  # whether the wrapped function registered a nonstop.State
+        self.node_memory: Any = None  # this node's memory (its keeper), when snapshots are on
+        self.snapshots: Any = None
+        state_cfg = self.job.get("policy", {}).get("state")
+        keeper = os.environ.get(protocol.ENV_KEEPER)
+        if keeper and state_cfg and state_cfg["snapshot"]["enabled"]:
+            from ..state.memory import NodeMemory
+            from ..state.snapshot import Snapshots
+
+            self.node_memory = NodeMemory(keeper)
+            self.snapshots = Snapshots(state_cfg, self.node_memory)
+        self._snapshot_error: str | None = None
         from .monitor import Monitor
 
         self.monitor = Monitor(self)
@@ -139,6 +151,44 @@ class WorkerRuntime:
         groups, self.closed_groups = self.closed_groups, []
         for group in groups:
             group.release()
+
+    # -- state: restore at entry, snapshots after steps ------------------------------------------
+    def restore(self, state: Any, rank: int, world: int, gen: int, has_state: bool) -> Any:
+        """Bring this rank to the step every rank agrees on, from the cheapest source."""
+        from ..state.restore import Where, restore
+
+        snaps = self.snapshots if self.registered else None
+        root = snaps.root if snaps is not None else None
+        where = Where(memory=self.node_memory if snaps is not None else None,
+                      checkpoint_root=root, sharded=state.sharded)
+        resumed = restore(state, rank, world, has_state, where,
+                          snaps.schedule() if snaps is not None else None)
+        if snaps is not None:
+            snaps.adopt(resumed.agreed["schedules"], resumed.step, resumed.agreed["disk"])
+            if state.sharded and resumed.step == 0 and snaps.last_step != 0:
+                # the starting shard, so that a failure before the first snapshot can roll back
+                snaps.take(state, rank, world, gen)
+        return resumed
+
+    def after_step(self, state: Any, rank: int, world: int, gen: int, step_s: float,
+                   first: bool) -> float:
+        """A step completed: take a snapshot if one is due. Returns the seconds it took."""
+        snaps = self.snapshots
+        if snaps is None or not self.registered:
+            return 0.0
+        spent, changed = snaps.after_step(state, rank, world, gen, step_s, first, self.injector)
+        if changed and rank == 0:
+            self.emit("snapshot_interval", gen=gen, step=state.step, **snaps.stats())
+        if snaps.error != self._snapshot_error:
+            self._snapshot_error = snaps.error
+            if snaps.error:
+                self.emit("snapshot_failed", gen=gen, rank=rank, step=state.step, error=snaps.error)
+        return spent
+
+    def steps_done(self, state: Any, rank: int, world: int, gen: int) -> None:
+        """The training loop ended: the last step goes to disk if checkpoints are on."""
+        if self.snapshots is not None and self.registered:
+            self.snapshots.finish(state, rank, world, gen)
 
     # -- faults ---------------------------------------------------------------------------------
     def _claim_fault(self, index: int, fault: inject.FaultSpec) -> bool:

@@ -79,6 +79,7 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
     job = rt.job
     tracked = state if state is not None else _StepOnly()
     _attach(rt, tracked)
+    rt.registered = state is not None
     if not rt.wrapped:
         rt.wrapped = True
         rt.emit("wrapped", pid=os.getpid())
@@ -126,7 +127,8 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
                     sockets_shut=group.sockets_shut, **outcome.detail)
             continue
         result = outcome
-        rt.emit("done", gen=gen, rank=rank, step=tracked.step, busy=rt.busy)
+        rt.emit("done", gen=gen, rank=rank, step=tracked.step, busy=rt.busy,
+                final_persist=rt.snapshots.final_persist if rt.snapshots is not None else None)
         verdict = rt.wait_message()
         if verdict["type"] == protocol.COMPLETE:
             rt.monitor.end()
@@ -184,7 +186,7 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
     ``_Retry`` (the step's gradients were not finite: nothing applied, group intact), or a
     ``_Failure`` describing why this rank left (the group already aborted, not yet closed).
     ``rejoin``: re-enter a generation already joined, to retry a step."""
-    from .transfer import sync
+    from ..state.restore import NoConsistentState
 
     gen, rank, world = msg["gen"], msg["rank"], msg["world"]
     phase = "train" if rejoin else "rendezvous"
@@ -197,14 +199,16 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
         group.open()
         t_pg = time.time()
         phase = "restore"
-        resumed = sync(tracked, rank, world, has_state)
+        resumed = rt.restore(tracked, rank, world, gen, has_state)
         t_restored = time.time()
         rt.entries += 1
         rt.ever_entered = True
         os.environ[protocol.ENV_ENTRIES] = str(rt.entries)
         rt.emit("entered", gen=gen, rank=rank, step=resumed.step, source=resumed.source,
-                receivers=list(resumed.receivers), nbytes=resumed.nbytes,
-                t_assigned=t_assigned, t_pg=t_pg, t_restored=t_restored,
+                holder=resumed.holder, receivers=list(resumed.receivers),
+                sources={str(r): s for r, s in resumed.sources.items()}, skipped=resumed.skipped,
+                nbytes=resumed.nbytes, restore_s=round(resumed.seconds, 6),
+                sharded=tracked.sharded, t_assigned=t_assigned, t_pg=t_pg, t_restored=t_restored,
                 fds=len(os.listdir("/proc/self/fd")), threads=len(os.listdir("/proc/self/task")))
         ctx = _context(rt, tracked, msg, resumed)
         phase = "train"
@@ -221,6 +225,8 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
         group.abort()  # first: release the peers blocked on us
         if rt.monitor.aborted(gen):
             reason = "abort"
+        elif isinstance(exc, NoConsistentState):
+            reason = "no_state"
         elif is_collective_error(exc) or phase == "rendezvous":
             reason = "peer"
         else:

@@ -1,0 +1,452 @@
+"""Checkpoints on disk: one plain torch.distributed.checkpoint (DCP) directory per rank's part,
+a step made complete by an atomic rename, every file checksummed at write and verified at read."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import errno
+import json
+import os
+import pickle
+import re
+import secrets
+import shutil
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+FORMAT = "nonstop-checkpoint/1"
+MANIFEST = "manifest.json"
+
+# The extra top-level DCP entry holding what DCP cannot keep: the original structure (key types,
+# OrderedDict `_metadata`, empty containers) and the part's info. A bytes value, because DCP would
+# flatten a dict into one entry per key.
+_ENTRY = "nonstop"
+_STEP_RE = re.compile(r"^step-(\d{10})$")
+_TEMP_RE = re.compile(r"^\.tmp-step-(\d+)")
+_CHUNK = 8 << 20
+_RESERVED = ("format", "step", "world", "sharded", "created", "torch", "parts")
+
+
+class CorruptCheckpoint(Exception):
+    """A checkpoint part failed verification (checksum, size, missing file, unreadable)."""
+
+
+def step_dir_name(step: int) -> str:
+    """The directory name of a complete step: ``step-0000000040``."""
+    return f"step-{step:010d}"
+
+
+def temp_dir(root: Path, step: int) -> Path:
+    """``root / ".tmp-step-<step>"``, where a step is written before it is complete; created
+    (0700, with any missing parents) if missing. Several processes may call it for one step."""
+    path = Path(root) / f".tmp-{step_dir_name(step)}"
+    _mkdirs(path)
+    return path
+
+
+def write_part(state_dict: Mapping[str, Any], tmp: Path, rank: int, info: dict) -> dict:
+    """Write one rank's state dict as a plain DCP checkpoint into ``tmp / "rank-<rank>"``.
+
+    Written under a private name, fsynced and checksummed, then renamed into place: ``rank-<rank>``
+    is only ever seen complete. One left by an earlier attempt is replaced.
+
+    Args:
+        state_dict: Nested dicts, lists, tensors (views into a larger buffer too) and plain values;
+            the top-level key ``"nonstop"`` is reserved.
+        tmp: The step's temporary directory (from ``temp_dir``).
+        rank: The rank this part belongs to.
+        info: JSON-serializable facts about the part, given back by ``read_part``.
+
+    Returns:
+        The part record: ``{"dir", "files": {name: {"bytes", "xxh3"}}, "bytes", "seconds", "info"}``.
+
+    Raises:
+        ValueError: Two leaves would get the same DCP name, or the reserved key is used.
+    """
+    from torch.distributed.checkpoint import FileSystemWriter, save
+
+    t0 = time.monotonic()
+    if any(str(k) == _ENTRY for k in state_dict):
+        raise ValueError(f"the top-level key {_ENTRY!r} is reserved for nonstop's own entry")
+    blob = pickle.dumps({"format": FORMAT, "info": info, "skeleton": _skeleton(state_dict)},
+                        protocol=pickle.HIGHEST_PROTOCOL)
+    tmp = Path(tmp)
+    name = f"rank-{rank}"
+    staging = tmp / f"{name}.partial-{secrets.token_hex(6)}"
+    staging.mkdir(mode=0o700)  # DCP's own mkdir(exist_ok=True) then leaves the mode alone
+    try:
+        with warnings.catch_warnings():
+            _quiet()
+            save({**state_dict, _ENTRY: blob},
+                 storage_writer=FileSystemWriter(staging, sync_files=True), no_dist=True)
+        files = {}
+        for path in sorted(p for p in staging.rglob("*") if p.is_file()):
+            size, digest = _hash_file(path, sync=True)
+            files[path.relative_to(staging).as_posix()] = {"bytes": size, "xxh3": digest}
+        _fsync_dir(staging)
+        _replace_dir(staging, tmp / name)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return {"dir": name, "files": files, "bytes": sum(f["bytes"] for f in files.values()),
+            "seconds": round(time.monotonic() - t0, 6), "info": info}
+
+
+def finalize(root: Path, step: int, parts: dict[int, dict], *, world: int, sharded: bool,
+             extra: dict | None = None) -> Path:
+    """Make step ``step`` complete: write its manifest, then rename its temp dir into place.
+
+    Args:
+        root: The checkpoint root.
+        step: The step; its temp dir must hold every part in ``parts``.
+        parts: Part records from ``write_part``, by rank.
+        world: The world size that wrote the step.
+        sharded: Each rank's state is its own shard (else: replicated).
+        extra: More JSON-serializable manifest fields (not the reserved ones).
+
+    Returns:
+        The complete step's directory.
+
+    Raises:
+        FileExistsError: The step is already complete.
+        CorruptCheckpoint: A file of a part is missing or has the wrong size.
+        ValueError: No parts, or ``extra`` overrides a reserved field.
+    """
+    import torch
+
+    root = Path(root)
+    tmp = root / f".tmp-{step_dir_name(step)}"
+    final = root / step_dir_name(step)
+    if final.exists():
+        raise FileExistsError(f"step {step} is already complete: {final}")
+    if not parts:
+        raise ValueError(f"step {step}: no parts to finalize")
+    if set(extra or {}) & set(_RESERVED):
+        raise ValueError(f"extra manifest fields may not be any of {_RESERVED}")
+    for rank, part in parts.items():
+        _check(tmp, step, rank, part, checksums=False)
+    keep = {part["dir"] for part in parts.values()}
+    for entry in tmp.iterdir():  # debris of crashed attempts: never read, only taking space
+        if entry.name not in keep and (".partial-" in entry.name or ".old-" in entry.name):
+            _remove(entry)
+    manifest = {"format": FORMAT, "step": step, "world": world, "sharded": sharded,
+                "created": time.time(), "torch": str(torch.__version__),
+                "parts": {str(r): parts[r] for r in sorted(parts)}, **(extra or {})}
+    with open(tmp / MANIFEST, "wb") as fh:
+        fh.write(json.dumps(manifest, indent=1).encode())
+        fh.flush()
+        os.fsync(fh.fileno())
+    _fsync_dir(tmp)
+    try:
+        os.rename(tmp, final)
+    except OSError as e:
+        if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise FileExistsError(f"step {step} is already complete: {final}") from e
+        raise
+    _fsync_dir(root)
+    return final
+
+
+def complete_steps(root: Path) -> list[int]:
+    """Steps with a readable manifest of this format, newest first; ``[]`` if root is missing."""
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    steps = []
+    for m in filter(None, map(_STEP_RE.match, names)):
+        with contextlib.suppress(CorruptCheckpoint):
+            read_manifest(Path(root), int(m[1]))
+            steps.append(int(m[1]))
+    return sorted(steps, reverse=True)
+
+
+def read_manifest(root: Path, step: int) -> dict:
+    """The manifest of a complete step.
+
+    Raises:
+        CorruptCheckpoint: It is missing, unreadable, or not of this format and step.
+    """
+    path = Path(root) / step_dir_name(step) / MANIFEST
+    try:
+        manifest = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"step {step}: {MANIFEST}: missing") from None
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpoint(f"step {step}: {MANIFEST}: unreadable ({_line(e)})") from e
+    if (not isinstance(manifest, dict) or manifest.get("format") != FORMAT
+            or manifest.get("step") != step or not isinstance(manifest.get("parts"), dict)):
+        raise CorruptCheckpoint(f"step {step}: {MANIFEST}: not a {FORMAT} manifest of this step")
+    return manifest
+
+
+def part_rank_for(manifest: dict, rank: int) -> int | None:
+    """Which part a rank restores from (None: there is none for it): its own for sharded state;
+    for replicated state its own if present, else the lowest."""
+    ranks = sorted(int(r) for r in manifest.get("parts", {}))
+    if rank in ranks:
+        return rank
+    if manifest.get("sharded") or not ranks:
+        return None
+    return ranks[0]
+
+
+def verify_part(root: Path, step: int, part_rank: int) -> None:
+    """Check every file of a part against the sizes and checksums in the step's manifest.
+
+    Raises:
+        CorruptCheckpoint: One line naming the step, the part, the file and what is wrong.
+    """
+    part = _part(read_manifest(root, step), step, part_rank)
+    _check(Path(root) / step_dir_name(step), step, part_rank, part)
+
+
+def read_part(root: Path, step: int, part_rank: int,
+              verify: bool = True) -> tuple[dict[str, Any], dict]:
+    """Load a part back as it was written.
+
+    Args:
+        root: The checkpoint root.
+        step: A complete step.
+        part_rank: The part to read (see ``part_rank_for``).
+        verify: Check sizes and checksums first.
+
+    Returns:
+        ``(state_dict, info)``: the original nesting, container and key types, tensors bit for bit
+        (contiguous, on the CPU); ``info`` as given to ``write_part``.
+
+    Raises:
+        CorruptCheckpoint: Anything fails, verification or reading: never garbage.
+    """
+    root = Path(root)
+    part = _part(read_manifest(root, step), step, part_rank)
+    if verify:
+        _check(root / step_dir_name(step), step, part_rank, part)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        flat = _load_flat(root / step_dir_name(step) / part["dir"])
+        ours = pickle.loads(flat.pop(_ENTRY))
+        if ours.get("format") != FORMAT:
+            raise ValueError(f"format {ours.get('format')!r}")
+        return _rebuild(ours["skeleton"], flat), ours["info"]
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CorruptCheckpoint(
+            f"step {step} part {part_rank}: {part['dir']}: unreadable ({_line(e)})") from e
+
+
+def retain(root: Path, keep: int) -> list[int]:
+    """Delete complete steps beyond the newest ``keep`` and return them; temp dirs are left to
+    ``clean_temp``."""
+    if keep < 0:
+        raise ValueError(f"keep must be >= 0, not {keep}")
+    root = Path(root)
+    removed = []
+    for step in complete_steps(root)[keep:]:
+        # Out of the listing first, under a temp name: a crash during the deletion leaves debris
+        # for clean_temp, never a step that looks complete with files missing.
+        doomed = root / f".tmp-{step_dir_name(step)}.deleted-{secrets.token_hex(6)}"
+        try:
+            os.rename(root / step_dir_name(step), doomed)
+        except FileNotFoundError:  # someone else removed it
+            continue
+        _fsync_dir(root)
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(step)
+    return removed
+
+
+def clean_temp(root: Path, below_step: int | None = None) -> list[Path]:
+    """Remove temp dirs (``.tmp-step-*``) and return their paths: all of them (only when no step
+    is being written), or those for steps below ``below_step`` (a newer step completed: they will
+    never finish)."""
+    try:
+        names = sorted(os.listdir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    removed = []
+    for name in names:
+        m = _TEMP_RE.match(name)
+        if m and (below_step is None or int(m[1]) < below_step):
+            _remove(Path(root) / name)
+            removed.append(Path(root) / name)
+    return removed
+
+
+def drop_page_cache(path: Path) -> None:
+    """Evict every file under ``path`` (or the file itself) from the page cache, best effort, so
+    the next read comes from the disk: for honest restore timings in benchmarks."""
+    path = Path(path)
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    advise = getattr(os, "posix_fadvise", None)  # not on every platform
+    for f in files:
+        with contextlib.suppress(OSError), open(f, "rb") as fh:
+            os.fsync(fh.fileno())  # dirty pages cannot be dropped
+            if advise is not None:
+                advise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _skeleton(state_dict: Mapping[str, Any]) -> Any:
+    """The structure with every DCP leaf replaced by its DCP name (FQN)."""
+    from torch.distributed.checkpoint._traverse import traverse_state_dict
+
+    leaves: dict[tuple, str] = {}
+    seen: set[str] = set()
+
+    def visit(path: tuple, _value: Any) -> None:
+        fqn = ".".join(map(str, path))
+        if fqn in seen:  # DCP would refuse it too, less clearly
+            raise ValueError(f"two entries of the state dict share the DCP name {fqn!r}")
+        seen.add(fqn)
+        leaves[path] = fqn
+
+    traverse_state_dict(state_dict, visit)
+
+    # Mirrors DCP's traversal: a leaf is whatever its visitor saw there (a tuple, a list holding
+    # no tensor nor mapping, any plain value); only mappings and other lists are walked into.
+    def build(path: tuple, value: Any) -> Any:
+        if path in leaves:
+            return leaves[path]
+        if isinstance(value, Mapping):
+            return _like(value, {k: build(path + (str(k),), v) for k, v in value.items()})
+        if isinstance(value, list):
+            return [build(path + (i,), v) for i, v in enumerate(value)]
+        raise TypeError(f"cannot place {type(value).__name__} at {'.'.join(map(str, path))}")
+
+    return build((), state_dict)
+
+
+def _rebuild(skeleton: Any, flat: dict[str, Any]) -> Any:
+    # Every str in a skeleton is a leaf's name: real str values are leaves themselves.
+    if isinstance(skeleton, str):
+        return flat[skeleton]
+    if isinstance(skeleton, Mapping):
+        return _like(skeleton, {k: _rebuild(v, flat) for k, v in skeleton.items()})
+    if isinstance(skeleton, list):
+        return [_rebuild(v, flat) for v in skeleton]
+    raise TypeError(f"unexpected {type(skeleton).__name__} in the skeleton")
+
+
+def _like(mapping: Mapping, items: dict) -> Mapping:
+    # Same type and attributes (a module state dict's `_metadata`) as `mapping`, with `items`.
+    try:
+        out = copy.copy(mapping)
+        out.clear()  # type: ignore[attr-defined]
+        out.update(items)  # type: ignore[attr-defined]
+        return out
+    except Exception:  # an immutable or unusual mapping: its items are what matters
+        return dict(items)
+
+
+def _load_flat(part_dir: Path) -> dict[str, Any]:
+    # Every entry under its DCP name, read into a template made from the checkpoint's own
+    # metadata: DCP keeps the dotted keys of a flat dict as they are.
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(part_dir).read_metadata()
+    flat: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            flat[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
+        else:  # BytesStorageMetadata: DCP puts the unpickled value in place of this
+            flat[fqn] = None
+    with warnings.catch_warnings():
+        _quiet()
+        load(flat, storage_reader=FileSystemReader(part_dir), no_dist=True)
+    return flat
+
+
+def _part(manifest: dict, step: int, part_rank: int) -> dict:
+    part = manifest["parts"].get(str(part_rank))
+    if (not isinstance(part, dict) or not isinstance(part.get("dir"), str)
+            or not isinstance(part.get("files"), dict)):
+        raise CorruptCheckpoint(f"step {step} part {part_rank}: {MANIFEST}: no such part")
+    return part
+
+
+def _check(step_dir: Path, step: int, part_rank: int, part: dict, checksums: bool = True) -> None:
+    directory = step_dir / part["dir"]
+    for name, rec in sorted(part["files"].items()):
+        where = f"step {step} part {part_rank}: {part['dir']}/{name}"
+        try:
+            expected_size, expected_hash = int(rec["bytes"]), str(rec["xxh3"])
+        except (KeyError, TypeError, ValueError):
+            raise CorruptCheckpoint(f"{where}: bad record in {MANIFEST}") from None
+        try:
+            size = os.stat(directory / name).st_size
+            if size != expected_size:
+                raise CorruptCheckpoint(f"{where}: size {size} bytes, expected {expected_size}")
+            digest = _hash_file(directory / name)[1] if checksums else expected_hash
+        except FileNotFoundError:
+            raise CorruptCheckpoint(f"{where}: missing") from None
+        except OSError as e:
+            raise CorruptCheckpoint(f"{where}: unreadable ({_line(e)})") from e
+        if digest != expected_hash:
+            raise CorruptCheckpoint(f"{where}: checksum {digest}, expected {expected_hash}")
+
+
+def _hash_file(path: Path, sync: bool = False) -> tuple[int, str]:
+    # With sync, fsynced first: the record then describes what is on the disk.
+    h, size = xxhash.xxh3_64(), 0
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as fh:
+        if sync:
+            os.fsync(fh.fileno())
+        while n := fh.readinto(buf):
+            h.update(view[:n])
+            size += n
+    return size, h.hexdigest()
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    # rename(2) does not replace a non-empty directory: an earlier attempt's is moved aside first.
+    old = None
+    if dst.exists():
+        old = dst.with_name(f"{dst.name}.old-{secrets.token_hex(6)}")
+        os.rename(dst, old)
+    os.rename(src, dst)
+    _fsync_dir(dst.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _mkdirs(path: Path) -> None:
+    # Path.mkdir(parents=True) gives the parents default permissions: every level we create is 0700.
+    if not path.exists():
+        _mkdirs(path.parent)
+        with contextlib.suppress(FileExistsError):  # another process made it first
+            path.mkdir(mode=0o700)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:  # makes the renames and new entries in it durable
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _quiet() -> None:
+    # With no_dist, DCP warns that it assumes a single process: that is exactly what we ask for.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+
+
+def _line(e: BaseException) -> str:
+    text = " ".join(str(e).split())[:300]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__

@@ -1,0 +1,604 @@
+"""The node's memory: a small process that holds every snapshot slot of the node, so a snapshot
+outlives the rank that wrote it, and that copies snapshots to a buddy node and to disk, off the
+ranks' training path.
+
+    python -m nonstop.state.keeper NAME --node N [--host HOST] [--writer]
+
+A rank asks for a slot (``alloc``), fills it, and says so (``commit``). Each holder (``r3``: rank
+3's own snapshots; ``rep3``: a replica of them from another node) has two slots; a write goes to
+the older one, and waits while a reader holds it or while the newer one has not reached the
+buddy yet, so own memory and the replica always share a step. The slots are memfds: only
+processes they are handed to can read them, and they are freed when the keeper and the ranks are
+gone - the keeper's death is the node's memory lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import itertools
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from . import shm, wire
+
+SLOTS = 2
+DEFER_LIMIT_S = 120.0  # a write waits at most this long for a slot to become free
+REPLICA_TIMEOUT_S = 120.0
+
+
+class Holder:
+    """The slots of one holder and who is using them."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.fds: list[int | None] = [None] * SLOTS
+        self.writing: list[Any] = [None] * SLOTS  # who is writing the slot
+        self.leases: list[collections.Counter] = [collections.Counter() for _ in range(SLOTS)]
+        self.replicated = -1  # seq of the newest snapshot the buddy node holds
+        self.replicated_step: int | None = None
+        self.repl_error: str | None = None  # replication failed: writes no longer wait for it
+        self.repl_s: float | None = None  # how long the last replication took
+
+    def infos(self) -> list[shm.SlotInfo | None]:
+        return [shm.read_header(fd) if fd is not None else None for fd in self.fds]
+
+    def free(self, i: int) -> bool:
+        return self.writing[i] is None and sum(self.leases[i].values()) == 0
+
+    def older(self) -> int:
+        """The slot a new snapshot goes to: the invalid one, else the one with the older seq."""
+        seqs = [i.seq if i is not None else -1 for i in self.infos()]
+        return min(range(SLOTS), key=lambda i: (seqs[i], i))
+
+    def newest(self, step: int | None = None) -> tuple[int, shm.SlotInfo] | None:
+        found = [(info.seq, i, info) for i, info in enumerate(self.infos())
+                 if info is not None and self.writing[i] is None
+                 and (step is None or info.step == step)]
+        if not found:
+            return None
+        _, i, info = max(found)
+        return i, info
+
+    def ensure(self, i: int, size: int) -> int:
+        fd = self.fds[i]
+        if fd is None:
+            fd = self.fds[i] = shm.create(f"{self.name}.{i}", size)
+        elif os.fstat(fd).st_size < size:
+            os.ftruncate(fd, size)  # grows in place; readers re-map when they see a new size
+        return fd
+
+
+class Keeper:
+    def __init__(self, name: str, node: int, host: str, writer: bool):
+        self.name, self.node = name, node
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        self.holders: dict[str, Holder] = {}
+        self.replicate_to: dict[str, str] = {}  # holder -> "host:port" of the buddy node's keeper
+        self.sel = selectors.DefaultSelector()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self.listener.bind(wire.address(name))
+        self.listener.listen(128)
+        self.tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self.tcp.bind((host, 0))
+        self.tcp.listen(16)
+        self.tcp_addr = f"{host}:{self.tcp.getsockname()[1]}"
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)
+        self.conns: dict[int, socket.socket] = {}
+        self._ids = itertools.count(1)
+        self.subscribers: set[int] = set()
+        self.deferred: list[tuple[int, dict[str, Any], float]] = []
+        self.events: list[dict[str, Any]] = []
+        self.repl_queue: collections.deque[str] = collections.deque()
+        self.stage_queue: collections.deque[dict[str, Any]] = collections.deque()
+        self.write_queue: collections.deque[tuple[dict[str, Any], shm.SlotInfo, int]] = \
+            collections.deque()
+        self.want_writer = writer
+        self.writer: subprocess.Popen | None = None
+        self.writer_sock: socket.socket | None = None
+        self.writer_job: tuple[dict[str, Any], int] | None = None
+        for sock, tag in ((self.listener, "listen"), (self.tcp, "tcp"), (self._wake_r, "wake")):
+            self.sel.register(sock, selectors.EVENT_READ, tag)
+        threading.Thread(target=self._replicator, name="replicator", daemon=True).start()
+        threading.Thread(target=self._stager, name="stager", daemon=True).start()
+
+    # == plumbing ================================================================================
+    def wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def emit(self, ev: dict[str, Any]) -> None:
+        """An event for the subscribers (the controller); sent by the main thread."""
+        ev.setdefault("t", time.time())
+        ev["node"] = self.node
+        with self.lock:
+            self.events.append(ev)
+        self.wake()
+
+    def _flush_events(self) -> None:
+        with self.lock:
+            events, self.events = self.events, []
+        for ev in events:
+            for cid in list(self.subscribers):
+                sock = self.conns.get(cid)
+                try:
+                    if sock is not None:
+                        wire.send(sock, ev)
+                except OSError:
+                    self._drop(cid)
+
+    def holder(self, name: str) -> Holder:
+        h = self.holders.get(name)
+        if h is None:
+            h = self.holders[name] = Holder(name)
+        return h
+
+    def run(self) -> None:
+        if self.want_writer:
+            self._start_writer()
+        while True:
+            for key, _ in self.sel.select(timeout=0.5):
+                tag = key.data
+                if tag == "listen":
+                    self._accept()
+                elif tag == "tcp":
+                    conn, _ = self.tcp.accept()
+                    threading.Thread(target=self._receive, args=(conn,), daemon=True,
+                                     name="replica-in").start()
+                elif tag == "wake":
+                    try:
+                        self._wake_r.recv(4096)
+                    except OSError:
+                        pass
+                elif tag == "writer":
+                    self._from_writer()
+                else:
+                    self._serve(tag)
+            self._retry_deferred()
+            self._dispatch_persist()
+            self._flush_events()
+
+    def _accept(self) -> None:
+        conn, _ = self.listener.accept()
+        _, uid = wire.peer_pid_uid(conn)
+        if uid != os.getuid():  # the snapshots are the job's user's alone
+            conn.close()
+            return
+        cid = next(self._ids)
+        self.conns[cid] = conn
+        self.sel.register(conn, selectors.EVENT_READ, cid)
+
+    def _drop(self, cid: int) -> None:
+        sock = self.conns.pop(cid, None)
+        if sock is None:
+            return
+        try:
+            self.sel.unregister(sock)
+        except (KeyError, ValueError):
+            pass
+        sock.close()
+        self.subscribers.discard(cid)
+        with self.lock:
+            self.deferred = [d for d in self.deferred if d[0] != cid]
+            for h in self.holders.values():  # a client that died gives back what it held
+                for i in range(SLOTS):
+                    if h.writing[i] == cid:
+                        h.writing[i] = None
+                    h.leases[i].pop(cid, None)
+            self.changed.notify_all()
+
+    def _serve(self, cid: int) -> None:
+        sock = self.conns.get(cid)
+        if sock is None:
+            return
+        try:
+            msg, fds = wire.recv(sock)
+        except OSError:
+            msg, fds = None, []
+        if msg is None:
+            self._drop(cid)
+            return
+        for fd in fds:  # clients send no descriptors
+            os.close(fd)
+        try:
+            with self.lock:
+                out = self._handle(cid, msg)
+        except Exception as exc:  # noqa: BLE001 - a bad request must not take the node's memory down
+            out = ({"error": f"{type(exc).__name__}: {exc}"}, [])
+        if out is None:
+            self.deferred.append((cid, msg, time.time()))
+            return
+        self._reply(cid, *out)
+
+    def _reply(self, cid: int, reply: dict[str, Any] | None, fds: list[int]) -> None:
+        if reply is None:
+            return
+        sock = self.conns.get(cid)
+        if sock is None:
+            return
+        try:
+            wire.send(sock, reply, fds)
+        except OSError:
+            self._drop(cid)
+
+    def _retry_deferred(self) -> None:
+        if not self.deferred:
+            return
+        now = time.time()
+        with self.lock:
+            waiting, self.deferred = self.deferred, []
+            for cid, msg, t0 in waiting:
+                if now - t0 > DEFER_LIMIT_S:
+                    self._reply(cid, {"error": f"{msg['op']} {msg.get('holder')}: no free slot "
+                                               f"after {DEFER_LIMIT_S:g} s"}, [])
+                    continue
+                out = self._handle(cid, msg)
+                if out is None:
+                    self.deferred.append((cid, msg, t0))
+                else:
+                    self._reply(cid, *out)
+
+    # == requests ================================================================================
+    def _handle(self, cid: int, msg: dict[str, Any]) -> tuple[dict[str, Any] | None, list[int]] | None:
+        """Answer one request: (reply, descriptors), or None to answer it later."""
+        op = msg.get("op")
+        if op == "alloc":
+            return self._alloc(cid, msg)
+        if op == "commit":
+            return self._commit(cid, msg)
+        if op == "lease":
+            return self._lease(cid, msg)
+        if op == "release":
+            h = self.holder(msg["holder"])
+            h.leases[msg["slot"]][cid] -= 1
+            if h.leases[msg["slot"]][cid] <= 0:
+                del h.leases[msg["slot"]][cid]
+            self.changed.notify_all()
+            return ({"ok": True} if msg.get("reply") else None), []
+        if op == "list":
+            return {"holders": self._listing(), "node": self.node, "tcp": self.tcp_addr}, []
+        if op == "configure":
+            return self._configure(msg)
+        if op == "persist":
+            self.stage_queue.append(msg)
+            self.changed.notify_all()
+            return {"ok": True}, []
+        if op == "corrupt":
+            return self._corrupt(msg)
+        if op == "subscribe":
+            self.subscribers.add(cid)
+            return {"ok": True, "tcp": self.tcp_addr, "node": self.node, "pid": os.getpid()}, []
+        if op == "ping":
+            return {"ok": True, "pid": os.getpid(), "tcp": self.tcp_addr}, []
+        return {"error": f"unknown request {op!r}"}, []
+
+    def _listing(self) -> dict[str, Any]:
+        out = {}
+        for name, h in self.holders.items():
+            out[name] = {"slots": [None if info is None or h.writing[i] is not None else info.to_wire()
+                                   for i, info in enumerate(h.infos())],
+                         "replicated_step": h.replicated_step, "repl_s": h.repl_s,
+                         "repl_error": h.repl_error, "buddy": self.replicate_to.get(name)}
+        return out
+
+    def _alloc(self, cid: int, msg: dict[str, Any]) -> tuple[dict[str, Any], list[int]] | None:
+        h = self.holder(msg["holder"])
+        i = h.older()
+        if not h.free(i):
+            return None  # a reader (replication, a disk write, a restore) holds it
+        other = h.infos()[1 - i]
+        if (other is not None and h.name in self.replicate_to and h.repl_error is None
+                and other.seq > h.replicated):
+            return None  # the newer snapshot has not reached the buddy: keep the older one
+        fd = h.ensure(i, int(msg["size"]))
+        h.writing[i] = cid
+        seq = 1 + max((info.seq for info in h.infos() if info is not None), default=0)
+        return {"slot": i, "seq": seq, "size": os.fstat(fd).st_size, "repl_s": h.repl_s}, [fd]
+
+    def _commit(self, cid: int, msg: dict[str, Any]) -> tuple[dict[str, Any] | None, list[int]]:
+        h = self.holder(msg["holder"])
+        i = msg["slot"]
+        if h.writing[i] == cid:
+            h.writing[i] = None
+        info = h.infos()[i]
+        if info is not None:
+            if h.name in self.replicate_to and h.name not in self.repl_queue:
+                self.repl_queue.append(h.name)
+                self.changed.notify_all()
+            if msg.get("persist"):
+                self.stage_queue.append(dict(msg["persist"], holder=h.name, step=info.step))
+        self.changed.notify_all()
+        return ({"ok": info is not None} if msg.get("reply") else None), []
+
+    def _lease(self, cid: int, msg: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        h = self.holders.get(msg["holder"])
+        found = h.newest(msg.get("step")) if h is not None else None
+        if found is None:
+            return {"slot": None}, []
+        i, info = found
+        h.leases[i][cid] += 1
+        return {"slot": i, "info": info.to_wire()}, [h.fds[i]]
+
+    def _configure(self, msg: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        new = dict(msg.get("replicate") or {})
+        for name, addr in new.items():
+            h = self.holder(name)
+            if self.replicate_to.get(name) != addr:  # a new buddy holds nothing yet
+                h.replicated, h.replicated_step, h.repl_error = -1, None, None
+                if name not in self.repl_queue:
+                    self.repl_queue.append(name)
+        for name in set(self.replicate_to) - set(new):
+            self.holder(name).repl_error = None
+        self.replicate_to = new
+        if msg.get("writer") and self.writer is None:
+            self.want_writer = True
+            self._start_writer()
+        self.changed.notify_all()
+        return {"ok": True, "tcp": self.tcp_addr}, []
+
+    def _corrupt(self, msg: dict[str, Any]) -> tuple[dict[str, Any], list[int]] | None:
+        """Fault injection: a bit flips in the holder's newest snapshot, once its replica (if it
+        has a buddy) is safe on the other node."""
+        h = self.holders.get(msg["holder"])
+        found = h.newest() if h is not None else None
+        if found is None:
+            return {"error": f"{msg['holder']}: no snapshot to corrupt"}, []
+        i, info = found
+        if h.name in self.replicate_to and h.repl_error is None and h.replicated < info.seq:
+            return None
+        offset = shm.Slot(h.fds[i]).flip_bit(info)
+        return {"ok": True, "step": info.step, "offset": offset}, []
+
+    # == replication to the buddy node ===========================================================
+    def _replicator(self) -> None:
+        conns: dict[str, socket.socket] = {}
+        while True:
+            with self.changed:
+                while not self.repl_queue:
+                    self.changed.wait(1.0)
+                name = self.repl_queue.popleft()
+                h, addr = self.holders.get(name), self.replicate_to.get(name)
+                found = h.newest() if h is not None and addr is not None else None
+                if found is None or found[1].seq <= h.replicated:
+                    continue
+                i, info = found
+                h.leases[i]["replication"] += 1
+                fd = os.dup(h.fds[i])
+            t0 = time.time()
+            error = self._send_replica(conns, addr, name, info, fd)
+            os.close(fd)
+            with self.changed:
+                h.leases[i]["replication"] -= 1
+                if error is None and self.replicate_to.get(name) == addr:
+                    h.replicated = max(h.replicated, info.seq)
+                    h.replicated_step = info.step
+                    h.repl_s = time.time() - t0
+                elif error is not None:
+                    h.repl_error = error
+                self.changed.notify_all()
+            self.emit({"ev": "replicated" if error is None else "replication_failed",
+                       "holder": name, "step": info.step, "bytes": info.total,
+                       "seconds": round(time.time() - t0, 6), "to": addr, "error": error})
+
+    def _send_replica(self, conns: dict[str, socket.socket], addr: str, name: str,
+                      info: shm.SlotInfo, fd: int) -> str | None:
+        try:
+            sock = conns.get(addr)
+            if sock is None:
+                host, _, port = addr.rpartition(":")
+                sock = socket.create_connection((host, int(port)), timeout=10.0)
+                sock.settimeout(REPLICA_TIMEOUT_S)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small frames, no waits
+                conns[addr] = sock
+            head = json.dumps({"owner": name, "total": info.total, "step": info.step,
+                               "seq": info.seq, "from": self.node}).encode()
+            sock.sendall(struct.pack("<I", len(head)) + head)
+            with os.fdopen(os.dup(fd), "rb") as fh:
+                sock.sendfile(fh, 0, info.total)  # from the memfd straight into the socket
+            if _recv_exact(sock, 1) != b"k":
+                raise ConnectionError("the buddy did not acknowledge the replica")
+            return None
+        except (OSError, ValueError) as exc:
+            sock = conns.pop(addr, None)
+            if sock is not None:
+                sock.close()
+            return f"{type(exc).__name__}: {exc}"
+
+    def _receive(self, sock: socket.socket) -> None:
+        """Replicas pushed by other nodes' keepers, straight into this node's slots."""
+        sock.settimeout(REPLICA_TIMEOUT_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        mapped: dict[tuple[str, int], shm.Slot] = {}
+        try:
+            while True:
+                (n,) = struct.unpack("<I", _recv_exact(sock, 4))
+                head = json.loads(_recv_exact(sock, n))
+                name = "rep" + head["owner"].lstrip("r")
+                total = int(head["total"])
+                with self.changed:
+                    h = self.holder(name)
+                    deadline = time.time() + DEFER_LIMIT_S
+                    while not h.free(h.older()) and time.time() < deadline:
+                        self.changed.wait(0.5)
+                    i = h.older()
+                    fd = h.ensure(i, total)
+                    h.writing[i] = "replica-in"
+                    slot = mapped.get((name, i))
+                    if slot is None or slot.inode != os.fstat(fd).st_ino or slot.size < total:
+                        slot = mapped[(name, i)] = shm.Slot(fd)
+                try:
+                    slot.invalidate()
+                    header = _recv_exact(sock, shm.HEADER)
+                    info = shm.parse_header(header)
+                    view = slot.buffer[shm.HEADER:total]
+                    got = 0
+                    while got < len(view):
+                        k = sock.recv_into(view[got:])
+                        if not k:
+                            raise ConnectionError("the sender went away mid-replica")
+                        got += k
+                    if info is not None:
+                        slot.commit(info)  # the header last: valid only once complete
+                finally:
+                    with self.changed:
+                        h.writing[i] = None
+                        self.changed.notify_all()
+                sock.sendall(b"k")
+                self.wake()
+        except (OSError, ValueError, struct.error):
+            sock.close()
+
+    # == disk checkpoints, written by a separate process =========================================
+    # A snapshot going to disk is first copied, by the kernel, into memory of its own (its slot is
+    # then free at once for the next snapshot); the writer process takes it from there.
+    def _stager(self) -> None:
+        while True:
+            with self.changed:
+                while not self.stage_queue:
+                    self.changed.wait(1.0)
+                job = self.stage_queue.popleft()
+                h = self.holders.get(job["holder"])
+                found = h.newest(job["step"]) if h is not None else None
+                if found is None:
+                    self.emit({"ev": "part_failed", "job": job,
+                               "error": f"no snapshot of step {job['step']} in {job['holder']}"})
+                    continue
+                i, info = found
+                h.leases[i]["stager"] += 1
+                src = os.dup(h.fds[i])
+            try:
+                staged = shm.create(f"{job['holder']}.disk", info.total)
+                done = 0
+                while done < info.total:  # in the kernel: no copy through this process
+                    n = os.sendfile(staged, src, done, info.total - done)
+                    if n <= 0:
+                        raise OSError("short copy")
+                    done += n
+                os.lseek(staged, 0, os.SEEK_SET)
+            except OSError as exc:
+                self.emit({"ev": "part_failed", "job": job, "error": f"staging: {exc}"})
+                staged = None
+            finally:
+                os.close(src)
+                with self.changed:
+                    h.leases[i]["stager"] -= 1
+                    if h.leases[i]["stager"] <= 0:
+                        del h.leases[i]["stager"]
+                    self.changed.notify_all()
+            if staged is not None:
+                with self.lock:
+                    self.write_queue.append((job, info, staged))
+            self.wake()
+
+    def _start_writer(self) -> None:
+        if self.writer is not None and self.writer.poll() is None:
+            return
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.writer = subprocess.Popen(
+            [sys.executable, "-m", "nonstop.state.writer", str(theirs.fileno()), str(os.getpid())],
+            pass_fds=[theirs.fileno()], start_new_session=True, stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.writer_sock = mine
+        self.sel.register(mine, selectors.EVENT_READ, "writer")
+
+    def _dispatch_persist(self) -> None:
+        with self.lock:
+            if self.writer_job is not None or not self.write_queue:
+                return
+            job, info, fd = self.write_queue.popleft()
+            self.writer_job = (job, fd)
+        if self.writer is None or self.writer.poll() is not None:
+            self._writer_gone(keep_job=True)
+            self._start_writer()
+        try:
+            wire.send(self.writer_sock, {"op": "write", "job": job, "info": info.to_wire()}, [fd])
+        except OSError:
+            self._writer_gone()
+
+    def _from_writer(self) -> None:
+        try:
+            msg, fds = wire.recv(self.writer_sock)
+        except OSError:
+            msg, fds = None, []
+        for fd in fds:
+            os.close(fd)
+        if msg is None:
+            self._writer_gone()
+            return
+        if self.writer_job is None or msg.get("op") not in ("done", "failed"):
+            return
+        job, fd = self.writer_job
+        self.writer_job = None
+        os.close(fd)  # the staged copy: freed once the writer unmaps it too
+        ev = "part_done" if msg["op"] == "done" else "part_failed"
+        self.emit({"ev": ev, "job": job, "part": msg.get("part"), "error": msg.get("error")})
+
+    def _writer_gone(self, keep_job: bool = False) -> None:
+        if self.writer_sock is not None:
+            try:
+                self.sel.unregister(self.writer_sock)
+            except (KeyError, ValueError):
+                pass
+            self.writer_sock.close()
+            self.writer_sock = None
+        if self.writer is not None and self.writer.poll() is None:
+            self.writer.kill()
+        if self.writer is not None:
+            self.writer.wait(timeout=10)
+        self.writer = None
+        if self.writer_job is not None and not keep_job:
+            job, fd = self.writer_job
+            self.writer_job = None
+            os.close(fd)
+            self.emit({"ev": "part_failed", "job": job, "error": "the checkpoint writer died"})
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("connection closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def die_with(parent: int) -> None:
+    """Ask the kernel to end this process when its parent ends (the node's agent)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m nonstop.state.keeper")
+    p.add_argument("name", help="abstract socket name")
+    p.add_argument("--node", type=int, default=0)
+    p.add_argument("--host", default="127.0.0.1", help="address replicas from other nodes arrive at")
+    p.add_argument("--writer", action="store_true", help="start the checkpoint writer now")
+    p.add_argument("--parent", type=int, default=0, help="end with this process")
+    args = p.parse_args(argv)
+    if args.parent:
+        die_with(args.parent)
+    Keeper(args.name, args.node, args.host, args.writer).run()
+
+
+if __name__ == "__main__":
+    main()

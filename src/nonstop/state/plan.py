@@ -1,0 +1,113 @@
+"""Choosing the step every rank resumes from, and where each rank gets its state: pure logic.
+
+Every rank says what it can offer: its live state (a clean step), snapshots in its node's
+memory, replicas it holds for other ranks, checkpoints on disk. Replicated state (data parallel)
+needs one copy of the newest step for everyone; sharded state needs every rank's own shard at one
+common step, so the job rolls back to the newest step every shard has. Sources are preferred
+cheapest first: live, own memory, a buddy's memory, disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+SOURCES = ("live", "memory", "buddy", "disk")  # cheapest first
+
+
+class NoConsistentState(RuntimeError):
+    """No step is held by every shard (or by anyone): the state cannot be brought together."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Offer:
+    """What one rank can provide."""
+
+    live: int | None = None  # the clean step of the state it holds in memory
+    memory: tuple[int, ...] = ()  # steps of its own snapshots in its node's memory
+    replicas: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # for rank r
+    disk: tuple[int, ...] = ()  # steps of its checkpoints on disk (any rank's, if replicated)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"live": self.live, "memory": list(self.memory),
+                "replicas": {str(k): list(v) for k, v in self.replicas.items()},
+                "disk": list(self.disk)}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> "Offer":
+        return cls(d.get("live"), tuple(d.get("memory", ())),
+                   {int(k): tuple(v) for k, v in d.get("replicas", {}).items()},
+                   tuple(d.get("disk", ())))
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """How rank ``rank`` gets its state at the target step."""
+
+    rank: int
+    source: str  # one of SOURCES
+    holder: int | None = None  # the rank that sends it (live: a peer; buddy: the replica holder)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    step: int
+    actions: tuple[Action, ...]  # one per rank
+    fresh: bool = False  # nothing anywhere: everyone starts from its initial state at step 0
+
+    def sources(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for a in self.actions:
+            out[a.source] = out.get(a.source, 0) + 1
+        return out
+
+
+def _holders(offers: list[Offer], rank: int, step: int, sharded: bool) -> list[tuple[str, int | None]]:
+    """Where rank ``rank`` can get state at ``step``, cheapest first: what its process or its
+    node holds, then a peer over the network, then disk."""
+    found: list[tuple[str, int | None]] = []
+    me = offers[rank]
+    if me.live == step:
+        found.append(("live", None))
+    if step in me.memory:
+        found.append(("memory", None))
+    if step in me.replicas.get(rank, ()):  # its replica is on the node it now runs on
+        found.append(("buddy", None))
+    if not sharded:  # any rank's copy will do: a peer sends it
+        for r, o in enumerate(offers):
+            if r != rank and (o.live == step or step in o.memory):
+                found.append(("live", r))
+                break
+    for r, o in enumerate(offers):
+        if r != rank and step in o.replicas.get(rank, ()):
+            found.append(("buddy", r))
+            break
+    if step in me.disk:
+        found.append(("disk", None))
+    return found
+
+
+def plan(offers: list[Offer], sharded: bool) -> Plan:
+    """The newest step every rank can reach, and how each gets there."""
+    world = len(offers)
+    steps: set[int] = set()
+    for o in offers:
+        steps.update(([o.live] if o.live is not None else []) + list(o.memory) + list(o.disk))
+        for held in o.replicas.values():
+            steps.update(held)
+    if not steps:
+        return Plan(0, tuple(Action(r, "live") for r in range(world)), fresh=True)
+    for step in sorted(steps, reverse=True):
+        ways = [_holders(offers, r, step, sharded) for r in range(world)]
+        if all(ways):
+            return Plan(step, tuple(_action(r, ways[r][0]) for r in range(world)))
+    raise NoConsistentState(
+        "no step is held for every rank " + ("(each shard exists only once)" if sharded else "")
+        + f"; offered: {[o.to_wire() for o in offers]}")
+
+
+def _action(rank: int, way: tuple[str, int | None]) -> Action:
+    source, holder = way
+    if source == "live" and holder is None:
+        return Action(rank, "live")
+    return Action(rank, source, holder)

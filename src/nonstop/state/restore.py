@@ -1,0 +1,272 @@
+"""Bring every rank of a new generation to one consistent step, each from its cheapest source.
+
+Every rank offers what it can (its live state, its node's snapshots of it, the replicas its node
+holds for other ranks, checkpoints on disk); ``plan`` picks the newest step every rank can reach
+and a source for each. State then moves over the new group (a peer's live state or snapshot, a
+buddy's replica) or is read locally (own node's memory, disk). A source that fails its checksum is
+excluded and the plan made again: garbage is never loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+from . import memory as mem
+from . import packing, plan as planning
+from .plan import NoConsistentState, Offer
+
+__all__ = ["NoConsistentState", "RestoreResult", "restore"]
+
+MAX_ATTEMPTS = 4
+
+
+@dataclasses.dataclass
+class RestoreResult:
+    step: int
+    source: str  # how this rank got its state: live, memory, buddy, disk
+    holder: int | None  # the rank it came from (live from a peer, buddy)
+    sources: dict[int, str]  # every rank's source
+    receivers: tuple[int, ...]  # ranks whose state moved or was read (not live in place)
+    nbytes: int = 0
+    seconds: float = 0.0
+    skipped: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # sources that failed
+    agreed: dict[str, Any] = dataclasses.field(default_factory=dict)  # schedule agreed by all
+
+
+@dataclasses.dataclass
+class Where:
+    """Where this rank's state can come from besides its own memory."""
+
+    memory: mem.NodeMemory | None = None
+    checkpoint_root: Path | None = None
+    sharded: bool = False
+
+
+def _offer(state: Any, rank: int, has_state: bool, where: Where) -> tuple[Offer, dict[str, Any]]:
+    live = state.step if has_state and not state.dirty else None
+    memory: tuple[int, ...] = ()
+    replicas: dict[int, tuple[int, ...]] = {}
+    problems: dict[str, Any] = {}
+    if where.memory is not None:
+        try:
+            listing = where.memory.listing()
+            memory = tuple(where.memory.steps(mem.own(rank), listing))
+            for name in listing:
+                if name.startswith("rep"):
+                    replicas[int(name[3:])] = tuple(where.memory.steps(name, listing))
+        except (OSError, ConnectionError) as exc:  # the node's memory is gone: offer none of it
+            where.memory.reset()
+            problems["memory"] = f"{type(exc).__name__}: {exc}"
+    disk: list[int] = []
+    if where.checkpoint_root is not None:
+        from . import checkpoint
+
+        for step in checkpoint.complete_steps(where.checkpoint_root):
+            try:
+                manifest = checkpoint.read_manifest(where.checkpoint_root, step)
+            except checkpoint.CorruptCheckpoint:
+                continue
+            if checkpoint.part_rank_for(manifest, rank) is not None:
+                disk.append(step)
+    return Offer(live, memory, replicas, tuple(disk)), problems
+
+
+def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
+            schedule: dict[str, Any] | None = None) -> RestoreResult:
+    """Collective over the default group: every rank ends holding the state of one step.
+
+    ``schedule`` (this rank's snapshot schedule) is shared with the offers; the result's
+    ``agreed`` holds what every rank received, so all can adopt the same."""
+    import torch.distributed as dist
+
+    t0 = time.monotonic()
+    offer, problems = _offer(state, rank, has_state, where)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, {"offer": offer.to_wire(), "schedule": schedule or {}})
+    offers = [Offer.from_wire(g["offer"]) for g in gathered]
+    skipped: list[dict[str, Any]] = []
+    for attempt in range(MAX_ATTEMPTS):
+        p = planning.plan(offers, where.sharded)
+        nbytes, failure = _execute(p, offers, state, rank, where)
+        statuses: list[Any] = [None] * world
+        dist.all_gather_object(statuses, failure)
+        failed = [f for f in statuses if f is not None]
+        if not failed:
+            break
+        skipped.extend(failed)
+        offers = _without(offers, failed)
+    else:
+        raise NoConsistentState(f"no good source after {MAX_ATTEMPTS} attempts; failed: {skipped}")
+    mine = p.actions[rank]
+    state.step = p.step
+    state.dirty = False
+    receivers = tuple(a.rank for a in p.actions if not (a.source == "live" and a.holder is None))
+    if problems:
+        skipped.append({"rank": rank, "source": "memory", "why": problems["memory"]})
+    return RestoreResult(p.step, mine.source, mine.holder, {a.rank: a.source for a in p.actions},
+                         receivers, nbytes, time.monotonic() - t0, skipped,
+                         agreed={"schedules": [g["schedule"] for g in gathered],
+                                 "disk": any(a.source == "disk" for a in p.actions)})
+
+
+def _without(offers: list[Offer], failed: list[dict[str, Any]]) -> list[Offer]:
+    """The offers minus the sources that failed (by who offered them, what, and which step)."""
+    out = list(offers)
+    for f in failed:
+        r, step, source = f["offered_by"], f["step"], f["source"]
+        o = out[r]
+        if source == "live":  # a peer's memory snapshot failed; its live state cannot fail
+            out[r] = dataclasses.replace(o, memory=tuple(s for s in o.memory if s != step))
+        elif source == "memory":
+            out[r] = dataclasses.replace(o, memory=tuple(s for s in o.memory if s != step))
+        elif source == "buddy":  # the replica, wherever it was read
+            reps = dict(o.replicas)
+            reps[f["rank"]] = tuple(s for s in reps.get(f["rank"], ()) if s != step)
+            out[r] = dataclasses.replace(o, replicas=reps)
+        elif source == "disk":
+            out = [dataclasses.replace(x, disk=tuple(s for s in x.disk if s != step)) for x in out]
+    return out
+
+
+# == carrying out a plan ==========================================================================
+def _execute(p: planning.Plan, offers: list[Offer], state: Any, rank: int, where: Where
+             ) -> tuple[int, dict[str, Any] | None]:
+    """This rank's part of the plan: every transfer in one global order (so no two ranks wait on
+    each other), then its own local read. Returns (bytes received, failure or None)."""
+    nbytes, failure = 0, None
+    live_packed: Any = None
+    for a in p.actions:
+        if a.holder is None:
+            continue
+        if rank == a.holder:
+            live_packed = _send(a, p.step, offers[rank], state, rank, where, live_packed)
+        elif rank == a.rank:
+            try:
+                nbytes += _receive(a, state)
+            except _Bad as exc:
+                failure = {"rank": rank, "source": a.source, "offered_by": a.holder,
+                           "step": p.step, "why": str(exc)}
+    mine = p.actions[rank]
+    if failure is None and mine.holder is None and mine.source in ("memory", "buddy", "disk"):
+        try:
+            nbytes += _load_local(mine.source, p.step, state, rank, where)
+        except _Bad as exc:
+            failure = {"rank": rank, "source": mine.source, "offered_by": rank, "step": p.step,
+                       "why": str(exc)}
+    return nbytes, failure
+
+
+class _Bad(Exception):
+    """A source did not deliver good state (missing, or failed its checksum)."""
+
+
+_HEADER = 4  # int64s: ok, meta bytes, data bytes, checksum (its 64 bits; 0: not checksummed)
+
+
+def _header(ok: bool, meta_len: int = 0, data_len: int = 0, checksum: int = 0) -> Any:
+    import torch
+
+    signed = struct.unpack("<q", struct.pack("<Q", checksum))[0]
+    return torch.tensor([int(ok), meta_len, data_len, signed], dtype=torch.int64)
+
+
+def _send(a: planning.Action, step: int, me: Offer, state: Any, rank: int, where: Where,
+          live_packed: Any) -> Any:
+    """Send rank ``a.rank`` its state at ``step``: our live state, our snapshot, or the replica of
+    its snapshot our node holds. Returns the packed live state, to reuse for the next receiver."""
+    import torch.distributed as dist
+
+    if a.source == "live" and me.live == step:
+        if live_packed is None:
+            live_packed = packing.pack(state.state_dict())
+        meta, buf = live_packed
+        _send_parts(a.rank, _header(True, len(meta), buf.numel()), meta, buf)
+        return live_packed
+    holder = mem.own(rank) if a.source == "live" else mem.replica(a.rank)
+    try:
+        with where.memory.lease(holder, step) as found:  # type: ignore[union-attr]
+            if found is None:
+                raise _Bad(f"{holder} has no snapshot of step {step}")
+            info, slot = found
+            meta, data = slot.read(info)
+            _send_parts(a.rank, _header(True, len(meta), info.data_len, info.checksum), meta, data)
+    except (_Bad, OSError, ConnectionError, AttributeError):
+        dist.send(_header(False), a.rank)
+    return live_packed
+
+
+def _send_parts(dst: int, header: Any, meta: bytes, data: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.send(header, dst)
+    dist.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8), dst)
+    if data.numel():
+        dist.send(data, dst)
+
+
+def _receive(a: planning.Action, state: Any) -> int:
+    import torch
+    import torch.distributed as dist
+
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    dist.recv(header, a.holder)
+    ok, meta_len, data_len, signed = (int(x) for x in header.tolist())
+    if not ok:
+        raise _Bad(f"rank {a.holder} could not send its {a.source} copy")
+    meta_t = torch.empty(meta_len, dtype=torch.uint8)
+    dist.recv(meta_t, a.holder)
+    data = torch.empty(data_len, dtype=torch.uint8)
+    if data_len:
+        dist.recv(data, a.holder)
+    meta = meta_t.numpy().tobytes()
+    checksum = struct.unpack("<Q", struct.pack("<q", signed))[0]
+    if checksum and _checksum(meta, data) != checksum:
+        raise _Bad(f"the {a.source} copy from rank {a.holder} fails its checksum")
+    state.load_state_dict(packing.unpack(meta, data))
+    return data_len
+
+
+def _checksum(meta: bytes, data: Any) -> int:
+    from . import shm
+
+    h = shm.hasher()
+    h.update(meta)
+    h.update(memoryview(data.numpy()))
+    return h.intdigest()
+
+
+def _load_local(source: str, step: int, state: Any, rank: int, where: Where) -> int:
+    if source in ("memory", "buddy"):  # own snapshot, or its replica held on this node
+        holder = mem.own(rank) if source == "memory" else mem.replica(rank)
+        try:
+            with where.memory.lease(holder, step) as found:  # type: ignore[union-attr]
+                if found is None:
+                    raise _Bad(f"{holder} has no snapshot of step {step}")
+                info, slot = found
+                if not slot.verify(info):
+                    raise _Bad(f"the {source} snapshot of step {step} fails its checksum")
+                meta, data = slot.read(info)
+                # a private copy: the loaded optimizer state would otherwise alias the slot, and
+                # the next snapshot would write into the live state
+                state.load_state_dict(packing.unpack(meta, data.clone()))
+                return info.data_len
+        except (OSError, ConnectionError, AttributeError) as exc:
+            raise _Bad(f"node memory: {type(exc).__name__}: {exc}") from None
+    from . import checkpoint
+
+    root = where.checkpoint_root
+    try:
+        manifest = checkpoint.read_manifest(root, step)  # type: ignore[arg-type]
+        part = checkpoint.part_rank_for(manifest, rank)
+        if part is None:
+            raise _Bad(f"the checkpoint of step {step} has no part for rank {rank}")
+        sd, _ = checkpoint.read_part(root, step, part)  # type: ignore[arg-type]
+    except checkpoint.CorruptCheckpoint as exc:
+        raise _Bad(str(exc)) from None
+    state.load_state_dict(sd)
+    return int(manifest["parts"][str(part)].get("bytes", 0))

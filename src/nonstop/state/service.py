@@ -1,0 +1,320 @@
+"""The launcher's side of node memory: a keeper per node, where each keeper copies its ranks'
+snapshots (a buddy node), disk checkpoints made complete once all their parts are written, and
+emergency saves when the memory is about to be lost."""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from . import checkpoint, wire
+from .memory import own
+
+CONNECT_S = 15.0  # a new keeper has this long to listen (a bare Python start: well under 1 s)
+
+
+@dataclasses.dataclass
+class KeeperHandle:
+    node: int
+    name: str
+    wid: int
+    pid: int = 0
+    client: wire.Client | None = None  # requests
+    events: wire.Client | None = None  # what the keeper reports (parts written, replicas made)
+    tcp: str | None = None  # where other nodes' keepers push replicas
+    killed: bool = False  # ended by nonstop: its exit is not a fault
+    lost: bool = False
+    lost_at: float = 0.0
+
+
+class NodeMemory:
+    """Keepers, replication targets, checkpoint bookkeeping. Lives in the controller's loop."""
+
+    def __init__(self, policy: Any, agent: Any, log: Any, display: Any, run_id: str,
+                 new_wid: Callable[[], int]):
+        cfg = policy.state
+        self.enabled = cfg.snapshot.enabled
+        self.replicate = cfg.snapshot.replicate
+        self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
+        self.keep = cfg.checkpoint.keep
+        self.emergency_cfg = cfg.emergency
+        self.agent, self.log, self.display = agent, log, display
+        self._new_wid = new_wid
+        self._base = f"nonstop-{run_id}-{secrets.token_hex(4)}"
+        self.keepers: dict[int, KeeperHandle] = {}
+        self.pending: dict[int, dict[str, Any]] = {}  # step -> parts written so far
+        self.completed: list[int] = []  # steps made complete in this run
+        self.failed_steps: set[int] = set()
+        self.replicas = {"count": 0, "bytes": 0, "seconds": 0.0, "failures": 0}
+        self.sharded: bool | None = None  # learnt from the ranks
+        self.world = 0
+
+    # == keepers =================================================================================
+    def name(self, node: int) -> str | None:
+        return self.keepers[node].name if node in self.keepers else None
+
+    def node_of_wid(self, wid: int) -> int | None:
+        for h in self.keepers.values():
+            if h.wid == wid:
+                return h.node
+        return None
+
+    def start(self, nodes: Iterable[int]) -> None:
+        if not self.enabled:
+            return
+        if self.root is not None:
+            checkpoint.clean_temp(self.root)
+        started = [self._spawn(n) for n in nodes]
+        for h in started:
+            self._connect(h)
+        self.log.write("keepers", nodes={str(h.node): {"pid": h.pid, "replicas_at": h.tcp}
+                                         for h in started},
+                       checkpoint_dir=str(self.root) if self.root else None)
+
+    def _spawn(self, node: int) -> KeeperHandle:
+        old = self.keepers.get(node)
+        h = KeeperHandle(node, old.name if old else f"{self._base}-n{node}", self._new_wid())
+        proc = self.agent.spawn_keeper(h.wid, node, h.name, writer=self.root is not None)
+        h.pid = proc.pid
+        self.keepers[node] = h
+        return h
+
+    def _connect(self, h: KeeperHandle) -> None:
+        deadline = time.time() + CONNECT_S
+        while True:
+            try:
+                h.client = wire.Client(h.name, timeout_s=30.0)
+                h.events = wire.Client(h.name, timeout_s=30.0)
+                reply, _ = h.events.call({"op": "subscribe"})
+                h.events.sock.setblocking(False)
+                h.tcp = reply["tcp"]
+                return
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.time() > deadline:
+                    raise RuntimeError(f"the keeper of node {h.node} did not start within "
+                                       f"{CONNECT_S:g} s (see its log)") from None
+                time.sleep(0.02)
+
+    def restart(self, node: int) -> None:
+        """A node whose memory was lost keeps working: a new, empty memory."""
+        h = self._spawn(node)
+        self._connect(h)
+        self.log.write("keeper_restarted", node=node, pid=h.pid)
+
+    def on_exit(self, wid: int, code: int | None) -> KeeperHandle | None:
+        """A keeper ended; returns its handle (None: not a keeper)."""
+        node = self.node_of_wid(wid)
+        if node is None:
+            return None
+        h = self.keepers[node]
+        h.lost, h.lost_at = True, time.time()
+        for c in (h.client, h.events):
+            if c is not None:
+                c.close()
+        h.client = h.events = None
+        self.log.write("node_memory_lost", node=node, code=code, killed=h.killed)
+        return h
+
+    def kill(self, node: int, reason: str) -> None:
+        h = self.keepers.get(node)
+        if h is not None and not h.lost:
+            h.killed = True
+            self.agent.signal(h.wid, signal.SIGKILL)
+            self.log.write("keeper_killed", node=node, pid=h.pid, reason=reason)
+
+    def configure(self, node_of: dict[int, int], usable: list[int]) -> None:
+        """Tell each keeper where its ranks' snapshots go: the next usable node after its own
+        (another failure domain). With a single node there is none: snapshots survive a rank's
+        death, not the node's."""
+        if not self.enabled:
+            return
+        live = [n for n in sorted(usable) if n in self.keepers and not self.keepers[n].lost]
+        targets: dict[int, dict[str, str]] = {n: {} for n in live}
+        buddies: dict[str, int] = {}
+        for rank, node in sorted(node_of.items()):
+            others = [n for n in live if n != node]
+            if not self.replicate or not others or node not in targets:
+                continue
+            after = [n for n in others if n > node]
+            buddy = (after or others)[0]
+            targets[node][own(rank)] = self.keepers[buddy].tcp or ""
+            buddies[str(rank)] = buddy
+        for node, replicate in targets.items():
+            self._call(node, {"op": "configure", "replicate": replicate})
+        self.log.write("replication", buddies=buddies)
+
+    def _call(self, node: int, msg: dict[str, Any]) -> dict[str, Any] | None:
+        h = self.keepers.get(node)
+        if h is None or h.lost or h.client is None:
+            return None
+        try:
+            return h.client.call(msg)[0]
+        except (OSError, ConnectionError, wire.KeeperError) as exc:
+            self.log.write("keeper_error", node=node, op=msg.get("op"), error=str(exc))
+            return None
+
+    # == what the keepers report =================================================================
+    def poll(self) -> None:
+        for h in list(self.keepers.values()):
+            while h.events is not None:
+                try:
+                    msg, fds = wire.recv(h.events.sock)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    msg = None
+                if msg is None:
+                    h.events.close()
+                    h.events = None
+                    break
+                self._on_event(msg)
+
+    def _on_event(self, ev: dict[str, Any]) -> None:
+        kind = ev.get("ev")
+        if kind == "replicated":
+            self.replicas["count"] += 1
+            self.replicas["bytes"] += ev.get("bytes") or 0
+            self.replicas["seconds"] += ev.get("seconds") or 0.0
+        elif kind == "replication_failed":
+            self.replicas["failures"] += 1
+            self.log.write("replication_failed", node=ev["node"], holder=ev.get("holder"),
+                           step=ev.get("step"), error=ev.get("error"))
+        elif kind == "part_done":
+            self._part_done(ev["job"], ev["part"], ev["node"])
+        elif kind == "part_failed":
+            job = ev.get("job") or {}
+            self.failed_steps.add(job.get("step", -1))
+            self.log.write("checkpoint_failed", step=job.get("step"), rank=job.get("rank"),
+                           node=ev["node"], reason=job.get("reason"), error=ev.get("error"))
+            self.display.info(f"checkpoint of step {job.get('step')} failed on node {ev['node']}: "
+                              f"{ev.get('error')}")
+
+    def _part_done(self, job: dict[str, Any], part: dict[str, Any], node: int) -> None:
+        step = job["step"]
+        entry = self.pending.setdefault(step, {"parts": {}, "world": job["world"],
+                                               "sharded": job["sharded"], "reason": job["reason"],
+                                               "sources": {}})
+        entry["parts"][job["rank"]] = part
+        entry["sources"][str(job["rank"])] = f"{job['holder']} on node {node}"
+        needed = entry["world"] if entry["sharded"] else 1
+        if len(entry["parts"]) < needed:
+            return
+        del self.pending[step]
+        root = Path(job["root"])
+        t0 = time.time()
+        try:
+            checkpoint.finalize(root, step, entry["parts"], world=entry["world"],
+                                sharded=entry["sharded"],
+                                extra={"reason": entry["reason"], "sources": entry["sources"]})
+        except FileExistsError:  # that step is on disk already (a periodic one, then an emergency)
+            checkpoint.clean_temp(root, below_step=step + 1)
+            self.completed.append(step)
+            return
+        except (OSError, ValueError, checkpoint.CorruptCheckpoint) as exc:
+            self.failed_steps.add(step)
+            self.log.write("checkpoint_failed", step=step, error=f"{type(exc).__name__}: {exc}")
+            return
+        removed = checkpoint.retain(root, self.keep)
+        checkpoint.clean_temp(root, below_step=step)
+        self.completed.append(step)
+        parts = entry["parts"].values()
+        self.log.write("checkpoint", step=step, reason=entry["reason"], dir=str(root),
+                       parts=len(entry["parts"]), bytes=sum(p.get("bytes", 0) for p in parts),
+                       write_s=round(max(p.get("seconds", 0.0) for p in parts), 6),
+                       finalize_s=round(time.time() - t0, 6), sources=entry["sources"],
+                       removed=removed)
+
+    def settled(self, step: int | None) -> bool:
+        """Whether the checkpoint of ``step`` is complete or failed (None: nothing awaited)."""
+        return step is None or step in self.completed or step in self.failed_steps
+
+    def wait(self, step: int, deadline: float, tick: Callable[[], None]) -> bool:
+        while not self.settled(step) and time.time() < deadline:
+            tick()
+            self.poll()
+        return step in self.completed
+
+    # == emergency saves =========================================================================
+    def emergency(self, reason: str, faulty: set[int], kill_node: Callable[[int], None],
+                  wait_s: float | None, tick: Callable[[], None]) -> dict[str, Any]:
+        """Persist the newest snapshot every rank has in healthy memory. A faulty node whose state
+        is held elsewhere writes nothing and is shut down at once. With ``wait_s``, return once
+        the checkpoint is complete (or that long has passed)."""
+        record: dict[str, Any] = {"reason": reason, "faulty": sorted(faulty)}
+        if self.root is None or not self.enabled or self.sharded is None or not self.world:
+            record["skipped"] = "no checkpoint directory" if self.root is None else "no state"
+            self.log.write("emergency_checkpoint", **record)
+            return record
+        t0 = time.time()
+        copies = self._copies()
+        choice = self._choose(copies, faulty)
+        on_disk = checkpoint.complete_steps(self.root)
+        if choice is None or (on_disk and choice[0] <= on_disk[0]):
+            for node in faulty:
+                kill_node(node)
+            record["skipped"] = ("nothing in memory" if choice is None else
+                                 f"step {choice[0]} is on disk already")
+            self.log.write("emergency_checkpoint", **record)
+            return record
+        step, sources = choice
+        used = {node for node, _ in sources.values()}
+        for node in sorted(faulty - used):
+            kill_node(node)  # its state is held elsewhere: it goes now, saving nothing
+        for rank, (node, holder) in sorted(sources.items()):
+            self._call(node, {"op": "persist", "holder": holder, "step": step,
+                              "root": str(self.root), "rank": rank, "world": self.world,
+                              "sharded": self.sharded, "reason": reason, "node": node})
+        record.update(step=step, sources={str(r): f"{h} on node {n}" for r, (n, h) in sources.items()})
+        self.display.info(f"emergency checkpoint of step {step} ({reason}) to {self.root}")
+        if wait_s is not None:
+            record["complete"] = self.wait(step, time.time() + wait_s, tick)
+            record["seconds"] = round(time.time() - t0, 3)
+        self.log.write("emergency_checkpoint", **record)
+        return record
+
+    def _copies(self) -> dict[int, dict[int, list[tuple[int, str]]]]:
+        """rank -> step -> [(node, holder)] over every live keeper's memory."""
+        out: dict[int, dict[int, list[tuple[int, str]]]] = {}
+        for node, h in sorted(self.keepers.items()):
+            listing = self._call(node, {"op": "list"})
+            for name, entry in ((listing or {}).get("holders") or {}).items():
+                rank = int(name[3:]) if name.startswith("rep") else int(name[1:])
+                for info in entry["slots"]:
+                    if info is not None:
+                        out.setdefault(rank, {}).setdefault(info["step"], []).append((node, name))
+        return out
+
+    def _choose(self, copies: dict[int, dict[int, list[tuple[int, str]]]], faulty: set[int]
+                ) -> tuple[int, dict[int, tuple[int, str]]] | None:
+        """The newest step to save and, per part, the copy to save it from: a healthy node's
+        before a faulty one's, the rank's own snapshot before a replica."""
+        def best(options: list[tuple[int, str]]) -> tuple[int, str]:
+            return min(options, key=lambda o: (o[0] in faulty, o[1].startswith("rep"), o[0]))
+
+        if self.sharded:
+            if any(r not in copies for r in range(self.world)):
+                return None
+            common = set.intersection(*(set(copies[r]) for r in range(self.world)))
+            if not common:
+                return None
+            step = max(common)
+            return step, {r: best(copies[r][step]) for r in range(self.world)}
+        by_step: dict[int, list[tuple[int, tuple[int, str]]]] = {}
+        for rank, steps in copies.items():
+            for step, options in steps.items():
+                by_step.setdefault(step, []).extend((rank, o) for o in options)
+        if not by_step:
+            return None
+        step = max(by_step)
+        rank, where = min(by_step[step], key=lambda ro: (ro[1][0] in faulty, ro[1][1].startswith("rep"), ro[0]))
+        return step, {rank: where}
+
+    def summary(self) -> dict[str, Any]:
+        return {"checkpoints": len(self.completed),
+                "last_checkpoint": max(self.completed) if self.completed else None,
+                "checkpoint_dir": str(self.root) if self.root else None,
+                "replicas": dict(self.replicas, seconds=round(self.replicas["seconds"], 3))}

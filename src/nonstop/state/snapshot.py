@@ -1,0 +1,178 @@
+"""A rank's snapshots: when one is due, taking it into the node's memory, and when it also goes to
+disk. The interval is agreed by every rank (so all shards are snapshotted at the same steps) and,
+by default, tuned from measured costs so that snapshots stay a small share of step time."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from . import memory as mem
+from . import packing, shm
+from .wire import KeeperError
+
+TUNE_AFTER = 3  # steps into a generation before the interval is first tuned
+RETUNE_EVERY = 100  # and every this many steps after (a step index all ranks share)
+MAX_EVERY = 10_000
+_EMA = 0.2
+
+
+class Snapshots:
+    """The snapshot schedule of one rank process, and its measurements."""
+
+    def __init__(self, cfg: dict[str, Any], memory: mem.NodeMemory | None):
+        snap, ckpt = cfg["snapshot"], cfg["checkpoint"]
+        self.memory = memory
+        self.enabled = bool(snap["enabled"])
+        self.auto = snap["every_steps"] == "auto"
+        self.every = 1 if self.auto else int(snap["every_steps"])
+        self.max_share = float(snap["max_overhead_pct"]) / 100
+        self.root = Path(ckpt["dir"]) if ckpt.get("dir") else None
+        self.persist_every = int(ckpt["every_steps"])
+        self.at_end = bool(ckpt["at_end"])
+        self.last_persist = 0  # newest step sent to disk (agreed: every rank moves it alike)
+        self.cost_s: float | None = None  # one snapshot, smoothed
+        self.step_s: float | None = None  # one step without its snapshot, smoothed
+        self.repl_s: float | None = None  # the last copy to the buddy node
+        self.entry_step = 0
+        self.last_step: int | None = None  # newest step this process snapshotted
+        self.taken = 0
+        self.spent_s = 0.0
+        self.error: str | None = None  # the last failure (the node's memory is gone...)
+        self.requested: int | None = None  # the newest step this process asked to write to disk
+        self.final_persist: int | None = None  # ...when the training loop ended
+
+    # -- agreement ----------------------------------------------------------------------------
+    def schedule(self) -> dict[str, Any]:
+        return {"every": self.every, "cost_s": self.cost_s, "step_s": self.step_s,
+                "repl_s": self.repl_s, "last_persist": self.last_persist}
+
+    def adopt(self, schedules: list[dict[str, Any]], step: int, from_disk: bool) -> None:
+        """Take the schedule every rank agrees on, entering a generation at ``step``."""
+        known = [s for s in schedules if s]
+        if known:
+            self.every = max(int(s["every"]) for s in known)
+            self.last_persist = max(int(s.get("last_persist") or 0) for s in known)
+            if self.auto:
+                self.every = self._interval(*(max((s.get(k) or 0.0) for s in known)
+                                              for k in ("cost_s", "step_s", "repl_s")))
+        if from_disk:
+            self.last_persist = max(self.last_persist, step)
+        self.entry_step = step
+
+    def _interval(self, cost: float, step_s: float, repl_s: float) -> int:
+        if not cost or not step_s:
+            return self.every
+        k = math.ceil(cost / (self.max_share * step_s))
+        if repl_s:  # a copy to the buddy must be done before the next snapshot needs its slot
+            k = max(k, math.ceil(repl_s / step_s))
+        return max(1, min(MAX_EVERY, k))
+
+    def _tune(self) -> bool:
+        """Every rank at the same step: agree on the interval from the largest costs seen."""
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([self.cost_s or 0.0, self.step_s or 0.0, self.repl_s or 0.0],
+                         dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        every = self._interval(*t.tolist())
+        changed, self.every = every != self.every, every
+        return changed
+
+    # -- on the step path ---------------------------------------------------------------------
+    def after_step(self, state: Any, rank: int, world: int, gen: int, step_s: float, first: bool,
+                   injector: Any) -> tuple[float, bool]:
+        """Called once a step completed (``state.step`` steps done). Returns (seconds spent on
+        snapshots, whether the interval changed)."""
+        if not self.enabled:
+            return 0.0, False
+        if not first:
+            self.step_s = step_s if self.step_s is None else (1 - _EMA) * self.step_s + _EMA * step_s
+        step = state.step
+        changed = False
+        if self.auto and (step - self.entry_step == TUNE_AFTER or step % RETUNE_EVERY == 0):
+            changed = self._tune()
+        if step % self.every:
+            return 0.0, changed
+        return self.take(state, rank, world, gen, injector), changed
+
+    def take(self, state: Any, rank: int, world: int, gen: int, injector: Any = None,
+             final: bool = False) -> float:
+        """Copy the state into the node's memory; returns the seconds it took (0: skipped)."""
+        if self.memory is None:
+            return 0.0
+        t0 = time.perf_counter()
+        step = state.step
+        sharded = bool(getattr(state, "sharded", False))
+        lay = packing.layout(state.state_dict(), {"step": step, "rank": rank, "world": world,
+                                                  "sharded": sharded, "gen": gen})
+        size = shm.data_offset(len(lay.meta)) + lay.nbytes
+        holder = mem.own(rank)
+        midway = None
+        if injector is not None and injector.has_point("snapshot"):
+            midway = lambda: injector.check("snapshot", rank, step - 1)  # noqa: E731
+        try:
+            slot_i, seq, slot, reply = self.memory.alloc(holder, size)
+            self.repl_s = reply.get("repl_s") or self.repl_s
+            shm.write_tensors(slot, lay.meta, lay.tensors, lay.specs, lay.nbytes, step, rank, gen,
+                              seq, midway)
+            self.memory.commit(holder, slot_i, self._persist(step, rank, world, sharded, gen, final))
+            if injector is not None and injector.claim_kind("corrupt", rank, step - 1):
+                self.memory.corrupt(holder)
+        except (OSError, ConnectionError, KeeperError) as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.memory.reset()
+            return 0.0
+        spent = time.perf_counter() - t0
+        self.cost_s = spent if self.cost_s is None else (1 - _EMA) * self.cost_s + _EMA * spent
+        self.last_step = step
+        self.taken += 1
+        self.spent_s += spent
+        self.error = None
+        return spent
+
+    def _persist(self, step: int, rank: int, world: int, sharded: bool, gen: int,
+                 final: bool) -> dict[str, Any] | None:
+        """Whether this snapshot also goes to disk (every rank moves ``last_persist`` alike; only
+        the ranks whose part is needed ask for it: all of them for sharded state, else rank 0)."""
+        if self.root is None or step <= self.last_persist:
+            return None
+        if not final and step - self.last_persist < self.persist_every:
+            return None
+        self.last_persist = step
+        if not (sharded or rank == 0):
+            return None
+        self.requested = step
+        return {"root": str(self.root), "rank": rank, "world": world, "sharded": sharded,
+                "gen": gen, "reason": "final" if final else "periodic"}
+
+    def finish(self, state: Any, rank: int, world: int, gen: int) -> None:
+        """The training loop ended: the last step goes to disk (if checkpoints are on); the
+        launcher waits for the newest checkpoint asked for before it ends the node's memory."""
+        if not self.enabled or self.root is None:
+            return
+        self._finish(state, rank, world, gen)
+        self.final_persist = self.requested
+
+    def _finish(self, state: Any, rank: int, world: int, gen: int) -> None:
+        if not self.at_end or state.step <= self.last_persist:
+            return
+        if self.last_step == state.step and self.memory is not None:
+            job = self._persist(state.step, rank, world, bool(getattr(state, "sharded", False)),
+                                gen, final=True)
+            if job is not None:
+                try:
+                    self.memory.client.tell(dict(job, op="persist", holder=mem.own(rank),
+                                                 step=state.step))
+                except OSError as exc:
+                    self.error = f"{type(exc).__name__}: {exc}"
+            return
+        self.take(state, rank, world, gen, final=True)
+
+    def stats(self) -> dict[str, Any]:
+        return {"every": self.every, "cost_s": self.cost_s, "step_s": self.step_s,
+                "repl_s": self.repl_s, "last": self.last_step, "taken": self.taken,
+                "spent_s": round(self.spent_s, 6), "error": self.error}

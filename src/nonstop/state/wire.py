@@ -1,0 +1,84 @@
+"""Messages between a node's keeper and its clients: JSON over a local SEQPACKET socket, with
+descriptors passed alongside (SCM_RIGHTS). The socket has an abstract address, and the keeper
+serves only processes of its own user."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+from typing import Any
+
+MAX_MESSAGE = 1 << 20
+MAX_FDS = 4
+
+
+def address(name: str) -> str:
+    """An abstract socket address: nothing on disk, gone with the process that bound it."""
+    return "\0" + name
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    return json.dumps(msg, separators=(",", ":")).encode()
+
+
+def send(sock: socket.socket, msg: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
+    data = encode(msg)
+    if fds:
+        socket.send_fds(sock, [data], list(fds))
+    else:
+        sock.send(data)
+
+
+def recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    """One message and the descriptors that came with it; (None, []) when the peer is gone."""
+    data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS)
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        return None, []
+    return json.loads(data), fds
+
+
+def peer_pid_uid(sock: socket.socket) -> tuple[int, int]:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    return pid, uid
+
+
+class Client:
+    """A connection to a keeper: one request at a time, each answered in order."""
+
+    def __init__(self, name: str, timeout_s: float = 60.0):
+        self.name = name
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self.sock.settimeout(timeout_s)
+        self.sock.connect(address(name))
+        self.pid, _ = peer_pid_uid(self.sock)
+
+    def call(self, msg: dict[str, Any], fds: list[int] | tuple[int, ...] = ()
+             ) -> tuple[dict[str, Any], list[int]]:
+        send(self.sock, msg, fds)
+        reply, got = recv(self.sock)
+        if reply is None:
+            raise ConnectionError(f"the node keeper {self.name!r} went away")
+        if reply.get("error"):
+            for fd in got:
+                os.close(fd)
+            raise KeeperError(reply["error"])
+        return reply, got
+
+    def tell(self, msg: dict[str, Any]) -> None:
+        """A message that needs no answer."""
+        send(self.sock, msg)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class KeeperError(RuntimeError):
+    """The keeper refused a request (it says why)."""

@@ -1,0 +1,157 @@
+"""The node's memory (a real keeper process per node): double-buffered slots that outlive their
+writer, replication to a buddy node before the older slot is overwritten, leases, corruption
+injection, disk parts written by the keeper's writer process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch
+
+from nonstop.state import checkpoint, packing, shm, wire
+from nonstop.state.memory import NodeMemory, own, replica
+
+
+@pytest.fixture
+def keepers():
+    """Start keepers by node; all are killed (by pid) at the end."""
+    procs: list[subprocess.Popen] = []
+
+    def start(node: int, writer: bool = False) -> NodeMemory:
+        name = f"nonstop-test-{uuid.uuid4().hex[:8]}-n{node}"
+        cmd = [sys.executable, "-m", "nonstop.state.keeper", name, "--node", str(node),
+               "--parent", str(os.getpid())] + (["--writer"] if writer else [])
+        procs.append(subprocess.Popen(cmd, start_new_session=True))
+        deadline = time.time() + 15
+        while True:
+            try:
+                mem = NodeMemory(name, timeout_s=30)
+                mem.listing()
+                return mem
+            except (FileNotFoundError, ConnectionRefusedError):
+                assert time.time() < deadline, "keeper did not start"
+                time.sleep(0.02)
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=10)
+
+
+def snapshot(mem: NodeMemory, rank: int, sd: dict, step: int, persist=None) -> shm.SlotInfo:
+    lay = packing.layout(sd, {"step": step})
+    size = shm.data_offset(len(lay.meta)) + lay.nbytes
+    i, seq, slot, _ = mem.alloc(own(rank), size)
+    info = shm.write_tensors(slot, lay.meta, lay.tensors, lay.specs, lay.nbytes, step, rank, 0, seq)
+    mem.commit(own(rank), i, persist)
+    return info
+
+
+def wait_for(pred, timeout=10.0):
+    deadline = time.time() + timeout
+    while not pred():
+        assert time.time() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_two_newest_snapshots_are_kept_and_outlive_the_writer(keepers):
+    mem = keepers(0)
+    sd = {"w": torch.zeros(1000)}
+    for step in (1, 2, 3):
+        sd["w"].fill_(step)
+        snapshot(mem, 0, sd, step)
+    assert mem.steps(own(0)) == [3, 2]
+    other = NodeMemory(mem.name)  # another process's view (a replacement rank)
+    with other.lease(own(0), 2) as (info, slot):
+        assert slot.verify(info)
+        assert torch.equal(packing.unpack(*slot.read(info))["w"], torch.full((1000,), 2.0))
+
+
+def test_a_leased_slot_is_not_overwritten(keepers):
+    mem = keepers(0)
+    sd = {"w": torch.ones(10)}
+    snapshot(mem, 0, sd, 1)
+    snapshot(mem, 0, sd, 2)
+    reader = NodeMemory(mem.name, timeout_s=0.5)
+    with reader.lease(own(0), 1) as found:  # the older slot is being read (a restore, a disk write)
+        assert found is not None
+        with pytest.raises(TimeoutError):  # the next snapshot must wait for it...
+            snapshot(NodeMemory(mem.name, timeout_s=0.5), 0, sd, 3)
+    wait_for(lambda: mem.steps(own(0)) == [2, 1])
+    snapshot(mem, 0, sd, 4)  # ...and goes ahead once it is released
+    assert mem.steps(own(0)) == [4, 2]
+
+
+def test_snapshots_reach_the_buddy_node_before_the_older_slot_is_reused(keepers):
+    a, b = keepers(0), keepers(1)
+    tcp_b = b.client.call({"op": "ping"})[0]["tcp"]
+    a.client.call({"op": "configure", "replicate": {own(0): tcp_b}})
+    sd = {"w": torch.randn(200_000)}
+    for step in range(1, 6):
+        sd["w"].add_(1)
+        info = snapshot(a, 0, sd, step)
+        if step > 1:  # this write waited for the previous snapshot to be on the buddy node
+            assert step - 1 in b.steps(replica(0))
+    wait_for(lambda: b.steps(replica(0)) == [5, 4])
+    with b.lease(replica(0), 5) as (rinfo, slot):
+        assert rinfo.checksum == info.checksum and slot.verify(rinfo)
+        assert torch.equal(packing.unpack(*slot.read(rinfo))["w"], sd["w"])
+    listing = a.listing()[own(0)]
+    assert listing["replicated_step"] == 5 and listing["repl_error"] is None
+
+
+def test_a_dead_buddy_does_not_stop_snapshots(keepers):
+    a = keepers(0)
+    a.client.call({"op": "configure", "replicate": {own(0): "127.0.0.1:1"}})  # nothing listens
+    sd = {"w": torch.ones(10)}
+    for step in range(1, 5):
+        snapshot(a, 0, sd, step)
+    assert a.steps(own(0)) == [4, 3]
+    assert "Error" in a.listing()[own(0)]["repl_error"]
+
+
+def test_corruption_is_caught_by_the_checksum(keepers):
+    mem = keepers(0)
+    snapshot(mem, 0, {"w": torch.ones(10_000)}, 1)
+    out = mem.corrupt(own(0))
+    assert out["step"] == 1
+    with mem.lease(own(0), 1) as (info, slot):
+        assert not slot.verify(info)
+
+
+def test_the_keepers_death_is_the_nodes_memory_lost(keepers):
+    mem = keepers(0)
+    snapshot(mem, 0, {"w": torch.ones(10)}, 1)
+    os.kill(mem.keeper_pid, signal.SIGKILL)
+    with pytest.raises((ConnectionError, OSError)):
+        mem.listing()
+    with pytest.raises((ConnectionError, OSError)):
+        NodeMemory(mem.name).listing()
+
+
+def test_a_snapshot_goes_to_disk_as_a_dcp_part(keepers, tmp_path):
+    mem = keepers(0, writer=True)
+    events = wire.Client(mem.name)
+    events.call({"op": "subscribe"})
+    model = torch.nn.Linear(4, 3)
+    persist = {"root": str(tmp_path), "rank": 0, "world": 1, "sharded": False, "gen": 0,
+               "reason": "periodic"}
+    snapshot(mem, 0, {"model": model.state_dict()}, 10, persist)
+    snapshot(mem, 0, {"model": model.state_dict()}, 11)  # the slot is free again at once...
+    snapshot(mem, 0, {"model": model.state_dict()}, 12)  # ...the part comes from a staged copy
+    events.sock.settimeout(60)
+    msg, _ = wire.recv(events.sock)
+    while msg.get("ev") != "part_done":
+        assert msg.get("ev") != "part_failed", msg
+        msg, _ = wire.recv(events.sock)
+    assert msg["job"]["step"] == 10
+    checkpoint.finalize(tmp_path, 10, {0: msg["part"]}, world=1, sharded=False)
+    sd, info = checkpoint.read_part(tmp_path, 10, 0)
+    assert info["step"] == 10 and torch.equal(sd["model"]["weight"], model.weight.detach())

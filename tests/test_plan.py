@@ -1,0 +1,132 @@
+"""Choosing the step every rank resumes from and each rank's source: pure logic, no processes."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nonstop.state.plan import NoConsistentState, Offer, plan
+from nonstop.state.restore import _without
+
+
+def sources(p):
+    return [(a.source, a.holder) for a in p.actions]
+
+
+# -- replicated state (data parallel): any clean copy will do ------------------------------------
+def test_newest_clean_step_wins_and_the_lowest_rank_sends():
+    p = plan([Offer(live=30), Offer(live=31), Offer(live=31), Offer()], sharded=False)
+    assert p.step == 31
+    assert sources(p) == [("live", 1), ("live", None), ("live", None), ("live", 1)]
+
+
+def test_a_dirty_rank_offers_no_live_state_and_receives():
+    p = plan([Offer(live=None, memory=(29,)), Offer(live=30)], sharded=False)
+    assert p.step == 30 and sources(p) == [("live", 1), ("live", None)]
+
+
+def test_own_memory_is_cheaper_than_a_peer():
+    p = plan([Offer(live=12), Offer(memory=(12, 11))], sharded=False)
+    assert sources(p) == [("live", None), ("memory", None)]
+
+
+def test_nobody_with_state_starts_fresh_from_step_0():
+    p = plan([Offer(), Offer()], sharded=False)
+    assert p.fresh and p.step == 0 and p.sources() == {"live": 2}
+
+
+def test_everyone_restarted_resumes_from_memory_else_disk():
+    p = plan([Offer(live=0, memory=(40, 39), disk=(30,)), Offer(live=0, memory=(40, 39), disk=(30,))],
+             sharded=False)
+    assert p.step == 40 and p.sources() == {"memory": 2}
+    p = plan([Offer(live=0, disk=(30, 20)), Offer(live=0, disk=(30, 20))], sharded=False)
+    assert p.step == 30 and p.sources() == {"disk": 2}
+
+
+# -- sharded state: every rank needs its own shard -----------------------------------------------
+def test_sharded_rolls_back_to_the_newest_step_every_shard_has():
+    # rank 2 died; its shard exists only as a replica of step 14 on rank 0's node
+    offers = [Offer(live=15, memory=(15, 14), replicas={2: (14, 13)}), Offer(live=15, memory=(15, 14)),
+              Offer()]
+    p = plan(offers, sharded=True)
+    assert p.step == 14
+    assert sources(p) == [("memory", None), ("memory", None), ("buddy", 0)]
+
+
+def test_sharded_prefers_a_replica_on_its_own_node_to_one_sent_over_the_network():
+    offers = [Offer(live=9, replicas={1: (9,)}), Offer(replicas={1: (9,)})]
+    assert sources(plan(offers, sharded=True)) == [("live", None), ("buddy", None)]
+
+
+def test_sharded_never_takes_a_peers_copy():
+    with pytest.raises(NoConsistentState):
+        plan([Offer(live=9, memory=(9,)), Offer()], sharded=True)
+
+
+def test_sharded_falls_back_to_disk_when_memory_has_no_common_step():
+    offers = [Offer(live=15, memory=(15, 14), disk=(10,)), Offer(memory=(12,), disk=(10,))]
+    p = plan(offers, sharded=True)
+    assert p.step == 10 and p.sources() == {"disk": 2}
+
+
+# -- a source that failed is excluded and the plan made again -------------------------------------
+def test_a_corrupt_memory_snapshot_is_excluded_and_the_buddy_used():
+    offers = [Offer(live=21, memory=(21, 20), replicas={1: (21, 20)}), Offer(memory=(21, 20))]
+    p = plan(offers, sharded=True)
+    assert sources(p)[1] == ("memory", None) and p.step == 21
+    offers = _without(offers, [{"rank": 1, "source": "memory", "offered_by": 1, "step": 21}])
+    p = plan(offers, sharded=True)
+    assert p.step == 21 and sources(p)[1] == ("buddy", 0)
+    offers = _without(offers, [{"rank": 1, "source": "buddy", "offered_by": 0, "step": 21}])
+    p = plan(offers, sharded=True)
+    assert p.step == 20 and sources(p) == [("memory", None), ("memory", None)]
+
+
+def test_a_corrupt_checkpoint_step_is_excluded_for_everyone():
+    offers = [Offer(live=0, disk=(40, 30)), Offer(live=0, disk=(40, 30))]
+    offers = _without(offers, [{"rank": 0, "source": "disk", "offered_by": 0, "step": 40}])
+    p = plan(offers, sharded=False)
+    assert p.step == 30 and p.sources() == {"disk": 2}
+
+
+def test_offers_survive_the_wire():
+    o = Offer(live=3, memory=(3, 2), replicas={5: (2,)}, disk=(1,))
+    assert Offer.from_wire(o.to_wire()) == o
+
+
+steps = st.frozensets(st.integers(0, 6), max_size=3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.none() | st.integers(0, 6), steps, steps), min_size=1, max_size=5),
+       st.booleans())
+def test_every_plan_is_reachable_by_every_rank(rows, sharded):
+    offers = [Offer(live=live, memory=tuple(sorted(mem)), disk=tuple(sorted(disk)))
+              for live, mem, disk in rows]
+    try:
+        p = plan(offers, sharded)
+    except NoConsistentState:
+        # then truly no step is held for every rank
+        for step in range(7):
+            assert not all((o.live == step or step in o.memory or step in o.disk) or
+                           (not sharded and any(x.live == step or step in x.memory for x in offers))
+                           for o in offers)
+        return
+    assert len(p.actions) == len(offers)
+    for a in p.actions:
+        me = offers[a.rank]
+        if a.source == "live" and a.holder is None:
+            assert me.live == p.step or p.fresh
+        elif a.source == "live":
+            assert not sharded
+            peer = offers[a.holder]
+            assert peer.live == p.step or p.step in peer.memory
+        elif a.source == "memory":
+            assert p.step in me.memory
+        elif a.source == "disk":
+            assert p.step in me.disk
+    # and it is the newest such step
+    newer = [s for s in range(p.step + 1, 7)
+             if all((o.live == s or s in o.memory or s in o.disk) for o in offers)]
+    assert not newer
