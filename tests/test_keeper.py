@@ -23,11 +23,12 @@ def keepers():
     """Start keepers by node; all are killed (by pid) at the end."""
     procs: list[subprocess.Popen] = []
 
-    def start(node: int, writer: bool = False) -> NodeMemory:
+    def start(node: int, writer: bool = False, token: str = "") -> NodeMemory:
         name = f"nonstop-test-{uuid.uuid4().hex[:8]}-n{node}"
         cmd = [sys.executable, "-m", "nonstop.state.keeper", name, "--node", str(node),
                "--parent", str(os.getpid())] + (["--writer"] if writer else [])
-        procs.append(subprocess.Popen(cmd, start_new_session=True))
+        env = dict(os.environ, NONSTOP_KEEPER_TOKEN=token)
+        procs.append(subprocess.Popen(cmd, start_new_session=True, env=env))
         deadline = time.time() + 15
         while True:
             try:
@@ -105,6 +106,15 @@ def test_snapshots_reach_the_buddy_node_before_the_older_slot_is_reused(keepers)
         assert torch.equal(packing.unpack(*slot.read(rinfo))["w"], sd["w"])
     listing = a.listing()[own(0)]
     assert listing["replicated_step"] == 5 and listing["repl_error"] is None
+
+
+def test_a_replica_without_the_jobs_token_is_refused(keepers):
+    a, b = keepers(0, token="right"), keepers(1, token="other job")
+    a.client.call({"op": "configure", "replicate": {own(0): b.client.call({"op": "ping"})[0]["tcp"]}})
+    for step in (1, 2, 3):
+        snapshot(a, 0, {"w": torch.ones(10)}, step)
+    wait_for(lambda: a.listing()[own(0)]["repl_error"] is not None)
+    assert replica(0) not in b.listing()  # nothing was written into the other job's memory
 
 
 def test_a_dead_buddy_does_not_stop_snapshots(keepers):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import selectors
 import signal
 import subprocess
@@ -54,6 +55,7 @@ class Agent:
         self.env = env
         self.output = output
         self.procs: dict[int, Proc] = {}
+        self.keeper_token = secrets.token_hex(16)  # the job's replicas carry it node to node
         self._next_wid = 0
         self._sel = selectors.DefaultSelector()
         self._logs: dict[int, object] = {}
@@ -81,7 +83,9 @@ class Agent:
         """The node's memory (``nonstop.state.keeper``): ends with this process."""
         cmd = [sys.executable, "-u", "-m", "nonstop.state.keeper", name, "--node", str(node),
                "--parent", str(os.getpid())] + (["--writer"] if writer else [])
-        return self._start(wid, cmd, dict(self.env), f"keeper-n{node}.log", spare=False)
+        env = dict(self.env)
+        env["NONSTOP_KEEPER_TOKEN"] = self.keeper_token  # in the environment: only we can read it
+        return self._start(wid, cmd, env, f"keeper-n{node}.log", spare=False)
 
     def _start(self, wid: int, cmd: list[str], env: dict[str, str], log_name: str,
                spare: bool) -> Proc:

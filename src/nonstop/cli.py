@@ -78,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--run-dir", metavar="DIR")
 
     bench = sub.add_parser("bench", help="measure recovery against peers")
-    bench.add_argument("scenario", choices=["crash", "hang"])
-    bench.add_argument("--ranks", type=int, default=4)
+    bench.add_argument("scenario", choices=["crash", "hang", "state"])
+    bench.add_argument("--ranks", type=int, help="rank processes (default 4; state: 2)")
     bench.add_argument("--repeat", type=int, default=5)
     bench.add_argument("--steps", type=int, default=100)
     bench.add_argument("--kill-step", type=int, default=50)
@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hang: minutes of fault-free jittery training to count false alarms")
     bench.add_argument("--collective-timeout", type=float, default=10.0,
                        help="hang: torchrun's gloo timeout, its only way to notice a hang")
+    bench.add_argument("--hidden", type=int, default=4096,
+                       help="state: width of the big model's hidden layers (default 4096)")
+    bench.add_argument("--layers", type=int, default=6,
+                       help="state: hidden layers of the big model (default 6: ~100M parameters)")
+    bench.add_argument("--state-steps", type=int, default=20,
+                       help="state: steps of each big-model run (default 20)")
     bench.add_argument("--json", action="store_true", help="print the result as JSON, last on stdout")
     bench.add_argument("--out", metavar="DIR", help="keep the runs here (default: a temporary dir)")
 
@@ -118,9 +124,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_demo(steps=args.steps, run_dir=args.run_dir)
         if args.command == "bench":
-            from .bench import crash, hang
+            from .bench import crash, hang, state
 
-            module = crash if args.scenario == "crash" else hang
+            module = {"crash": crash, "hang": hang, "state": state}[args.scenario]
+            if args.ranks is None:
+                args.ranks = 2 if args.scenario == "state" else 4
             if args.systems is None:
                 args.systems = ",".join(module.SYSTEMS)
             return module.main(args)

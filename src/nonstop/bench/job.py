@@ -5,6 +5,11 @@ is what a careful torchrun user writes: a checkpoint every N steps, resume from 
 fresh store prefix per restart (on torch 2.13 a restarted gloo group otherwise reads stale keys).
 Every rank appends ``<steps done> <time> <generation>`` to ``steps-r<rank>.txt`` when a step
 completes (the generation: nonstop's, or torchrun's restart count).
+
+The model: ``--input`` -> ``--hidden``, ``--layers`` hidden Linear(hidden, hidden) layers, -> 1
+(``--hidden 4096 --layers 6``: 100.8M parameters). ``--sharded`` (nonstop mode) keeps Adam's state
+ZeRO-1 style, as examples/train_sharded.py does: parameter i is owned by rank i % world, which alone
+updates it and then broadcasts it; ``State(..., sharded=True)``.
 """
 
 import argparse
@@ -25,6 +30,10 @@ p.add_argument("--mode", choices=["nonstop", "torchrun"], required=True)
 p.add_argument("--steps", type=int, default=100)
 p.add_argument("--out", required=True)
 p.add_argument("--hidden", type=int, default=256)
+p.add_argument("--layers", type=int, default=1, help="hidden Linear(hidden, hidden) layers")
+p.add_argument("--input", type=int, default=32, help="input features")
+p.add_argument("--batch", type=int, default=64, help="samples per rank and step")
+p.add_argument("--sharded", action="store_true", help="nonstop mode: ZeRO-1 sharded optimizer")
 p.add_argument("--sleep-ms", type=float, default=20.0)
 p.add_argument("--ckpt-every", type=int, default=20)
 p.add_argument("--kill-rank", type=int, default=-1, help="torchrun mode: SIGKILL this rank...")
@@ -33,26 +42,39 @@ p.add_argument("--kill-signal", default="SIGKILL", help="torchrun mode: the sign
 p.add_argument("--collective-timeout", type=float, default=1800.0,
                help="torchrun mode: the process group timeout (how a hang is noticed there)")
 args = p.parse_args()
+if args.sharded and args.mode != "nonstop":
+    p.error("--sharded needs --mode nonstop")
 
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(32, args.hidden), torch.nn.Tanh(),
-                            torch.nn.Linear(args.hidden, args.hidden), torch.nn.Tanh(),
-                            torch.nn.Linear(args.hidden, 1))
-optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+_layers = [torch.nn.Linear(args.input, args.hidden), torch.nn.Tanh()]
+for _ in range(args.layers):
+    _layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.Tanh()]
+model = torch.nn.Sequential(*_layers, torch.nn.Linear(args.hidden, 1))
+params = list(model.parameters())
+optimizer = torch.optim.Adam(params, lr=1e-3)
 
 
 def batch(step, rank):
     g = torch.Generator().manual_seed(nonstop.step_seed(0, step, rank))
-    x = torch.randn(64, 32, generator=g)
+    x = torch.randn(args.batch, args.input, generator=g)
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
-def one_step(ddp, step, rank):
+def one_step(ddp, step, rank, owner=None):
     x, y = batch(step, rank)
     loss = F.mse_loss(ddp(x), y)
     optimizer.zero_grad()
     loss.backward()
-    optimizer.step()
+    if owner is None:
+        optimizer.step()
+    else:  # sharded: update only our parameters, then send them to the others
+        for param, o in zip(params, owner):
+            if o != rank:
+                param.grad = None  # not ours: Adam neither updates it nor keeps state for it
+        optimizer.step()
+        with torch.no_grad():
+            for param, o in zip(params, owner):
+                dist.broadcast(param.data, src=o)
     if args.sleep_ms:
         time.sleep(args.sleep_ms / 1000)  # stand-in for accelerator work
     return loss
@@ -70,14 +92,15 @@ def save_final(rank):
 
 
 def run_nonstop():
-    state = nonstop.State(model=model, optimizer=optimizer)
+    state = nonstop.State(model=model, optimizer=optimizer, sharded=args.sharded)
 
     @nonstop.wrap(state)
     def train(ctx):
         ddp = nonstop.reproducible(DDP(model))
+        owner = [i % ctx.world_size for i in range(len(params))] if args.sharded else None
         with open(os.path.join(args.out, f"steps-r{ctx.rank}.txt"), "a") as fh:
             for step in ctx.steps(args.steps):
-                one_step(ddp, step, ctx.rank)
+                one_step(ddp, step, ctx.rank, owner)
                 log_step(fh, step + 1, ctx.generation)
         return ctx.rank
 

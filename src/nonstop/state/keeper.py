@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
+import hmac
 import itertools
 import json
 import os
@@ -35,6 +36,9 @@ from . import shm, wire
 SLOTS = 2
 DEFER_LIMIT_S = 120.0  # a write waits at most this long for a slot to become free
 REPLICA_TIMEOUT_S = 120.0
+# Replicas arrive over TCP, where any local user could connect: every frame carries the job's
+# secret (from the environment, which only the job's user can read), or it is refused.
+ENV_TOKEN = "NONSTOP_KEEPER_TOKEN"
 
 
 class Holder:
@@ -82,6 +86,7 @@ class Holder:
 class Keeper:
     def __init__(self, name: str, node: int, host: str, writer: bool):
         self.name, self.node = name, node
+        self.token = os.environ.get(ENV_TOKEN, "")
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.holders: dict[str, Holder] = {}
@@ -405,7 +410,7 @@ class Keeper:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small frames, no waits
                 conns[addr] = sock
             head = json.dumps({"owner": name, "total": info.total, "step": info.step,
-                               "seq": info.seq, "from": self.node}).encode()
+                               "seq": info.seq, "from": self.node, "token": self.token}).encode()
             sock.sendall(struct.pack("<I", len(head)) + head)
             with os.fdopen(os.dup(fd), "rb") as fh:
                 sock.sendfile(fh, 0, info.total)  # from the memfd straight into the socket
@@ -427,6 +432,8 @@ class Keeper:
             while True:
                 (n,) = struct.unpack("<I", _recv_exact(sock, 4))
                 head = json.loads(_recv_exact(sock, n))
+                if not hmac.compare_digest(str(head.get("token", "")), self.token):
+                    raise ValueError("a replica without this job's token: refused")
                 name = "rep" + head["owner"].lstrip("r")
                 total = int(head["total"])
                 with self.changed:
