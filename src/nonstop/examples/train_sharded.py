@@ -25,12 +25,14 @@ parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--hidden", type=int, default=64)
 parser.add_argument("--sleep-ms", type=float, default=0.0, help="stand-in for accelerator work")
 parser.add_argument("--save", help="rank 0 writes the final parameters here")
+parser.add_argument("--device", default="cpu", help="cpu, or cuda (the state lives on the GPU; "
+                    "snapshots copy it to host memory)")
 args = parser.parse_args()
 
 torch.manual_seed(args.seed)
 model = torch.nn.Sequential(torch.nn.Linear(16, args.hidden), torch.nn.Tanh(),
                             torch.nn.Linear(args.hidden, args.hidden), torch.nn.Tanh(),
-                            torch.nn.Linear(args.hidden, 1))
+                            torch.nn.Linear(args.hidden, 1)).to(args.device)
 params = list(model.parameters())
 optimizer = torch.optim.Adam(params, lr=1e-2)  # holds state only for the parameters it updates
 state = nonstop.State(model=model, optimizer=optimizer, sharded=True)
@@ -39,7 +41,7 @@ state = nonstop.State(model=model, optimizer=optimizer, sharded=True)
 def batch(step, rank):
     g = torch.Generator().manual_seed(nonstop.step_seed(args.seed, step, rank))
     x = torch.randn(32, 16, generator=g)
-    return x, x.sum(dim=1, keepdim=True).sin()
+    return x.to(args.device), x.sum(dim=1, keepdim=True).sin().to(args.device)
 
 
 @nonstop.wrap(state)
@@ -68,4 +70,4 @@ def train(ctx):
 
 rank = train()
 if rank == 0 and args.save:
-    torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.save)
+    torch.save({k: v.cpu().clone() for k, v in model.state_dict().items()}, args.save)
