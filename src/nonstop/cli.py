@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="state: hidden layers of the big model (default 6: ~100M parameters)")
     bench.add_argument("--state-steps", type=int, default=20,
                        help="state: steps of each big-model run (default 20)")
+    bench.add_argument("--phases", default="snapshot,restore,restart",
+                       help="state: which measurements (default all: snapshot,restore,restart)")
     bench.add_argument("--json", action="store_true", help="print the result as JSON, last on stdout")
     bench.add_argument("--out", metavar="DIR", help="keep the runs here (default: a temporary dir)")
 

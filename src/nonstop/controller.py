@@ -179,11 +179,19 @@ class Controller(Recovery):
 
     def _check_keepers(self, now: float) -> None:
         """A node that lost only its memory (its ranks still run after a grace) gets a new one;
-        one whose ranks died too is lost, and the next decision moves them."""
+        one whose ranks died too is lost, and the next decision moves them. A node whose keeper
+        nonstop ended (faulty, shut down) gets a new one if processes are placed there again."""
+        if self.phase in ("finishing", "over"):
+            return
         for h in list(self.memory.keepers.values()):
-            if (h.lost and not h.killed and h.node not in self.counters.isolated
-                    and self.phase == "running" and self.incident is None
-                    and now - h.lost_at > KEEPER_GRACE_S):
+            if not h.lost or h.node in self.counters.isolated:
+                continue
+            if h.killed:
+                needed = any(w.node == h.node and not w.dead for w in self.workers.values())
+            else:
+                needed = (self.phase == "running" and self.incident is None
+                          and now - h.lost_at > KEEPER_GRACE_S)
+            if needed:
                 self.memory.restart(h.node)
                 self.memory.configure(self._node_of(), self._usable_nodes())
 

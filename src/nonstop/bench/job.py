@@ -8,8 +8,9 @@ completes (the generation: nonstop's, or torchrun's restart count).
 
 The model: ``--input`` -> ``--hidden``, ``--layers`` hidden Linear(hidden, hidden) layers, -> 1
 (``--hidden 4096 --layers 6``: 100.8M parameters). ``--sharded`` (nonstop mode) keeps Adam's state
-ZeRO-1 style, as examples/train_sharded.py does: parameter i is owned by rank i % world, which alone
-updates it and then broadcasts it; ``State(..., sharded=True)``.
+ZeRO-1 style, as examples/train_sharded.py does: each parameter is owned by one rank (dealt out so
+that every rank owns about as many numbers), which alone updates it and then broadcasts it;
+``State(..., sharded=True)``.
 """
 
 import argparse
@@ -60,6 +61,15 @@ def batch(step, rank):
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
+def owners(world):
+    """The largest parameter first, each to the rank that owns the fewest numbers so far."""
+    load, owner = [0] * world, [0] * len(params)
+    for i in sorted(range(len(params)), key=lambda i: -params[i].numel()):
+        owner[i] = min(range(world), key=lambda r: load[r])
+        load[owner[i]] += params[i].numel()
+    return owner
+
+
 def one_step(ddp, step, rank, owner=None):
     x, y = batch(step, rank)
     loss = F.mse_loss(ddp(x), y)
@@ -97,7 +107,7 @@ def run_nonstop():
     @nonstop.wrap(state)
     def train(ctx):
         ddp = nonstop.reproducible(DDP(model))
-        owner = [i % ctx.world_size for i in range(len(params))] if args.sharded else None
+        owner = owners(ctx.world_size) if args.sharded else None
         with open(os.path.join(args.out, f"steps-r{ctx.rank}.txt"), "a") as fh:
             for step in ctx.steps(args.steps):
                 one_step(ddp, step, ctx.rank, owner)

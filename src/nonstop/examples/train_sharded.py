@@ -2,9 +2,9 @@
 
     nonstop run --nproc 4 --nodes 2 examples/train_sharded.py --steps 200 --save final.pt
 
-Each rank keeps Adam's state only for the parameters it owns (parameter i belongs to rank
-i % world): after the gradients are reduced, each rank updates its own parameters and sends them to
-the others. A rank's optimizer state exists nowhere else, so ``State(..., sharded=True)`` tells
+Each rank keeps Adam's state only for the parameters it owns (the parameters are dealt out so
+that every rank owns about as many numbers): after the gradients are reduced, each rank updates its
+own parameters and sends them to the others. A rank's optimizer state exists nowhere else, so ``State(..., sharded=True)`` tells
 nonstop to restore each rank from its own snapshot (its node's memory, the replica on its buddy
 node, or its part of a disk checkpoint), every rank at one common step.
 """
@@ -44,10 +44,19 @@ def batch(step, rank):
     return x.to(args.device), x.sum(dim=1, keepdim=True).sin().to(args.device)
 
 
+def owners(world):
+    """Who owns each parameter: the largest first, each to the rank that owns the fewest numbers."""
+    load, owner = [0] * world, [0] * len(params)
+    for i in sorted(range(len(params)), key=lambda i: -params[i].numel()):
+        owner[i] = min(range(world), key=lambda r: load[r])
+        load[owner[i]] += params[i].numel()
+    return owner
+
+
 @nonstop.wrap(state)
 def train(ctx):
     ddp = nonstop.reproducible(DDP(model))
-    owner = [i % ctx.world_size for i in range(len(params))]
+    owner = owners(ctx.world_size)
     for step in ctx.steps(args.steps):
         x, y = batch(step, ctx.rank)
         loss = F.mse_loss(ddp(x), y)

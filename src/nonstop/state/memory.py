@@ -52,23 +52,29 @@ class NodeMemory:
         self._client = None
         self._mapped.clear()
 
-    def _slot(self, holder: str, i: int, fd: int) -> shm.Slot:
+    def _slot(self, holder: str, i: int, fd: int, populate: bool = False) -> tuple[shm.Slot, bool]:
+        """The slot mapped in this process (mapped now if it was not, or changed): and whether
+        it was mapped just now."""
         try:
             st = os.fstat(fd)
             slot = self._mapped.get((holder, i))
-            if slot is None or slot.inode != st.st_ino or slot.size != st.st_size:
-                slot = self._mapped[(holder, i)] = shm.Slot(fd)
-            return slot
+            if slot is not None and slot.inode == st.st_ino and slot.size == st.st_size:
+                return slot, False
+            slot = self._mapped[(holder, i)] = shm.Slot(fd, populate)
+            return slot, True
         finally:
             os.close(fd)
 
     # -- writing ------------------------------------------------------------------------------
     def alloc(self, holder: str, size: int) -> tuple[int, int, shm.Slot, dict[str, Any]]:
-        """A slot to write the next snapshot into: (slot, seq, mapped slot, the keeper's reply).
+        """A slot to write the next snapshot into: (slot, seq, mapped slot, the keeper's reply,
+        whose ``fresh`` says the memory is new here: this snapshot's time is not a steady cost).
         Blocks while the keeper keeps the older slot (being read, or its newer twin not yet on
         the buddy node)."""
         reply, fds = self._call({"op": "alloc", "holder": holder, "size": size})
-        return reply["slot"], reply["seq"], self._slot(holder, reply["slot"], fds[0]), reply
+        slot, mapped = self._slot(holder, reply["slot"], fds[0], populate=True)
+        reply["fresh"] = bool(reply.get("fresh")) or mapped
+        return reply["slot"], reply["seq"], slot, reply
 
     def commit(self, holder: str, slot: int, persist: dict[str, Any] | None = None) -> None:
         self.client.tell({"op": "commit", "holder": holder, "slot": slot, "persist": persist})
@@ -98,7 +104,7 @@ class NodeMemory:
             return
         i = reply["slot"]
         try:
-            yield shm.SlotInfo(**reply["info"]), self._slot(holder, i, fds[0])
+            yield shm.SlotInfo(**reply["info"]), self._slot(holder, i, fds[0])[0]
         finally:
             try:
                 self.client.tell({"op": "release", "holder": holder, "slot": i})

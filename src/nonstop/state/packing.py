@@ -55,6 +55,21 @@ def map_tree(obj: Any, is_leaf: Any, fn: Any) -> Any:
     return obj
 
 
+def tensor_bytes(sd: Any) -> int:
+    """Bytes of every tensor in a state dict."""
+    import torch
+
+    total = 0
+
+    def count(t: Any) -> Any:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    map_tree(sd, lambda x: isinstance(x, torch.Tensor), count)
+    return total
+
+
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 

@@ -269,4 +269,4 @@ def _load_local(source: str, step: int, state: Any, rank: int, where: Where) -> 
     except checkpoint.CorruptCheckpoint as exc:
         raise _Bad(str(exc)) from None
     state.load_state_dict(sd)
-    return int(manifest["parts"][str(part)].get("bytes", 0))
+    return packing.tensor_bytes(sd)

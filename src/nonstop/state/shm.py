@@ -92,10 +92,12 @@ class Slot:
     """A slot mapped in this process. The mapping is kept for the life of the object (a tensor
     viewing it may outlive any call), so a slot is mapped once and reused."""
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, populate: bool = False):
         self.size = os.fstat(fd).st_size
         self.inode = os.fstat(fd).st_ino
-        self._mm = mmap.mmap(fd, self.size) if self.size else None
+        # populate: map every page now, not one fault at a time under the first copy
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+        self._mm = mmap.mmap(fd, self.size, flags=flags) if self.size else None
 
     @property
     def buffer(self) -> memoryview:

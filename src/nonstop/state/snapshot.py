@@ -1,10 +1,18 @@
 """A rank's snapshots: when one is due, taking it into the node's memory, and when it also goes to
 disk. The interval is agreed by every rank (so all shards are snapshotted at the same steps) and,
-by default, tuned from measured costs so that snapshots stay a small share of step time."""
+by default, tuned from measured costs so that snapshots stay a small share of step time.
+
+The costs that tune it are steady ones: the median of recent snapshots into memory already in
+place (a first snapshot into new memory pays its allocation once), and of recent steps other than
+a generation's first. The copy to the buddy node counts too: the node's keeper makes it with the
+node's CPUs and memory bandwidth, which the ranks share.
+"""
 
 from __future__ import annotations
 
+import collections
 import math
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -14,9 +22,9 @@ from . import packing, shm
 from .wire import KeeperError
 
 TUNE_AFTER = 3  # steps into a generation before the interval is first tuned
-RETUNE_EVERY = 100  # and every this many steps after (a step index all ranks share)
+RETUNE_EVERY = 20  # and every this many steps after (a step index all ranks share)
 MAX_EVERY = 10_000
-_EMA = 0.2
+_RECENT = 9  # measurements the medians are taken over
 
 
 class Snapshots:
@@ -33,8 +41,9 @@ class Snapshots:
         self.persist_every = int(ckpt["every_steps"])
         self.at_end = bool(ckpt["at_end"])
         self.last_persist = 0  # newest step sent to disk (agreed: every rank moves it alike)
-        self.cost_s: float | None = None  # one snapshot, smoothed
-        self.step_s: float | None = None  # one step without its snapshot, smoothed
+        self._costs: collections.deque[float] = collections.deque(maxlen=_RECENT)
+        self._steps: collections.deque[float] = collections.deque(maxlen=_RECENT)
+        self._first_cost: float | None = None  # a snapshot into new memory, until a steady one
         self.repl_s: float | None = None  # the last copy to the buddy node
         self.entry_step = 0
         self.last_step: int | None = None  # newest step this process snapshotted
@@ -43,6 +52,16 @@ class Snapshots:
         self.error: str | None = None  # the last failure (the node's memory is gone...)
         self.requested: int | None = None  # the newest step this process asked to write to disk
         self.final_persist: int | None = None  # ...when the training loop ended
+
+    @property
+    def cost_s(self) -> float | None:
+        """One snapshot into memory in place (median of the recent ones)."""
+        return statistics.median(self._costs) if self._costs else self._first_cost
+
+    @property
+    def step_s(self) -> float | None:
+        """One step without its snapshot (median of the recent ones)."""
+        return statistics.median(self._steps) if self._steps else None
 
     # -- agreement ----------------------------------------------------------------------------
     def schedule(self) -> dict[str, Any]:
@@ -65,9 +84,8 @@ class Snapshots:
     def _interval(self, cost: float, step_s: float, repl_s: float) -> int:
         if not cost or not step_s:
             return self.every
-        k = math.ceil(cost / (self.max_share * step_s))
-        if repl_s:  # a copy to the buddy must be done before the next snapshot needs its slot
-            k = max(k, math.ceil(repl_s / step_s))
+        # the copy to the buddy shares the node (and must end before the next snapshot's slot)
+        k = math.ceil((cost + (repl_s or 0.0)) / (self.max_share * step_s))
         return max(1, min(MAX_EVERY, k))
 
     def _tune(self) -> bool:
@@ -90,12 +108,12 @@ class Snapshots:
         if not self.enabled:
             return 0.0, False
         if not first:
-            self.step_s = step_s if self.step_s is None else (1 - _EMA) * self.step_s + _EMA * step_s
+            self._steps.append(step_s)
         step = state.step
         changed = False
         if self.auto and (step - self.entry_step == TUNE_AFTER or step % RETUNE_EVERY == 0):
             changed = self._tune()
-        if step % self.every:
+        if step % self.every and not self._disk_due(step):
             return 0.0, changed
         return self.take(state, rank, world, gen, injector), changed
 
@@ -117,6 +135,7 @@ class Snapshots:
         try:
             slot_i, seq, slot, reply = self.memory.alloc(holder, size)
             self.repl_s = reply.get("repl_s") or self.repl_s
+            fresh = reply["fresh"]
             shm.write_tensors(slot, lay.meta, lay.tensors, lay.specs, lay.nbytes, step, rank, gen,
                               seq, midway)
             self.memory.commit(holder, slot_i, self._persist(step, rank, world, sharded, gen, final))
@@ -127,12 +146,20 @@ class Snapshots:
             self.memory.reset()
             return 0.0
         spent = time.perf_counter() - t0
-        self.cost_s = spent if self.cost_s is None else (1 - _EMA) * self.cost_s + _EMA * spent
+        if fresh:
+            self._first_cost = spent if self._first_cost is None else min(self._first_cost, spent)
+        else:
+            self._costs.append(spent)
         self.last_step = step
         self.taken += 1
         self.spent_s += spent
         self.error = None
         return spent
+
+    def _disk_due(self, step: int) -> bool:
+        """A disk checkpoint is due: the step gets a snapshot even between snapshot steps (every
+        rank agrees: ``last_persist`` moves alike everywhere)."""
+        return self.root is not None and step - self.last_persist >= self.persist_every
 
     def _persist(self, step: int, rank: int, world: int, sharded: bool, gen: int,
                  final: bool) -> dict[str, Any] | None:
@@ -140,7 +167,7 @@ class Snapshots:
         the ranks whose part is needed ask for it: all of them for sharded state, else rank 0)."""
         if self.root is None or step <= self.last_persist:
             return None
-        if not final and step - self.last_persist < self.persist_every:
+        if not final and not self._disk_due(step):
             return None
         self.last_persist = step
         if not (sharded or rank == 0):
