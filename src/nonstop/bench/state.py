@@ -32,6 +32,8 @@ from . import common, crash
 SYSTEMS = ("nonstop", "torchrun")
 PHASES = ("snapshot", "restore", "restart")
 WARMUP = 4  # step durations of rank 0 left out of the step time (start-up, the first snapshots)
+# the snapshot cost is the steady one: measured once the interval has been tuned on steady costs
+# (tuned at steps 3 and 10, then every 20): the steps from 21 on
 NO_SNAPSHOTS = "state:\n  snapshot:\n    enabled: false\n"
 JOB_RESTART = "recover:\n  levels:\n    rank_replacement:\n      enabled: false\n"
 
@@ -78,10 +80,13 @@ def _summary_state(run_dir: Path) -> dict[str, Any]:
 
 
 # -- snapshot cost ------------------------------------------------------------------------------
-def step_times(out: Path) -> list[float]:
+STEADY = 21
+
+
+def step_times(out: Path, after: int = WARMUP) -> list[float]:
     """Rank 0's step durations after the warm-up."""
     rows = common.read_steps(out).get(0, [])
-    return [b[1] - a[1] for a, b in zip(rows, rows[1:]) if a[0] >= WARMUP and b[0] == a[0] + 1]
+    return [b[1] - a[1] for a, b in zip(rows, rows[1:]) if a[0] >= after and b[0] == a[0] + 1]
 
 
 def snapshot_cost(args: argparse.Namespace, base: Path, say: Any) -> dict[str, Any]:
@@ -91,9 +96,9 @@ def snapshot_cost(args: argparse.Namespace, base: Path, say: Any) -> dict[str, A
     for label, flag in (("without", off), ("with", "--snapshot-every=auto")):
         out = base / f"snapshots-{label}"
         common.fresh(out)
-        code = common.run_child(_big(args, out, args.state_steps, "--nodes=2", flag),
-                                out / "output.log", _timeout(args, args.state_steps))
-        times = step_times(out) if code == 0 else []
+        code = common.run_child(_big(args, out, args.snapshot_steps, "--nodes=2", flag),
+                                out / "output.log", _timeout(args, args.snapshot_steps))
+        times = step_times(out, STEADY) if code == 0 else []
         res[f"exit_code_{label}"] = code
         res[f"step_s_{label}"] = round(statistics.median(times), 4) if times else None
         res[f"mean_step_s_{label}"] = round(statistics.mean(times), 4) if times else None
@@ -286,6 +291,8 @@ def check(args: argparse.Namespace) -> list[str]:
         raise UsageError("--hidden must be at least 1 and --layers 0 or more")
     if args.state_steps < 2 * WARMUP + 2:
         raise UsageError(f"--state-steps must be at least {2 * WARMUP + 2}, got {args.state_steps}")
+    if args.snapshot_steps < STEADY + 10:
+        raise UsageError(f"--snapshot-steps must be at least {STEADY + 10}, got {args.snapshot_steps}")
     return phases
 
 
@@ -325,7 +332,8 @@ def build(args: argparse.Namespace, n: int, snap: dict[str, Any], restores: dict
         for r in ns["runs"])
     return {
         "scenario": "state", "params": n, "ranks": args.ranks, "hidden": args.hidden,
-        "layers": args.layers, "state_steps": args.state_steps, "steps": args.steps,
+        "layers": args.layers, "state_steps": args.state_steps,
+        "snapshot_steps": args.snapshot_steps, "steps": args.steps,
         "kill_step": args.kill_step, "repeat": args.repeat, "step_s": snap.get("step_s_without"),
         "snapshot": snap, "restore_s": times,
         "restore_bytes": {k: r["bytes"] for k, r in restores.items()},

@@ -86,6 +86,8 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
     while True:
         if rt.assignment is None:
             rt.emit("ready", pid=os.getpid(), mode="script")
+            if rt.node_memory is not None and state is not None:  # a warm spare
+                rt.node_memory.prepare(until=lambda: rt.assignment is not None)
         msg = rt.next_assignment()
         if msg["type"] == protocol.EXIT:
             _retire()
@@ -208,6 +210,7 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
                 holder=resumed.holder, receivers=list(resumed.receivers),
                 sources={str(r): s for r, s in resumed.sources.items()}, skipped=resumed.skipped,
                 nbytes=resumed.nbytes, restore_s=round(resumed.seconds, 6),
+                restore_phases=resumed.phases,
                 sharded=tracked.sharded, t_assigned=t_assigned, t_pg=t_pg, t_restored=t_restored,
                 fds=len(os.listdir("/proc/self/fd")), threads=len(os.listdir("/proc/self/task")))
         ctx = _context(rt, tracked, msg, resumed)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from typing import Any, Iterator
 
 from . import shm, wire
@@ -27,6 +28,9 @@ class NodeMemory:
         self.timeout_s = timeout_s
         self._client: wire.Client | None = None
         self._mapped: dict[tuple[str, int], shm.Slot] = {}
+        self._lock = threading.Lock()
+        self._warm: Any = None  # memory made ready for a restore (see ``prepare``)
+        self._preparing = False
 
     @property
     def client(self) -> wire.Client:
@@ -64,6 +68,61 @@ class NodeMemory:
             return slot, True
         finally:
             os.close(fd)
+
+    # -- memory for a restore ----------------------------------------------------------------
+    def prepare(self, until: Any, every_s: float = 5.0) -> None:
+        """Keep memory ready, in the background, for the biggest snapshot this node holds, until
+        ``until()`` is true: a warm spare then restores a rank by a copy into memory already in
+        place, not into memory that first pays a page fault per page (the larger part of a
+        restore from memory, measured here)."""
+        with self._lock:
+            if self._preparing:
+                return
+            self._preparing = True
+        threading.Thread(target=self._prepare, args=(until, every_s), name="nonstop-prepare",
+                         daemon=True).start()
+
+    def _prepare(self, until: Any, every_s: float) -> None:
+        import torch
+
+        try:
+            while not until():
+                need = self._largest()
+                with self._lock:
+                    have = self._warm.numel() if self._warm is not None else 0
+                if need > have:
+                    buf = torch.empty(need, dtype=torch.uint8)
+                    buf.zero_()  # every page touched now
+                    with self._lock:
+                        self._warm = buf
+                threading.Event().wait(every_s)
+        finally:
+            with self._lock:
+                self._preparing = False
+
+    def _largest(self) -> int:
+        """The largest rank snapshot on this node (0: none yet, or the keeper is gone)."""
+        try:
+            client = wire.Client(self.name, timeout_s=10.0)  # its own: calls are one at a time
+            try:
+                listing = client.call({"op": "list"})[0]["holders"]
+            finally:
+                client.close()
+        except (OSError, ConnectionError, wire.KeeperError):
+            return 0
+        return max((s["data_len"] for name, e in listing.items() if name.startswith("r")
+                    and not name.startswith("rep") for s in e["slots"] if s), default=0)
+
+    def buffer(self, nbytes: int) -> Any:
+        """Memory for ``nbytes`` of restored state, to keep (the state loaded from it may alias
+        it): the prepared memory if it is big enough, else new."""
+        import torch
+
+        with self._lock:
+            warm, self._warm = self._warm, None
+        if warm is not None and warm.numel() >= nbytes:
+            return warm[:nbytes]
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     # -- writing ------------------------------------------------------------------------------
     def alloc(self, holder: str, size: int) -> tuple[int, int, shm.Slot, dict[str, Any]]:

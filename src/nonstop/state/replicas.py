@@ -42,14 +42,15 @@ class Replication(_Base):
                 h.leases[i]["replication"] += 1
                 fd = os.dup(h.fds[i])
             t0 = time.time()
-            error = self._send_replica(conns, addr, name, info, fd)
+            error, fresh = self._send_replica(conns, addr, name, info, fd)
             os.close(fd)
             with self.changed:
                 h.leases[i]["replication"] -= 1
                 if error is None and self.replicate_to.get(name) == addr:
                     h.replicated = max(h.replicated, info.seq)
                     h.replicated_step = info.step
-                    h.repl_s = time.time() - t0
+                    if not fresh:  # into memory the buddy had to allocate: not a steady cost
+                        h.repl_s = time.time() - t0
                 elif error is not None:
                     h.repl_error = error
                 self.changed.notify_all()
@@ -58,7 +59,8 @@ class Replication(_Base):
                        "seconds": round(time.time() - t0, 6), "to": addr, "error": error})
 
     def _send_replica(self, conns: dict[str, socket.socket], addr: str, name: str,
-                      info: shm.SlotInfo, fd: int) -> str | None:
+                      info: shm.SlotInfo, fd: int) -> tuple[str | None, bool]:
+        """Send one snapshot; returns (error or None, whether the buddy wrote it into new memory)."""
         try:
             sock = conns.get(addr)
             if sock is None:
@@ -72,14 +74,15 @@ class Replication(_Base):
             sock.sendall(struct.pack("<I", len(head)) + head)
             with os.fdopen(os.dup(fd), "rb") as fh:
                 sock.sendfile(fh, 0, info.total)  # from the memfd straight into the socket
-            if _recv_exact(sock, 1) != b"k":
+            ack = _recv_exact(sock, 1)
+            if ack not in (b"k", b"f"):
                 raise ConnectionError("the buddy did not acknowledge the replica")
-            return None
+            return None, ack == b"f"
         except (OSError, ValueError) as exc:
             sock = conns.pop(addr, None)
             if sock is not None:
                 sock.close()
-            return f"{type(exc).__name__}: {exc}"
+            return f"{type(exc).__name__}: {exc}", False
 
     def _receive(self, sock: socket.socket) -> None:
         """Replicas pushed by other nodes' keepers, straight into this node's slots."""
@@ -100,11 +103,11 @@ class Replication(_Base):
                     while not h.free(h.older()) and time.time() < deadline:
                         self.changed.wait(0.5)
                     i = h.older()
-                    fd, _ = h.ensure(i, total)
+                    fd, fresh = h.ensure(i, total)
                     h.writing[i] = "replica-in"
                     slot = mapped.get((name, i))
                     if slot is None or slot.inode != os.fstat(fd).st_ino or slot.size < total:
-                        slot = mapped[(name, i)] = shm.Slot(fd)
+                        slot = mapped[(name, i)] = shm.Slot(fd, populate=True)
                 try:
                     slot.invalidate()
                     header = _recv_exact(sock, shm.HEADER)
@@ -122,7 +125,7 @@ class Replication(_Base):
                     with self.changed:
                         h.writing[i] = None
                         self.changed.notify_all()
-                sock.sendall(b"k")
+                sock.sendall(b"f" if fresh else b"k")
                 self.wake()
         except (OSError, ValueError, struct.error):
             sock.close()

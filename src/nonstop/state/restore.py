@@ -35,6 +35,7 @@ class RestoreResult:
     seconds: float = 0.0
     skipped: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # sources that failed
     agreed: dict[str, Any] = dataclasses.field(default_factory=dict)  # schedule agreed by all
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # where the time went
 
 
 @dataclasses.dataclass
@@ -85,13 +86,16 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
 
     t0 = time.monotonic()
     offer, problems = _offer(state, rank, has_state, where)
+    t_offer = time.monotonic()
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, {"offer": offer.to_wire(), "schedule": schedule or {}})
     offers = [Offer.from_wire(g["offer"]) for g in gathered]
+    t_gathered = time.monotonic()
     skipped: list[dict[str, Any]] = []
     for attempt in range(MAX_ATTEMPTS):
         p = planning.plan(offers, where.sharded)
         nbytes, failure = _execute(p, offers, state, rank, where)
+        t_moved = time.monotonic()
         statuses: list[Any] = [None] * world
         dist.all_gather_object(statuses, failure)
         failed = [f for f in statuses if f is not None]
@@ -107,10 +111,15 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
     receivers = tuple(a.rank for a in p.actions if not (a.source == "live" and a.holder is None))
     if problems:
         skipped.append({"rank": rank, "source": "memory", "why": problems["memory"]})
+    t_end = time.monotonic()
     return RestoreResult(p.step, mine.source, mine.holder, {a.rank: a.source for a in p.actions},
-                         receivers, nbytes, time.monotonic() - t0, skipped,
+                         receivers, nbytes, t_end - t0, skipped,
                          agreed={"schedules": [g["schedule"] for g in gathered],
-                                 "disk": any(a.source == "disk" for a in p.actions)})
+                                 "disk": any(a.source == "disk" for a in p.actions)},
+                         phases={"offer": round(t_offer - t0, 6),
+                                 "agree": round(t_gathered - t_offer, 6),  # waits for the last rank
+                                 "move": round(t_moved - t_gathered, 6),  # the final attempt
+                                 "confirm": round(t_end - t_moved, 6)})
 
 
 def _without(offers: list[Offer], failed: list[dict[str, Any]]) -> list[Offer]:
@@ -146,7 +155,7 @@ def _execute(p: planning.Plan, offers: list[Offer], state: Any, rank: int, where
             live_packed = _send(a, p.step, offers[rank], state, rank, where, live_packed)
         elif rank == a.rank:
             try:
-                nbytes += _receive(a, state)
+                nbytes += _receive(a, state, where)
             except _Bad as exc:
                 failure = {"rank": rank, "source": a.source, "offered_by": a.holder,
                            "step": p.step, "why": str(exc)}
@@ -209,7 +218,7 @@ def _send_parts(dst: int, header: Any, meta: bytes, data: Any) -> None:
         dist.send(data, dst)
 
 
-def _receive(a: planning.Action, state: Any) -> int:
+def _receive(a: planning.Action, state: Any, where: Where) -> int:
     import torch
     import torch.distributed as dist
 
@@ -220,7 +229,8 @@ def _receive(a: planning.Action, state: Any) -> int:
         raise _Bad(f"rank {a.holder} could not send its {a.source} copy")
     meta_t = torch.empty(meta_len, dtype=torch.uint8)
     dist.recv(meta_t, a.holder)
-    data = torch.empty(data_len, dtype=torch.uint8)
+    data = (where.memory.buffer(data_len) if where.memory is not None
+            else torch.empty(data_len, dtype=torch.uint8))
     if data_len:
         dist.recv(data, a.holder)
     meta = meta_t.numpy().tobytes()
@@ -248,12 +258,13 @@ def _load_local(source: str, step: int, state: Any, rank: int, where: Where) -> 
                 if found is None:
                     raise _Bad(f"{holder} has no snapshot of step {step}")
                 info, slot = found
-                if not slot.verify(info):
+                # a private copy (the loaded optimizer state would otherwise alias the slot, and
+                # the next snapshot would write into the live state), checked as it is made
+                private = where.memory.buffer(info.data_len)  # type: ignore[union-attr]
+                if not slot.copy_out(info, private):
                     raise _Bad(f"the {source} snapshot of step {step} fails its checksum")
-                meta, data = slot.read(info)
-                # a private copy: the loaded optimizer state would otherwise alias the slot, and
-                # the next snapshot would write into the live state
-                state.load_state_dict(packing.unpack(meta, data.clone()))
+                meta, _ = slot.read(info)
+                state.load_state_dict(packing.unpack(meta, private))
                 return info.data_len
         except (OSError, ConnectionError, AttributeError) as exc:
             raise _Bad(f"node memory: {type(exc).__name__}: {exc}") from None

@@ -21,8 +21,8 @@ from . import memory as mem
 from . import packing, shm
 from .wire import KeeperError
 
-TUNE_AFTER = 3  # steps into a generation before the interval is first tuned
-RETUNE_EVERY = 20  # and every this many steps after (a step index all ranks share)
+TUNE_AFTER = (3, 10)  # steps into a generation when the interval is tuned: at once, then on
+RETUNE_EVERY = 20  # steady costs; and at every step index that is a multiple of this
 MAX_EVERY = 10_000
 _RECENT = 9  # measurements the medians are taken over
 
@@ -111,7 +111,7 @@ class Snapshots:
             self._steps.append(step_s)
         step = state.step
         changed = False
-        if self.auto and (step - self.entry_step == TUNE_AFTER or step % RETUNE_EVERY == 0):
+        if self.auto and (step - self.entry_step in TUNE_AFTER or step % RETUNE_EVERY == 0):
             changed = self._tune()
         if step % self.every and not self._disk_due(step):
             return 0.0, changed
