@@ -48,7 +48,8 @@ class Holder:
         self.replicated = -1  # seq of the newest snapshot the buddy node holds
         self.replicated_step: int | None = None
         self.repl_error: str | None = None  # replication failed: writes no longer wait for it
-        self.repl_s: float | None = None  # how long the last replication took
+        self.repl_s: float | None = None  # how long the last replication took (into memory in place)
+        self.repl_first_s: float | None = None  # ...into new memory: an upper bound until then
 
     def infos(self) -> list[shm.SlotInfo | None]:
         return [shm.read_header(fd) if fd is not None else None for fd in self.fds]
@@ -317,7 +318,8 @@ class Keeper(Replication, DiskWrites):
         fd, fresh = h.ensure(i, int(msg["size"]))
         h.writing[i] = cid
         seq = 1 + max((info.seq for info in h.infos() if info is not None), default=0)
-        return {"slot": i, "seq": seq, "size": os.fstat(fd).st_size, "repl_s": h.repl_s,
+        repl_s = h.repl_s if h.repl_s is not None else h.repl_first_s
+        return {"slot": i, "seq": seq, "size": os.fstat(fd).st_size, "repl_s": repl_s,
                 "fresh": fresh}, [fd]
 
     def _commit(self, cid: int, msg: dict[str, Any]) -> tuple[dict[str, Any] | None, list[int]]:

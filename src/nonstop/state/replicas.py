@@ -49,7 +49,9 @@ class Replication(_Base):
                 if error is None and self.replicate_to.get(name) == addr:
                     h.replicated = max(h.replicated, info.seq)
                     h.replicated_step = info.step
-                    if not fresh:  # into memory the buddy had to allocate: not a steady cost
+                    if fresh:  # into memory the buddy had to allocate: not a steady cost
+                        h.repl_first_s = time.time() - t0
+                    else:
                         h.repl_s = time.time() - t0
                 elif error is not None:
                     h.repl_error = error

@@ -21,8 +21,10 @@ from . import memory as mem
 from . import packing, shm
 from .wire import KeeperError
 
-TUNE_AFTER = (3, 10)  # steps into a generation when the interval is tuned: at once, then on
-RETUNE_EVERY = 20  # steady costs; and at every step index that is a multiple of this
+# Steps into a generation when the interval is tuned: every step is snapshotted until then, so
+# that by then the memory is in place on both nodes and the costs measured are steady ones.
+TUNE_AFTER = (10,)
+RETUNE_EVERY = 20  # and at every step index that is a multiple of this
 MAX_EVERY = 10_000
 _RECENT = 9  # measurements the medians are taken over
 
@@ -46,6 +48,7 @@ class Snapshots:
         self._first_cost: float | None = None  # a snapshot into new memory, until a steady one
         self.repl_s: float | None = None  # the last copy to the buddy node
         self.entry_step = 0
+        self.anchor = 0  # the step of the last snapshot due (every rank's alike): the next is K on
         self.last_step: int | None = None  # newest step this process snapshotted
         self.taken = 0
         self.spent_s = 0.0
@@ -79,7 +82,7 @@ class Snapshots:
                                               for k in ("cost_s", "step_s", "repl_s")))
         if from_disk:
             self.last_persist = max(self.last_persist, step)
-        self.entry_step = step
+        self.entry_step = self.anchor = step
 
     def _interval(self, cost: float, step_s: float, repl_s: float) -> int:
         if not cost or not step_s:
@@ -110,19 +113,21 @@ class Snapshots:
         if not first:
             self._steps.append(step_s)
         step = state.step
-        changed = False
+        spent = 0.0
+        if step - self.anchor >= self.every or self._disk_due(step):
+            self.anchor = step
+            spent = self.take(state, rank, world, gen, injector)
+        changed = False  # tuned after the snapshot: its cost is then known
         if self.auto and (step - self.entry_step in TUNE_AFTER or step % RETUNE_EVERY == 0):
             changed = self._tune()
-        if step % self.every and not self._disk_due(step):
-            return 0.0, changed
-        return self.take(state, rank, world, gen, injector), changed
+        return spent, changed
 
     def take(self, state: Any, rank: int, world: int, gen: int, injector: Any = None,
              final: bool = False) -> float:
         """Copy the state into the node's memory; returns the seconds it took (0: skipped)."""
         if self.memory is None:
             return 0.0
-        t0 = time.perf_counter()
+        t_start = time.perf_counter()
         step = state.step
         sharded = bool(getattr(state, "sharded", False))
         lay = packing.layout(state.state_dict(), {"step": step, "rank": rank, "world": world,
@@ -132,10 +137,11 @@ class Snapshots:
         midway = None
         if injector is not None and injector.has_point("snapshot"):
             midway = lambda: injector.check("snapshot", rank, step - 1)  # noqa: E731
+        t_alloc = time.perf_counter()
         try:
             slot_i, seq, slot, reply = self.memory.alloc(holder, size)
             self.repl_s = reply.get("repl_s") or self.repl_s
-            fresh = reply["fresh"]
+            t0 = time.perf_counter()  # waiting for a slot is not the copy's cost (see _interval)
             shm.write_tensors(slot, lay.meta, lay.tensors, lay.specs, lay.nbytes, step, rank, gen,
                               seq, midway)
             self.memory.commit(holder, slot_i, self._persist(step, rank, world, sharded, gen, final))
@@ -145,11 +151,13 @@ class Snapshots:
             self.error = f"{type(exc).__name__}: {exc}"
             self.memory.reset()
             return 0.0
-        spent = time.perf_counter() - t0
-        if fresh:
-            self._first_cost = spent if self._first_cost is None else min(self._first_cost, spent)
+        t_end = time.perf_counter()
+        cost = (t_alloc - t_start) + (t_end - t0)
+        if reply["fresh"]:
+            self._first_cost = cost if self._first_cost is None else min(self._first_cost, cost)
         else:
-            self._costs.append(spent)
+            self._costs.append(cost)
+        spent = t_end - t_start
         self.last_step = step
         self.taken += 1
         self.spent_s += spent
