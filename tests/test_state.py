@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import (EXAMPLES, TRAIN, bitwise_equal, finish, policy_file, rank_wids, run_nonstop,
+from conftest import (EXAMPLES, bitwise_equal, finish, policy_file, rank_wids, run_nonstop,
                       start, wait_for_event)
 
 pytestmark = pytest.mark.integration
@@ -38,11 +38,22 @@ def restored(r) -> list[dict]:
     return [e for e in r.of("restore") if e["gen"] > 0]
 
 
-def test_a_crashed_rank_takes_its_shard_from_its_nodes_memory(tmp_path, reference):
-    r, out = run(tmp_path, EVERY_STEP, "--spares=1", "--inject=crash:rank=1,step=15")
-    (rest,) = restored(r)
-    assert rest["step"] == 15 and rest["sources"] == {"0": "live", "1": "memory"}
-    assert r.summary["steps_lost"] == 0
+def test_a_sharded_job_comes_back_from_its_nodes_memory(tmp_path, reference):
+    # three incidents in one run, each restored from the nodes' memory:
+    # 1. rank 1 crashes: its replacement takes its shard from its node's memory (nothing lost);
+    # 2. rank 1 fails after its optimizer step: every rank is half-way through step 14 (the
+    #    other waits in its broadcast): all roll back to their step-14 snapshots;
+    # 3. rank 0 dies half-way through writing the snapshot of step 21: that slot stays invalid,
+    #    never loaded; every rank rolls back to step 20, the newest step every shard has.
+    r, out = run(tmp_path, EVERY_STEP, "--spares=1", "--inject=crash:rank=1,step=8;"
+                 "exception:rank=1,step=14,at=optimizer;crash:rank=0,step=20,at=snapshot")
+    assert [d["level"] for d in r.of("decision")] == ["rank replacement", "in-process restart",
+                                                      "rank replacement"]
+    assert [(e["step"], e["sources"]) for e in restored(r)] == [
+        (8, {"0": "live", "1": "memory"}),
+        (14, {"0": "memory", "1": "memory"}),
+        (20, {"0": "memory", "1": "memory"})]
+    assert [i["steps_lost"] for i in r.summary["incident_list"]] == [0, 0, 1]
     assert bitwise_equal(out, reference(2, *ARGS, script=SHARDED))
 
 
@@ -60,26 +71,6 @@ def test_a_lost_node_is_restored_from_its_buddy_node(tmp_path, reference):
     assert bitwise_equal(out, reference(2, *ARGS, script=SHARDED))
 
 
-def test_sharded_ranks_roll_back_together_from_memory(tmp_path, reference):
-    # rank 1 fails after its optimizer step: every rank is then half-way through step 12 (the
-    # others wait in its broadcast): all resume from their step-12 snapshots
-    r, out = run(tmp_path, EVERY_STEP, "--inject=exception:rank=1,step=12,at=optimizer")
-    assert [d["level"] for d in r.of("decision")] == ["in-process restart"]
-    (rest,) = restored(r)
-    assert rest["step"] == 12 and rest["sources"] == {"0": "memory", "1": "memory"}
-    assert bitwise_equal(out, reference(2, *ARGS, script=SHARDED))
-
-
-def test_a_snapshot_torn_by_a_crash_is_never_loaded(tmp_path, reference):
-    # rank 1 dies half-way through writing the snapshot of step 16: that slot stays invalid, and
-    # every rank rolls back to step 15, the newest step every shard has
-    r, out = run(tmp_path, EVERY_STEP, "--spares=1", "--inject=crash:rank=1,step=15,at=snapshot")
-    (rest,) = restored(r)
-    assert rest["step"] == 15 and rest["sources"] == {"0": "memory", "1": "memory"}
-    assert r.summary["steps_lost"] == 1
-    assert bitwise_equal(out, reference(2, *ARGS, script=SHARDED))
-
-
 def test_a_corrupted_snapshot_is_skipped_for_the_buddy_copy(tmp_path, reference):
     # one spare per node: rank 1's replacement runs on node 1, whose memory holds the bad copy
     r, out = run(tmp_path, EVERY_STEP, "--nodes=2", "--spares=2",
@@ -94,15 +85,14 @@ def test_a_corrupted_snapshot_is_skipped_for_the_buddy_copy(tmp_path, reference)
 
 def test_job_restart_resumes_from_memory_with_no_step_lost(tmp_path, reference):
     pol = policy_file(tmp_path, "recover:\n  levels:\n    rank_replacement:\n      enabled: false\n")
-    r, out = run(tmp_path, EVERY_STEP, f"--policy={pol}", "--inject=crash:rank=1,step=15",
-                 script=TRAIN)
+    r, out = run(tmp_path, EVERY_STEP, f"--policy={pol}", "--inject=crash:rank=1,step=15")
     assert [d["level"] for d in r.of("decision")] == ["job restart"]
     assert all(len(w) == 2 for w in rank_wids(r).values())  # every rank process is new
     (rest,) = restored(r)
     assert rest["step"] == 15 and set(rest["sources"].values()) == {"memory"}
     (inc,) = r.summary["incident_list"]
     assert inc["steps_lost"] == 0
-    assert bitwise_equal(out, reference(2, *ARGS, script=TRAIN))
+    assert bitwise_equal(out, reference(2, *ARGS, script=SHARDED))
 
 
 def test_a_killed_launcher_resumes_from_disk_losing_only_the_steps_since(tmp_path, reference):
@@ -134,13 +124,12 @@ def test_a_corrupted_checkpoint_falls_back_to_the_previous_one(tmp_path, referen
     data = bytearray(part.read_bytes())
     data[len(data) // 2] ^= 0x01  # one bit, in the middle of the tensors
     part.write_bytes(bytes(data))
-    args = ("--steps", "40", "--sleep-ms", "0")
-    r, out = run(tmp_path, f"--checkpoint-dir={ckpt}", "--checkpoint-every=10", args=args,
+    r, out = run(tmp_path, f"--checkpoint-dir={ckpt}", "--checkpoint-every=10", args=LONG_FAST,
                  name="second")
     (rest,) = r.of("restore")
     assert rest["step"] == 20 and set(rest["sources"].values()) == {"disk"}
     assert any(s["source"] == "disk" and s["step"] == 30 for s in rest["skipped"])
-    assert bitwise_equal(out, reference(2, *args, script=SHARDED))
+    assert bitwise_equal(out, reference(2, *LONG_FAST, script=SHARDED))
 
 
 def test_sigterm_saves_the_newest_snapshot_and_the_job_resumes_from_it(tmp_path, reference):

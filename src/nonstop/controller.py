@@ -114,18 +114,28 @@ class Controller(Recovery):
             self.log.write("health", status=self.health.nvml_status,
                            checks=[c.name for c in d.health_checks])
 
-    def _start(self) -> None:
-        self._start_health()
+    def prespawn(self) -> None:
+        """Start the nodes' memory, the ranks and the warm spares. Called before the store is
+        up (the launcher imports torch meanwhile): they connect to it once it is."""
+        if self.plan:
+            return
         self.log.write("run_start", world=self.world, spares=self.spares_target,
                        managed=self.managed, policy=self.policy.model_dump())
         self.memory.world = self.world
         self.memory.start(range(self.total_nodes))
         for rank in range(self.world):
             self.plan[rank] = self.table.new(spare=False, node=rank // self.slots).wid
-        self._publish(0, initial=True, level="start")
         for w in (self.workers[wid] for wid in self.plan.values()):
             self.table.spawn(w)
         self._refill_spares()
+
+    def attach_store(self, store: Any) -> None:
+        self.store = self.table.store = store
+
+    def _start(self) -> None:
+        self._start_health()
+        self.prespawn()
+        self._publish(0, initial=True, level="start")
 
     # == workers and spares ====================================================================
     def _refill_spares(self) -> None:

@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -152,11 +153,18 @@ class _Interrupted(Exception):
         self.signum = signum
 
 
+def _listen() -> socket.socket:
+    """The store's listening socket, on a port from the OS, made before the store itself: the
+    processes can be started (and import torch) while the launcher imports torch too."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    return sock
+
+
 def run(cfg: RunConfig) -> int:
     pol, faults, uses_nonstop = prepare(cfg)
     run_dir = make_run_dir(cfg.run_dir)
-    from torch.distributed import TCPStore
-
     from .agent import Agent
     from .controller import Controller
     from .display import Display
@@ -164,15 +172,15 @@ def run(cfg: RunConfig) -> int:
 
     display = Display(quiet=cfg.quiet, live=cfg.live)
     log = EventLog(run_dir)
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    store.set(protocol.JOB_KEY, protocol.dumps({
-        "run_id": run_dir.name, "world": cfg.nproc,
-        "rendezvous_timeout_s": pol.timeouts.rendezvous_s,
-        "collective_timeout_s": pol.timeouts.collective_s, "policy": pol.model_dump()}))
+    listener = _listen()
+    port = listener.getsockname()[1]
     controller: Controller | None = None
 
     def label(wid: int) -> str:
         w = controller.workers.get(wid) if controller else None
+        node = controller.memory.node_of_wid(wid) if controller else None
+        if node is not None:
+            return f"keeper n{node}"
         if w is None or w.spare or w.rank is None:
             return f"spare {wid}"
         return f"rank {w.rank}"
@@ -182,9 +190,9 @@ def run(cfg: RunConfig) -> int:
         if controller is not None:
             controller.on_output(wid, line)
 
-    agent = Agent(cfg.script, cfg.script_args, f"127.0.0.1:{store.port}", run_dir,
+    agent = Agent(cfg.script, cfg.script_args, f"127.0.0.1:{port}", run_dir,
                   worker_env(cfg, run_dir, faults), output)
-    controller = Controller(world=cfg.nproc, spares=cfg.spares, policy=pol, store=store, agent=agent,
+    controller = Controller(world=cfg.nproc, spares=cfg.spares, policy=pol, store=None, agent=agent,
                             log=log, display=display, managed=uses_nonstop, nodes=cfg.nodes,
                             spare_nodes=cfg.spare_nodes, run_dir=run_dir)
 
@@ -197,6 +205,17 @@ def run(cfg: RunConfig) -> int:
     display.start()
     code: int
     try:
+        controller.prespawn()
+        from torch.distributed import TCPStore
+
+        # the store takes over the socket (and closes it): ours lets go of it
+        store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                         master_listen_fd=listener.detach())
+        store.set(protocol.JOB_KEY, protocol.dumps({
+            "run_id": run_dir.name, "world": cfg.nproc,
+            "rendezvous_timeout_s": pol.timeouts.rendezvous_s,
+            "collective_timeout_s": pol.timeouts.collective_s, "policy": pol.model_dump()}))
+        controller.attach_store(store)
         code = controller.run()
     except _Interrupted as exc:
         display.stop()
@@ -217,6 +236,7 @@ def run(cfg: RunConfig) -> int:
         for s, h in old.items():
             signal.signal(s, h)
         agent.close()
+        listener.close()  # a no-op once the store has it
     wall = (controller.t_train_end or time.time()) - controller.t_start
     summary = metrics.summarize([i.to_record() for i in controller.incidents], wall,
                                 controller.productive_s(), controller.max_step, code)
