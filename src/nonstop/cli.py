@@ -94,9 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="state: hidden layers of the big model (default 6: ~100M parameters)")
     bench.add_argument("--state-steps", type=int, default=20,
                        help="state: steps of each big-model restore run (default 20)")
-    bench.add_argument("--snapshot-steps", type=int, default=60,
-                       help="state: steps of each snapshot-cost run; steps from 21 on are timed "
-                            "(default 60)")
+    bench.add_argument("--snapshot-steps", type=int, default=100,
+                       help="state: steps of each snapshot-cost run; steps from 31 on are timed "
+                            "(default 100)")
     bench.add_argument("--phases", default="snapshot,restore,restart",
                        help="state: which measurements (default all: snapshot,restore,restart)")
     bench.add_argument("--json", action="store_true", help="print the result as JSON, last on stdout")

@@ -128,6 +128,14 @@ class State:
     def objects(self) -> dict[str, Any]:
         return dict(self._objects)
 
+    def copies_on_load(self, name: str) -> bool:
+        """Whether loading the object copies the tensors it is given (a module copies into its
+        parameters; an optimizer, a dict or a tensor may keep them): only then may the tensors
+        loaded into it live in memory that will be written again."""
+        import torch
+
+        return isinstance(self._objects.get(name), torch.nn.Module)
+
     def state_dict(self) -> dict[str, Any]:
         import torch
 

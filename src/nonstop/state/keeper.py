@@ -319,6 +319,9 @@ class Keeper(Replication, DiskWrites):
         h.writing[i] = cid
         seq = 1 + max((info.seq for info in h.infos() if info is not None), default=0)
         repl_s = h.repl_s if h.repl_s is not None else h.repl_first_s
+        buddy = self.replicate_to.get(h.name, "")
+        if repl_s is not None and buddy.rpartition(":")[0] == self.tcp_addr.rpartition(":")[0]:
+            repl_s *= 2  # a buddy on this very machine: its CPUs pay for both ends of the copy
         return {"slot": i, "seq": seq, "size": os.fstat(fd).st_size, "repl_s": repl_s,
                 "fresh": fresh}, [fd]
 

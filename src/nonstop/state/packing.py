@@ -55,19 +55,39 @@ def map_tree(obj: Any, is_leaf: Any, fn: Any) -> Any:
     return obj
 
 
-def tensor_bytes(sd: Any) -> int:
-    """Bytes of every tensor in a state dict."""
+def tensor_bytes(sd: Any, aligned: bool = False) -> int:
+    """Bytes of every tensor in a state dict (each rounded up as ``copy_into`` places them)."""
     import torch
 
     total = 0
 
     def count(t: Any) -> Any:
         nonlocal total
-        total += t.numel() * t.element_size()
+        n = t.numel() * t.element_size()
+        total += _aligned(n) if aligned else n
         return t
 
     map_tree(sd, lambda x: isinstance(x, torch.Tensor), count)
     return total
+
+
+def copy_into(tree: Any, buf: Any) -> Any:
+    """``tree`` with every tensor copied into ``buf`` (a uint8 tensor large enough: see
+    ``tensor_bytes``), aligned, one after the other."""
+    import torch
+
+    pos = 0
+
+    def place(t: Any) -> Any:
+        nonlocal pos
+        nbytes = t.numel() * t.element_size()
+        out = buf[pos:pos + nbytes].view(t.dtype).reshape(t.shape) if nbytes else t.clone()
+        if nbytes:
+            out.copy_(t)
+        pos += _aligned(nbytes)
+        return out
+
+    return map_tree(tree, lambda x: isinstance(x, torch.Tensor), place)
 
 
 def _aligned(n: int) -> int:

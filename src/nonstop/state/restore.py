@@ -241,6 +241,18 @@ def _receive(a: planning.Action, state: Any, where: Where) -> int:
     return data_len
 
 
+def _private(sd: dict[str, Any], state: Any, where: Where) -> dict[str, Any]:
+    """``sd`` (viewing a slot, held by a lease) made safe to load: what a module copies into its
+    parameters may stay a view; what an optimizer (or a dict, a tensor) would keep is copied into
+    memory of this process - prepared ahead by a warm spare - or the next snapshot into that slot
+    would write into the live state."""
+    kept = {name: value for name, value in sd.items() if not state.copies_on_load(name)}
+    if not kept:
+        return sd
+    buf = where.memory.buffer(packing.tensor_bytes(kept, aligned=True))  # type: ignore[union-attr]
+    return {**sd, **packing.copy_into(kept, buf)}
+
+
 def _checksum(meta: bytes, data: Any) -> int:
     from . import shm
 
@@ -258,13 +270,10 @@ def _load_local(source: str, step: int, state: Any, rank: int, where: Where) -> 
                 if found is None:
                     raise _Bad(f"{holder} has no snapshot of step {step}")
                 info, slot = found
-                # a private copy (the loaded optimizer state would otherwise alias the slot, and
-                # the next snapshot would write into the live state), checked as it is made
-                private = where.memory.buffer(info.data_len)  # type: ignore[union-attr]
-                if not slot.copy_out(info, private):
+                if not slot.verify(info):
                     raise _Bad(f"the {source} snapshot of step {step} fails its checksum")
-                meta, _ = slot.read(info)
-                state.load_state_dict(packing.unpack(meta, private))
+                meta, data = slot.read(info)
+                state.load_state_dict(_private(packing.unpack(meta, data), state, where))
                 return info.data_len
         except (OSError, ConnectionError, AttributeError) as exc:
             raise _Bad(f"node memory: {type(exc).__name__}: {exc}") from None

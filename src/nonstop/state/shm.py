@@ -156,26 +156,6 @@ class Slot:
         return meta, torch.frombuffer(self._mm, dtype=torch.uint8, count=info.data_len,
                                       offset=data_offset(info.meta_len))
 
-    def copy_out(self, info: SlotInfo, dest: Any) -> bool:
-        """Copy the data into ``dest`` (a uint8 tensor of at least ``info.data_len``), hashing
-        each chunk as it lands (in the cache): whether the copy matches the checksum. What is
-        checked is what was copied: the slot may change afterwards, the copy does not."""
-        import torch
-
-        if info.total > self.size or dest.numel() < info.data_len:
-            return False
-        h = hasher()
-        h.update(self.buffer[HEADER:HEADER + info.meta_len])
-        if info.data_len:
-            src = torch.frombuffer(self._mm, dtype=torch.uint8, count=info.data_len,
-                                   offset=data_offset(info.meta_len))
-            out = memoryview(dest.numpy())
-            for start in range(0, info.data_len, CHUNK):
-                end = min(info.data_len, start + CHUNK)
-                dest[start:end].copy_(src[start:end])
-                h.update(out[start:end])
-        return h.intdigest() == info.checksum
-
     def flip_bit(self, info: SlotInfo, where: float = 0.5) -> int:
         """Flip one bit of the data (fault injection: a memory error). Returns its offset."""
         off = data_offset(info.meta_len) + int(info.data_len * where) if info.data_len else HEADER
