@@ -36,3 +36,23 @@ def test_gpu_state_comes_back_from_memory_buddy_and_disk(tmp_path):
     r, out = run(tmp_path, "resumed", f"--checkpoint-dir={ckpt}")
     assert [e["sources"] for e in r.of("restore")] == [{"0": "disk", "1": "disk"}]
     assert bitwise_equal(out, ref)
+
+
+def test_nccl_backend_carries_nonstops_own_collectives_on_gloo(tmp_path):
+    """With ``backend="nccl"`` the restore's offers and the snapshot interval's agreement (CPU
+    tensors) go through gloo beside NCCL; the training's CUDA tensors through NCCL. One GPU: one
+    rank (NCCL refuses two ranks on one device)."""
+    args = (*ARGS, "--backend", "nccl")
+
+    def one(name, *flags):
+        out = tmp_path / f"{name}.pt"
+        r = run_nonstop(tmp_path / name, "--nproc=1", *flags, str(SHARDED), *args,
+                        "--save", str(out))
+        assert r.code == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return r, out
+
+    _, ref = one("nccl-reference")
+    r, out = one("nccl-crash", "--spares=1", "--inject=crash:rank=0,step=25")
+    (restore,) = [e for e in r.of("restore") if e["gen"] > 0]
+    assert restore["sources"] == {"0": "memory"} and restore["step"] > 10
+    assert bitwise_equal(out, ref)

@@ -1,4 +1,5 @@
-"""Moving state bit for bit: a state dict as (structure, one flat buffer) and back."""
+"""Moving state bit for bit: a state dict as (structure, one flat buffer) and back; the group
+that carries it between ranks."""
 
 import torch
 
@@ -36,3 +37,11 @@ def test_layout_plans_without_copying_and_info_rides_along():
     meta, buf = pack(sd, {"step": 9})
     out, info = unpack_with_info(meta, buf)
     assert info == {"step": 9} and torch.equal(out["w"], sd["w"]) and out["n"] == {"x": 1}
+
+
+def test_a_plain_nccl_backend_gets_gloo_beside_it_for_cpu_tensors():
+    from nonstop.runtime.pg import with_cpu_backend
+
+    assert with_cpu_backend("nccl") == with_cpu_backend(" NCCL ") == "cpu:gloo,cuda:nccl"
+    assert with_cpu_backend("gloo") == "gloo"
+    assert with_cpu_backend("cpu:gloo,cuda:nccl") == "cpu:gloo,cuda:nccl"

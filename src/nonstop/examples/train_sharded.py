@@ -27,6 +27,7 @@ parser.add_argument("--sleep-ms", type=float, default=0.0, help="stand-in for ac
 parser.add_argument("--save", help="rank 0 writes the final parameters here")
 parser.add_argument("--device", default="cpu", help="cpu, or cuda (the state lives on the GPU; "
                     "snapshots copy it to host memory)")
+parser.add_argument("--backend", default="gloo", help="gloo, or nccl (with --device cuda)")
 args = parser.parse_args()
 
 torch.manual_seed(args.seed)
@@ -53,7 +54,7 @@ def owners(world):
     return owner
 
 
-@nonstop.wrap(state)
+@nonstop.wrap(state, backend=args.backend)
 def train(ctx):
     ddp = nonstop.reproducible(DDP(model))
     owner = owners(ctx.world_size)

@@ -52,13 +52,21 @@ def shutdown_sockets(fds: dict[int, str]) -> int:
     return done
 
 
+def with_cpu_backend(backend: str) -> str:
+    """The backend string for a generation's group: nonstop's own collectives (the restore's
+    offers and copies, the snapshot interval) are on CPU tensors, which NCCL cannot carry, so a
+    plain ``nccl`` gets gloo beside it for the CPU (``cpu:gloo,cuda:nccl``); CUDA tensors still go
+    through NCCL. Anything else (``gloo``, an explicit ``device:backend`` list) is kept as given."""
+    return "cpu:gloo,cuda:nccl" if backend.strip().lower() == "nccl" else backend
+
+
 class GenerationGroup:
     """torch.distributed's default group for one generation, under a fresh store prefix."""
 
     def __init__(self, host: str, port: int, gen: int, rank: int, world: int, backend: str,
                  prefix: str, rendezvous_timeout_s: float, collective_timeout_s: float):
         self.host, self.port, self.gen, self.rank, self.world = host, port, gen, rank, world
-        self.backend, self.prefix = backend, prefix
+        self.backend, self.prefix = with_cpu_backend(backend), prefix
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.collective_timeout_s = collective_timeout_s
         self._lock = threading.Lock()
