@@ -128,9 +128,8 @@ def _without(offers: list[Offer], failed: list[dict[str, Any]]) -> list[Offer]:
     for f in failed:
         r, step, source = f["offered_by"], f["step"], f["source"]
         o = out[r]
-        if source == "live":  # a peer's memory snapshot failed; its live state cannot fail
-            out[r] = dataclasses.replace(o, memory=tuple(s for s in o.memory if s != step))
-        elif source == "memory":
+        # "live" that failed was a peer's snapshot sent in its place: live state cannot fail
+        if source in ("live", "memory"):
             out[r] = dataclasses.replace(o, memory=tuple(s for s in o.memory if s != step))
         elif source == "buddy":  # the replica, wherever it was read
             reps = dict(o.replicas)
