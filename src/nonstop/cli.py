@@ -7,6 +7,7 @@ is known to be good.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import NoReturn
 
@@ -123,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "run":
-            return _run(args)
+            code = _run(args)
+            if argv is None:  # the command itself, not a call from Python
+                _exit_now(code)
+            return code
         if args.command == "demo":
             from .demo import run_demo
 
@@ -150,6 +154,15 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE_EXIT
     except KeyboardInterrupt:
         return 130
+
+
+def _exit_now(code: int) -> None:
+    """End the launcher without the interpreter's teardown: every process it started has ended,
+    its files are closed and written, and tearing down what importing torch built costs ~0.5 s of
+    CPU that is spent after the job is over."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _run(args: argparse.Namespace) -> int:
