@@ -32,8 +32,6 @@ from . import common, crash
 SYSTEMS = ("nonstop", "torchrun")
 PHASES = ("snapshot", "restore", "restart")
 WARMUP = 4  # step durations of rank 0 left out of the step time (start-up, the first snapshots)
-# the snapshot cost is the steady one: measured once the interval has been tuned on steady costs
-# (at step 10, then every 20) and the start-up's drift has passed (seen without snapshots too)
 NO_SNAPSHOTS = "state:\n  snapshot:\n    enabled: false\n"
 JOB_RESTART = "recover:\n  levels:\n    rank_replacement:\n      enabled: false\n"
 
@@ -80,6 +78,8 @@ def _summary_state(run_dir: Path) -> dict[str, Any]:
 
 
 # -- snapshot cost ------------------------------------------------------------------------------
+# the snapshot cost is the steady one: measured once the interval has been tuned on steady costs
+# (at step 10, then every 20) and the start-up's drift has passed (seen without snapshots too)
 STEADY = 31
 
 

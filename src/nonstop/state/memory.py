@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from typing import Any, Iterator
 
 from . import shm, wire
@@ -95,7 +96,7 @@ class NodeMemory:
                     buf.zero_()  # every page touched now
                     with self._lock:
                         self._warm = buf
-                threading.Event().wait(every_s)
+                time.sleep(every_s)
         finally:
             with self._lock:
                 self._preparing = False

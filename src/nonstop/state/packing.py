@@ -81,9 +81,9 @@ def copy_into(tree: Any, buf: Any) -> Any:
     def place(t: Any) -> Any:
         nonlocal pos
         nbytes = t.numel() * t.element_size()
-        out = buf[pos:pos + nbytes].view(t.dtype).reshape(t.shape) if nbytes else t.clone()
-        if nbytes:
-            out.copy_(t)
+        if not nbytes:
+            return t.clone()
+        out = buf[pos:pos + nbytes].view(t.dtype).reshape(t.shape).copy_(t)
         pos += _aligned(nbytes)
         return out
 
