@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import protocol
+from .console import ConsoleFilter
 
 
 @dataclasses.dataclass
@@ -31,6 +32,7 @@ class Proc:
     returncode: int | None = None
     t_exit: float | None = None
     _partial: bytes = b""
+    console: ConsoleFilter | None = None
 
     @property
     def pid(self) -> int:
@@ -141,10 +143,17 @@ class Agent:
             data = proc._partial + chunk
             *lines, proc._partial = data.split(b"\n")
             for line in lines:
-                self.output(wid, line.decode(errors="replace"))
+                self._show(proc, line.decode(errors="replace"))
         if final and proc._partial:
-            self.output(wid, proc._partial.decode(errors="replace"))
+            self._show(proc, proc._partial.decode(errors="replace"))
             proc._partial = b""
+
+    def _show(self, proc: Proc, line: str) -> None:
+        if proc.console is None:
+            proc.console = ConsoleFilter(proc.log_path.name)
+        shown = proc.console.show(line)
+        if shown is not None:
+            self.output(proc.wid, shown)
 
     def _close_stream(self, proc: Proc) -> None:
         stream = proc.popen.stdout

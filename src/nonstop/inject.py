@@ -2,6 +2,8 @@
 
 A spec is ``kind:key=value,...``; several are joined by ``;`` or given as repeated flags, e.g.
 ``crash:rank=2,step=50;hang:rank=1,step=80``. Each fault fires once per job unless ``times`` says more.
+A fault can also fire inside a recovery (``at=assigned|rendezvous|restore|first_step|teardown``),
+keyed by the generation instead of the step: a second fault while the first is being recovered.
 """
 
 from __future__ import annotations
@@ -36,9 +38,16 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "node_crash": ("the rank's whole node dies: its keeper (the node's memory), then every process "
                    "of the node", ()),
 }
-POINTS = ("start", "optimizer", "snapshot")  # snapshot: half-way through writing the step's snapshot
+STEP_POINTS = ("start", "optimizer", "snapshot")  # snapshot: half-way through writing the step's snapshot
+#: points inside a recovery, keyed by generation: the new rank process holds its assignment
+#: (replace), is forming the group (rendezvous), is receiving state (restore), runs the first
+#: step of the generation (first_step), or is leaving a failed generation (teardown)
+PHASE_POINTS = ("assigned", "rendezvous", "restore", "first_step", "teardown")
+POINTS = STEP_POINTS + PHASE_POINTS
+PHASE_KINDS = ("crash", "exit", "exception", "hang", "stop", "node_crash")
+FIRST_RECOVERY = -1  # gen not given: the first generation after a failure (any, for teardown)
 CLAIMED = ("corrupt",)  # fired by the code that can do them, through Injector.claim_kind
-COMMON_KEYS = ("rank", "step", "at", "times")
+COMMON_KEYS = ("rank", "step", "at", "times", "gen")
 PERSISTENT = ("slow", "jitter")  # act at every step from `step` on; rank may be `all`
 ALL_RANKS = -1
 
@@ -56,16 +65,26 @@ class FaultSpec:
     times: int = 1  # how many times it fires in the whole job
     code: int = 1  # exit code for "exit"
     ms: int = 0  # delay for "slow" and "jitter"
+    gen: int = FIRST_RECOVERY  # for a recovery point: the generation it fires in
 
     def describe(self) -> str:
+        rank = "all" if self.rank == ALL_RANKS else self.rank
+        if self.at in PHASE_POINTS:
+            gen = "" if self.gen == FIRST_RECOVERY else f",gen={self.gen}"
+            return f"{self.kind}:rank={rank},at={self.at}{gen}"
         extra = "" if self.at == "start" else f",at={self.at}"
         if self.kind in PERSISTENT:
             extra += f",ms={self.ms}"
-        rank = "all" if self.rank == ALL_RANKS else self.rank
         return f"{self.kind}:rank={rank},step={self.step}{extra}"
 
     def applies(self, rank: int) -> bool:
         return self.rank in (rank, ALL_RANKS)
+
+    def fires_in(self, gen: int) -> bool:
+        """For a recovery point: whether generation ``gen`` is the one it fires in."""
+        if self.gen != FIRST_RECOVERY:
+            return gen == self.gen
+        return self.at == "teardown" or gen >= 1
 
 
 def _int(kind: str, key: str, value: str, minimum: int) -> int:
@@ -112,6 +131,17 @@ def parse_one(text: str) -> FaultSpec:
         fields.setdefault("step", 0)
         if fields.get("ms", 0) < 1:
             raise UsageError(f"fault '{kind}': needs ms= (milliseconds, at least 1)")
+    if fields.get("at") in PHASE_POINTS:
+        at = fields["at"]
+        if kind not in PHASE_KINDS:
+            raise UsageError(f"fault '{kind}': at={at} is for {', '.join(PHASE_KINDS)}")
+        if "step" in fields:
+            raise UsageError(f"fault '{kind}': at={at} fires in a recovery, keyed by gen=, not step= "
+                             f"(e.g. '{kind}:rank=1,at={at},gen=1')")
+        fields["step"] = 0
+    elif "gen" in fields:
+        raise UsageError(f"fault '{kind}': gen= is only for faults inside a recovery "
+                         f"(at={'|'.join(PHASE_POINTS)})")
     for needed in ("rank", "step"):
         if needed not in fields:
             raise UsageError(f"fault '{kind}': missing {needed}=")
@@ -159,7 +189,8 @@ class Injector:
         self._announce = announce
         forward = ("nan",) + PERSISTENT
         self._by_point = {p: [(i, f) for i, f in enumerate(faults)
-                              if f.at == p and f.kind not in forward + CLAIMED] for p in POINTS}
+                              if f.at == p and f.kind not in forward + CLAIMED] for p in STEP_POINTS}
+        self._by_phase = {p: [(i, f) for i, f in enumerate(faults) if f.at == p] for p in PHASE_POINTS}
         self._claimed = [(i, f) for i, f in enumerate(faults) if f.kind in CLAIMED]
         self._forward = [(i, f) for i, f in enumerate(faults) if f.kind in forward]
         self._announced: set[int] = set()
@@ -170,8 +201,15 @@ class Injector:
                 self._announce(f, step)
                 fire(f)
 
+    def in_recovery(self, point: str, rank: int, gen: int) -> None:
+        """Fire the faults of a recovery point (``PHASE_POINTS``) for this rank and generation."""
+        for i, f in self._by_phase.get(point, ()):
+            if f.rank == rank and f.fires_in(gen) and self._claim(i, f):
+                self._announce(f, -1)
+                fire(f)
+
     def has_point(self, point: str) -> bool:
-        return bool(self._by_point.get(point))
+        return bool(self._by_point.get(point) or self._by_phase.get(point))
 
     def claim_kind(self, kind: str, rank: int, step: int) -> bool:
         """Whether a fault of ``kind`` fires here (claimed and announced; the caller carries it

@@ -52,6 +52,8 @@ class Context:
         while state.step < total:
             step = state.step
             if rt is not None:
+                if not self._first_done:
+                    rt.injector.in_recovery("first_step", self.rank, self.generation)
                 rt.injector.check("start", self.rank, step)
             if reseed is not None:
                 import torch

@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import time
+from typing import Callable
 
 
 def socket_fds() -> dict[int, str]:
@@ -60,6 +61,24 @@ def with_cpu_backend(backend: str) -> str:
     return "cpu:gloo,cuda:nccl" if backend.strip().lower() == "nccl" else backend
 
 
+SWEEP_EVERY_S = 0.02  # an aborted group still forming: how often its new sockets are shut...
+SWEEP_LIMIT_S = 10.0  # ...and for how long at most
+
+
+def _reset_group_names() -> None:
+    """Name the next default group "0" again. torch numbers default groups from a counter that
+    it advances before constructing one and resets only when a group is destroyed; a construction
+    that failed (aborted mid-rendezvous) leaves it advanced, so this rank's next group would take
+    its keys under another name than a fresh process's, and the two would wait for each other
+    until the rendezvous timeout."""
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        c10d._world.group_count = 0
+    except (ImportError, AttributeError):  # private API: without it, nothing to fix
+        pass
+
+
 class GenerationGroup:
     """torch.distributed's default group for one generation, under a fresh store prefix."""
 
@@ -79,8 +98,11 @@ class GenerationGroup:
         self.sockets_shut = 0
         self.collected = 0
         self._kept = None
+        self._forming_done = threading.Event()  # init_process_group returned or raised
 
-    def open(self) -> None:
+    def open(self, joined_store: Callable[[], None] | None = None) -> None:
+        """Form the group. ``joined_store`` (a fault injection point) is called once this rank
+        is connected to the generation's store, before the group connects its peers."""
         import torch.distributed as dist
 
         if dist.is_initialized():
@@ -101,9 +123,15 @@ class GenerationGroup:
             if self.aborted:
                 shutdown_sockets(self._store_fds)
                 raise RuntimeError(f"generation {self.gen} was aborted during rendezvous")
-        dist.init_process_group(
-            self.backend, store=dist.PrefixStore(self.prefix, store), rank=self.rank,
-            world_size=self.world, timeout=datetime.timedelta(seconds=self.collective_timeout_s))
+        if joined_store is not None:
+            joined_store()
+        _reset_group_names()
+        try:
+            dist.init_process_group(
+                self.backend, store=dist.PrefixStore(self.prefix, store), rank=self.rank,
+                world_size=self.world, timeout=datetime.timedelta(seconds=self.collective_timeout_s))
+        finally:
+            self._forming_done.set()
         del store
         opened = socket_fds()
         with self._lock:
@@ -124,9 +152,26 @@ class GenerationGroup:
             if self._group_fds is not None:
                 targets.update(self._group_fds)
             else:  # rendezvous in progress: whatever sockets appeared since it began
-                targets.update({fd: link for fd, link in socket_fds().items()
-                                if self._before.get(fd) != link})
+                targets.update(self._new_sockets())
             self.sockets_shut += shutdown_sockets(targets)
+            forming = self._group_fds is None
+        if forming:
+            self._sweep_while_forming()
+
+    def _new_sockets(self) -> dict[int, str]:
+        return {fd: link for fd, link in socket_fds().items() if self._before.get(fd) != link}
+
+    def _sweep_while_forming(self) -> None:
+        """While the group is still connecting its peers, gloo may open new sockets after the
+        first shutdown (it retries a connection to a peer that is not listening yet): shut those
+        too, until the group's construction gives up. Bounded: the caller is the abort watcher,
+        which has nothing else to do for this generation."""
+        deadline = time.monotonic() + SWEEP_LIMIT_S
+        while not self._forming_done.wait(SWEEP_EVERY_S) and time.monotonic() < deadline:
+            with self._lock:
+                if self._group_fds is not None:
+                    return
+                self.sockets_shut += shutdown_sockets(self._new_sockets())
 
     def close(self) -> float:
         """Leave the group: unregister it and drop the references the failure left behind.

@@ -162,7 +162,8 @@ class WorkerRuntime:
         where = Where(memory=self.node_memory if snaps is not None else None,
                       checkpoint_root=root, sharded=state.sharded)
         resumed = restore(state, rank, world, has_state, where,
-                          snaps.schedule() if snaps is not None else None)
+                          snaps.schedule() if snaps is not None else None,
+                          agreed=lambda: self.injector.in_recovery("restore", rank, gen))
         if snaps is not None:
             snaps.adopt(resumed.agreed["schedules"], resumed.step, resumed.agreed["disk"])
             if state.sharded and resumed.step == 0 and snaps.last_step != 0:

@@ -97,6 +97,7 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
         gen, rank, world = msg["gen"], msg["rank"], msg["world"]
         rt.rank = rank
         rt.apply_env(msg)
+        rt.injector.in_recovery("assigned", rank, gen)
         t_assigned = time.time()
         has_state = rt.ever_entered or bool(msg.get("initial"))
         if state is None:  # nothing registered: nothing to agree on, every entry starts over
@@ -119,6 +120,7 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
             outcome = _enter(rt, group, fn, tracked, has_state, msg, t_assigned, args, kwargs,
                              rejoin=verdict)
         if isinstance(outcome, _Failure):
+            rt.injector.in_recovery("teardown", rank, gen)
             # Torn down only now, outside the except block: while an exception is being handled
             # it keeps the failed frames (and DDP, and the group) alive.
             rt.monitor.end()
@@ -198,7 +200,7 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
             return fn(ctx, *args, **kwargs)
         if rt.store.check([protocol.abort_key(gen, rt.worker_id)]):
             raise RuntimeError(f"generation {gen} was aborted before this rank joined")
-        group.open()
+        group.open(joined_store=lambda: rt.injector.in_recovery("rendezvous", rank, gen))
         t_pg = time.time()
         phase = "restore"
         resumed = rt.restore(tracked, rank, world, gen, has_state)

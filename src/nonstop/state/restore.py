@@ -13,7 +13,7 @@ import dataclasses
 import struct
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from . import memory as mem
 from . import packing, plan as planning
@@ -77,11 +77,13 @@ def _offer(state: Any, rank: int, has_state: bool, where: Where) -> tuple[Offer,
 
 
 def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
-            schedule: dict[str, Any] | None = None) -> RestoreResult:
+            schedule: dict[str, Any] | None = None,
+            agreed: Callable[[], None] | None = None) -> RestoreResult:
     """Collective over the default group: every rank ends holding the state of one step.
 
     ``schedule`` (this rank's snapshot schedule) is shared with the offers; the result's
-    ``agreed`` holds what every rank received, so all can adopt the same."""
+    ``agreed`` holds what every rank received, so all can adopt the same. ``agreed`` (a fault
+    injection point) is called once the offers are known, before any state moves."""
     import torch.distributed as dist
 
     t0 = time.monotonic()
@@ -91,6 +93,8 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
     dist.all_gather_object(gathered, {"offer": offer.to_wire(), "schedule": schedule or {}})
     offers = [Offer.from_wire(g["offer"]) for g in gathered]
     t_gathered = time.monotonic()
+    if agreed is not None:
+        agreed()
     skipped: list[dict[str, Any]] = []
     for attempt in range(MAX_ATTEMPTS):
         p = planning.plan(offers, where.sharded)
