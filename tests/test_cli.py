@@ -31,6 +31,8 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, words: str) -> None
     (["run", "--inject", "meteor:rank=0,step=1", str(TRAIN)], "unknown fault 'meteor'"),
     (["run", "--inject", "crash:rank=0", str(TRAIN)], "missing step="),
     (["run", "--nproc", "2", "--inject", "crash:rank=5,step=1", str(TRAIN)], "rank 5 does not exist"),
+    (["run", "--inject", "", str(TRAIN)], "--inject '': no fault given"),
+    (["run", "--inject", " ; ;", str(TRAIN)], "--inject ' ; ;': no fault given"),
     (["run"], "the following arguments are required: script"),
     (["bench", "crash", "--systems", "slurm"], "unknown system(s) slurm"),
     (["report", "/nonexistent/run"], "no run at /nonexistent/run"),
@@ -65,11 +67,14 @@ def test_missing_module_is_caught_before_any_process_starts(tmp_path):
 
 
 def test_script_failing_at_import_in_every_rank(tmp_path):
+    """Not bad input to nonstop but a bad script: its traceback once, then one line (more cases in
+    test_bad_scripts.py)."""
     run = run_nonstop(tmp_path / "run", "--nproc=2", str(SCRIPTS / "fails_at_import.py"))
     assert run.code == 2, run.stdout + run.stderr
     err = run.stderr.strip().splitlines()
-    assert len(err) == 1 and "failed at import" in err[0] and "no_such_name_in_torch" in err[0], err
-    assert "Traceback" not in run.stdout + run.stderr
+    assert "failed at import" in err[-1] and "no_such_name_in_torch" in err[-1], err
+    assert (run.stdout + run.stderr).count("Traceback (most recent call last)") == 1
+    assert "fails_at_import.py\", line 4" in run.stderr
 
 
 def test_help_works():

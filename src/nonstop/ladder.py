@@ -140,7 +140,7 @@ def decide(faults: list[Fault], dead: set[int], view: JobView, policy: Policy,
     imports = [f for f in faults if f.kind == "import_error"]
     if imports:  # the same code fails the same way on every attempt: retrying cannot help
         return _fail("the script fails at import", f"the script failed at import: {imports[0].message}",
-                     usage_error=True)
+                     usage_error=True, traceback=imports[0].traceback)
     if user and counters.user_errors_in_a_row >= rules.user_error_retries:
         f = user[0]
         return _fail("user error budget spent",

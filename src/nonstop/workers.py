@@ -70,10 +70,12 @@ class WorkerTable:
         return w
 
     def spawn(self, w: Worker) -> Proc:
-        proc = self.agent.spawn(w.wid, spare=w.spare, spare_mode=self.spare_mode, node=w.node,
+        # a rank's process runs the script once its rank is known (see bootstrap)
+        mode = self.spare_mode if w.spare else "rank"
+        proc = self.agent.spawn(w.wid, spare=w.spare, spare_mode=mode, node=w.node,
                                 keeper=self.keeper_of(w.node) if self.keeper_of else None)
         self.log.write("spawn", wid=w.wid, pid=proc.pid, spare=w.spare, rank=w.rank, node=w.node,
-                       mode=self.spare_mode)
+                       mode=mode)
         return proc
 
     def spares(self, node: int | None = None) -> list[Worker]:

@@ -14,11 +14,16 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from .. import loopback
+
 JOB = Path(__file__).resolve().parent / "job.py"
 
 
 def run_child(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None) -> int:
     """Run a command in its own session, output to ``log``; end it (and its children) on timeout."""
+    # torchrun's ranks as nonstop's: gloo listens on loopback (torchrun's own store, the baseline's,
+    # listens on every interface whatever it is told)
+    env = loopback.pin(dict(os.environ if env is None else env))
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env)

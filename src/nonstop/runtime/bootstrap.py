@@ -1,8 +1,12 @@
 """Entry point of every process ``nonstop run`` starts: ranks and warm spares alike.
 
 ``python -m nonstop.runtime.bootstrap SCRIPT [ARGS...]``: tie our life to the launcher, pay the slow
-imports, then either run the script at once (it calls ``nonstop.wrap``, which waits for a rank when
-there is none yet) or wait for a rank first (a plain torchrun script reads RANK at the top).
+imports, then either run the script at once (a spare of a script that calls ``nonstop.wrap``, which
+waits for a rank when there is none yet) or wait for a rank first (a rank's process; a spare of a
+plain torchrun script, which reads RANK at the top).
+
+A script that fails before reaching its training function is reported as failing at import: the
+launcher stops the job rather than retry what fails the same way every time.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import ast
 import ctypes
 import faulthandler
+import functools
 import importlib
 import os
 import runpy
@@ -22,6 +27,7 @@ from typing import Any
 from .. import protocol
 
 PR_SET_PDEATHSIG = 1
+_GROUP_INIT: list[bool] = []  # not empty once a plain script called init_process_group
 
 
 def die_with_parent() -> None:
@@ -85,12 +91,18 @@ def main() -> None:
         sys.exit(2)
     rt.emit("hello", pid=os.getpid())
     names, uses_nonstop, uses_ddp = script_imports(script)
+    watch_group_init()
     t0 = time.time()
     prewarm(names, uses_ddp)
     mode = os.environ.get(protocol.ENV_SPARE_MODE, "script" if uses_nonstop else "import")
     msg = rt.poll_message()
     if msg is None and mode == "import":
         rt.emit("ready", pid=os.getpid(), mode="import", warm_s=time.time() - t0)
+        msg = rt.wait_message()
+    elif msg is None and mode == "rank":
+        # A rank's assignment is published as soon as the store is up (a replacement's before it
+        # is started): waiting costs nothing, and the script runs with its rank in the
+        # environment, so a failure at import is the script's whatever it reads at top level.
         msg = rt.wait_message()
     if msg is not None and msg["type"] == protocol.EXIT:
         os._exit(0)
@@ -101,6 +113,49 @@ def main() -> None:
             rt.emit("entered", gen=rt.assignment["gen"], rank=rt.assignment["rank"], plain=True,
                     step=None, t_assigned=time.time())
     run_script(rt, script, args)
+
+
+def watch_group_init() -> None:
+    """Note when a script that does not use ``nonstop.wrap`` reaches its distributed part
+    (``init_process_group``): an error before that point is the script's own and repeats on every
+    attempt, one after it may come from a peer, and is recovered from."""
+    try:
+        import torch.distributed as dist
+        c10d = dist.distributed_c10d
+    except (ImportError, AttributeError):
+        return
+    original = c10d.init_process_group
+
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        _GROUP_INIT.append(True)
+        return original(*args, **kwargs)
+
+    dist.init_process_group = c10d.init_process_group = init_process_group
+
+
+def _before_training(rt: Any) -> bool:
+    """Whether the script failed before reaching its training function (``nonstop.wrap``'s
+    function, or a plain script's process group)."""
+    if rt.wrapped or _GROUP_INIT:
+        return False
+    dist = sys.modules.get("torch.distributed")
+    return not (dist is not None and dist.is_available() and dist.is_initialized())
+
+
+def _describe(exc: BaseException, script: str) -> tuple[str, str]:
+    """One line (the error, and the script's line it went through last) and the traceback from the
+    script's first frame on: bootstrap's and runpy's frames are noise to the user."""
+    tb = exc.__traceback__
+    ours = (__file__, runpy.__file__, "<frozen runpy>")
+    while tb is not None and tb.tb_frame.f_code.co_filename in ours:
+        tb = tb.tb_next
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    where = ""
+    for frame, lineno in traceback.walk_tb(tb):
+        if os.path.abspath(frame.f_code.co_filename) == os.path.abspath(script):
+            where = f" ({os.path.basename(script)}, line {lineno})"
+    return f"{type(exc).__name__}: {exc}{where}"[:2000], text[-20000:]
 
 
 def run_script(rt: Any, script: str, args: list[str]) -> None:
@@ -116,27 +171,28 @@ def run_script(rt: Any, script: str, args: list[str]) -> None:
 
     sys.argv = [script] + args
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    # whether the script runs with its rank in the environment (a warm spare runs it without)
+    assigned = rt.assignment is not None
     try:
         # keep the script's globals (its DDP, its group) referenced until the process ends
         kept = runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            _end(exc.code or 0)
-        print(exc.code, file=sys.stderr)
-        _end(1)
+        code = exc.code if exc.code is None or isinstance(exc.code, int) else 1
+        if code is not exc.code:
+            print(exc.code, file=sys.stderr)
+        if code and _before_training(rt):
+            # the script gave up at its top level (argparse, a check of its own): every attempt
+            # would do the same, and it said why in its output (no traceback to add)
+            error, _ = _describe(exc, script)
+            rt.emit("exit", code=code, error=error, traceback=None, import_error=True,
+                    assigned=assigned, collective=False,
+                    gen=(rt.assignment or {}).get("gen"), rank=(rt.assignment or {}).get("rank"))
+        _end(code or 0)
     except BaseException as exc:  # noqa: BLE001 - report the user's error to the launcher, once
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__):
-            tb = tb.tb_next
-        text = "".join(traceback.format_exception(type(exc), exc, tb))
-        where = ""
-        for frame, lineno in traceback.walk_tb(tb):
-            if os.path.abspath(frame.f_code.co_filename) == os.path.abspath(script):
-                where = f" ({os.path.basename(script)}, line {lineno})"
-        rt.emit("exit", code=1, error=f"{type(exc).__name__}: {exc}{where}"[:2000],
-                traceback=text[-20000:],
-                import_error=isinstance(exc, (ImportError, SyntaxError)) and not rt.wrapped,
-                collective=worker.is_collective_error(exc),
+        error, text = _describe(exc, script)
+        at_import = _before_training(rt)
+        rt.emit("exit", code=1, error=error, traceback=text, import_error=at_import,
+                assigned=assigned, collective=not at_import and worker.is_collective_error(exc),
                 gen=(rt.assignment or {}).get("gen"), rank=(rt.assignment or {}).get("rank"))
         _end(1)
     _end(0, kept)
