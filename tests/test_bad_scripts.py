@@ -72,6 +72,7 @@ import os
 import time
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nonstop
 
@@ -83,8 +84,9 @@ state = nonstop.State(model=model, optimizer=opt)
 
 @nonstop.wrap(state)
 def train(ctx):
-    for step in ctx.steps(40):
-        loss = model(torch.ones(2, 4)).sum()
+    ddp = DDP(model)
+    for step in ctx.steps(60):
+        loss = ddp(torch.ones(2, 4)).sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -99,7 +101,7 @@ train()
 def test_a_spare_failing_at_import_for_want_of_a_rank_does_not_stop_the_job(tmp_path):
     script = tmp_path / "needs_rank.py"
     script.write_text(NEEDS_RANK)
-    run = run_nonstop(tmp_path / "run", "--nproc=2", "--spares=1", "--inject=crash:rank=1,step=30",
+    run = run_nonstop(tmp_path / "run", "--nproc=2", "--spares=1", "--inject=crash:rank=1,step=45",
                       str(script), timeout=120)
     out = run.stdout + run.stderr
     assert run.code == 0, out
@@ -113,4 +115,4 @@ def test_a_spare_failing_at_import_for_want_of_a_rank_does_not_stop_the_job(tmp_
     assert len(spares) <= 3  # the first, its refill, the refill after the replacement
     assert all(e["mode"] == "rank" for e in run.of("spawn") if not e["spare"])
     assert [d["level"] for d in run.of("decision")] == ["rank replacement"]
-    assert {f["kind"] for f in run.of("fault")} == {"crash"}
+    assert {f["kind"] for f in run.of("fault")} - {"peer"} == {"crash"}  # peer: its symptom
