@@ -98,5 +98,22 @@ def print_summary(console: Console, summary: dict[str, Any]) -> None:
     lines.append(f"steps lost: {summary['steps_lost']}")
     if goodput is not None:
         lines.append(f"goodput: {goodput:.1%}")
-    lines.append(f"wall: {summary['wall_s']:.1f} s")
+    checkpoints = (summary.get("state") or {}).get("checkpoint")
+    if checkpoints:
+        lines.append(format_checkpoints(checkpoints))
+    wall = f"wall: {summary['wall_s']:.1f} s"
+    if (summary.get("finish_s") or 0) >= 1:  # waiting at the end (for checkpoints, ranks)
+        wall += f" ({summary['finish_s']:.1f} s after training)"
+    lines.append(wall)
     console.print(Text("nonstop summary: ", style="bold") + Text(" | ".join(lines)))
+
+
+def format_checkpoints(ck: dict[str, Any]) -> str:
+    """``checkpoints: 3 written, 5 failed (No space left on device), newest complete: step 30``"""
+    text = f"checkpoints: {ck.get('written', 0)} written"
+    if ck.get("failed"):
+        causes = ", ".join(sorted(ck.get("causes") or {}, key=lambda c: -ck["causes"][c]))
+        text += f", {ck['failed']} failed" + (f" ({causes})" if causes else "")
+    newest = ck.get("newest_complete")
+    return text + (f", newest complete: step {newest}" if newest is not None else
+                   ", none complete")

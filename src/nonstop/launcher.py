@@ -169,6 +169,8 @@ def run(cfg: RunConfig) -> int:
     from .controller import Controller
     from .display import Display
     from .events import EventLog
+    from .ladder import Decision, Level
+    from .state.outcomes import CheckpointsFailing
 
     display = Display(quiet=cfg.quiet, live=cfg.live)
     log = EventLog(run_dir)
@@ -228,18 +230,32 @@ def run(cfg: RunConfig) -> int:
                          "process")
             for s in old:  # a second signal ends it at once
                 signal.signal(s, signal.SIG_DFL)
-            controller.emergency(f"signal {name}")
+            try:
+                controller.emergency(f"signal {name}")
+            except CheckpointsFailing:  # the disk refuses it: ending anyway
+                pass
         else:
             display.info(f"interrupted by {name}: ending every process")
+    except CheckpointsFailing as exc:  # state.checkpoint.on_failure: fail
+        if controller.exit_code is None:  # not already ending (giving up for another reason)
+            controller._fail(Decision(Level.FAIL, reason="checkpoints failing",
+                                      diagnosis=str(exc)))
+        code = controller.exit_code if controller.exit_code is not None else 1
     finally:
         display.stop()
         for s, h in old.items():
             signal.signal(s, h)
         agent.close()
         listener.close()  # a no-op once the store has it
-    wall = (controller.t_train_end or time.time()) - controller.t_start
-    summary = metrics.summarize([i.to_record() for i in controller.incidents], wall,
-                                controller.productive_s(), controller.max_step, code)
+        controller.memory.clean_up()
+    t_exit = time.time()
+    train_end = controller.t_train_end or t_exit
+    summary = metrics.summarize([i.to_record() for i in controller.incidents],
+                                train_end - controller.t_start, controller.productive_s(),
+                                controller.max_step, code)
+    # goodput stays per training time; the wall time is the whole run, its end's wait included
+    summary["wall_s"] = round(t_exit - controller.t_start, 3)
+    summary["finish_s"] = round(t_exit - train_end, 3)
     summary["run_dir"] = str(run_dir)
     summary["diagnosis"] = controller.diagnosis
     summary["state"] = dict(controller.memory.summary(), snapshot=controller.snap_stats)

@@ -182,6 +182,11 @@ class Checkpoint(_Strict):
     every_steps: int = Field(100, ge=1)
     keep: int = Field(3, ge=1)  # complete checkpoints kept; older ones are deleted
     at_end: bool = True  # the last step of a completed run is written too
+    # A checkpoint that cannot be written (a full disk, a quota, no permission...):
+    retries: int = Field(3, ge=0, le=100)  # written again this often, retry_backoff_s apart...
+    retry_backoff_s: float = Field(2.0, gt=0, le=3600)  # ...doubling each time
+    on_failure: Literal["warn", "fail"] = "warn"  # once its retries are spent: go on, or give up
+    max_consecutive_failures: int = Field(1, ge=1)  # fail: this many checkpoints failed in a row
 
 
 class Emergency(_Strict):

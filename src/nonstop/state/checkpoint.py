@@ -138,11 +138,17 @@ def finalize(root: Path, step: int, parts: dict[int, dict], *, world: int, shard
     manifest = {"format": FORMAT, "step": step, "world": world, "sharded": sharded,
                 "created": time.time(), "torch": str(torch.__version__),
                 "parts": {str(r): parts[r] for r in sorted(parts)}, **(extra or {})}
-    with open(tmp / MANIFEST, "wb") as fh:
-        fh.write(json.dumps(manifest, indent=1).encode())
-        fh.flush()
-        os.fsync(fh.fileno())
-    _fsync_dir(tmp)
+    try:
+        with open(tmp / MANIFEST, "wb") as fh:
+            fh.write(json.dumps(manifest, indent=1).encode())
+            fh.flush()
+            os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+    except BaseException:
+        # A half-written manifest must not wait there for a retry to rename it into place.
+        with contextlib.suppress(OSError):
+            (tmp / MANIFEST).unlink(missing_ok=True)
+        raise
     try:
         os.rename(tmp, final)
     except OSError as e:
@@ -262,21 +268,91 @@ def retain(root: Path, keep: int) -> list[int]:
     return removed
 
 
-def clean_temp(root: Path, below_step: int | None = None) -> list[Path]:
+def clean_temp(root: Path, below_step: int | None = None, step: int | None = None) -> list[Path]:
     """Remove temp dirs (``.tmp-step-*``) and return their paths: all of them (only when no step
-    is being written), or those for steps below ``below_step`` (a newer step completed: they will
-    never finish)."""
+    is being written), those for steps below ``below_step`` (a newer step completed: they will
+    never finish), or those of ``step`` (given up)."""
     try:
         names = sorted(os.listdir(root))
-    except (FileNotFoundError, NotADirectoryError):
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
         return []
     removed = []
     for name in names:
         m = _TEMP_RE.match(name)
-        if m and (below_step is None or int(m[1]) < below_step):
+        if m and (below_step is None or int(m[1]) < below_step) and step in (None, int(m[1])):
             _remove(Path(root) / name)
             removed.append(Path(root) / name)
     return removed
+
+
+def space_error(root: Path, need: int = 0) -> OSError | None:
+    """Why ``need`` more bytes cannot go under ``root`` now, judged without writing anything: a
+    read-only file system, or less free space (or no free inode) than that. None: no reason seen.
+    A write that cannot succeed then fails at once, not after writing what fits."""
+    where = Path(root)
+    while not where.exists() and where != where.parent:  # root is created on the first write
+        where = where.parent
+    try:
+        st = os.statvfs(where)
+    except OSError as e:
+        return e
+    if st.f_flag & os.ST_RDONLY:
+        return OSError(errno.EROFS, os.strerror(errno.EROFS), str(root))
+    if st.f_bavail * st.f_frsize < need or (st.f_files and not st.f_favail):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(root))
+    return None
+
+
+def failure_cause(exc: BaseException, root: Path, need: int = 0) -> dict[str, Any]:
+    """What stopped a write under ``root``, as ``{"errno", "message", "path"}``: the OSError behind
+    ``exc`` if there is one, else what the file system says now (torch's own writer reports a
+    full disk as ``unexpected pos``, with no errno). ``errno`` is a name (``"ENOSPC"``), or None
+    when the cause is not the file system's."""
+    err = _os_error(exc) or space_error(root, need) or _probe(Path(root))
+    if err is not None and err.errno:
+        return {"errno": errno.errorcode.get(err.errno, str(err.errno)),
+                "message": err.strerror or os.strerror(err.errno),
+                "path": str(err.filename or root)}
+    return {"errno": None, "message": _line(exc), "path": str(root)}
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    # DCP keeps each rank's failure in `failures` as (exception, stack); Python chains the rest.
+    seen: set[int] = set()
+    todo: list[Any] = [exc]
+    while todo:
+        e = todo.pop()
+        if isinstance(e, tuple) and e and isinstance(e[0], BaseException):
+            e = e[0]
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno:
+            return e
+        todo += [e.__cause__, e.__context__, *(getattr(e, "failures", None) or {}).values()]
+    return None
+
+
+def _probe(root: Path) -> OSError | None:
+    # A write of one byte, made durable, tells what the file system refuses now (a quota
+    # exhausted, a permission, an I/O error).
+    if not root.is_dir():
+        return None
+    path = root / f".probe-{secrets.token_hex(6)}"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as e:
+        return e
+    try:
+        os.write(fd, b"\0")
+        os.fsync(fd)
+    except OSError as e:
+        return e
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    return None
 
 
 def drop_page_cache(path: Path) -> None:

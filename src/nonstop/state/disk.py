@@ -1,6 +1,10 @@
 """Disk checkpoints from a keeper's snapshots: a mixin of ``Keeper``. A snapshot going to disk is
 first copied by the kernel into memory of its own (its slot is free at once for the next
 snapshot); a writer process of the keeper's (``nonstop.state.writer``) takes it from there.
+
+The copy of a part that could not be written is kept (one per holder: the newest) so that the
+launcher can have it written again (``persist`` with ``again``) once the disk may take it, even
+after the slot has moved on; ``forget`` frees it when the launcher gives that step up.
 """
 
 from __future__ import annotations
@@ -10,9 +14,12 @@ import selectors
 import socket
 import subprocess
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import shm, wire
+
+# What the writer says about a failed write, passed on to the launcher as it is.
+_CAUSE = ("error", "errno", "message", "path", "need", "traceback")
 
 if TYPE_CHECKING:
     from .keeper import Keeper as _Base
@@ -29,8 +36,8 @@ class DiskWrites(_Base):
                 job = self.stage_queue.popleft()
                 h = self.holders.get(job["holder"])
                 found = h.newest(job["step"]) if h is not None else None
-                if found is None:
-                    self.emit({"ev": "part_failed", "job": job,
+                if found is None:  # nothing left to write from: not worth retrying
+                    self.emit({"ev": "part_failed", "job": job, "retryable": False,
                                "error": f"no snapshot of step {job['step']} in {job['holder']}"})
                     continue
                 i, info = found
@@ -57,8 +64,42 @@ class DiskWrites(_Base):
                     self.changed.notify_all()
             if staged is not None:
                 with self.lock:
+                    kept = self.kept.get(job["holder"])
+                    if kept is not None and kept[0]["step"] < job["step"]:
+                        self._forget(job["holder"])  # a newer step supersedes the failed one
                     self.write_queue.append((job, info, staged))
             self.wake()
+
+    def _disk_request(self, msg: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """``persist`` (``again``: from the copy kept after a failure, if there is one) or
+        ``forget``. Called with the lock held."""
+        holder, step = msg["holder"], msg["step"]
+        kept = self.kept.get(holder)
+        if msg["op"] == "forget":
+            if kept is not None and kept[0]["step"] == step:
+                self._forget(holder)
+            return {"ok": True}, []
+        if msg.get("again") and kept is not None and kept[0]["step"] == step:
+            del self.kept[holder]
+            self.write_queue.append(kept)
+            return {"ok": True, "kept": True}, []
+        self.stage_queue.append({k: v for k, v in msg.items() if k != "again"})
+        self.changed.notify_all()
+        return {"ok": True, "kept": False}, []
+
+    def _keep(self, job: dict[str, Any], info: shm.SlotInfo, fd: int) -> None:
+        with self.lock:
+            kept = self.kept.get(job["holder"])
+            if kept is not None and kept[0]["step"] > job["step"]:
+                os.close(fd)  # a newer failed step's copy is the one worth keeping
+                return
+            self._forget(job["holder"])
+            self.kept[job["holder"]] = (job, info, fd)
+
+    def _forget(self, holder: str) -> None:
+        kept = self.kept.pop(holder, None)
+        if kept is not None:
+            os.close(kept[2])
 
     def _start_writer(self) -> None:
         if self.writer is not None and self.writer.poll() is None:
@@ -76,7 +117,7 @@ class DiskWrites(_Base):
             if self.writer_job is not None or not self.write_queue:
                 return
             job, info, fd = self.write_queue.popleft()
-            self.writer_job = (job, fd)
+            self.writer_job = (job, info, fd)
         if self.writer is None or self.writer.poll() is not None:
             self._writer_gone(keep_job=True)
             self._start_writer()
@@ -97,11 +138,14 @@ class DiskWrites(_Base):
             return
         if self.writer_job is None or msg.get("op") not in ("done", "failed"):
             return
-        job, fd = self.writer_job
+        job, info, fd = self.writer_job
         self.writer_job = None
-        os.close(fd)  # the staged copy: freed once the writer unmaps it too
-        ev = "part_done" if msg["op"] == "done" else "part_failed"
-        self.emit({"ev": ev, "job": job, "part": msg.get("part"), "error": msg.get("error")})
+        if msg["op"] == "done":
+            os.close(fd)  # the staged copy: freed once the writer unmaps it too
+            self.emit({"ev": "part_done", "job": job, "part": msg.get("part")})
+            return
+        self._keep(job, info, fd)
+        self.emit({"ev": "part_failed", "job": job, **{k: msg.get(k) for k in _CAUSE}})
 
     def _writer_gone(self, keep_job: bool = False) -> None:
         if self.writer_sock is not None:
@@ -117,7 +161,7 @@ class DiskWrites(_Base):
             self.writer.wait(timeout=10)
         self.writer = None
         if self.writer_job is not None and not keep_job:
-            job, fd = self.writer_job
+            job, info, fd = self.writer_job
             self.writer_job = None
-            os.close(fd)
+            self._keep(job, info, fd)
             self.emit({"ev": "part_failed", "job": job, "error": "the checkpoint writer died"})

@@ -119,7 +119,9 @@ class Keeper(Replication, DiskWrites):
         self.want_writer = writer
         self.writer: subprocess.Popen | None = None
         self.writer_sock: socket.socket | None = None
-        self.writer_job: tuple[dict[str, Any], int] | None = None
+        self.writer_job: tuple[dict[str, Any], shm.SlotInfo, int] | None = None
+        # holder -> the staged copy of its newest part that failed to be written (disk.py)
+        self.kept: dict[str, tuple[dict[str, Any], shm.SlotInfo, int]] = {}
         for sock, tag in ((self.listener, "listen"), (self.tcp, "tcp"), (self._wake_r, "wake")):
             self.sel.register(sock, selectors.EVENT_READ, tag)
         threading.Thread(target=self._replicator, name="replicator", daemon=True).start()
@@ -284,10 +286,8 @@ class Keeper(Replication, DiskWrites):
             return {"holders": self._listing(), "node": self.node, "tcp": self.tcp_addr}, []
         if op == "configure":
             return self._configure(msg)
-        if op == "persist":
-            self.stage_queue.append(msg)
-            self.changed.notify_all()
-            return {"ok": True}, []
+        if op in ("persist", "forget"):
+            return self._disk_request(msg)
         if op == "corrupt":
             return self._corrupt(msg)
         if op == "subscribe":

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable
 
 from . import checkpoint, wire
 from .memory import own
+from .outcomes import CheckpointOutcomes
 
 CONNECT_S = 15.0  # a new keeper has this long to listen (a bare Python start: well under 1 s)
 
@@ -31,7 +32,7 @@ class KeeperHandle:
     lost_at: float = 0.0
 
 
-class NodeMemory:
+class NodeMemory(CheckpointOutcomes):
     """Keepers, replication targets, checkpoint bookkeeping. Lives in the controller's loop."""
 
     def __init__(self, policy: Any, agent: Any, log: Any, display: Any, run_id: str,
@@ -48,7 +49,7 @@ class NodeMemory:
         self.keepers: dict[int, KeeperHandle] = {}
         self.pending: dict[int, dict[str, Any]] = {}  # step -> parts written so far
         self.completed: list[int] = []  # steps made complete in this run
-        self.failed_steps: set[int] = set()
+        self._init_outcomes(cfg.checkpoint)  # failed writes, their retries (outcomes.py)
         self.replicas = {"count": 0, "bytes": 0, "seconds": 0.0, "failures": 0}
         self.sharded: bool | None = None  # learnt from the ranks
         self.world = 0
@@ -159,6 +160,9 @@ class NodeMemory:
 
     # == what the keepers report =================================================================
     def poll(self) -> None:
+        """Take in what the keepers report; write again what is due. Raises CheckpointsFailing
+        when the policy says the job must end for its checkpoints."""
+        self._retry_due()
         for h in list(self.keepers.values()):
             while h.events is not None:
                 try:
@@ -172,6 +176,7 @@ class NodeMemory:
                     h.events = None
                     break
                 self._on_event(msg)
+        self._check_fatal()
 
     def _on_event(self, ev: dict[str, Any]) -> None:
         kind = ev.get("ev")
@@ -186,41 +191,48 @@ class NodeMemory:
         elif kind == "part_done":
             self._part_done(ev["job"], ev["part"], ev["node"])
         elif kind == "part_failed":
-            job = ev.get("job") or {}
-            self.failed_steps.add(job.get("step", -1))
-            self.log.write("checkpoint_failed", step=job.get("step"), rank=job.get("rank"),
-                           node=ev["node"], reason=job.get("reason"), error=ev.get("error"))
-            self.display.info(f"checkpoint of step {job.get('step')} failed on node {ev['node']}: "
-                              f"{ev.get('error')}")
+            self._part_failed(ev)
 
     def _part_done(self, job: dict[str, Any], part: dict[str, Any], node: int) -> None:
         step = job["step"]
+        if step in self.failures.lost:  # given up meanwhile: what it wrote goes
+            self._abandon(step)
+            return
         entry = self.pending.setdefault(step, {"parts": {}, "world": job["world"],
                                                "sharded": job["sharded"], "reason": job["reason"],
-                                               "sources": {}})
+                                               "sources": {}, "root": job["root"]})
         entry["parts"][job["rank"]] = part
         entry["sources"][str(job["rank"])] = f"{job['holder']} on node {node}"
         needed = entry["world"] if entry["sharded"] else 1
-        if len(entry["parts"]) < needed:
-            return
-        del self.pending[step]
-        root = Path(job["root"])
+        if len(entry["parts"]) >= needed:
+            self._finalize(step)
+
+    def _finalize(self, step: int) -> None:
+        entry = self.pending[step]
+        root = Path(entry["root"])
         t0 = time.time()
         try:
             checkpoint.finalize(root, step, entry["parts"], world=entry["world"],
                                 sharded=entry["sharded"],
                                 extra={"reason": entry["reason"], "sources": entry["sources"]})
         except FileExistsError:  # that step is on disk already (a periodic one, then an emergency)
+            del self.pending[step]
             checkpoint.clean_temp(root, below_step=step + 1)
             self.completed.append(step)
+            self._written(step)
             return
         except (OSError, ValueError, checkpoint.CorruptCheckpoint) as exc:
-            self.failed_steps.add(step)
-            self.log.write("checkpoint_failed", step=step, error=f"{type(exc).__name__}: {exc}")
+            self._manifest_failed(step, exc)  # the parts stay: only the manifest is retried
             return
-        removed = checkpoint.retain(root, self.keep)
-        checkpoint.clean_temp(root, below_step=step)
+        del self.pending[step]
+        try:  # only now that a newer one is complete may an older one go
+            removed = checkpoint.retain(root, self.keep)
+            checkpoint.clean_temp(root, below_step=step)
+        except OSError as exc:
+            removed = []
+            self.log.write("checkpoint_retention_failed", step=step, error=str(exc))
         self.completed.append(step)
+        self._written(step)
         parts = entry["parts"].values()
         self.log.write("checkpoint", step=step, reason=entry["reason"], dir=str(root),
                        parts=len(entry["parts"]), bytes=sum(p.get("bytes", 0) for p in parts),
@@ -229,13 +241,19 @@ class NodeMemory:
                        removed=removed)
 
     def settled(self, step: int | None) -> bool:
-        """Whether the checkpoint of ``step`` is complete or failed (None: nothing awaited)."""
-        return step is None or step in self.completed or step in self.failed_steps
+        """Whether the checkpoint of ``step`` is complete or given up (None: nothing awaited).
+        Asked only once the ranks are done: from then on a failed write gets a short effort."""
+        self.failures.finish(time.time())
+        return step is None or step in self.completed or self.failures.settled(step)
 
     def wait(self, step: int, deadline: float, tick: Callable[[], None]) -> bool:
-        while not self.settled(step) and time.time() < deadline:
-            tick()
-            self.poll()
+        self._waiting = True
+        try:
+            while not self.settled(step) and time.time() < deadline:
+                tick()
+                self.poll()
+        finally:
+            self._waiting = False
         return step in self.completed
 
     # == emergency saves =========================================================================
@@ -247,6 +265,10 @@ class NodeMemory:
         record: dict[str, Any] = {"reason": reason, "faulty": sorted(faulty)}
         if self.root is None or not self.enabled or self.sharded is None or not self.world:
             record["skipped"] = "no checkpoint directory" if self.root is None else "no state"
+            self.log.write("emergency_checkpoint", **record)
+            return record
+        if self.failures.fatal:  # the give-up is for the checkpoints themselves
+            record["skipped"] = "checkpoints cannot be written"
             self.log.write("emergency_checkpoint", **record)
             return record
         t0 = time.time()
@@ -317,4 +339,5 @@ class NodeMemory:
         return {"checkpoints": len(self.completed),
                 "last_checkpoint": max(self.completed) if self.completed else None,
                 "checkpoint_dir": str(self.root) if self.root else None,
+                "checkpoint": self.checkpoint_summary(),
                 "replicas": dict(self.replicas, seconds=round(self.replicas["seconds"], 3))}

@@ -1,0 +1,299 @@
+"""What becomes of each disk checkpoint, on the launcher's side: written; or failed, and written
+again after a back-off; or given up. And what the console, the event log and the summary say.
+
+Any error of the file system counts alike (no space, a quota, no permission, read-only, I/O):
+each failed attempt is one console line naming the cause and one ``checkpoint_failed`` event
+with the detail. The newest complete checkpoint is never at stake (retention deletes only once
+a newer one is complete), and a step given up leaves no temporary directory behind.
+
+One step at a time is written again: the newest that failed. A newer step attempted meanwhile
+takes over from it (and its count of attempts), since the older one would be worth nothing once
+the newer is written. Once training is over, a failed checkpoint gets one more attempt, soon, not
+the rest of its back-off: the run's end does not wait on a disk that refuses it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from . import checkpoint
+
+if TYPE_CHECKING:
+    from .service import NodeMemory as _Base
+else:
+    _Base = object
+
+MANIFEST_PART = -1  # the part to write again when only the step's manifest failed
+MAX_BACKOFF_S = 60.0
+END_RETRY_S = 1.0  # once training is over, a failed checkpoint is written again once, this soon
+
+
+class CheckpointsFailing(Exception):
+    """``state.checkpoint.on_failure: fail`` and checkpoints cannot be written: the job gives up.
+    Its text is the one-line diagnosis."""
+
+
+@dataclasses.dataclass
+class Verdict:
+    """What to do about one failed attempt."""
+
+    attempt: int  # failed attempts in a row, this one included
+    retry_in: float | None  # seconds to the next attempt; None: the step is given up
+    dropped: list[int]  # older steps no longer worth writing
+
+
+class Failures:
+    """The retry schedule and the counts, without processes or clocks of its own."""
+
+    def __init__(self, retries: int, backoff_s: float, on_failure: str = "warn",
+                 max_consecutive: int = 1):
+        self.retries, self.backoff_s = retries, backoff_s
+        self.on_failure, self.max_consecutive = on_failure, max_consecutive
+        self.target: int | None = None  # the step to write again...
+        self.parts: set[int] = set()  # ...these parts of it...
+        self.due_at: float | None = None  # ...then (None: not scheduled)
+        self.attempts = 0  # failed attempts since a checkpoint was last written
+        self.retrying = True  # off once one was given up, until one is written again
+        self.finishing = False
+        self.end_retried: int | None = None  # the step given its one retry at the end
+        self.written: set[int] = set()
+        self.lost: set[int] = set()  # steps that failed and will not be written
+        self.failed_attempts = 0
+        self.given_up = 0
+        self.consecutive = 0  # checkpoints given up in a row
+        self.causes: collections.Counter[str] = collections.Counter()
+        self.last_cause: str | None = None
+        self.fatal: str | None = None  # the diagnosis, once on_failure says the job must end
+
+    def failed(self, step: int, part: int, cause: str, now: float, retryable: bool = True,
+               where: str | None = None) -> Verdict | None:
+        """A part of ``step`` (``MANIFEST_PART``: its manifest) was not written, for ``cause``
+        (``where``: the same, with the path). None: nothing new to say (a step already settled,
+        or another part of the attempt already reported)."""
+        if step in self.written or step in self.lost:
+            return None
+        if self.target is not None and step < self.target:
+            self.lost.add(step)  # a newer step is being written again: this one never will be
+            return None
+        if step == self.target and self.due_at is not None:
+            self.parts.add(part)
+            return None
+        dropped = []
+        if self.target is not None and step > self.target:
+            dropped.append(self.target)
+            self.lost.add(self.target)
+        self.target, self.parts = step, {part}
+        self.attempts += 1
+        self.failed_attempts += 1
+        self.causes[cause] += 1
+        self.last_cause = where or cause
+        retry_in = self._retry_in(step) if retryable else None
+        if retry_in is None:
+            self._give_up(step, where or cause)
+        else:
+            self.due_at = now + retry_in
+        return Verdict(self.attempts, retry_in, dropped)
+
+    def _retry_in(self, step: int) -> float | None:
+        if not self.retrying or self.attempts > self.retries:
+            return None
+        delay = min(MAX_BACKOFF_S, self.backoff_s * 2 ** (self.attempts - 1))
+        if self.finishing:
+            if self.end_retried == step:
+                return None
+            self.end_retried = step
+            delay = min(delay, END_RETRY_S)
+        return delay
+
+    def _give_up(self, step: int, cause: str) -> None:
+        self.lost.add(step)
+        self.target, self.parts, self.due_at = None, set(), None
+        self.given_up += 1
+        self.consecutive += 1
+        self.retrying = False
+        if self.on_failure == "fail" and self.consecutive >= self.max_consecutive \
+                and not self.fatal:
+            what = (f"{self.attempts} attempt(s) in a row failed, the last for step {step}"
+                    if self.consecutive == 1 else
+                    f"{self.consecutive} checkpoints in a row failed, the last of step {step}")
+            self.fatal = (f"checkpoints cannot be written: {cause}; {what} "
+                          "(state.checkpoint.on_failure: fail)")
+
+    def written_step(self, step: int) -> list[int]:
+        """``step`` is complete on disk; returns the older steps no longer worth writing."""
+        self.written.add(step)
+        self.lost.discard(step)
+        dropped = []
+        if self.target is not None and self.target <= step:
+            if self.target < step:
+                dropped.append(self.target)
+                self.lost.add(self.target)
+            self.target, self.parts, self.due_at = None, set(), None
+        self.attempts = self.consecutive = 0
+        self.retrying = True
+        return dropped
+
+    def due(self, now: float) -> tuple[int, set[int]] | None:
+        """The step and parts to write again now, if their time has come."""
+        if self.target is None or self.due_at is None or now < self.due_at:
+            return None
+        self.due_at = None
+        return self.target, set(self.parts)
+
+    def finish(self, now: float) -> None:
+        """Training is over: what is still to be written again is, at once or not at all."""
+        if self.finishing:
+            return
+        self.finishing = True
+        if self.due_at is not None:
+            self.end_retried = self.target
+            self.due_at = min(self.due_at, now + END_RETRY_S)
+
+    def settled(self, step: int | None) -> bool:
+        return step is None or step in self.written or step in self.lost
+
+    def summary(self) -> dict[str, Any]:
+        lost = self.lost | ({self.target} if self.target is not None else set())
+        return {"failed": len(lost), "failed_attempts": self.failed_attempts,
+                "given_up": self.given_up, "causes": dict(self.causes),
+                "last_error": self.last_cause}
+
+
+def cause_text(ev: dict[str, Any]) -> tuple[str, str]:
+    """(the cause, the cause with where): ``No space left on device``, ``... (/ckpt)``."""
+    message = ev.get("message") or ev.get("error") or "unknown error"
+    return message, f"{message} ({ev['path']})" if ev.get("errno") and ev.get("path") else message
+
+
+class CheckpointOutcomes(_Base):
+    """A mixin of ``NodeMemory``: failed parts, their retries, the end's short effort."""
+
+    def _init_outcomes(self, cfg: Any) -> None:
+        self.failures = Failures(cfg.retries, cfg.retry_backoff_s, cfg.on_failure,
+                                 cfg.max_consecutive_failures)
+        self.failed_parts: dict[tuple[int, int], tuple[int, dict[str, Any]]] = {}
+        self._fatal_raised = False
+        self._waiting = False  # inside wait(): a give-up is raised in the controller's loop only
+
+    def _part_failed(self, ev: dict[str, Any]) -> None:
+        job = ev.get("job") or {}
+        step, rank, node = job.get("step"), job.get("rank"), ev.get("node")
+        self._keep_traceback(node, step, rank, ev.get("traceback"))
+        short, full = cause_text(ev)
+        if step is None or rank is None:
+            self.log.write("checkpoint_failed", node=node, error=full)
+            return
+        self.failed_parts[(step, rank)] = (node, job)
+        self._attempt_failed(step, rank, short, full, retryable=ev.get("retryable", True),
+                             detail={"rank": rank, "node": node, "reason": job.get("reason"),
+                                     "errno": ev.get("errno"), "path": ev.get("path"),
+                                     "error": ev.get("error"), "need": ev.get("need")})
+
+    def _manifest_failed(self, step: int, exc: BaseException) -> None:
+        cause = checkpoint.failure_cause(exc, Path(self.pending[step]["root"]))
+        short, full = cause_text(cause)
+        self._attempt_failed(step, MANIFEST_PART, short, full,
+                             retryable=isinstance(exc, OSError),
+                             detail={"part": "manifest", "errno": cause["errno"],
+                                     "path": cause["path"],
+                                     "error": f"{type(exc).__name__}: {exc}"[:2000]})
+
+    def _attempt_failed(self, step: int, part: int, short: str, full: str, retryable: bool,
+                        detail: dict[str, Any]) -> None:
+        verdict = self.failures.failed(step, part, short, time.time(), retryable, full)
+        outcome = ("reported" if verdict is None else
+                   "given up" if verdict.retry_in is None else "retrying")
+        self.log.write("checkpoint_failed", step=step, message=short, outcome=outcome,
+                       attempt=verdict.attempt if verdict else self.failures.attempts,
+                       retry_in_s=verdict.retry_in if verdict else None, **detail)
+        if verdict is None:
+            if self.failures.settled(step):  # a late part of a step settled: leave nothing
+                self._abandon(step)
+            return
+        for old in verdict.dropped:
+            self._abandon(old, f"superseded by step {step}")
+        line = f"checkpoint of step {step} not written: {full}; "
+        if verdict.retry_in is not None:
+            line += f"retrying in {verdict.retry_in:g} s"
+        else:
+            self._abandon(step, "given up")
+            newest = self._newest_complete()
+            line += (f"given up after {verdict.attempt} failed attempts in a row"
+                     if verdict.attempt > 1 else "given up")
+            line += (f" (newest complete: step {newest})" if newest is not None else
+                     " (no complete checkpoint)")
+        self.display.info(line)
+
+    def _abandon(self, step: int, why: str | None = None) -> None:
+        """No more attempts at ``step``: free what is kept for it, remove what it left on disk."""
+        self.pending.pop(step, None)
+        for key in [k for k in self.failed_parts if k[0] == step]:
+            node, job = self.failed_parts.pop(key)
+            self._call(node, {"op": "forget", "holder": job.get("holder"), "step": step})
+        if self.root is not None:
+            with contextlib.suppress(OSError):
+                checkpoint.clean_temp(self.root, step=step)
+        if why is not None:
+            self.log.write("checkpoint_abandoned", step=step, why=why)
+
+    def _written(self, step: int) -> None:
+        for key in [k for k in self.failed_parts if k[0] == step]:
+            del self.failed_parts[key]
+        for old in self.failures.written_step(step):
+            self._abandon(old, f"step {step} is complete")
+
+    def _retry_due(self) -> None:
+        due = self.failures.due(time.time())
+        if due is None:
+            return
+        step, parts = due
+        for part in sorted(parts):
+            if part == MANIFEST_PART:
+                if step in self.pending:
+                    self._finalize(step)
+                continue
+            node, job = self.failed_parts[(step, part)]
+            if self._call(node, {**job, "op": "persist", "again": True}) is None:
+                self._part_failed({"job": job, "node": node, "retryable": False,
+                                   "error": f"the node memory of node {node} is gone"})
+
+    def _check_fatal(self) -> None:
+        if self.failures.fatal and not self._fatal_raised and not self._waiting:
+            self._fatal_raised = True
+            raise CheckpointsFailing(self.failures.fatal)
+
+    def _keep_traceback(self, node: int | None, step: Any, rank: Any, text: str | None) -> None:
+        """Into the keeper's log file only: the console has its one line."""
+        h = self.keepers.get(node) if node is not None else None
+        proc = getattr(self.agent, "procs", {}).get(h.wid) if h is not None else None
+        if not text or proc is None:
+            return
+        with contextlib.suppress(OSError), open(proc.log_path, "a") as fh:
+            fh.write(f"checkpoint of step {step}, part {rank}, not written:\n{text}\n")
+
+    def _newest_complete(self) -> int | None:
+        if self.root is None:
+            return None
+        try:
+            steps = checkpoint.complete_steps(self.root)
+        except OSError:
+            return None
+        return steps[0] if steps else None
+
+    def clean_up(self) -> None:
+        """Every process has ended, so nothing is being written: no temporary directory stays
+        (a write cut short by the end, or by giving up)."""
+        if self.root is not None:
+            with contextlib.suppress(OSError):
+                checkpoint.clean_temp(self.root)
+
+    def checkpoint_summary(self) -> dict[str, Any] | None:
+        if self.root is None:
+            return None
+        return {"written": len(self.completed), **self.failures.summary(),
+                "newest_complete": self._newest_complete()}
