@@ -220,11 +220,20 @@ class Controller(Recovery):
 
     def _exit_fault(self, w: Worker, code: int | None) -> Fault:
         report = w.exit_report
+        if report is not None and report.get("import_error"):
+            # It failed before reaching its training function: the script's own error, the same
+            # on every attempt - unless it ran without its rank (a spare taken mid-import), or the
+            # job had got past that point before (then something changed: the ladder retries).
+            first = self.max_step == 0 if self.managed else self.gen == 0
+            if not report.get("assigned"):
+                self._spares_wait(report)
+            kind = "import_error" if first and report.get("assigned") else "exception"
+            return Fault(kind, rank=w.rank, code=code, message=report.get("error", ""),
+                         traceback=report.get("traceback"))
         if report is not None and report.get("collective"):
             return Fault("peer", rank=w.rank, code=code, message=report.get("error", ""))
         if report is not None:
-            kind = "import_error" if report.get("import_error") and self.max_step == 0 else "exception"
-            return Fault(kind, rank=w.rank, code=code, message=report.get("error", ""),
+            return Fault("exception", rank=w.rank, code=code, message=report.get("error", ""),
                          traceback=report.get("traceback"))
         if code is not None and code < 0:
             return Fault("crash", rank=w.rank, code=code)
@@ -235,14 +244,25 @@ class Controller(Recovery):
             return
         self.table.spare_failures += 1
         report = w.exit_report
-        if report and self.table.spare_mode == "script" and not w.ready:
-            self.table.spare_mode = "import"
-            self.display.info("warm spares now wait before running the script: the script failed "
-                              f"in a spare before reaching nonstop.wrap ({report.get('error')})")
-        self.log.write("spare_lost", wid=w.wid, code=code, ready=w.ready,
+        at_import = bool(report and report.get("import_error"))
+        if at_import:
+            self._spares_wait(report)
+        self.log.write("spare_lost", wid=w.wid, code=code, ready=w.ready, at_import=at_import,
                        spare_failures=self.table.spare_failures)
-        self.display.info(f"spare worker {w.wid} exited (code {code}); refilling the pool")
+        if not at_import:
+            self.display.info(f"spare worker {w.wid} exited (code {code}); refilling the pool")
         self._refill_spares()
+
+    def _spares_wait(self, report: dict[str, Any]) -> None:
+        """The script failed at import in a process that ran it without a rank (a warm spare): it
+        may need one there. From now on spares run it only once they hold a rank, so they cannot
+        fail that way again (no refill loop), and a rank's own failure at import stops the job."""
+        if self.table.spare_mode != "script":
+            return
+        self.table.spare_mode = "import"
+        self.log.write("spare_mode", mode="import", error=report.get("error"))
+        self.display.info("warm spares now wait for a rank before running the script: it failed "
+                          f"in a spare before reaching nonstop.wrap ({report.get('error')})")
 
     # == worker events ==========================================================================
     def _read_events(self) -> None:

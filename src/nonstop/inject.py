@@ -156,9 +156,10 @@ def parse(specs: list[str] | str | None) -> list[FaultSpec]:
         specs = [specs]
     out: list[FaultSpec] = []
     for value in specs:
-        for piece in value.split(";"):
-            if piece.strip():
-                out.append(parse_one(piece))
+        pieces = [piece for piece in value.split(";") if piece.strip()]
+        if not pieces:  # a flag given without a fault: a mistake, not "no fault"
+            raise UsageError(f"--inject {value!r}: no fault given (e.g. crash:rank=1,step=50)")
+        out.extend(parse_one(piece) for piece in pieces)
     return out
 
 

@@ -14,13 +14,12 @@ import json
 import os
 import secrets
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from . import inject, metrics, policy as policy_mod, protocol
+from . import inject, loopback, metrics, policy as policy_mod, protocol
 from .errors import UsageError
 
 
@@ -143,6 +142,7 @@ def worker_env(cfg: RunConfig, run_dir: Path, faults: list[inject.FaultSpec]) ->
     env["PYTHONUNBUFFERED"] = "1"
     env[protocol.ENV_RUN_DIR] = str(run_dir.resolve())
     env[protocol.ENV_INJECT] = inject.to_env(faults)
+    loopback.pin(env)  # one host: the collectives' listeners stay on loopback too
     pkg_parent = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_parent, env.get("PYTHONPATH")]))
     return env
@@ -151,15 +151,6 @@ def worker_env(cfg: RunConfig, run_dir: Path, faults: list[inject.FaultSpec]) ->
 class _Interrupted(Exception):
     def __init__(self, signum: int):
         self.signum = signum
-
-
-def _listen() -> socket.socket:
-    """The store's listening socket, on a port from the OS, made before the store itself: the
-    processes can be started (and import torch) while the launcher imports torch too."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(1024)
-    return sock
 
 
 def run(cfg: RunConfig) -> int:
@@ -174,7 +165,9 @@ def run(cfg: RunConfig) -> int:
 
     display = Display(quiet=cfg.quiet, live=cfg.live)
     log = EventLog(run_dir)
-    listener = _listen()
+    # the store's socket, made before the store itself: the processes can be started (and import
+    # torch) while the launcher imports torch too
+    listener = loopback.listen()
     port = listener.getsockname()[1]
     controller: Controller | None = None
 
@@ -192,7 +185,7 @@ def run(cfg: RunConfig) -> int:
         if controller is not None:
             controller.on_output(wid, line)
 
-    agent = Agent(cfg.script, cfg.script_args, f"127.0.0.1:{port}", run_dir,
+    agent = Agent(cfg.script, cfg.script_args, f"{loopback.HOST}:{port}", run_dir,
                   worker_env(cfg, run_dir, faults), output)
     controller = Controller(world=cfg.nproc, spares=cfg.spares, policy=pol, store=None, agent=agent,
                             log=log, display=display, managed=uses_nonstop, nodes=cfg.nodes,
@@ -208,11 +201,7 @@ def run(cfg: RunConfig) -> int:
     code: int
     try:
         controller.prespawn()
-        from torch.distributed import TCPStore
-
-        # the store takes over the socket (and closes it): ours lets go of it
-        store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                         master_listen_fd=listener.detach())
+        store = loopback.master_store(listener)
         store.set(protocol.JOB_KEY, protocol.dumps({
             "run_id": run_dir.name, "world": cfg.nproc,
             "rendezvous_timeout_s": pol.timeouts.rendezvous_s,

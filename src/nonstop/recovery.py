@@ -30,12 +30,12 @@ class Recovery(_Base):
     # == generations =============================================================================
     def _publish(self, gen: int, initial: bool, level: str) -> None:
         """Send every rank its assignment for ``gen``."""
-        import torch.distributed as dist
+        from . import loopback
 
         self.gen = gen
         # A plain script rendezvouses through MASTER_PORT with unprefixed keys: give it a fresh
         # store per generation so no key is ever reused.
-        gen_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        gen_store = loopback.master_store()  # torch's own would listen on every interface
         self._gen_stores[gen] = gen_store
         for old in [g for g in self._gen_stores if g < gen - 1]:
             del self._gen_stores[old]
