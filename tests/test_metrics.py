@@ -26,3 +26,61 @@ def test_summary():
     s = summarize(incs, wall_s=10.0, productive_s=8.0, steps=100, exit_code=0)
     assert s["incidents"] == 2 and s["mttr_s"]["median"] == 1.0 and s["steps_lost"] == 3
     assert s["goodput"] == 0.8
+
+
+def test_steps_lost_is_unknown_when_the_ranks_show_no_steps():
+    inc = Incident(id=1, t_fault=0.0, t_detect=0.1, t_first_step=1.0, step_before=0,
+                   resume_step=0, steps_known=False)
+    assert inc.steps_lost is None and inc.to_record()["steps_lost"] is None
+    known = Incident(id=2, t_fault=0.0, t_detect=0.1, t_first_step=1.0, step_before=5,
+                     resume_step=3).to_record()
+    s = summarize([known, inc.to_record()], wall_s=10.0, productive_s=None, steps=None, exit_code=0)
+    assert s["steps_lost"] is None and s["goodput"] is None
+    # an incident that gave up has no resumption: it makes nothing unknown
+    gave_up = dict(Incident(id=3, t_fault=0.0, t_detect=0.1).to_record(), outcome="gave up")
+    s = summarize([known, gave_up], wall_s=10.0, productive_s=1.0, steps=5, exit_code=1)
+    assert s["steps_lost"] == 2
+
+
+def test_a_resumed_attempt_counts_the_steps_it_redid():
+    from nonstop.metrics import continuation
+
+    assert continuation([], 0) is None and continuation([], None) is None
+    # resumed from a checkpoint of a run this directory has no record of: how far it got is unknown
+    assert continuation([], 30)["steps_lost"] is None
+    before = [{"steps": 50, "exit_code": 0}, {"steps": 62, "exit_code": 143}]
+    cont = continuation(before, 55)
+    assert cont["attempt"] == 3 and cont["previous_step"] == 62 and cont["steps_lost"] == 7
+    assert continuation([{"steps": None}], 0)["steps_lost"] is None  # the earlier one ran no steps
+    assert continuation(before, None)["steps_lost"] is None
+    inc = Incident(id=1, t_fault=0.0, t_detect=0.1, t_first_step=1.0, step_before=70,
+                   resume_step=68).to_record()
+    s = summarize([inc], wall_s=10.0, productive_s=5.0, steps=80, exit_code=0, continues=cont)
+    assert s["steps_lost"] == 2 + 7 and s["attempt"] == 3 and s["continues"] is cont
+
+
+def test_an_event_log_keeps_every_attempt(tmp_path):
+    import json
+
+    from nonstop.events import EventLog, attempts, read
+
+    path = tmp_path / "events.jsonl"
+    lines = [{"t": 1.0, "type": "run_start", "attempt": 1, "managed": True},
+             {"t": 2.0, "type": "rank_first_step", "step": 1},
+             {"t": 3.0, "type": "run_end", "exit_code": 143, "steps": 50, "diagnosis": "interrupted"},
+             {"t": 4.0, "type": "run_start", "attempt": 2, "managed": True},
+             {"t": 5.0, "type": "checkpoint", "step": 60},
+             {"t": 6.0, "type": "rank_left", "step": 62}]
+    # the second launcher was killed in the middle of a line
+    path.write_text("".join(json.dumps(e) + "\n" for e in lines) + '{"t": 7.0, "type": "ran')
+    a = attempts(path)
+    assert [x["attempt"] for x in a] == [1, 2]
+    assert a[0]["ended"] and a[0]["steps"] == 50 and a[0]["exit_code"] == 143
+    assert not a[1]["ended"] and a[1]["steps"] == 62 and a[1]["exit_code"] is None
+    log = EventLog(tmp_path)
+    assert log.attempt == 3 and [x["steps"] for x in log.previous] == [50, 62]
+    log.write("run_start", attempt=log.attempt)
+    log.close()
+    events = list(read(tmp_path))
+    assert len(events) == len(lines) + 1 and events[-1]["attempt"] == 3  # the torn line skipped
+    assert path.read_text().startswith(json.dumps(lines[0]))  # nothing earlier was lost

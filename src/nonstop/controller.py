@@ -79,8 +79,13 @@ class Controller(Recovery):
         self._gen_stores: dict[int, Any] = {}
         self._gen_t0 = 0.0
         self._warm: set[int] = set()
-        self._busy_done = 0.0  # busy seconds of rank-0 processes that are gone
         self.max_step = 0
+        # issue 8 accounting: what nonstop can know of the training's progress
+        self.stepless = False  # the training function runs without ctx.steps (a rank said so)
+        self._steps_seen = False  # some rank completed a step of ctx.steps
+        self._progress_seen = False  # some rank made progress nonstop can see (steps or marks)
+        self.resumed_step: int | None = None  # the step the first generation started from
+        self.unfired: list[str] = []  # injected faults keyed to steps the run never reached
 
     # == the loop ===============================================================================
     def run(self) -> int:
@@ -119,7 +124,8 @@ class Controller(Recovery):
         up (the launcher imports torch meanwhile): they connect to it once it is."""
         if self.plan:
             return
-        self.log.write("run_start", world=self.world, spares=self.spares_target,
+        self.log.write("run_start", attempt=getattr(self.log, "attempt", 1),
+                       world=self.world, spares=self.spares_target,
                        managed=self.managed, policy=self.policy.model_dump())
         self.memory.world = self.world
         self.memory.start(range(self.total_nodes))
@@ -161,13 +167,12 @@ class Controller(Recovery):
         w.dead = True
         code = proc.returncode
         self.log.write("exit", wid=w.wid, rank=w.rank, spare=w.spare, code=code, killed=was_killed)
-        if w.rank is not None and w.rank == 0 and not w.spare:
-            self._busy_done += w.busy
         if w.spare:
             self._on_spare_exit(w, code)
             return
         if self.phase == "finishing":
-            if code != 0 and self.diagnosis is None:
+            # a process nonstop ended (a hung rank, replaced) may exit after the others finished
+            if code != 0 and not was_killed and self.diagnosis is None:
                 self.diagnosis = f"rank {w.rank} exited with code {code} after training completed"
             return
         if was_killed or w.rank is None or self.plan.get(w.rank) != w.wid:
@@ -276,7 +281,7 @@ class Controller(Recovery):
         kind = ev["type"]
         gen = ev.get("gen")
         if kind in ("ready", "entered", "left", "done", "inject", "exit", "first_step", "wrapped",
-                    "joining", "snapshot_interval", "snapshot_failed"):
+                    "joining", "snapshot_interval", "snapshot_failed", "no_steps"):
             self.log.write(f"rank_{kind}", **{k: v for k, v in ev.items() if k != "type"})
         if kind == "ready":
             w.ready = True
@@ -295,6 +300,8 @@ class Controller(Recovery):
                         self.agent.signal(x.wid)
         elif kind == "exit":
             w.exit_report = ev
+        elif kind == "no_steps":
+            self._on_no_steps(ev)
         elif gen != self.gen or self.plan.get(ev.get("rank", -1)) != w.wid:
             return  # about an older generation
         elif kind == "entered":
@@ -311,6 +318,8 @@ class Controller(Recovery):
         elif kind == "done":
             w.done = gen
             w.busy = ev.get("busy", w.busy)
+            self._steps_seen = self._steps_seen or bool(ev.get("steps"))
+            self.unfired += [f for f in ev.get("unfired") or () if f not in self.unfired]
             if ev.get("final_persist") is not None:
                 self.final_persist = max(self.final_persist or 0, ev["final_persist"])
             w.step = ev.get("step", w.step)
@@ -346,7 +355,9 @@ class Controller(Recovery):
         inc.t_pg = max(e.get("t_pg", e["t"]) for e in evs)
         inc.t_restored = max(e.get("t_restored", e["t"]) for e in evs)
         inc.resume_step = ev.get("step")
-        if ev.get("plain"):  # no step reporting in a plain script: recovered once it runs again
+        if ev.get("plain") or not self._progress_seen:
+            # no step or mark seen in this run (a plain script, or a function that shows
+            # progress only by its collectives): recovered once it runs again, steps lost unknown
             self._close_incident(max(e["t"] for e in evs), None)
 
     def _log_restore(self, ranks: list[Worker]) -> None:
@@ -366,6 +377,8 @@ class Controller(Recovery):
         for s in skipped:
             self.display.info(f"rank {s.get('rank')}: {s.get('source')} copy of step "
                               f"{s.get('step')} skipped: {s.get('why')}")
+        if self.gen == 0:
+            self.resumed_step = step or 0
         if self.gen == 0 and step:
             how = sorted(set(sources.values()))
             self.display.info(f"resumed at step {step} (from {', '.join(how)})")
@@ -373,7 +386,10 @@ class Controller(Recovery):
     def _on_first_step(self, w: Worker, ev: dict[str, Any]) -> None:
         w.step, w.step_gen, w.t_step = ev["step"], self.gen, ev["t"]
         w.first_gen, w.t_first = self.gen, ev["t"]
-        self.signals.on_first_step(w, ev["t"])
+        stepless = ev.get("steps") is False  # its marks are its steps (no ctx.steps)
+        self._progress_seen = True
+        self._steps_seen = self._steps_seen or not stepless
+        self.signals.on_first_step(w, ev["t"], stepless=stepless)
         self.max_step = max(self.max_step, ev["step"])
         if self.incident is None or self.phase != "running":
             return
@@ -508,8 +524,9 @@ class Controller(Recovery):
                 self.table.kill(self.workers[wid], f"hung: {why}")
             self.log.write("hang_detected", timeout_s=round(self.signals.last_limit, 3),
                            frozen={str(self.workers[w].rank): why for w, why in culprits.items()},
-                           where=fault.traceback)
-            self._fault(fault)
+                           where=fault.traceback, last_progress=self.signals.last_progress)
+            # the hang began after the stalled ranks' last progress, not when it was noticed
+            self._fault(fault, t_fault=self.signals.last_progress)
             return
         for f in self.signals.check_stragglers(ranks, now):
             self._straggler(f)
@@ -528,6 +545,9 @@ class Controller(Recovery):
         self.phase = "finishing"
         self.deadline = time.time() + self.policy.timeouts.finish_s
         self.log.write("training_complete", gen=self.gen, step=self.max_step)
+        for f in self.unfired:
+            self.log.write("inject_unfired", fault=f, step=self.max_step)
+            self.display.warning(f"--inject {f} never fired: the run ended at step {self.max_step}")
         for wid in self.plan.values():
             w = self.workers[wid]
             if not w.dead and self.managed:
@@ -566,8 +586,46 @@ class Controller(Recovery):
                 "max_step": self.max_step}
 
     def productive_s(self) -> float | None:
-        if not self.managed:
-            return None  # a plain script reports no steps
-        rank0 = self.workers.get(self.plan.get(0, -1))
-        busy = self._busy_done + (rank0.busy if rank0 is not None and not rank0.dead else 0.0)
-        return busy
+        """Seconds rank 0 spent in steps that count, over every process that held it, as far as
+        they reported (a process killed or interrupted counts what it had reported)."""
+        if not self.managed or self.stepless or not self._steps_seen:
+            return None  # no steps: what was productive, and what was redone, is not known
+        return sum(w.busy for w in self.workers.values() if w.rank == 0)
+
+    def steps_known(self) -> bool:
+        """Whether the steps a failure undid can be counted: only when the ranks iterate
+        ctx.steps (a plain script, or a function without it, does not say where it was)."""
+        return self.managed and self._steps_seen and not self.stepless
+
+    def incident_records(self) -> list[dict[str, Any]]:
+        """The closed incidents for the summary, with what the whole run revealed: an incident
+        closed before any step was seen counts its steps once the run shows it iterates
+        ctx.steps, and none does once a rank ran without it."""
+        known = self.steps_known()
+        for inc in self.incidents:
+            inc.steps_known = known
+        return [inc.to_record() for inc in self.incidents]
+
+    def steps_reached(self) -> int | None:
+        """The newest step any rank completed; None where nonstop sees no steps."""
+        return self.max_step if self.managed and not self.stepless else None
+
+    def _on_no_steps(self, ev: dict[str, Any]) -> None:
+        """A rank's training function runs without ctx.steps: its progress is its marks, what a
+        failure loses is unknown, and injected faults keyed to steps can never fire."""
+        first = not self.stepless
+        self.stepless = True
+        faults = ev.get("faults") or []
+        if faults and self.exit_code is None:
+            fn = ev.get("function") or "the training function"
+            self._fail(Decision(Level.FAIL, reason="injected faults cannot fire", usage_error=True,
+                                diagnosis=f"--inject {'; '.join(faults)} cannot fire: {fn}() does "
+                                          "not iterate ctx.steps, and these faults are keyed to its "
+                                          "steps (loop with `for step in ctx.steps(total)`)"))
+            return
+        if first and ev.get("registered"):
+            fn = ev.get("function") or "the training function"
+            self.display.warning(
+                f"{fn}() registers nonstop.State but does not iterate ctx.steps: after a failure "
+                "it starts again from its beginning on top of the trained state, and the steps "
+                "lost are unknown; loop with `for step in ctx.steps(total)` (docs/usage.md)")

@@ -43,6 +43,11 @@ class Display:
         if not self.quiet:
             self.console.print(Text("nonstop: ", style="bold cyan") + Text(text))
 
+    def warning(self, text: str) -> None:
+        """One line on stderr, shown even with --quiet: something the user must change."""
+        Console(file=sys.stderr, highlight=False, soft_wrap=True).print(
+            Text("nonstop: warning: ", style="bold yellow") + Text(text))
+
     def error(self, text: str) -> None:
         Console(file=sys.stderr, highlight=False, soft_wrap=True).print(
             Text("nonstop: error: ", style="bold red") + Text(text))
@@ -88,16 +93,18 @@ def print_summary(console: Console, summary: dict[str, Any]) -> None:
             table.add_row(str(inc["id"]), "; ".join(inc["faults"])[:60], ", ".join(inc["levels"]),
                           "-" if mttr is None else f"{mttr:.3f}",
                           *[f"{phases.get(p, 0):.3f}" for p in PHASES],
-                          "-" if inc.get("steps_lost") is None else str(inc["steps_lost"]))
+                          _lost(inc))
         console.print(table)
     mttr = summary.get("mttr_s")
     goodput = summary.get("goodput")
     lines = [f"incidents: {summary['incidents']}"]
     if mttr:
         lines.append(f"MTTR median {mttr['median']:.3f} s (min {mttr['min']:.3f}, max {mttr['max']:.3f})")
-    lines.append(f"steps lost: {summary['steps_lost']}")
-    if goodput is not None:
-        lines.append(f"goodput: {goodput:.1%}")
+    lost = summary.get("steps_lost")
+    cont = summary.get("continues")
+    lines.append(f"steps lost: {'unknown' if lost is None else lost}"
+                 + (f" ({cont['steps_lost']} on resuming)" if cont and cont.get("steps_lost") else ""))
+    lines.append(f"goodput: {'unknown' if goodput is None else f'{goodput:.1%}'}")
     checkpoints = (summary.get("state") or {}).get("checkpoint")
     if checkpoints:
         lines.append(format_checkpoints(checkpoints))
@@ -105,7 +112,49 @@ def print_summary(console: Console, summary: dict[str, Any]) -> None:
     if (summary.get("finish_s") or 0) >= 1:  # waiting at the end (for checkpoints, ranks)
         wall += f" ({summary['finish_s']:.1f} s after training)"
     lines.append(wall)
+    if cont:
+        lines.append(continuation_text(cont))
     console.print(Text("nonstop summary: ", style="bold") + Text(" | ".join(lines)))
+
+
+def _lost(inc: dict[str, Any]) -> str:
+    if inc.get("steps_lost") is not None:
+        return str(inc["steps_lost"])
+    return "unknown" if inc.get("outcome", "recovered") == "recovered" else "-"
+
+
+def continuation_text(cont: dict[str, Any]) -> str:
+    """An attempt after the first, in words: where the earlier ones got, where this one began."""
+    def step(value: Any) -> str:
+        return "an unknown step" if value is None else f"step {value}"
+
+    if cont["attempt"] == 1:
+        return (f"resumed at {step(cont.get('resumed_step'))} from a run this directory has no "
+                "record of: steps redone unknown")
+    text = (f"attempt {cont['attempt']}: the earlier attempt(s) reached "
+            f"{step(cont.get('previous_step'))}, this one resumed at {step(cont.get('resumed_step'))}")
+    lost = cont.get("steps_lost")
+    return text + (f" ({lost} steps redone)" if lost else "")
+
+
+def print_history(console: Console, attempts: list[dict[str, Any]]) -> None:
+    """One line per attempt of a run directory (``events.attempts``)."""
+    for a in attempts:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a["t_start"])) \
+            if a.get("t_start") else "?"
+        steps = "unknown" if a.get("steps") is None else a["steps"]
+        if a.get("ended"):
+            s = a.get("summary") or {}
+            lost = s.get("steps_lost")
+            goodput = s.get("goodput")
+            end = (f"exit {a['exit_code']}, reached step {steps}, {s.get('incidents', 0)} "
+                   f"incident(s), steps lost {'unknown' if lost is None else lost}, goodput "
+                   f"{'unknown' if goodput is None else f'{goodput:.1%}'}")
+            if a.get("diagnosis"):
+                end += f": {a['diagnosis']}"
+        else:
+            end = f"no summary (its launcher was killed), reached at least step {steps}"
+        console.print(Text(f"attempt {a['attempt']} ({started}): ", style="bold") + Text(end))
 
 
 def format_checkpoints(ck: dict[str, Any]) -> str:

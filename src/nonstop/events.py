@@ -2,6 +2,9 @@
 
 Every fault, decision and recovery phase is written here with its timestamp (seconds since the
 epoch, one clock for every process on the machine), so any incident can be replayed afterwards.
+
+A job started again with the same run directory appends to the same log: each attempt begins with
+a ``run_start`` carrying its ``attempt`` number, so the file is the job's whole history.
 """
 
 from __future__ import annotations
@@ -13,12 +16,20 @@ from pathlib import Path
 from typing import Any, Iterator
 
 FILENAME = "events.jsonl"
+# events whose `step` (or `step_before`) is a step the run had reached
+_STEP_EVENTS = ("rank_first_step", "rank_done", "rank_left", "training_complete", "checkpoint",
+                "restore")
 
 
 class EventLog:
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / FILENAME
-        self._fh = open(self.path, "w", buffering=1)
+        self.previous = attempts(self.path) if self.path.exists() else []  # earlier attempts
+        self.attempt = len(self.previous) + 1
+        torn = self.path.exists() and _ends_mid_line(self.path)
+        self._fh = open(self.path, "a", buffering=1)
+        if torn:  # a launcher killed mid-line: start ours on a line of its own
+            self._fh.write("\n")
         self._lock = threading.Lock()
 
     def write(self, event_type: str, /, **fields: Any) -> dict[str, Any]:
@@ -34,11 +45,75 @@ class EventLog:
 
 
 def read(path: str | Path) -> Iterator[dict[str, Any]]:
+    """Every event of a log (a run directory or the file), skipping a line left torn by a
+    launcher that was killed while writing it."""
     p = Path(path)
     if p.is_dir():
         p = p / FILENAME
     with open(p) as fh:
         for line in fh:
             line = line.strip()
-            if line:
+            if not line:
+                continue
+            try:
                 yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+def _ends_mid_line(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        fh.seek(0, 2)
+        if fh.tell() == 0:
+            return False
+        fh.seek(-1, 2)
+        return fh.read(1) != b"\n"
+
+
+def attempts(path: str | Path) -> list[dict[str, Any]]:
+    """The attempts a log holds, oldest first: one per ``run_start``. Each says when it started
+    and ended, its exit code and diagnosis (None when its launcher was killed before writing
+    ``run_end``), and ``steps``, the newest step it reached: its summary's, else the newest step
+    its events name (a lower bound), None where its ranks ran no steps nonstop could see."""
+    out: list[dict[str, Any]] = []
+    cur: dict[str, Any] | None = None
+    for ev in read(path):
+        kind = ev.get("type")
+        if kind == "run_start":
+            cur = {"attempt": len(out) + 1, "t_start": ev.get("t"), "t_end": ev.get("t"),
+                   "exit_code": None, "diagnosis": None, "ended": False, "steps": None,
+                   "_seen": 0, "_plain": not ev.get("managed", True), "_no_steps": False}
+            out.append(cur)
+            continue
+        if cur is None:
+            continue
+        cur["t_end"] = ev.get("t", cur["t_end"])
+        if kind == "run_end":
+            cur.update(ended=True, exit_code=ev.get("exit_code"), diagnosis=ev.get("diagnosis"),
+                       steps=ev.get("steps"), summary=ev)
+        elif kind == "rank_no_steps":
+            cur["_no_steps"] = True
+        elif kind == "rank_wrapped":
+            cur["_plain"] = False
+        elif kind in _STEP_EVENTS and isinstance(ev.get("step"), int):
+            cur["_seen"] = max(cur["_seen"], ev["step"])
+        elif kind == "incident" and isinstance(ev.get("step_before"), int):
+            cur["_seen"] = max(cur["_seen"], ev["step_before"])
+    for a in out:
+        seen, plain, no_steps = a.pop("_seen"), a.pop("_plain"), a.pop("_no_steps")
+        if not a["ended"]:
+            a["steps"] = None if plain or no_steps else seen
+    return out
+
+
+def mark_logs(run_dir: str | Path, attempt: int) -> None:
+    """A new attempt in a run directory: the processes' logs are appended to, so each existing
+    one gets a line saying where the earlier attempts' output ends."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    for log in sorted((Path(run_dir) / "logs").glob("*.log")):
+        try:
+            with open(log, "a") as fh:
+                fh.write(f"==== nonstop: attempt {attempt} of this run directory starts ({stamp})"
+                         " ====\n")
+        except OSError:
+            pass

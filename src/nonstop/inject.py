@@ -212,6 +212,28 @@ class Injector:
     def has_point(self, point: str) -> bool:
         return bool(self._by_point.get(point) or self._by_phase.get(point))
 
+    def need_steps(self, registered: bool) -> list[FaultSpec]:
+        """The faults that cannot fire in a training function that does not iterate ctx.steps:
+        its step index never leaves the step the generation resumed from (0), and without
+        registered state there is no optimizer step or forward pass to act in. Recovery points
+        are keyed by generation and fire anyway, except the first step's."""
+        out = []
+        for f in self.faults:
+            if f.at in PHASE_POINTS:
+                if f.at == "first_step":
+                    out.append(f)
+                continue
+            in_hooks = f.at == "optimizer" or f.kind in ("nan",) + PERSISTENT
+            if not registered or f.step > 0 or not in_hooks:
+                out.append(f)
+        return out
+
+    def unreached(self, rank: int, step: int) -> list[FaultSpec]:
+        """This rank's step-keyed faults at or past ``step``, where its training ended: no step
+        of the run reached them, so they never fired."""
+        return [f for f in self.faults
+                if f.at in STEP_POINTS and f.applies(rank) and f.step >= step]
+
     def claim_kind(self, kind: str, rank: int, step: int) -> bool:
         """Whether a fault of ``kind`` fires here (claimed and announced; the caller carries it
         out): for faults only the caller can do, such as corrupting a snapshot."""

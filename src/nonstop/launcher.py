@@ -159,12 +159,14 @@ def run(cfg: RunConfig) -> int:
     from .agent import Agent
     from .controller import Controller
     from .display import Display
-    from .events import EventLog
+    from .events import EventLog, mark_logs
     from .ladder import Decision, Level
     from .state.outcomes import CheckpointsFailing
 
     display = Display(quiet=cfg.quiet, live=cfg.live)
     log = EventLog(run_dir)
+    if log.attempt > 1:  # the same run directory again: one history, the earlier logs kept
+        mark_logs(run_dir, log.attempt)
     # the store's socket, made before the store itself: the processes can be started (and import
     # torch) while the launcher imports torch too
     listener = loopback.listen()
@@ -239,9 +241,9 @@ def run(cfg: RunConfig) -> int:
         controller.memory.clean_up()
     t_exit = time.time()
     train_end = controller.t_train_end or t_exit
-    summary = metrics.summarize([i.to_record() for i in controller.incidents],
-                                train_end - controller.t_start, controller.productive_s(),
-                                controller.max_step, code)
+    summary = metrics.summarize(controller.incident_records(), train_end - controller.t_start,
+                                controller.productive_s(), controller.steps_reached(), code,
+                                continues=metrics.continuation(log.previous, controller.resumed_step))
     # goodput stays per training time; the wall time is the whole run, its end's wait included
     summary["wall_s"] = round(t_exit - controller.t_start, 3)
     summary["finish_s"] = round(t_exit - train_end, 3)

@@ -34,6 +34,7 @@ class Incident:
     t_restored: float | None = None  # every rank holds the agreed state
     t_first_step: float | None = None  # every rank completed a step
     closed: bool = False
+    steps_known: bool = True  # False: the ranks do not iterate ctx.steps; what was lost is unknown
     outcome: str = "recovered"
     current_level: str | None = None  # the level being tried now...
     level_deadline: float | None = None  # ...and when it must have recovered by
@@ -60,7 +61,7 @@ class Incident:
 
     @property
     def steps_lost(self) -> int | None:
-        if self.resume_step is None:
+        if self.resume_step is None or not self.steps_known:
             return None
         return max(0, self.step_before - self.resume_step)
 
@@ -79,11 +80,38 @@ def distribution(values: Iterable[float]) -> dict[str, float] | None:
     return {"median": statistics.median(vals), "min": vals[0], "max": vals[-1], "n": len(vals)}
 
 
+def continuation(previous: list[dict[str, Any]], resumed_step: int | None) -> dict[str, Any] | None:
+    """How an attempt continues the earlier ones of its run directory (``events.attempts``):
+    the steps it redid are those between the newest step any earlier attempt reached and the
+    step it resumed from. None for a first attempt that started at step 0; ``steps_lost`` None
+    where either is unknown - as for a first attempt resumed from a checkpoint, written by a run
+    this directory keeps no record of."""
+    if not previous:
+        if not resumed_step:
+            return None
+        return {"attempt": 1, "previous_step": None, "resumed_step": resumed_step,
+                "steps_lost": None, "previous_exit_code": None, "previous_diagnosis": None}
+    reached = [a.get("steps") for a in previous]
+    newest = None if reached[-1] is None else max(r for r in reached if r is not None)
+    lost = None
+    if newest is not None and resumed_step is not None:
+        lost = max(0, newest - resumed_step)
+    last = previous[-1]
+    return {"attempt": len(previous) + 1, "previous_step": newest, "resumed_step": resumed_step,
+            "steps_lost": lost, "previous_exit_code": last.get("exit_code"),
+            "previous_diagnosis": last.get("diagnosis")}
+
+
 def summarize(incidents: list[dict[str, Any]], wall_s: float, productive_s: float | None,
-              steps: int | None, exit_code: int) -> dict[str, Any]:
-    """The run's summary from closed-incident records (``Incident.to_record``)."""
+              steps: int | None, exit_code: int,
+              continues: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run's summary from closed-incident records (``Incident.to_record``). ``steps_lost``
+    is None (unknown) when a recovered incident's, or the resumption's, is; ``continues``
+    (``continuation``) for an attempt after the first: its resumption's loss counts too."""
     mttrs = [i["mttr_s"] for i in incidents if i.get("mttr_s") is not None]
-    lost = [i["steps_lost"] for i in incidents if i.get("steps_lost") is not None]
+    lost = [i.get("steps_lost") for i in incidents if i.get("outcome", "recovered") == "recovered"]
+    if continues is not None:
+        lost.append(continues.get("steps_lost"))
     by_phase = {p: round(sum(i["phases_s"][p] for i in incidents if i.get("mttr_s") is not None), 6)
                 for p in PHASES}
     goodput = None
@@ -96,7 +124,9 @@ def summarize(incidents: list[dict[str, Any]], wall_s: float, productive_s: floa
         "incidents": len(incidents),
         "mttr_s": distribution(mttrs),
         "mttr_by_phase_s": by_phase,
-        "steps_lost": sum(lost),
+        "steps_lost": None if None in lost else sum(lost),
         "goodput": None if goodput is None else round(goodput, 4),
+        "attempt": 1 if continues is None else continues["attempt"],
+        "continues": continues,
         "incident_list": incidents,
     }

@@ -257,7 +257,9 @@ class Recovery(_Base):
         if self.incident is not None:
             return
         now = time.time()
-        t0 = self._fault_time(now) if t_fault is None else t_fault
+        t0 = self._fault_time(now)  # an injection we were told of, else now
+        if t_fault is not None:  # the caller knows better (a hang: the last progress)
+            t0 = min(t0, t_fault)
         self.incident = Incident(id=len(self.incidents) + 1, t_fault=t0, t_detect=now,
                                  gen_from=self.gen, step_before=self.max_step)
         if fault.kind == "nan":
@@ -280,6 +282,7 @@ class Recovery(_Base):
         inc.t_first_step = t_first
         if resume_step is not None:
             inc.resume_step = resume_step
+        inc.steps_known = self.steps_known()
         inc.closed = True
         self.incidents.append(inc)
         self.incident = None
@@ -289,7 +292,8 @@ class Recovery(_Base):
         rec = inc.to_record()
         self.log.write("incident", **rec)
         self.display.info(f"incident {inc.id} recovered in {inc.mttr:.3f} s "
-                          f"({', '.join(inc.levels)}), steps lost: {inc.steps_lost}")
+                          f"({', '.join(inc.levels)}), steps lost: "
+                          f"{'unknown' if inc.steps_lost is None else inc.steps_lost}")
 
     def _fail(self, decision: Decision) -> None:
         self.diagnosis = decision.diagnosis or decision.reason

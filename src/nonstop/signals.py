@@ -18,7 +18,10 @@ class Signals:
         self.stragglers = StragglerWatch(policy.detect.straggler)
         self._last_straggler_check = 0.0
         self.last_limit = 0.0  # the timeout that the last hang exceeded
+        self.last_progress = 0.0  # when the ranks of the last hang last made progress
         self._logged_timeout = 0.0
+        self._life: dict[int, tuple[int, float]] = {}  # wid -> (gen, its last sign of life)
+        self._stepless: set[int] = set()  # wids whose progress is marks, not ctx.steps steps
 
     # -- observations ---------------------------------------------------------------------------
     def on_progress(self, w: Worker, rec: dict[str, Any], gen: int) -> None:
@@ -27,14 +30,20 @@ class Signals:
         w.hb = rec.get("hb", w.hb)
         w.where, w.loc, w.same_s = rec.get("where", ""), rec.get("loc", ""), rec.get("same_s", 0.0)
         w.paused = rec.get("paused")
+        life = rec.get("life")
+        if life and life[0] == gen:
+            self._life[w.wid] = (life[0], life[1])
         if rec.get("gen") == gen:
             if rec.get("max_step_s"):
                 self.hang.observe_step(rec["max_step_s"])
             if rec.get("compute_s") is not None:
                 w.compute_s = rec["compute_s"]
 
-    def on_first_step(self, w: Worker, t_first: float) -> None:
-        """The first step of a generation on one rank: how long it took after the group formed."""
+    def on_first_step(self, w: Worker, t_first: float, stepless: bool = False) -> None:
+        """The first step of a generation on one rank: how long it took after the group formed.
+        ``stepless``: the rank's function runs without ctx.steps, its marks are its steps."""
+        if stepless:
+            self._stepless.add(w.wid)
         if w.entered_ev is not None:
             self.hang.observe_first_step(t_first - w.entered_ev.get("t_restored", w.entered_ev["t"]))
 
@@ -42,21 +51,32 @@ class Signals:
     def check_hang(self, ranks: Iterable[Worker], gen: int, t_running: float,
                    now: float) -> tuple[Fault | None, dict[int, str]]:
         """A hang fault when some rank has completed no step for longer than its timeout, and the
-        ranks that hold the job up (wid -> why): frozen, or stuck in Python code."""
+        ranks that hold the job up (wid -> why): frozen, or stuck in Python code.
+
+        A rank that has not completed a step in this generation, or whose function runs without
+        ctx.steps, is also judged by its signs of life: its group moving data (collectives
+        completing), a reported loss, an optimizer step. Heartbeats are not among them. With only
+        signs of life and no step, the first-step allowance applies from the last of them.
+        ``last_progress`` says when the stalled ranks last made progress: the hang began after."""
         ranks = [w for w in ranks if w.done < gen]
         if not ranks or any(w.paused for w in ranks):
             return None, {}
-        stalled, limit = [], 0.0
+        stalled, limit, last = [], 0.0, 0.0
         for w in ranks:
             stepped = w.first_gen == gen
             timeout = self.hang.steady_timeout() if stepped else self.hang.first_step_timeout()
             since = w.t_step if stepped else t_running
+            life = self._life.get(w.wid)
+            if life is not None and life[0] == gen and (not stepped or w.wid in self._stepless):
+                since = max(since, life[1])
             if now - since > timeout:
                 stalled.append(w)
                 limit = max(limit, timeout)
+                last = max(last, since)
         if not stalled:
             return None, {}
         self.last_limit = limit
+        self.last_progress = last
         frozen_s = min(self.policy.detect.hang.heartbeat_s, max(0.5, 0.5 * limit))
         views = [RankView(rank=w.rank, heartbeat_age_s=now - w.hb if w.hb else 0.0,
                           where=w.where, location=w.loc,
@@ -66,7 +86,8 @@ class Signals:
         hung = hung_ranks(views, frozen_s)
         culprits = {by_rank[r].wid: why for r, why in hung.items()}
         frozen = "; ".join(f"rank {r} {why}" for r, why in sorted(hung.items()))
-        message = f"no step completed for {limit:.2f} s" + (f": {frozen}" if frozen else "")
+        what = "no progress" if any(w.wid in self._stepless for w in stalled) else "no step completed"
+        message = f"{what} for {limit:.2f} s" + (f": {frozen}" if frozen else "")
         return Fault("hang", message=message, traceback=describe_stall(views)), culprits
 
     def timeout_changed(self) -> float | None:

@@ -49,35 +49,42 @@ class Context:
         so dropout and the like replay exactly after a restart."""
         state = self._state
         rt = self._rt
-        while state.step < total:
-            step = state.step
-            if rt is not None:
-                if not self._first_done:
-                    rt.injector.in_recovery("first_step", self.rank, self.generation)
-                rt.injector.check("start", self.rank, step)
-            if reseed is not None:
-                import torch
+        if rt is not None:  # while the loop runs, its steps are the progress (not marks)
+            rt.monitor.steps_seen = rt.monitor.in_steps = True
+        try:
+            while state.step < total:
+                step = state.step
+                if rt is not None:
+                    if not self._first_done:
+                        rt.injector.in_recovery("first_step", self.rank, self.generation)
+                    rt.injector.check("start", self.rank, step)
+                if reseed is not None:
+                    import torch
 
-                torch.manual_seed(step_seed(reseed, step, self.rank))
-            state.compute_s = 0.0
-            t0 = time.monotonic()
-            yield step
-            state.step = step + 1
-            state.dirty = False
+                    torch.manual_seed(step_seed(reseed, step, self.rank))
+                state.compute_s = 0.0
+                t0 = time.monotonic()
+                yield step
+                state.step = step + 1
+                state.dirty = False
+                if rt is not None:
+                    step_s = time.monotonic() - t0
+                    # a snapshot is not a step that counts (goodput), but it is time between steps
+                    # that the hang timeout must allow for
+                    spent = rt.after_step(state, self.rank, self.world_size, self.generation,
+                                          step_s, not self._first_done)
+                    rt.busy += step_s
+                    rt.monitor.record_step(self.generation, self.rank, step + 1, rt.busy,
+                                           step_s + spent, state.compute_s, self._loss,
+                                           first=not self._first_done)
+                    if not self._first_done:
+                        self._first_done = True
+                        rt.release_closed_groups()  # the previous generation's group, now idle
+            if rt is not None and state.step >= total:
+                rt.steps_done(state, self.rank, self.world_size, self.generation)
+        finally:
             if rt is not None:
-                step_s = time.monotonic() - t0
-                # a snapshot is not a step that counts (goodput), but it is time between steps
-                # that the hang timeout must allow for
-                spent = rt.after_step(state, self.rank, self.world_size, self.generation, step_s,
-                                      not self._first_done)
-                rt.busy += step_s
-                rt.monitor.record_step(self.generation, self.rank, step + 1, rt.busy, step_s + spent,
-                                       state.compute_s, self._loss, first=not self._first_done)
-                if not self._first_done:
-                    self._first_done = True
-                    rt.release_closed_groups()  # the previous generation's group, now idle
-        if rt is not None and state.step >= total:
-            rt.steps_done(state, self.rank, self.world_size, self.generation)
+                rt.monitor.in_steps = False
 
     def report(self, loss: Any = None) -> None:
         """Note this step's loss (a tensor or number); published in the background. With loss
@@ -85,12 +92,22 @@ class Context:
         self._loss = loss.detach() if hasattr(loss, "detach") else loss
         if self._rt is not None:
             self._rt.last_loss = self._loss
+            self._rt.monitor.mark("report", self._state.step)
         if self._loss_rules is not None and self._loss is not None and self._rt is not None:
             value = float(self._loss)
             for rule in self._loss_rules.observe(value):
                 self._rt.emit("loss_rule", rule=rule.name, action=rule.action, rank=self.rank,
                               step=self._state.step, loss=value if math.isfinite(value) else str(value),
                               gen=self.generation)
+
+    def progress(self) -> None:
+        """Say that the training function made progress, for a loop that does not iterate
+        ``steps()``: call it once per iteration. nonstop then sees a hang as no progress for
+        longer than the tuned timeout (a loss passed to ``report()`` or an optimizer step of a
+        registered optimizer counts the same). Inside ``steps()`` it does nothing: the steps are
+        the progress."""
+        if self._rt is not None:
+            self._rt.monitor.mark("progress", self._state.step)
 
     @contextlib.contextmanager
     def pause(self, label: str = "paused") -> Iterator[None]:

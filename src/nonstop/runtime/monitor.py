@@ -9,6 +9,8 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import socket
+import struct
 import sys
 import threading
 import time
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
 
 PUBLISH_INTERVAL_S = 0.05  # progress is published at most this often...
 HEARTBEAT_S = 0.2  # ...and at least this often: a silent rank is frozen
+TRAFFIC_EVERY_S = 0.1  # the group's sockets are read at most this often
+_TCP_INFO_BYTES = 120  # struct tcp_info: tcpi_bytes_acked, then tcpi_bytes_received (u64 each)
 _TORCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__import__("torch").__file__))) + \
     os.sep + "torch" + os.sep
 _RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -45,6 +49,17 @@ class Monitor:
         self._max_step_s = 0.0  # slowest step since the last publish
         self._compute: float | None = None  # forward time per step, smoothed
         self._paused: str | None = None
+        # Progress outside ctx.steps (see mark()): written by the main thread.
+        self.in_steps = False  # inside a ctx.steps loop: its steps are the progress
+        self.steps_seen = False  # a ctx.steps loop has started in this process
+        self.stepless = False  # this process's training function runs without ctx.steps
+        self._stepped_gen: int | None = None  # the generation whose first progress was published
+        self._mark_gen: int | None = None
+        self._marks = 0  # report/progress() marks outside ctx.steps in _mark_gen
+        self._t_mark: float | None = None  # monotonic time of the previous progress mark
+        self._life: tuple[int, float] | None = None  # (gen, time) of the last sign of life
+        self._traffic: tuple[int, int] | None = None  # (gen, bytes) the group had moved
+        self._t_traffic = 0.0
 
     def start(self) -> None:
         if self._started:
@@ -120,10 +135,61 @@ class Monitor:
         self._progress = {"gen": gen, "rank": rank, "step": step, "t": now, "loss": loss,
                           "busy": busy}
         if first:
+            self._stepped_gen = gen
             self._first_step = {"gen": gen, "rank": rank, "step": step, "t": now}
             self._wake.set()
         elif now - self._last_publish >= PUBLISH_INTERVAL_S:
             self._wake.set()
+
+    def mark(self, source: str, step: int) -> None:
+        """Progress seen outside a ctx.steps loop: a reported loss ("report"), ``ctx.progress()``
+        ("progress") or an optimizer step of a registered optimizer ("optimizer").
+
+        Until the process is known to run without ctx.steps a mark is only a sign of life (it
+        keeps a rank that has not completed a step from being taken for hung): a loss reported
+        before the loop starts is no evidence. The evidence is an optimizer step outside the loop,
+        a second report or progress() outside it in one generation, or the function returning
+        without it (``returned``). From then on marks are this rank's steps: the first one of a
+        generation is published at once, and the gaps between them tune the hang timeout."""
+        gen = self._gen
+        if self.in_steps or gen is None:
+            return
+        now = time.time()
+        self._life = (gen, now)
+        if self._mark_gen != gen:
+            self._mark_gen, self._marks, self._t_mark = gen, 0, None
+        self._marks += 1
+        evidence = source == "optimizer" or self._marks >= 2
+        if evidence and not self.stepless and not self.steps_seen:
+            self._no_steps(source)
+        if not self.stepless:
+            return
+        mono = time.monotonic()
+        if self._t_mark is not None:
+            self._max_step_s = max(self._max_step_s, mono - self._t_mark)
+        self._t_mark = mono
+        rt = self._rt
+        loss = rt.last_loss
+        self._progress = {"gen": gen, "rank": rt.rank, "step": step, "t": now, "loss": loss}
+        if self._stepped_gen != gen:
+            self._stepped_gen = gen
+            self._first_step = {"gen": gen, "rank": rt.rank, "step": step, "t": now,
+                                "steps": False, "via": source}
+            self._wake.set()
+        elif now - self._last_publish >= PUBLISH_INTERVAL_S:
+            self._wake.set()
+
+    def returned(self) -> None:
+        """The training function returned: without having started ctx.steps, that settles it."""
+        if not self.steps_seen and not self.stepless:
+            self._no_steps("returned")
+
+    def _no_steps(self, via: str) -> None:
+        self.stepless = True
+        rt = self._rt
+        rt.emit("no_steps", gen=self._gen, rank=rt.rank, via=via, registered=rt.registered,
+                function=getattr(rt, "function_name", None),
+                faults=[f.describe() for f in rt.injector.need_steps(rt.registered)])
 
     def pause(self, label: str | None) -> None:
         """Mark the rank as busy with something long that is not a step (None: done)."""
@@ -164,6 +230,11 @@ class Monitor:
                                       "same_s": round(now - since, 3), "paused": self._paused,
                                       "max_step_s": self._max_step_s, "compute_s": self._compute}
             self._max_step_s = 0.0
+            if now - self._t_traffic >= TRAFFIC_EVERY_S:
+                self._t_traffic = now
+                self._sample_traffic(now)
+            if self._life is not None:
+                record["life"] = list(self._life)
             snaps = rt.snapshots
             if snaps is not None and snaps.taken:
                 record["snap"] = {"every": snaps.every, "cost_s": snaps.cost_s,
@@ -186,3 +257,42 @@ class Monitor:
             except Exception as exc:  # noqa: BLE001
                 rt.reconnect(exc)
                 time.sleep(HEARTBEAT_S)
+
+    def _sample_traffic(self, now: float) -> None:
+        """A sign of life from the collectives themselves: the generation's group moved data
+        since the last look. Read from the kernel's counters of the group's sockets (gloo's
+        connections), so it costs the training nothing; a heartbeat or a store round trip never
+        touches these sockets. NCCL's traffic is not on them."""
+        with self._lock:
+            gen, group = self._gen, self._group
+        fds = getattr(group, "_group_fds", None) if group is not None else None
+        if gen is None or not fds:
+            return
+        moved = _socket_bytes(dict(fds))
+        last = self._traffic
+        self._traffic = (gen, moved)
+        if last is not None and last[0] == gen and moved != last[1]:
+            self._life = (gen, now)
+
+
+def _socket_bytes(fds: dict[int, str]) -> int:
+    """Bytes acknowledged plus bytes received on the connected TCP sockets among ``fds``
+    (fd -> 'socket:[inode]'), skipping any fd closed and reused since it was noted."""
+    total = 0
+    for fd, link in fds.items():
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != link:
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+            if len(info) >= _TCP_INFO_BYTES + 16:
+                acked, received = struct.unpack_from("QQ", info, _TCP_INFO_BYTES)
+                total += acked + received
+        except OSError:
+            pass
+        finally:
+            sock.close()  # our duplicate only
+    return total

@@ -79,6 +79,7 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
     job = rt.job
     tracked = state if state is not None else _StepOnly()
     _attach(rt, tracked)
+    rt.function_name = getattr(fn, "__qualname__", None) or repr(fn)
     rt.registered = state is not None
     if not rt.wrapped:
         rt.wrapped = True
@@ -131,7 +132,13 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
                     sockets_shut=group.sockets_shut, **outcome.detail)
             continue
         result = outcome
-        rt.emit("done", gen=gen, rank=rank, step=tracked.step, busy=rt.busy,
+        rt.monitor.returned()
+        # faults keyed to steps the run never reached: said at the end (only a loop of
+        # ctx.steps moves the step index, so only then is it known how far it got)
+        unfired = [f.describe() for f in rt.injector.unreached(rank, tracked.step)] \
+            if rt.monitor.steps_seen else []
+        rt.emit("done", gen=gen, rank=rank, step=tracked.step, busy=rt.busy, unfired=unfired,
+                steps=rt.monitor.steps_seen,
                 final_persist=rt.snapshots.final_persist if rt.snapshots is not None else None)
         verdict = rt.wait_message()
         if verdict["type"] == protocol.COMPLETE:
@@ -151,7 +158,12 @@ def _attach(rt: Any, tracked: State) -> None:
     """Connect the state's hooks to this process's runtime and policy."""
     detect = rt.job.get("policy", {}).get("detect", {})
     tracked.check_finite = bool(detect.get("nan", {}).get("enabled", True))
-    tracked._on_optimizer_step = lambda: rt.injector.check("optimizer", rt.rank, tracked.step)
+
+    def optimizer_stepped() -> None:
+        rt.injector.check("optimizer", rt.rank, tracked.step)
+        rt.monitor.mark("optimizer", tracked.step)  # progress, for a loop without ctx.steps
+
+    tracked._on_optimizer_step = optimizer_stepped
     if rt.injector.has_forward:
         tracked._forward_fault = lambda step: rt.injector.forward(rt.rank, step)
 
@@ -245,6 +257,7 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
 
 
 def _context(rt: Any, tracked: State, msg: dict[str, Any], resumed: Any) -> Context:
+    rt.monitor.in_steps = False  # a loop left by a failure may not have said so yet
     rules = rt.job.get("policy", {}).get("detect", {}).get("loss_rules") or None
     if rules:
         from ..detect import LossRules

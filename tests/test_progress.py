@@ -1,0 +1,69 @@
+"""Progress a training function shows without ctx.steps, as the controller judges it (pure: no
+processes): signs of life keep a rank from being taken for hung, a hang is dated from the last
+progress, and injected faults that such a function can never fire are named."""
+
+from __future__ import annotations
+
+from nonstop import inject, policy
+from nonstop.signals import Signals
+from nonstop.workers import Worker
+
+
+def _rank(wid: int, rank: int, t_step: float = 0.0, first_gen: int = -1) -> Worker:
+    return Worker(wid=wid, spare=False, rank=rank, t_step=t_step, first_gen=first_gen, hb=100.0)
+
+
+def test_signs_of_life_keep_a_rank_without_steps_from_being_hung():
+    sig = Signals(policy.load(None))
+    allowance = sig.hang.first_step_timeout()
+    a, b = _rank(1, 0), _rank(2, 1)
+    # generation 3 formed at t=0; neither rank has completed a step in it
+    sig.on_progress(a, {"hb": 100.0, "life": [3, allowance - 1.0]}, gen=3)
+    sig.on_progress(b, {"hb": 100.0, "life": [2, allowance - 1.0]}, gen=3)  # an older generation's
+    fault, _ = sig.check_hang([a, b], gen=3, t_running=0.0, now=allowance + 0.5)
+    assert fault is not None and sig.last_progress == 0.0  # b: nothing since the group formed
+    sig.on_progress(b, {"hb": 100.0, "life": [3, allowance - 0.5]}, gen=3)
+    fault, _ = sig.check_hang([a, b], gen=3, t_running=0.0, now=allowance + 0.5)
+    assert fault is None
+    fault, _ = sig.check_hang([a, b], gen=3, t_running=0.0, now=2 * allowance)
+    assert fault is not None and sig.last_progress == allowance - 0.5
+
+
+def test_a_hang_is_dated_from_the_last_progress_of_the_stalled_ranks():
+    sig = Signals(policy.load(None))
+    steady = sig.hang.steady_timeout()
+    a, b = _rank(1, 0, t_step=50.0, first_gen=1), _rank(2, 1, t_step=52.0, first_gen=1)
+    fault, _ = sig.check_hang([a, b], gen=1, t_running=0.0, now=52.0 + steady - 0.1)
+    assert fault is not None and sig.last_progress == 50.0  # only a had stalled
+    fault, _ = sig.check_hang([a, b], gen=1, t_running=0.0, now=52.0 + steady + 0.1)
+    assert sig.last_progress == 52.0 and "no step completed" in fault.message
+    # a rank whose marks are its steps (no ctx.steps) is judged by its signs of life as well
+    sig.on_first_step(b, 52.0, stepless=True)
+    sig.on_progress(b, {"hb": 100.0, "life": [1, 52.0 + steady]}, gen=1)
+    fault, _ = sig.check_hang([b], gen=1, t_running=0.0, now=52.0 + steady + 0.1)
+    assert fault is None
+    fault, _ = sig.check_hang([b], gen=1, t_running=0.0, now=52.0 + 2 * steady + 0.1)
+    assert "no progress" in fault.message
+
+
+def test_faults_a_function_without_ctx_steps_cannot_fire():
+    specs = ("crash:rank=1,step=5;exit:rank=0,step=0;exception:rank=0,step=0,at=optimizer;"
+             "slow:rank=all,ms=5;nan:rank=1,step=3;crash:rank=1,at=restore;hang:rank=0,at=first_step")
+    inj = inject.Injector(inject.parse(specs), lambda i, f: True, lambda f, s: None)
+    with_state = [f.describe() for f in inj.need_steps(registered=True)]
+    # the step index stays at 0: step 0 in an optimizer step or a forward pass still fires, and
+    # a recovery point other than the first step is keyed by generation
+    assert with_state == ["crash:rank=1,step=5", "exit:rank=0,step=0", "nan:rank=1,step=3",
+                          "hang:rank=0,at=first_step"]
+    # nothing registered: no optimizer step or forward pass to act in either
+    assert [f.describe() for f in inj.need_steps(registered=False)] == [
+        "crash:rank=1,step=5", "exit:rank=0,step=0", "exception:rank=0,step=0,at=optimizer",
+        "slow:rank=all,step=0,ms=5", "nan:rank=1,step=3", "hang:rank=0,at=first_step"]
+
+
+def test_faults_past_the_last_step_are_named():
+    inj = inject.Injector(inject.parse("crash:rank=1,step=40;crash:rank=1,step=39;"
+                                       "exit:rank=0,step=90;crash:rank=1,at=restore"),
+                          lambda i, f: True, lambda f, s: None)
+    assert [f.describe() for f in inj.unreached(rank=1, step=40)] == ["crash:rank=1,step=40"]
+    assert [f.describe() for f in inj.unreached(rank=0, step=40)] == ["exit:rank=0,step=90"]
