@@ -55,3 +55,44 @@ def test_injector_fires_only_when_claimed():
         inj.check("start", rank=1, step=3)
     inj.check("start", rank=1, step=3)  # replayed step: already fired once
     assert fired == [("exception", 3)]
+
+
+def test_recovery_points_are_keyed_by_generation():
+    (f,) = inject.parse("crash:rank=1,at=rendezvous,gen=3")
+    assert f.at == "rendezvous" and f.gen == 3 and f.describe() == "crash:rank=1,at=rendezvous,gen=3"
+    assert f.fires_in(3) and not f.fires_in(2) and not f.fires_in(4)
+    (first,) = inject.parse("stop:rank=0,at=assigned")  # no gen: the first recovery
+    assert not first.fires_in(0) and first.fires_in(1) and first.fires_in(5)
+    (leaving,) = inject.parse("exit:rank=0,at=teardown")  # leaving any generation, gen 0 too
+    assert leaving.fires_in(0)
+    assert inject.from_env(inject.to_env([f])) == [f]
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("crash:rank=1,at=restore,step=4", "keyed by gen=, not step="),
+    ("crash:rank=1,step=4,gen=2", "gen= is only for faults inside a recovery"),
+    ("nan:rank=1,at=first_step", "at=first_step is for crash, exit"),
+    ("crash:rank=1,at=restore,gen=-1", "gen must be >= 0"),
+])
+def test_bad_recovery_points_are_clear_errors(spec, words):
+    with pytest.raises(UsageError, match=words):
+        inject.parse(spec)
+
+
+def test_injector_fires_a_recovery_point_once_in_its_generation(monkeypatch):
+    fired, claims = [], {}
+
+    def claim(i, f):
+        claims[i] = claims.get(i, 0) + 1
+        return claims[i] <= f.times
+
+    monkeypatch.setattr(inject, "fire", lambda f: fired.append(f.describe()))
+    inj = inject.Injector(inject.parse("crash:rank=1,at=restore,gen=2"), claim, lambda f, s: None)
+    inj.in_recovery("restore", 1, 1)  # another generation
+    inj.in_recovery("rendezvous", 1, 2)  # another point
+    inj.in_recovery("restore", 0, 2)  # another rank
+    assert fired == []
+    inj.in_recovery("restore", 1, 2)
+    inj.in_recovery("restore", 1, 2)
+    assert fired == ["crash:rank=1,at=restore,gen=2"]
+    assert inj.has_point("restore") and not inj.has_point("teardown")

@@ -168,3 +168,11 @@ def test_classification():
     assert Fault("node_unhealthy", node=1).domain is Domain.NODE
     assert Fault("log_rule", rank=0, tag="LOG_OOM").fault_code == "LOG_OOM"
     assert Fault("nan").attribution is Attribution.USER
+
+
+def test_isolating_the_last_node_fails_instead_of_restarting_nowhere():
+    # one node, the same crash again and again: isolating it leaves no node for a job restart
+    one = JobView(world=2, node_of={0: 0, 1: 0}, spare_nodes=0, capacity=2, slots=2)
+    c = Counters(recent=[(99.0, "SIGKILL", 1, 0)] * (P.rules.isolate.times - 1))
+    d = run([Fault("crash", rank=1, code=-9)], dead={1}, view=one, counters=c)
+    assert d.level is Level.FAIL and d.isolate == frozenset() and "cannot hold 2 ranks" in d.diagnosis

@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--run-dir", metavar="DIR")
 
     bench = sub.add_parser("bench", help="measure recovery against peers")
-    bench.add_argument("scenario", choices=["crash", "hang", "state"])
+    bench.add_argument("scenario", choices=["crash", "hang", "state", "second"])
     bench.add_argument("--ranks", type=int, help="rank processes (default 4; state: 2)")
     bench.add_argument("--repeat", type=int, default=5)
     bench.add_argument("--steps", type=int, default=100)
@@ -133,9 +133,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_demo(steps=args.steps, run_dir=args.run_dir)
         if args.command == "bench":
-            from .bench import crash, hang, state
+            from .bench import crash, hang, second, state
 
-            module = {"crash": crash, "hang": hang, "state": state}[args.scenario]
+            module = {"crash": crash, "hang": hang, "state": state, "second": second}[args.scenario]
             if args.ranks is None:
                 args.ranks = 2 if args.scenario == "state" else 4
             if args.systems is None:
