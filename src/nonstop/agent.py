@@ -192,6 +192,19 @@ class Agent:
         except PermissionError:
             proc.popen.send_signal(sig)
 
+    def stopped(self, wid: int) -> bool:
+        """Whether the process is stopped (SIGSTOP, a debugger): it will not move by itself.
+        Read from the kernel, since a silent heartbeat alone cannot tell a stopped process from
+        one whose main thread waits in C++ holding the GIL (as forming a gloo group does)."""
+        proc = self.procs.get(wid)
+        if proc is None or not proc.alive:
+            return False
+        try:
+            stat = Path(f"/proc/{proc.pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
+
     def alive(self) -> list[Proc]:
         return [p for p in self.procs.values() if p.alive]
 

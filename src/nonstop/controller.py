@@ -421,6 +421,8 @@ class Controller(Recovery):
             self._fault(Fault("no_state", rank=w.rank, message=ev.get("error", "")))
         elif self.phase in ("running", "rendezvous"):
             self._fault(Fault("peer", rank=w.rank, message=ev.get("error", "")))
+        if self.incident is not None and ev.get("t_pg") is not None:  # after any fault it raised
+            self.incident.group_formed(ev["t_pg"])
 
     # == deadlines ==============================================================================
     def _check(self, now: float) -> None:

@@ -82,6 +82,7 @@ class JobView:
     node_of: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> node
     spare_nodes: int = 0  # healthy nodes with no rank on them, able to take a node's ranks
     capacity: int | None = None  # ranks the healthy nodes can hold (None: enough)
+    slots: int = 0  # ranks one node holds (0: unknown)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +201,10 @@ def decide(faults: list[Fault], dead: set[int], view: JobView, policy: Policy,
             continue
         if level is Level.JOB_RESTART:
             replace = set(range(view.world))
-            if view.capacity is not None and view.capacity < view.world:
+            # the nodes this decision isolates are gone too
+            capacity = None if view.capacity is None else \
+                view.capacity - view.slots * len(isolate - counters.isolated)
+            if capacity is not None and capacity < view.world:
                 return _fail("not enough healthy nodes",
                              f"{len(counters.isolated | isolate)} node(s) isolated: the healthy "
                              f"nodes cannot hold {view.world} ranks; last: {_last(faults)}",

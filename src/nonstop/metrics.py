@@ -38,20 +38,59 @@ class Incident:
     outcome: str = "recovered"
     current_level: str | None = None  # the level being tried now...
     level_deadline: float | None = None  # ...and when it must have recovered by
+    # A fault that strikes while the incident is being recovered ends that attempt: its time is
+    # kept, by phase, and the next attempt starts at that moment (see ``interrupt``).
+    t_round: float | None = None  # when the current attempt began (None: at t_fault)
+    interrupted: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def _points(self) -> list[float | None]:
+        return [self.t_round or self.t_fault, self.t_detect, self.t_decide, self.t_torn,
+                self.t_assigned, self.t_pg, self.t_restored, self.t_first_step]
 
     def timeline(self) -> list[float]:
-        points = [self.t_fault, self.t_detect, self.t_decide, self.t_torn, self.t_assigned,
-                  self.t_pg, self.t_restored, self.t_first_step]
+        """The current attempt's points, each at or after the one before."""
         out: list[float] = []
-        last = self.t_fault
-        for p in points:
+        last = self.t_round or self.t_fault
+        for p in self._points():
             last = max(last, p) if p is not None else last
             out.append(last)
         return out
 
-    def phases(self) -> dict[str, float]:
+    def interrupt(self, now: float, phase: str) -> None:
+        """Another fault ended the current attempt at ``now``, in ``phase`` (one of PHASES):
+        the attempt's phases are kept and a new attempt, detected now, begins."""
         tl = self.timeline()
-        return {name: round(tl[i + 1] - tl[i], 6) for i, name in enumerate(PHASES)}
+        reached = sum(p is not None for p in self._points()[1:7])  # points before the failure
+        spent = {name: tl[i + 1] - tl[i] for i, name in enumerate(PHASES) if i + 1 <= reached}
+        spent[phase] = spent.get(phase, 0.0) + max(0.0, now - tl[reached])
+        self.interrupted.append({"phase": phase, "at": now, "from": tl[reached],
+                                 "phases_s": {k: round(v, 6) for k, v in spent.items()}})
+        self.t_round, self.t_detect = now, now
+        self.t_decide = self.t_torn = self.t_assigned = self.t_pg = self.t_restored = None
+
+    def group_formed(self, t_pg: float) -> None:
+        """A rank of the interrupted attempt says its group had formed at ``t_pg``: the part of
+        that attempt's rendezvous after it was spent restoring state."""
+        if not self.interrupted or self.interrupted[-1]["phase"] not in ("rendezvous", "restore"):
+            return
+        a = self.interrupted[-1]
+        if not a["from"] <= t_pg <= a["at"]:
+            return
+        a["t_pg"] = max(a.get("t_pg", t_pg), t_pg)
+        spent = a["phases_s"]
+        before = {k: v for k, v in spent.items() if k not in ("rendezvous", "restore")}
+        before["rendezvous"] = round(a["t_pg"] - a["from"], 6)
+        before["restore"] = round(a["at"] - a["t_pg"], 6)
+        a["phases_s"], a["phase"] = before, "restore"
+
+    def phases(self) -> dict[str, float]:
+        """Seconds by phase over every attempt: they add up to the MTTR."""
+        tl = self.timeline()
+        out = {name: tl[i + 1] - tl[i] for i, name in enumerate(PHASES)}
+        for attempt in self.interrupted:
+            for name, secs in attempt["phases_s"].items():
+                out[name] += secs
+        return {name: round(v, 6) for name, v in out.items()}
 
     @property
     def mttr(self) -> float | None:
@@ -70,7 +109,9 @@ class Incident:
                 "replaced": self.replaced, "gen_from": self.gen_from, "gen_to": self.gen_to,
                 "t_fault": self.t_fault, "mttr_s": self.mttr, "phases_s": self.phases(),
                 "step_before": self.step_before, "resume_step": self.resume_step,
-                "steps_lost": self.steps_lost, "outcome": self.outcome}
+                "steps_lost": self.steps_lost, "outcome": self.outcome,
+                "interrupted": [{"phase": a["phase"], "phases_s": a["phases_s"]}
+                                for a in self.interrupted]}
 
 
 def distribution(values: Iterable[float]) -> dict[str, float] | None:

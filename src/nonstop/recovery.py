@@ -213,7 +213,7 @@ class Recovery(_Base):
     def _view(self) -> JobView:
         healthy = [n for n in range(self.total_nodes) if n not in self.counters.isolated]
         return JobView(world=self.world, managed=self.managed, node_of=self._node_of(),
-                       spare_nodes=len(self._spare_node_ids()), capacity=len(healthy) * self.slots)
+                       spare_nodes=len(self._spare_node_ids()), capacity=len(healthy) * self.slots, slots=self.slots)
 
     def _counters_record(self) -> dict[str, Any]:
         c = self.counters
@@ -236,6 +236,9 @@ class Recovery(_Base):
         if self.phase in ("finishing", "over"):
             self.log.write("fault_ignored", fault=fault.describe(), phase=self.phase)
             return
+        if self.incident is not None and self.incident.t_torn is not None and \
+                self.phase in ("running", "rendezvous"):
+            self._interrupt_attempt()
         self._open_incident(fault, t_fault)
         if fault.kind == "peer":  # a symptom: the cause is another rank's fault
             self.incident.symptoms.append(_short(fault.describe()))
@@ -253,8 +256,22 @@ class Recovery(_Base):
         if self.phase in ("running", "rendezvous"):
             self._begin_teardown()
 
+    def _interrupt_attempt(self) -> None:
+        """A fault while the incident's recovery was under way: that attempt ends here, in the
+        phase it had reached, and the incident goes on with the next decision."""
+        if self.phase == "running":
+            phase = "first_step"
+        elif all(self.workers[w].joining >= self.gen for w in self.plan.values()):
+            phase = "rendezvous"  # refined into restore when the ranks say their group formed
+        else:
+            phase = "replace"
+        self.incident.interrupt(time.time(), phase)
+        self.log.write("attempt_interrupted", incident=self.incident.id, gen=self.gen, phase=phase,
+                       level=self.incident.current_level)
+
     def _open_incident(self, fault: Fault, t_fault: float | None = None) -> None:
         if self.incident is not None:
+            self._recent_injects.clear()  # part of this incident: not the start of the next
             return
         now = time.time()
         t0 = self._fault_time(now)  # an injection we were told of, else now
@@ -377,9 +394,36 @@ class Recovery(_Base):
             w.retry_step, w.first_gen = None, -1  # the incident closes at the next step of all
             self.table.send(w, {"type": protocol.RETRY, "skip": decision.skip})
 
+    def _stuck_in_rendezvous(self, ranks: list[Worker], now: float) -> dict[int, str]:
+        """Ranks that joined the generation and cannot finish forming it: stopped (the kernel
+        says so; a silent heartbeat is no proof here, since forming a gloo group holds the GIL),
+        or in their own code for longer than a running process may take to start joining -
+        between its assignment and its entry a rank only runs nonstop's and torch's code. The
+        others wait on them in the group's set-up, which nothing else ends before the rendezvous
+        timeout."""
+        out: dict[int, str] = {}
+        for w in ranks:
+            if w.dead or w.joining < self.gen or w.entered >= self.gen:
+                continue
+            if self.agent.stopped(w.wid):
+                out[w.wid] = "frozen (the process is stopped)"
+            elif w.hb and w.where == "python" and w.same_s > self.policy.timeouts.join_s:
+                out[w.wid] = f"stuck for {w.same_s:.1f} s at {w.loc or '?'}"
+        return out
+
     def _check_rendezvous(self, now: float) -> None:
         t = self.policy.timeouts
         ranks = [self.workers[x] for x in self.plan.values()]
+        stuck = self._stuck_in_rendezvous(ranks, now)
+        if stuck:
+            for wid, why in stuck.items():
+                self.table.kill(self.workers[wid], f"hung while forming generation {self.gen}: {why}",
+                                dump=True)
+            first = self.workers[next(iter(stuck))]
+            self._fault(Fault("hang", rank=first.rank, message="; ".join(
+                f"rank {self.workers[w].rank} {why}" for w, why in stuck.items())
+                + f" (forming generation {self.gen})"))
+            return
         if now > self.deadline:  # the generation did not form at all
             culprits = [w for w in ranks if w.joining < self.gen] or \
                        [w for w in ranks if w.entered < self.gen]

@@ -206,6 +206,7 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
 
     gen, rank, world = msg["gen"], msg["rank"], msg["world"]
     phase = "train" if rejoin else "rendezvous"
+    t_pg: float | None = None
     try:
         if rejoin:
             ctx = _context(rt, tracked, msg, None)
@@ -250,6 +251,8 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
             reason = "exception"
         detail = {"reason": reason, "t_caught": t_caught, "phase": phase,
                   "error": f"{type(exc).__name__}: {exc}"[:2000]}
+        if phase == "restore":
+            detail["t_pg"] = t_pg
         if reason == "exception":
             detail["traceback"] = _user_traceback(exc)[-20000:]
         _release_frames(exc)
