@@ -298,7 +298,8 @@ def space_error(root: Path, need: int = 0) -> OSError | None:
         return e
     if st.f_flag & os.ST_RDONLY:
         return OSError(errno.EROFS, os.strerror(errno.EROFS), str(root))
-    if st.f_bavail * st.f_frsize < need or (st.f_files and not st.f_favail):
+    # Some file systems (FUSE, object stores) report no sizes at all: nothing to judge by then.
+    if (st.f_blocks and st.f_bavail * st.f_frsize < need) or (st.f_files and not st.f_favail):
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(root))
     return None
 
@@ -329,7 +330,9 @@ def _os_error(exc: BaseException) -> OSError | None:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno:
             return e
-        todo += [e.__cause__, e.__context__, *(getattr(e, "failures", None) or {}).values()]
+        failures = getattr(e, "failures", None)
+        todo += [e.__cause__, e.__context__,
+                 *(failures.values() if isinstance(failures, dict) else ())]
     return None
 
 

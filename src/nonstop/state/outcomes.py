@@ -6,9 +6,9 @@ each failed attempt is one console line naming the cause and one ``checkpoint_fa
 with the detail. The newest complete checkpoint is never at stake (retention deletes only once
 a newer one is complete), and a step given up leaves no temporary directory behind.
 
-One step at a time is written again: the newest that failed. A newer step attempted meanwhile
-takes over from it (and its count of attempts), since the older one would be worth nothing once
-the newer is written. Once training is over, a failed checkpoint gets one more attempt, soon, not
+One step at a time is written again: the newest that failed. A newer step that fails while one
+waits for its retry takes its place (the older would be worth nothing once the newer is written),
+at the same time and for no extra attempt: the disk had no time to change. Once training is over, a failed checkpoint gets one more attempt, soon, not
 the rest of its back-off: the run's end does not wait on a disk that refuses it.
 """
 
@@ -83,15 +83,20 @@ class Failures:
         if step == self.target and self.due_at is not None:
             self.parts.add(part)
             return None
+        self.failed_attempts += 1
+        self.causes[cause] += 1
+        self.last_cause = where or cause
         dropped = []
         if self.target is not None and step > self.target:
             dropped.append(self.target)
             self.lost.add(self.target)
+            if self.due_at is not None and retryable:
+                # The disk had no time to change since: the newer step waits in its place, and
+                # costs no attempt (checkpoints queued behind a slow writer fail all at once).
+                self.target, self.parts = step, {part}
+                return Verdict(self.attempts, max(0.0, self.due_at - now), dropped)
         self.target, self.parts = step, {part}
         self.attempts += 1
-        self.failed_attempts += 1
-        self.causes[cause] += 1
-        self.last_cause = where or cause
         retry_in = self._retry_in(step) if retryable else None
         if retry_in is None:
             self._give_up(step, where or cause)
@@ -164,10 +169,12 @@ class Failures:
                 "last_error": self.last_cause}
 
 
-def cause_text(ev: dict[str, Any]) -> tuple[str, str]:
-    """(the cause, the cause with where): ``No space left on device``, ``... (/ckpt)``."""
+def cause_text(ev: dict[str, Any], root: Any = None) -> tuple[str, str]:
+    """(the cause, the cause with where): ``No space left on device``, ``... (/ckpt)``. Where is
+    the checkpoint directory, not the file deep in a temporary one that is gone by now."""
     message = ev.get("message") or ev.get("error") or "unknown error"
-    return message, f"{message} ({ev['path']})" if ev.get("errno") and ev.get("path") else message
+    where = root or ev.get("path")
+    return message, f"{message} ({where})" if ev.get("errno") and where else message
 
 
 class CheckpointOutcomes(_Base):
@@ -184,7 +191,7 @@ class CheckpointOutcomes(_Base):
         job = ev.get("job") or {}
         step, rank, node = job.get("step"), job.get("rank"), ev.get("node")
         self._keep_traceback(node, step, rank, ev.get("traceback"))
-        short, full = cause_text(ev)
+        short, full = cause_text(ev, job.get("root"))
         if step is None or rank is None:
             self.log.write("checkpoint_failed", node=node, error=full)
             return
@@ -195,8 +202,9 @@ class CheckpointOutcomes(_Base):
                                      "error": ev.get("error"), "need": ev.get("need")})
 
     def _manifest_failed(self, step: int, exc: BaseException) -> None:
-        cause = checkpoint.failure_cause(exc, Path(self.pending[step]["root"]))
-        short, full = cause_text(cause)
+        root = self.pending[step]["root"]
+        cause = checkpoint.failure_cause(exc, Path(root))
+        short, full = cause_text(cause, root)
         self._attempt_failed(step, MANIFEST_PART, short, full,
                              retryable=isinstance(exc, OSError),
                              detail={"part": "manifest", "errno": cause["errno"],

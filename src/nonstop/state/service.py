@@ -195,9 +195,6 @@ class NodeMemory(CheckpointOutcomes):
 
     def _part_done(self, job: dict[str, Any], part: dict[str, Any], node: int) -> None:
         step = job["step"]
-        if step in self.failures.lost:  # given up meanwhile: what it wrote goes
-            self._abandon(step)
-            return
         entry = self.pending.setdefault(step, {"parts": {}, "world": job["world"],
                                                "sharded": job["sharded"], "reason": job["reason"],
                                                "sources": {}, "root": job["root"]})
@@ -205,7 +202,9 @@ class NodeMemory(CheckpointOutcomes):
         entry["sources"][str(job["rank"])] = f"{job['holder']} on node {node}"
         needed = entry["world"] if entry["sharded"] else 1
         if len(entry["parts"]) >= needed:
-            self._finalize(step)
+            self._finalize(step)  # even one given up meanwhile: a complete checkpoint is no waste
+        elif step in self.failures.lost:  # given up, and its other parts never will come
+            self._abandon(step)
 
     def _finalize(self, step: int) -> None:
         entry = self.pending[step]
