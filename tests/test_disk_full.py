@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TRAIN, bitwise_equal, finish, policy_file, run_nonstop, start, wait_for_event
+from conftest import (TRAIN, bitwise_equal, finish, nonstop_cmd, policy_file, run_nonstop, start,
+                      wait_for_event)
 from nonstop.state import checkpoint as ck
 from nonstop.state import wire
 from nonstop.state.memory import own
@@ -276,8 +277,12 @@ def test_a_full_disk_is_one_line_per_attempt_and_the_end_does_not_wait(small_fs,
     ck_sum = r.summary["state"]["checkpoint"]
     assert ck_sum["written"] == 0 and ck_sum["failed"] >= 1 and ck_sum["newest_complete"] == 20
     assert ck_sum["causes"] == {"No space left on device": ck_sum["failed_attempts"]}
-    assert "checkpoints: 0 written, " in r.stdout and "(No space left on device), newest " \
-        "complete: step 20" in r.stdout
+    shown = f"checkpoints: 0 written, {ck_sum['failed']} failed (No space left on device), " \
+        "newest complete: step 20"
+    assert shown in r.stdout
+    report = subprocess.run(nonstop_cmd("report", str(r.run_dir)), capture_output=True,
+                            text=True, timeout=60)
+    assert shown in report.stdout  # the same, later, from summary.json
     # the end: one quick retry at most, and the summary's wall time includes it
     (done,) = r.of("training_complete")
     (end,) = r.of("run_end")

@@ -94,7 +94,7 @@ class Failures:
                 # The disk had no time to change since: the newer step waits in its place, and
                 # costs no attempt (checkpoints queued behind a slow writer fail all at once).
                 self.target, self.parts = step, {part}
-                return Verdict(self.attempts, max(0.0, self.due_at - now), dropped)
+                return Verdict(self.attempts, round(max(0.0, self.due_at - now), 3), dropped)
         self.target, self.parts = step, {part}
         self.attempts += 1
         retry_in = self._retry_in(step) if retryable else None
@@ -227,7 +227,7 @@ class CheckpointOutcomes(_Base):
             self._abandon(old, f"superseded by step {step}")
         line = f"checkpoint of step {step} not written: {full}; "
         if verdict.retry_in is not None:
-            line += f"retrying in {verdict.retry_in:g} s"
+            line += f"retrying in {verdict.retry_in:.2g} s"
         else:
             self._abandon(step, "given up")
             newest = self._newest_complete()
