@@ -90,7 +90,9 @@ def test_log_rules_trigger_a_fault_and_catch_a_missing_line(tmp_path, reference)
                                 "recover:\n  levels:\n    in_process: {budget: 1}\n"
                                 "    rank_replacement: {enabled: false}\n"
                                 "    job_restart: {enabled: false}\n")
-    run, _ = train(tmp_path, "--policy", pol, args=("--steps", "400", "--sleep-ms", "10"),
+    second = tmp_path / "second"  # a run directory of its own: one run directory is one history
+    second.mkdir()
+    run, _ = train(second, "--policy", pol, args=("--steps", "400", "--sleep-ms", "10"),
                    ok=False)
     missing = [e for e in run.of("log_rule") if e["kind"] == "missing"]
     # each rank once per generation that ran: twice, unless the restart's teardown caught a rank
