@@ -14,20 +14,21 @@ from typing import Any
 from . import protocol
 from .agent import Agent, Proc
 from .events import EventLog
+from .faults import exit_fault
 from .ladder import Counters, Decision, Fault, Level
 from .metrics import Incident
 from .policy import Policy
+from .ledger import TrainingLedger
 from .recovery import Recovery
-from .logrules import LogWatch
 from .signals import Signals
 from .state.service import NodeMemory
+from .watchers import Command, Watchers
 from .workers import DUMP_GRACE_S, Worker, WorkerTable
 
 TICK_BUSY_S = 0.002  # loop period while survivors leave a failed generation
 TICK_WAIT_S = 0.02  # ...while a generation forms
 TICK_IDLE_S = 0.05  # ...while it trains
 PROGRESS_EVERY_S = 0.1
-KEEPER_GRACE_S = 1.0  # a node's memory is gone: its ranks dying within this long make it a lost node
 
 
 class Controller(Recovery):
@@ -40,14 +41,13 @@ class Controller(Recovery):
         self.total_nodes = nodes + spare_nodes  # and the spare nodes after them
         self.slots = world // nodes  # ranks per node
         self.run_dir = run_dir
-        self.health: Any = None  # the node health checks (started with the job)
-        self.logwatch = LogWatch(policy.detect.log_rules)
+        self.watchers = Watchers(policy, log, display)
+        self.ledger = TrainingLedger(managed)
         self.policy = policy
         self.store = store
         self.agent = agent
         self.log = log
         self.display = display
-        self.managed = managed
         run_id = getattr(run_dir, "name", None) or "run"
         self.memory = NodeMemory(policy, agent, log, display, run_id, agent.new_wid)
         self.table = WorkerTable(agent, store, log, "script" if managed else "import",
@@ -80,12 +80,11 @@ class Controller(Recovery):
         self._gen_t0 = 0.0
         self._warm: set[int] = set()
         self.max_step = 0
-        # issue 8 accounting: what nonstop can know of the training's progress
-        self.stepless = False  # the training function runs without ctx.steps (a rank said so)
-        self._steps_seen = False  # some rank completed a step of ctx.steps
-        self._progress_seen = False  # some rank made progress nonstop can see (steps or marks)
-        self.resumed_step: int | None = None  # the step the first generation started from
-        self.unfired: list[str] = []  # injected faults keyed to steps the run never reached
+
+    @property
+    def managed(self) -> bool:
+        """Whether the ranks run inside nonstop.wrap (a plain script cannot leave a collective)."""
+        return self.ledger.managed
 
     # == the loop ===============================================================================
     def run(self) -> int:
@@ -103,21 +102,24 @@ class Controller(Recovery):
                 self._read_progress()
                 self.display.status(self.snapshot())
             self._check(now)
-            self._poll_health(now)
+            if self.exit_code is None:
+                self._act(self.watchers.poll_health(now, self.counters.isolated,
+                                                    set(self._node_of().values())))
             self.memory.poll()
             self._check_keepers(now)
-        if self.health is not None:
-            self.health.close()
+        self.watchers.close()
         return self.exit_code
 
-    def _start_health(self) -> None:
-        from .health import HealthMonitor
-
-        d = self.policy.detect
-        self.health = HealthMonitor(d.health_checks, range(self.total_nodes), nvml=d.nvml)
-        if d.health_checks or d.nvml != "off":
-            self.log.write("health", status=self.health.nvml_status,
-                           checks=[c.name for c in d.health_checks])
+    def _act(self, commands: list[Command]) -> None:
+        """Carry out what the watchers (health checks, log rules) found."""
+        for c in commands:
+            if c.action == "isolate":  # a node that holds no rank: just stop using it
+                self._isolate(c.node)
+                self._refill_spares()
+            elif c.action == "straggler":
+                self._straggler(c.fault)
+            else:
+                self._fault(c.fault)
 
     def prespawn(self) -> None:
         """Start the nodes' memory, the ranks and the warm spares. Called before the store is
@@ -139,7 +141,7 @@ class Controller(Recovery):
         self.store = self.table.store = store
 
     def _start(self) -> None:
-        self._start_health()
+        self.watchers.start(range(self.total_nodes))
         self.prespawn()
         self._publish(0, initial=True, level="start")
 
@@ -193,22 +195,11 @@ class Controller(Recovery):
         self.display.info(f"node {h.node}: its memory (keeper) is gone (code {proc.returncode})")
 
     def _check_keepers(self, now: float) -> None:
-        """A node that lost only its memory (its ranks still run after a grace) gets a new one;
-        one whose ranks died too is lost, and the next decision moves them. A node whose keeper
-        nonstop ended (faulty, shut down) gets a new one if processes are placed there again."""
         if self.phase in ("finishing", "over"):
             return
-        for h in list(self.memory.keepers.values()):
-            if not h.lost or h.node in self.counters.isolated:
-                continue
-            if h.killed:
-                needed = any(w.node == h.node and not w.dead for w in self.workers.values())
-            else:
-                needed = (self.phase == "running" and self.incident is None
-                          and now - h.lost_at > KEEPER_GRACE_S)
-            if needed:
-                self.memory.restart(h.node)
-                self.memory.configure(self._node_of(), self._usable_nodes())
+        occupied = {w.node for w in self.workers.values() if not w.dead}
+        self.memory.revive(now, occupied, self.phase == "running" and self.incident is None,
+                           self._node_of(), self._usable_nodes())
 
     def _usable_nodes(self) -> list[int]:
         return [n for n in range(self.total_nodes) if n not in self.counters.isolated]
@@ -225,24 +216,10 @@ class Controller(Recovery):
 
     def _exit_fault(self, w: Worker, code: int | None) -> Fault:
         report = w.exit_report
-        if report is not None and report.get("import_error"):
-            # It failed before reaching its training function: the script's own error, the same
-            # on every attempt - unless it ran without its rank (a spare taken mid-import), or the
-            # job had got past that point before (then something changed: the ladder retries).
-            first = self.max_step == 0 if self.managed else self.gen == 0
-            if not report.get("assigned"):
-                self._spares_wait(report)
-            kind = "import_error" if first and report.get("assigned") else "exception"
-            return Fault(kind, rank=w.rank, code=code, message=report.get("error", ""),
-                         traceback=report.get("traceback"))
-        if report is not None and report.get("collective"):
-            return Fault("peer", rank=w.rank, code=code, message=report.get("error", ""))
-        if report is not None:
-            return Fault("exception", rank=w.rank, code=code, message=report.get("error", ""),
-                         traceback=report.get("traceback"))
-        if code is not None and code < 0:
-            return Fault("crash", rank=w.rank, code=code)
-        return Fault("exit", rank=w.rank, code=code)
+        if report is not None and report.get("import_error") and not report.get("assigned"):
+            self._spares_wait(report)  # it ran the script without its rank: spares must not
+        first = self.max_step == 0 if self.managed else self.gen == 0
+        return exit_fault(report, code, w.rank, before_any_step=first)
 
     def _on_spare_exit(self, w: Worker, code: int | None) -> None:
         if self.phase in ("finishing", "over") or w.killed:
@@ -289,7 +266,7 @@ class Controller(Recovery):
                 self.table.spare_failures = 0
         elif kind == "wrapped":
             w.wrapped = True
-            self.managed = True
+            self.ledger.managed = True
         elif kind == "joining":
             w.joining = max(w.joining, gen)
         elif kind == "inject":
@@ -318,8 +295,7 @@ class Controller(Recovery):
         elif kind == "done":
             w.done = gen
             w.busy = ev.get("busy", w.busy)
-            self._steps_seen = self._steps_seen or bool(ev.get("steps"))
-            self.unfired += [f for f in ev.get("unfired") or () if f not in self.unfired]
+            self.ledger.done(ev)
             if ev.get("final_persist") is not None:
                 self.final_persist = max(self.final_persist or 0, ev["final_persist"])
             w.step = ev.get("step", w.step)
@@ -344,7 +320,7 @@ class Controller(Recovery):
             return
         self.phase = "running"
         self._t_running = time.time()
-        self.logwatch.start(self._t_running, self.plan.keys())
+        self.watchers.logs.start(self._t_running, self.plan.keys())
         self.deadline = float("inf")
         self._log_restore(ranks)
         inc = self.incident
@@ -355,7 +331,7 @@ class Controller(Recovery):
         inc.t_pg = max(e.get("t_pg", e["t"]) for e in evs)
         inc.t_restored = max(e.get("t_restored", e["t"]) for e in evs)
         inc.resume_step = ev.get("step")
-        if ev.get("plain") or not self._progress_seen:
+        if ev.get("plain") or not self.ledger.progress_seen:
             # no step or mark seen in this run (a plain script, or a function that shows
             # progress only by its collectives): recovered once it runs again, steps lost unknown
             self._close_incident(max(e["t"] for e in evs), None)
@@ -378,7 +354,7 @@ class Controller(Recovery):
             self.display.info(f"rank {s.get('rank')}: {s.get('source')} copy of step "
                               f"{s.get('step')} skipped: {s.get('why')}")
         if self.gen == 0:
-            self.resumed_step = step or 0
+            self.ledger.resumed_step = step or 0
         if self.gen == 0 and step:
             how = sorted(set(sources.values()))
             self.display.info(f"resumed at step {step} (from {', '.join(how)})")
@@ -387,8 +363,7 @@ class Controller(Recovery):
         w.step, w.step_gen, w.t_step = ev["step"], self.gen, ev["t"]
         w.first_gen, w.t_first = self.gen, ev["t"]
         stepless = ev.get("steps") is False  # its marks are its steps (no ctx.steps)
-        self._progress_seen = True
-        self._steps_seen = self._steps_seen or not stepless
+        self.ledger.first_step(stepless)
         self.signals.on_first_step(w, ev["t"], stepless=stepless)
         self.max_step = max(self.max_step, ev["step"])
         if self.incident is None or self.phase != "running":
@@ -459,8 +434,7 @@ class Controller(Recovery):
                     self._fault(Fault("nan", message="not every rank reported the non-finite step"))
                 return
             self._check_hang(now)
-            for m in self.logwatch.tick(now):
-                self._log_match(m)
+            self._act(self.watchers.tick(now))
         elif self.phase == "finishing":
             ranks_alive = [self.workers[x] for x in self.plan.values() if not self.workers[x].dead]
             if not ranks_alive and self.memory.settled(self.final_persist):
@@ -477,44 +451,12 @@ class Controller(Recovery):
                 time.sleep(DUMP_GRACE_S)
                 self._end(1)
 
-    # == health checks and log rules ================================================================
-    def _poll_health(self, now: float) -> None:
-        if self.health is None or self.exit_code is not None:
-            return
-        for r in self.health.poll(now):
-            if r.ok or r.node in self.counters.isolated:
-                continue
-            self.log.write("health", check=r.check, node=r.node, ok=r.ok, detail=r.detail)
-            message = f"health check {r.check!r} failed: {r.detail}"
-            if r.node not in set(self._node_of().values()):  # a spare node: just stop using it
-                self.display.info(f"node {r.node}: {message}")
-                self._isolate(r.node)
-                self._refill_spares()
-                continue
-            code = "NVML_ECC" if r.check == "nvml" else f"HEALTH_{r.check}"
-            self._fault(Fault("node_unhealthy", node=r.node, tag=code, message=message))
-
+    # == outside the steps: log lines, hangs, stragglers ============================================
     def on_output(self, wid: int, line: str) -> None:
         """A line a process printed: checked against the policy's log rules."""
-        if not self.logwatch.active:
-            return
         w = self.workers.get(wid)
         rank = None if w is None or w.spare else w.rank
-        for m in self.logwatch.feed(rank, line, time.time()):
-            self._log_match(m)
-
-    def _log_match(self, m: Any) -> None:
-        self.log.write("log_rule", rule=m.rule, kind=m.kind, action=m.action, code=m.code,
-                       rank=m.rank, line=m.line, message=m.message)
-        if m.action == "report":
-            self.display.info(m.message)
-        elif m.action == "slow":
-            if m.rank is not None:
-                self._straggler(Fault("straggler", rank=m.rank, message=m.message))
-        elif m.action == "hang":
-            self._fault(Fault("hang", message=m.message))
-        elif m.rank is not None or self.phase in ("running", "rendezvous"):
-            self._fault(Fault("log_rule", rank=m.rank, tag=m.code, message=m.message))
+        self._act(self.watchers.line(rank, line, time.time(), self.phase in ("running", "rendezvous")))
 
     def _check_hang(self, now: float) -> None:
         ranks = [self.workers[x] for x in self.plan.values()]
@@ -547,7 +489,7 @@ class Controller(Recovery):
         self.phase = "finishing"
         self.deadline = time.time() + self.policy.timeouts.finish_s
         self.log.write("training_complete", gen=self.gen, step=self.max_step)
-        for f in self.unfired:
+        for f in self.ledger.unfired:
             self.log.write("inject_unfired", fault=f, step=self.max_step)
             self.display.warning(f"--inject {f} never fired: the run ended at step {self.max_step}")
         for wid in self.plan.values():
@@ -587,36 +529,10 @@ class Controller(Recovery):
                 "incidents": len(self.incidents) + (self.incident is not None),
                 "max_step": self.max_step}
 
-    def productive_s(self) -> float | None:
-        """Seconds rank 0 spent in steps that count, over every process that held it, as far as
-        they reported (a process killed or interrupted counts what it had reported)."""
-        if not self.managed or self.stepless or not self._steps_seen:
-            return None  # no steps: what was productive, and what was redone, is not known
-        return sum(w.busy for w in self.workers.values() if w.rank == 0)
-
-    def steps_known(self) -> bool:
-        """Whether the steps a failure undid can be counted: only when the ranks iterate
-        ctx.steps (a plain script, or a function without it, does not say where it was)."""
-        return self.managed and self._steps_seen and not self.stepless
-
-    def incident_records(self) -> list[dict[str, Any]]:
-        """The closed incidents for the summary, with what the whole run revealed: an incident
-        closed before any step was seen counts its steps once the run shows it iterates
-        ctx.steps, and none does once a rank ran without it."""
-        known = self.steps_known()
-        for inc in self.incidents:
-            inc.steps_known = known
-        return [inc.to_record() for inc in self.incidents]
-
-    def steps_reached(self) -> int | None:
-        """The newest step any rank completed; None where nonstop sees no steps."""
-        return self.max_step if self.managed and not self.stepless else None
-
     def _on_no_steps(self, ev: dict[str, Any]) -> None:
         """A rank's training function runs without ctx.steps: its progress is its marks, what a
         failure loses is unknown, and injected faults keyed to steps can never fire."""
-        first = not self.stepless
-        self.stepless = True
+        first = self.ledger.no_steps()
         faults = ev.get("faults") or []
         if faults and self.exit_code is None:
             fn = ev.get("function") or "the training function"

@@ -95,3 +95,24 @@ def _signal_name(num: int) -> str:
         return _signal.Signals(num).name
     except ValueError:
         return f"SIG{num}"
+
+
+def exit_fault(report: dict | None, code: int | None, rank: int | None, before_any_step: bool) -> Fault:
+    """The fault of a rank process that ended, from its exit code and what it reported on its
+    way out (``report``: its last words, None if it said nothing). ``before_any_step``: the job
+    has not got past the script's start yet, so a failure there is the same on every attempt."""
+    if report is not None and report.get("import_error"):
+        # It failed before reaching its training function: the script's own error - unless it
+        # ran without its rank (a spare taken mid-import), or the job had got past that point
+        # before (then something changed: the ladder retries).
+        kind = "import_error" if before_any_step and report.get("assigned") else "exception"
+        return Fault(kind, rank=rank, code=code, message=report.get("error", ""),
+                     traceback=report.get("traceback"))
+    if report is not None and report.get("collective"):
+        return Fault("peer", rank=rank, code=code, message=report.get("error", ""))
+    if report is not None:
+        return Fault("exception", rank=rank, code=code, message=report.get("error", ""),
+                     traceback=report.get("traceback"))
+    if code is not None and code < 0:
+        return Fault("crash", rank=rank, code=code)
+    return Fault("exit", rank=rank, code=code)

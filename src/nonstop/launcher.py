@@ -160,7 +160,6 @@ def run(cfg: RunConfig) -> int:
     from .controller import Controller
     from .display import Display
     from .events import EventLog, mark_logs
-    from .ladder import Decision, Level
     from .state.outcomes import CheckpointsFailing
 
     display = Display(quiet=cfg.quiet, live=cfg.live)
@@ -229,8 +228,7 @@ def run(cfg: RunConfig) -> int:
             display.info(f"interrupted by {name}: ending every process")
     except CheckpointsFailing as exc:  # state.checkpoint.on_failure: fail
         if controller.exit_code is None:  # not already ending (giving up for another reason)
-            controller._fail(Decision(Level.FAIL, reason="checkpoints failing",
-                                      diagnosis=str(exc)))
+            controller.give_up("checkpoints failing", str(exc))
         code = controller.exit_code if controller.exit_code is not None else 1
     finally:
         display.stop()
@@ -241,9 +239,12 @@ def run(cfg: RunConfig) -> int:
         controller.memory.clean_up()
     t_exit = time.time()
     train_end = controller.t_train_end or t_exit
-    summary = metrics.summarize(controller.incident_records(), train_end - controller.t_start,
-                                controller.productive_s(), controller.steps_reached(), code,
-                                continues=metrics.continuation(log.previous, controller.resumed_step))
+    ledger = controller.ledger
+    summary = metrics.summarize(ledger.incident_records(controller.incidents),
+                                train_end - controller.t_start,
+                                ledger.productive_s(controller.workers.values()),
+                                ledger.steps_reached(controller.max_step), code,
+                                continues=metrics.continuation(log.previous, ledger.resumed_step))
     # goodput stays per training time; the wall time is the whole run, its end's wait included
     summary["wall_s"] = round(t_exit - controller.t_start, 3)
     summary["finish_s"] = round(t_exit - train_end, 3)

@@ -196,8 +196,7 @@ class Recovery(_Base):
         for w in list(self.workers.values()):
             if w.node == node and not w.dead:
                 self.table.kill(w, f"node {node} isolated")
-        if self.health is not None:
-            self.health.remove_node(node)
+        self.watchers.remove_node(node)
         self.log.write("isolate", node=node)
         self.display.info(f"node {node} isolated: no rank will be placed there again")
 
@@ -299,7 +298,7 @@ class Recovery(_Base):
         inc.t_first_step = t_first
         if resume_step is not None:
             inc.resume_step = resume_step
-        inc.steps_known = self.steps_known()
+        inc.steps_known = self.ledger.steps_known()
         inc.closed = True
         self.incidents.append(inc)
         self.incident = None
@@ -311,6 +310,10 @@ class Recovery(_Base):
         self.display.info(f"incident {inc.id} recovered in {inc.mttr:.3f} s "
                           f"({', '.join(inc.levels)}), steps lost: "
                           f"{'unknown' if inc.steps_lost is None else inc.steps_lost}")
+
+    def give_up(self, reason: str, diagnosis: str) -> None:
+        """Stop the job with a diagnosis, for a cause found outside the loop (the launcher's)."""
+        self._fail(Decision(Level.FAIL, reason=reason, diagnosis=diagnosis))
 
     def _fail(self, decision: Decision) -> None:
         self.diagnosis = decision.diagnosis or decision.reason

@@ -109,6 +109,15 @@ def setup(args: Any, known: tuple[str, ...]) -> tuple[list[str], Path, Any]:
     return systems, base, say
 
 
+def reference_weights(ref: dict[str, Any], out: Path, say: Any) -> Path | None:
+    """The final weights of the fault-free reference run that wrote ``out``; None (and said why)
+    when that run failed, since nothing can be compared with it then."""
+    if ref["exit_code"] != 0:
+        say(f"the fault-free reference run failed; see {out / 'output.log'}")
+        return None
+    return out / "final.pt"
+
+
 def fresh(out: Path) -> None:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

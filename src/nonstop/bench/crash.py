@@ -43,11 +43,11 @@ def main(args: argparse.Namespace) -> int:
     systems, base, say = common.setup(args, SYSTEMS)
     say(f"bench crash: {args.ranks} ranks, {args.steps} steps, kill rank {args.ranks // 2} at step "
         f"{args.kill_step}, {args.repeat} repeats; runs in {base}")
-    ref = run_once("reference", args.ranks, args.steps, args.kill_step, base / "reference")
-    if ref["exit_code"] != 0:
-        say(f"the fault-free reference run failed; see {base / 'reference' / 'output.log'}")
+    ref_params = common.reference_weights(
+        run_once("reference", args.ranks, args.steps, args.kill_step, base / "reference"),
+        base / "reference", say)
+    if ref_params is None:
         return 1
-    ref_params = base / "reference" / "final.pt"
     results = []
     for system in systems:
         runs = []

@@ -81,9 +81,10 @@ def main(args: argparse.Namespace) -> int:
     steps, stop = args.steps, args.kill_step
     say(f"bench hang: {args.ranks} ranks, {steps} steps of ~60 ms, SIGSTOP rank {args.ranks // 2} "
         f"at step {stop}, {args.repeat} repeats; runs in {base}")
-    ref = run_once("reference", args.ranks, steps, stop, base / "reference", args.collective_timeout)
-    if ref["exit_code"] != 0:
-        say(f"the fault-free reference run failed; see {base / 'reference' / 'output.log'}")
+    ref_params = common.reference_weights(
+        run_once("reference", args.ranks, steps, stop, base / "reference", args.collective_timeout),
+        base / "reference", say)
+    if ref_params is None:
         return 1
     results = []
     for system in systems:
@@ -92,7 +93,7 @@ def main(args: argparse.Namespace) -> int:
             out = base / system / f"run{i}"
             r = run_once(system, args.ranks, steps, stop, out, args.collective_timeout)
             r["params_match_reference"] = r["exit_code"] == 0 and common.params_equal(
-                base / "reference" / "final.pt", out / "final.pt")
+                ref_params, out / "final.pt")
             runs.append(r)
             mttr = "-" if r["mttr_s"] is None else f"{r['mttr_s']:.3f} s"
             say(f"  {system:9s} run {i + 1}/{args.repeat}: exit {r['exit_code']}, MTTR {mttr}, "

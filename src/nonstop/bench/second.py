@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from . import common
+from . import common, crash
 
 SYSTEMS = ("none", "assigned", "rendezvous", "restore", "first_step", "teardown")
 SPARES = (0, 1, 2)
@@ -31,19 +31,18 @@ def _faults(phase: str, ranks: int, kill_step: int) -> str:
     return f"{first};crash:rank={victim},at={phase},gen=1"
 
 
-def run_once(phase: str | None, spares: int, ranks: int, steps: int, kill_step: int,
+def run_once(phase: str, spares: int, ranks: int, steps: int, kill_step: int,
              out: Path) -> dict[str, Any]:
     common.fresh(out)
-    flags = [f"--nproc={ranks}", f"--run-dir={out / 'run'}"]
-    if phase is not None:
-        flags += [f"--spares={spares}", f"--inject={_faults(phase, ranks, kill_step)}"]
+    flags = [f"--nproc={ranks}", f"--run-dir={out / 'run'}", f"--spares={spares}",
+             f"--inject={_faults(phase, ranks, kill_step)}"]
     cmd = common.nonstop_cmd(*flags, str(common.JOB), "--steps", str(steps), "--out", str(out),
                              "--mode", "nonstop")
     code = common.run_child(cmd, out / "output.log", TIMEOUT_S)
     result: dict[str, Any] = {"system": phase, "spares": spares, "exit_code": code,
                               "mttr_s": None, "lost_steps": None}
     summary = out / "run" / "summary.json"
-    if phase is not None and summary.exists():
+    if summary.exists():
         incidents = json.loads(summary.read_text())["incident_list"]
         if len(incidents) == 1:
             inc = incidents[0]
@@ -58,11 +57,11 @@ def main(args: argparse.Namespace) -> int:
     say(f"bench second: {args.ranks} ranks, {args.steps} steps, crash at step {args.kill_step} "
         f"and a second fault in each recovery phase; spares {SPARES}; {args.repeat} repeats; "
         f"runs in {base}")
-    ref = run_once(None, 0, args.ranks, args.steps, args.kill_step, base / "reference")
-    if ref["exit_code"] != 0:
-        say(f"the fault-free reference run failed; see {base / 'reference' / 'output.log'}")
+    ref_params = common.reference_weights(
+        crash.run_once("reference", args.ranks, args.steps, args.kill_step, base / "reference"),
+        base / "reference", say)
+    if ref_params is None:
         return 1
-    ref_params = base / "reference" / "final.pt"
     results = []
     for spares in SPARES:
         for phase in phases:

@@ -258,9 +258,10 @@ def _nonstop_job_restart(args: argparse.Namespace, base: Path, out: Path) -> dic
 
 def job_restart(args: argparse.Namespace, systems: list[str], base: Path,
                 say: Any) -> list[dict[str, Any]] | None:
-    ref = crash.run_once("reference", args.ranks, args.steps, args.kill_step, base / "reference")
-    if ref["exit_code"] != 0:
-        say(f"the fault-free reference run failed; see {base / 'reference' / 'output.log'}")
+    ref_params = common.reference_weights(
+        crash.run_once("reference", args.ranks, args.steps, args.kill_step, base / "reference"),
+        base / "reference", say)
+    if ref_params is None:
         return None
     results = []
     for system in systems:
@@ -270,7 +271,7 @@ def job_restart(args: argparse.Namespace, systems: list[str], base: Path,
             r = (_nonstop_job_restart(args, base, out) if system == "nonstop" else
                  crash.run_once(system, args.ranks, args.steps, args.kill_step, out))
             r["params_match_reference"] = r["exit_code"] == 0 and common.params_equal(
-                base / "reference" / "final.pt", out / "final.pt")
+                ref_params, out / "final.pt")
             runs.append(r)
             mttr = "-" if r["mttr_s"] is None else f"{r['mttr_s']:.3f} s"
             say(f"  job restart {system:8s} run {i + 1}/{args.repeat}: exit {r['exit_code']}, "

@@ -9,8 +9,6 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import socket
-import struct
 import sys
 import threading
 import time
@@ -25,7 +23,6 @@ if TYPE_CHECKING:
 PUBLISH_INTERVAL_S = 0.05  # progress is published at most this often...
 HEARTBEAT_S = 0.2  # ...and at least this often: a silent rank is frozen
 TRAFFIC_EVERY_S = 0.1  # the group's sockets are read at most this often
-_TCP_INFO_BYTES = 120  # struct tcp_info: tcpi_bytes_acked, then tcpi_bytes_received (u64 each)
 _TORCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__import__("torch").__file__))) + \
     os.sep + "torch" + os.sep
 _RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -260,39 +257,18 @@ class Monitor:
 
     def _sample_traffic(self, now: float) -> None:
         """A sign of life from the collectives themselves: the generation's group moved data
-        since the last look. Read from the kernel's counters of the group's sockets (gloo's
-        connections), so it costs the training nothing; a heartbeat or a store round trip never
-        touches these sockets. NCCL's traffic is not on them."""
+        since the last look (the kernel's counters of gloo's connections; a heartbeat or a store
+        round trip never touches them; NCCL's traffic is not on them). Read only while it is
+        needed - before the generation's first step, or in a function without ctx.steps - since
+        a large group has a socket per peer."""
         with self._lock:
             gen, group = self._gen, self._group
-        fds = getattr(group, "_group_fds", None) if group is not None else None
-        if gen is None or not fds:
+        if gen is None or group is None or (self._stepped_gen == gen and not self.stepless):
             return
-        moved = _socket_bytes(dict(fds))
+        moved = group.traffic()
+        if moved is None:
+            return
         last = self._traffic
         self._traffic = (gen, moved)
         if last is not None and last[0] == gen and moved != last[1]:
             self._life = (gen, now)
-
-
-def _socket_bytes(fds: dict[int, str]) -> int:
-    """Bytes acknowledged plus bytes received on the connected TCP sockets among ``fds``
-    (fd -> 'socket:[inode]'), skipping any fd closed and reused since it was noted."""
-    total = 0
-    for fd, link in fds.items():
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}") != link:
-                continue
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
-            if len(info) >= _TCP_INFO_BYTES + 16:
-                acked, received = struct.unpack_from("QQ", info, _TCP_INFO_BYTES)
-                total += acked + received
-        except OSError:
-            pass
-        finally:
-            sock.close()  # our duplicate only
-    return total

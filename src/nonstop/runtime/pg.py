@@ -12,9 +12,10 @@ import datetime
 import gc
 import os
 import socket
+import struct
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 
 def socket_fds() -> dict[int, str]:
@@ -30,27 +31,52 @@ def socket_fds() -> dict[int, str]:
     return out
 
 
-def shutdown_sockets(fds: dict[int, str]) -> int:
-    """Shut down the connected sockets among ``fds`` (skipping any fd reused since it was noted).
-    Returns how many were shut."""
-    done = 0
+def _noted_sockets(fds: dict[int, str]) -> Iterator[socket.socket]:
+    """A duplicate of each socket among ``fds`` that is still the one noted (an fd closed and
+    reused by something else since is not ours to touch). Each duplicate is closed after its
+    turn: that closes our copy only."""
     for fd, link in fds.items():
         try:
             if os.readlink(f"/proc/self/fd/{fd}") != link:
-                continue  # closed and reused by something else: not ours to touch
+                continue
             sock = socket.socket(fileno=os.dup(fd))
         except OSError:
             continue
         try:
-            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                continue
-            sock.shutdown(socket.SHUT_RDWR)
-            done += 1
+            yield sock
+        finally:
+            sock.close()
+
+
+def shutdown_sockets(fds: dict[int, str]) -> int:
+    """Shut down the connected sockets among ``fds``. Returns how many were shut."""
+    done = 0
+    for sock in _noted_sockets(fds):
+        try:
+            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                sock.shutdown(socket.SHUT_RDWR)
+                done += 1
         except OSError:
             pass
-        finally:
-            sock.close()  # closes our duplicate only
     return done
+
+
+_TCP_INFO_BYTES = 120  # struct tcp_info: tcpi_bytes_acked, then tcpi_bytes_received (u64 each)
+
+
+def bytes_moved(fds: dict[int, str]) -> int:
+    """Bytes acknowledged plus bytes received on the TCP sockets among ``fds``, from the
+    kernel's counters: reading them costs the connections nothing."""
+    total = 0
+    for sock in _noted_sockets(fds):
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        except OSError:
+            continue
+        if len(info) >= _TCP_INFO_BYTES + 16:
+            acked, received = struct.unpack_from("QQ", info, _TCP_INFO_BYTES)
+            total += acked + received
+    return total
 
 
 def with_cpu_backend(backend: str) -> str:
@@ -141,6 +167,12 @@ class GenerationGroup:
                 self.sockets_shut += shutdown_sockets(self._group_fds)
         if self.aborted:
             raise RuntimeError(f"generation {self.gen} was aborted during rendezvous")
+
+    def traffic(self) -> int | None:
+        """Bytes the formed group's connections have moved so far (None: not formed)."""
+        with self._lock:
+            fds = dict(self._group_fds) if self._group_fds is not None else None
+        return None if fds is None else bytes_moved(fds)
 
     def abort(self) -> None:
         """Release every operation blocked on this group. Safe from any thread, idempotent."""

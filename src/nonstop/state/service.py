@@ -18,6 +18,9 @@ from .outcomes import CheckpointOutcomes
 CONNECT_S = 15.0  # a new keeper has this long to listen (a bare Python start: well under 1 s)
 
 
+KEEPER_GRACE_S = 1.0  # a node's memory is gone: its ranks dying within this long make it a lost node
+
+
 @dataclasses.dataclass
 class KeeperHandle:
     node: int
@@ -105,6 +108,21 @@ class NodeMemory(CheckpointOutcomes):
         h = self._spawn(node)
         self._connect(h)
         self.log.write("keeper_restarted", node=node, pid=h.pid)
+
+    def revive(self, now: float, occupied: set[int], quiet: bool, node_of: dict[int, int],
+               usable: list[int]) -> None:
+        """A new, empty memory for each usable node that needs one: a node that lost only its
+        memory (its ranks still run ``KEEPER_GRACE_S`` later, while the job trains with no
+        incident open: ``quiet``; had they died too, the node is lost and the next decision
+        moves them), or a node whose keeper nonstop ended where processes run again
+        (``occupied``)."""
+        for h in list(self.keepers.values()):
+            if not h.lost or h.node not in usable:
+                continue
+            needed = (h.node in occupied) if h.killed else (quiet and now - h.lost_at > KEEPER_GRACE_S)
+            if needed:
+                self.restart(h.node)
+                self.configure(node_of, usable)
 
     def on_exit(self, wid: int, code: int | None) -> KeeperHandle | None:
         """A keeper ended; returns its handle (None: not a keeper)."""

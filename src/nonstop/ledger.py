@@ -1,0 +1,62 @@
+"""What the run has shown of its training, for the summary: whether its steps can be counted,
+where it resumed, how long rank 0 spent in steps that count, which injections never fired.
+
+A plain script, or a wrapped function that does not iterate ``ctx.steps``, does not say where it
+is: what a failure undid is then unknown, and the summary says so rather than 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from .metrics import Incident
+
+
+class TrainingLedger:
+    def __init__(self, managed: bool):
+        self.managed = managed  # the ranks run inside nonstop.wrap (a rank may say so later)
+        self.stepless = False  # the training function runs without ctx.steps (a rank said so)
+        self.steps_seen = False  # some rank completed a step of ctx.steps
+        self.progress_seen = False  # some rank made progress nonstop can see (steps or marks)
+        self.resumed_step: int | None = None  # the step the first generation started from
+        self.unfired: list[str] = []  # injected faults keyed to steps the run never reached
+
+    def first_step(self, stepless: bool) -> None:
+        """A rank completed the first step (or, without ctx.steps, the first mark) of a generation."""
+        self.progress_seen = True
+        self.steps_seen = self.steps_seen or not stepless
+
+    def done(self, ev: dict[str, Any]) -> None:
+        """A rank's training function returned: whether it iterated ctx.steps, and the faults it
+        was to fire at steps it never reached."""
+        self.steps_seen = self.steps_seen or bool(ev.get("steps"))
+        self.unfired += [f for f in ev.get("unfired") or () if f not in self.unfired]
+
+    def no_steps(self) -> bool:
+        """A rank runs without ctx.steps. Returns whether this is the first to say so."""
+        first, self.stepless = not self.stepless, True
+        return first
+
+    def steps_known(self) -> bool:
+        """Whether the steps a failure undid can be counted: only when the ranks iterate ctx.steps."""
+        return self.managed and self.steps_seen and not self.stepless
+
+    def steps_reached(self, max_step: int) -> int | None:
+        """The newest step any rank completed; None where nonstop sees no steps."""
+        return max_step if self.managed and not self.stepless else None
+
+    def productive_s(self, workers: Iterable[Any]) -> float | None:
+        """Seconds rank 0 spent in steps that count, over every process that held it, as far as
+        they reported (a process killed or interrupted counts what it had reported)."""
+        if not self.steps_known():
+            return None  # no steps: what was productive, and what was redone, is not known
+        return sum(w.busy for w in workers if w.rank == 0)
+
+    def incident_records(self, incidents: list[Incident]) -> list[dict[str, Any]]:
+        """The closed incidents for the summary, with what the whole run revealed: an incident
+        closed before any step was seen counts its steps once the run shows it iterates
+        ctx.steps, and none does once a rank ran without it."""
+        known = self.steps_known()
+        for inc in incidents:
+            inc.steps_known = known
+        return [inc.to_record() for inc in incidents]

@@ -1,0 +1,88 @@
+"""What nonstop sees of a job besides its steps: the nodes' health checks and the policy's log
+rules. Each observation becomes a command for the controller (raise a fault, handle a slow rank,
+stop using a spare node); the watchers themselves change nothing in the job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+from .ladder import Fault
+from .logrules import LogWatch
+from .policy import Policy
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    action: str  # "fault": raise it; "straggler": a slow rank (the policy says what to do);
+    #              "isolate": a node that holds no rank failed a check: stop using it
+    fault: Fault | None = None
+    node: int | None = None
+
+
+class Watchers:
+    def __init__(self, policy: Policy, log: Any, display: Any):
+        self.policy = policy
+        self.log = log
+        self.display = display
+        self.logs = LogWatch(policy.detect.log_rules)
+        self.health: Any = None  # the node health checks, once started
+
+    def start(self, nodes: Iterable[int]) -> None:
+        from .health import HealthMonitor
+
+        d = self.policy.detect
+        self.health = HealthMonitor(d.health_checks, nodes, nvml=d.nvml)
+        if d.health_checks or d.nvml != "off":
+            self.log.write("health", status=self.health.nvml_status,
+                           checks=[c.name for c in d.health_checks])
+
+    def close(self) -> None:
+        if self.health is not None:
+            self.health.close()
+
+    def remove_node(self, node: int) -> None:
+        if self.health is not None:
+            self.health.remove_node(node)
+
+    def poll_health(self, now: float, isolated: set[int], busy: set[int]) -> list[Command]:
+        """Finished health checks; ``busy``: the nodes that hold ranks."""
+        out: list[Command] = []
+        for r in self.health.poll(now) if self.health is not None else ():
+            if r.ok or r.node in isolated:
+                continue
+            self.log.write("health", check=r.check, node=r.node, ok=r.ok, detail=r.detail)
+            message = f"health check {r.check!r} failed: {r.detail}"
+            if r.node not in busy:
+                self.display.info(f"node {r.node}: {message}")
+                out.append(Command("isolate", node=r.node))
+                continue
+            code = "NVML_ECC" if r.check == "nvml" else f"HEALTH_{r.check}"
+            out.append(Command("fault", Fault("node_unhealthy", node=r.node, tag=code, message=message)))
+        return out
+
+    def line(self, rank: int | None, text: str, now: float, forming_or_running: bool) -> list[Command]:
+        """A line a process printed (``rank`` None: not a rank's)."""
+        if not self.logs.active:
+            return []
+        return [c for m in self.logs.feed(rank, text, now) for c in self._matched(m, forming_or_running)]
+
+    def tick(self, now: float) -> list[Command]:
+        """Lines expected by now that did not come (called while the job trains)."""
+        return [c for m in self.logs.tick(now) for c in self._matched(m, True)]
+
+    def _matched(self, m: Any, forming_or_running: bool) -> list[Command]:
+        self.log.write("log_rule", rule=m.rule, kind=m.kind, action=m.action, code=m.code,
+                       rank=m.rank, line=m.line, message=m.message)
+        if m.action == "report":
+            self.display.info(m.message)
+            return []
+        if m.action == "slow":
+            return [] if m.rank is None else [
+                Command("straggler", Fault("straggler", rank=m.rank, message=m.message))]
+        if m.action == "hang":
+            return [Command("fault", Fault("hang", message=m.message))]
+        if m.rank is not None or forming_or_running:
+            return [Command("fault", Fault("log_rule", rank=m.rank, tag=m.code, message=m.message))]
+        return []
