@@ -236,7 +236,7 @@ def run(cfg: RunConfig) -> int:
             signal.signal(s, h)
         agent.close()
         listener.close()  # a no-op once the store has it
-        controller.memory.clean_up()
+        controller.memory.disk.clean_up()
     t_exit = time.time()
     train_end = controller.t_train_end or t_exit
     ledger = controller.ledger

@@ -1,5 +1,6 @@
-"""What becomes of each disk checkpoint, on the launcher's side: written; or failed, and written
-again after a back-off; or given up. And what the console, the event log and the summary say.
+"""The disk checkpoints as the launcher sees them: parts reported by the keepers' writers, made
+complete by a manifest; or failed, and written again after a back-off; or given up. And what the
+console, the event log and the summary say of them.
 
 Any error of the file system counts alike (no space, a quota, no permission, read-only, I/O):
 each failed attempt is one console line naming the cause and one ``checkpoint_failed`` event
@@ -19,14 +20,9 @@ import contextlib
 import dataclasses
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 from . import checkpoint
-
-if TYPE_CHECKING:
-    from .service import NodeMemory as _Base
-else:
-    _Base = object
 
 MANIFEST_PART = -1  # the part to write again when only the step's manifest failed
 MAX_BACKOFF_S = 60.0
@@ -177,17 +173,80 @@ def cause_text(ev: dict[str, Any], root: Any = None) -> tuple[str, str]:
     return message, f"{message} ({where})" if ev.get("errno") and where else message
 
 
-class CheckpointOutcomes(_Base):
-    """A mixin of ``NodeMemory``: failed parts, their retries, the end's short effort."""
+class DiskCheckpoints:
+    """The bookkeeping of one job's disk checkpoints. ``call(node, msg)`` asks a node's keeper
+    (None: it is gone), ``keeper_log(node)`` is where its traceback goes."""
 
-    def _init_outcomes(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, log: Any, display: Any,
+                 call: Callable[[int, dict[str, Any]], dict[str, Any] | None],
+                 keeper_log: Callable[[int], Path | None]):
+        self.root = Path(cfg.dir) if cfg.dir else None
+        self.keep = cfg.keep
+        self.log, self.display = log, display
+        self._call, self._keeper_log = call, keeper_log
+        self.pending: dict[int, dict[str, Any]] = {}  # step -> parts written so far
+        self.completed: list[int] = []  # steps made complete in this run
         self.failures = Failures(cfg.retries, cfg.retry_backoff_s, cfg.on_failure,
                                  cfg.max_consecutive_failures)
         self.failed_parts: dict[tuple[int, int], tuple[int, dict[str, Any]]] = {}
         self._fatal_raised = False
-        self._waiting = False  # inside wait(): a give-up is raised in the controller's loop only
+        self.waiting = False  # inside a wait: a give-up is raised in the controller's loop only
 
-    def _part_failed(self, ev: dict[str, Any]) -> None:
+    # == parts and manifests ======================================================================
+    def part_done(self, job: dict[str, Any], part: dict[str, Any], node: int) -> None:
+        step = job["step"]
+        entry = self.pending.setdefault(step, {"parts": {}, "world": job["world"],
+                                               "sharded": job["sharded"], "reason": job["reason"],
+                                               "sources": {}, "root": job["root"]})
+        entry["parts"][job["rank"]] = part
+        entry["sources"][str(job["rank"])] = f"{job['holder']} on node {node}"
+        needed = entry["world"] if entry["sharded"] else 1
+        if len(entry["parts"]) >= needed:
+            self._finalize(step)  # even one given up meanwhile: a complete checkpoint is no waste
+        elif step in self.failures.lost:  # given up, and its other parts never will come
+            self._abandon(step)
+
+    def _finalize(self, step: int) -> None:
+        entry = self.pending[step]
+        root = Path(entry["root"])
+        t0 = time.time()
+        try:
+            checkpoint.finalize(root, step, entry["parts"], world=entry["world"],
+                                sharded=entry["sharded"],
+                                extra={"reason": entry["reason"], "sources": entry["sources"]})
+        except FileExistsError:  # that step is on disk already (a periodic one, then an emergency)
+            del self.pending[step]
+            checkpoint.clean_temp(root, below_step=step + 1)
+            self.completed.append(step)
+            self._written(step)
+            return
+        except (OSError, ValueError, checkpoint.CorruptCheckpoint) as exc:
+            self._manifest_failed(step, exc)  # the parts stay: only the manifest is retried
+            return
+        del self.pending[step]
+        try:  # only now that a newer one is complete may an older one go
+            removed = checkpoint.retain(root, self.keep)
+            checkpoint.clean_temp(root, below_step=step)
+        except OSError as exc:
+            removed = []
+            self.log.write("checkpoint_retention_failed", step=step, error=str(exc))
+        self.completed.append(step)
+        self._written(step)
+        parts = entry["parts"].values()
+        self.log.write("checkpoint", step=step, reason=entry["reason"], dir=str(root),
+                       parts=len(entry["parts"]), bytes=sum(p.get("bytes", 0) for p in parts),
+                       write_s=round(max(p.get("seconds", 0.0) for p in parts), 6),
+                       finalize_s=round(time.time() - t0, 6), sources=entry["sources"],
+                       removed=removed)
+
+    def settled(self, step: int | None) -> bool:
+        """Whether the checkpoint of ``step`` is complete or given up (None: nothing awaited).
+        Asked only once the ranks are done: from then on a failed write gets a short effort."""
+        self.failures.finish(time.time())
+        return step is None or step in self.completed or self.failures.settled(step)
+
+    # == failures =================================================================================
+    def part_failed(self, ev: dict[str, Any]) -> None:
         job = ev.get("job") or {}
         step, rank, node = job.get("step"), job.get("rank"), ev.get("node")
         self._keep_traceback(node, step, rank, ev.get("traceback"))
@@ -255,7 +314,8 @@ class CheckpointOutcomes(_Base):
         for old in self.failures.written_step(step):
             self._abandon(old, f"step {step} is complete")
 
-    def _retry_due(self) -> None:
+    def retry_due(self) -> None:
+        """Write again what is due."""
         due = self.failures.due(time.time())
         if due is None:
             return
@@ -267,21 +327,21 @@ class CheckpointOutcomes(_Base):
                 continue
             node, job = self.failed_parts[(step, part)]
             if self._call(node, {**job, "op": "persist", "again": True}) is None:
-                self._part_failed({"job": job, "node": node, "retryable": False,
+                self.part_failed({"job": job, "node": node, "retryable": False,
                                    "error": f"the node memory of node {node} is gone"})
 
-    def _check_fatal(self) -> None:
-        if self.failures.fatal and not self._fatal_raised and not self._waiting:
+    def check_fatal(self) -> None:
+        """Raise CheckpointsFailing once, when the policy says the job must end for them."""
+        if self.failures.fatal and not self._fatal_raised and not self.waiting:
             self._fatal_raised = True
             raise CheckpointsFailing(self.failures.fatal)
 
     def _keep_traceback(self, node: int | None, step: Any, rank: Any, text: str | None) -> None:
         """Into the keeper's log file only: the console has its one line."""
-        h = self.keepers.get(node) if node is not None else None
-        proc = getattr(self.agent, "procs", {}).get(h.wid) if h is not None else None
-        if not text or proc is None:
+        path = self._keeper_log(node) if node is not None else None
+        if not text or path is None:
             return
-        with contextlib.suppress(OSError), open(proc.log_path, "a") as fh:
+        with contextlib.suppress(OSError), open(path, "a") as fh:
             fh.write(f"checkpoint of step {step}, part {rank}, not written:\n{text}\n")
 
     def _newest_complete(self) -> int | None:
@@ -300,7 +360,7 @@ class CheckpointOutcomes(_Base):
             with contextlib.suppress(OSError):
                 checkpoint.clean_temp(self.root)
 
-    def checkpoint_summary(self) -> dict[str, Any] | None:
+    def summary(self) -> dict[str, Any] | None:
         if self.root is None:
             return None
         return {"written": len(self.completed), **self.failures.summary(),

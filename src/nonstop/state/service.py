@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable
 
 from . import checkpoint, wire
 from .memory import own
-from .outcomes import CheckpointOutcomes
+from .outcomes import DiskCheckpoints
 
 CONNECT_S = 15.0  # a new keeper has this long to listen (a bare Python start: well under 1 s)
 
@@ -35,24 +35,21 @@ class KeeperHandle:
     lost_at: float = 0.0
 
 
-class NodeMemory(CheckpointOutcomes):
-    """Keepers, replication targets, checkpoint bookkeeping. Lives in the controller's loop."""
+class NodeMemory:
+    """Keepers, replication targets, disk checkpoints. Lives in the controller's loop."""
 
     def __init__(self, policy: Any, agent: Any, log: Any, display: Any, run_id: str,
                  new_wid: Callable[[], int]):
         cfg = policy.state
         self.enabled = cfg.snapshot.enabled
         self.replicate = cfg.snapshot.replicate
-        self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
-        self.keep = cfg.checkpoint.keep
         self.emergency_cfg = cfg.emergency
         self.agent, self.log, self.display = agent, log, display
         self._new_wid = new_wid
         self._base = f"nonstop-{run_id}-{secrets.token_hex(4)}"
         self.keepers: dict[int, KeeperHandle] = {}
-        self.pending: dict[int, dict[str, Any]] = {}  # step -> parts written so far
-        self.completed: list[int] = []  # steps made complete in this run
-        self._init_outcomes(cfg.checkpoint)  # failed writes, their retries (outcomes.py)
+        self.disk = DiskCheckpoints(cfg.checkpoint, log, display, self._call, self._keeper_log)
+        self.root = self.disk.root
         self.replicas = {"count": 0, "bytes": 0, "seconds": 0.0, "failures": 0}
         self.sharded: bool | None = None  # learnt from the ranks
         self.world = 0
@@ -180,7 +177,7 @@ class NodeMemory(CheckpointOutcomes):
     def poll(self) -> None:
         """Take in what the keepers report; write again what is due. Raises CheckpointsFailing
         when the policy says the job must end for its checkpoints."""
-        self._retry_due()
+        self.disk.retry_due()
         for h in list(self.keepers.values()):
             while h.events is not None:
                 try:
@@ -194,7 +191,7 @@ class NodeMemory(CheckpointOutcomes):
                     h.events = None
                     break
                 self._on_event(msg)
-        self._check_fatal()
+        self.disk.check_fatal()
 
     def _on_event(self, ev: dict[str, Any]) -> None:
         kind = ev.get("ev")
@@ -207,71 +204,27 @@ class NodeMemory(CheckpointOutcomes):
             self.log.write("replication_failed", node=ev["node"], holder=ev.get("holder"),
                            step=ev.get("step"), error=ev.get("error"))
         elif kind == "part_done":
-            self._part_done(ev["job"], ev["part"], ev["node"])
+            self.disk.part_done(ev["job"], ev["part"], ev["node"])
         elif kind == "part_failed":
-            self._part_failed(ev)
+            self.disk.part_failed(ev)
 
-    def _part_done(self, job: dict[str, Any], part: dict[str, Any], node: int) -> None:
-        step = job["step"]
-        entry = self.pending.setdefault(step, {"parts": {}, "world": job["world"],
-                                               "sharded": job["sharded"], "reason": job["reason"],
-                                               "sources": {}, "root": job["root"]})
-        entry["parts"][job["rank"]] = part
-        entry["sources"][str(job["rank"])] = f"{job['holder']} on node {node}"
-        needed = entry["world"] if entry["sharded"] else 1
-        if len(entry["parts"]) >= needed:
-            self._finalize(step)  # even one given up meanwhile: a complete checkpoint is no waste
-        elif step in self.failures.lost:  # given up, and its other parts never will come
-            self._abandon(step)
-
-    def _finalize(self, step: int) -> None:
-        entry = self.pending[step]
-        root = Path(entry["root"])
-        t0 = time.time()
-        try:
-            checkpoint.finalize(root, step, entry["parts"], world=entry["world"],
-                                sharded=entry["sharded"],
-                                extra={"reason": entry["reason"], "sources": entry["sources"]})
-        except FileExistsError:  # that step is on disk already (a periodic one, then an emergency)
-            del self.pending[step]
-            checkpoint.clean_temp(root, below_step=step + 1)
-            self.completed.append(step)
-            self._written(step)
-            return
-        except (OSError, ValueError, checkpoint.CorruptCheckpoint) as exc:
-            self._manifest_failed(step, exc)  # the parts stay: only the manifest is retried
-            return
-        del self.pending[step]
-        try:  # only now that a newer one is complete may an older one go
-            removed = checkpoint.retain(root, self.keep)
-            checkpoint.clean_temp(root, below_step=step)
-        except OSError as exc:
-            removed = []
-            self.log.write("checkpoint_retention_failed", step=step, error=str(exc))
-        self.completed.append(step)
-        self._written(step)
-        parts = entry["parts"].values()
-        self.log.write("checkpoint", step=step, reason=entry["reason"], dir=str(root),
-                       parts=len(entry["parts"]), bytes=sum(p.get("bytes", 0) for p in parts),
-                       write_s=round(max(p.get("seconds", 0.0) for p in parts), 6),
-                       finalize_s=round(time.time() - t0, 6), sources=entry["sources"],
-                       removed=removed)
+    def _keeper_log(self, node: int) -> Path | None:
+        h = self.keepers.get(node)
+        proc = getattr(self.agent, "procs", {}).get(h.wid) if h is not None else None
+        return None if proc is None else proc.log_path
 
     def settled(self, step: int | None) -> bool:
-        """Whether the checkpoint of ``step`` is complete or given up (None: nothing awaited).
-        Asked only once the ranks are done: from then on a failed write gets a short effort."""
-        self.failures.finish(time.time())
-        return step is None or step in self.completed or self.failures.settled(step)
+        return self.disk.settled(step)
 
     def wait(self, step: int, deadline: float, tick: Callable[[], None]) -> bool:
-        self._waiting = True
+        self.disk.waiting = True
         try:
-            while not self.settled(step) and time.time() < deadline:
+            while not self.disk.settled(step) and time.time() < deadline:
                 tick()
                 self.poll()
         finally:
-            self._waiting = False
-        return step in self.completed
+            self.disk.waiting = False
+        return step in self.disk.completed
 
     # == emergency saves =========================================================================
     def emergency(self, reason: str, faulty: set[int], kill_node: Callable[[int], None],
@@ -284,7 +237,7 @@ class NodeMemory(CheckpointOutcomes):
             record["skipped"] = "no checkpoint directory" if self.root is None else "no state"
             self.log.write("emergency_checkpoint", **record)
             return record
-        if self.failures.fatal:  # the give-up is for the checkpoints themselves
+        if self.disk.failures.fatal:  # the give-up is for the checkpoints themselves
             record["skipped"] = "checkpoints cannot be written"
             self.log.write("emergency_checkpoint", **record)
             return record
@@ -353,8 +306,8 @@ class NodeMemory(CheckpointOutcomes):
         return step, {rank: where}
 
     def summary(self) -> dict[str, Any]:
-        return {"checkpoints": len(self.completed),
-                "last_checkpoint": max(self.completed) if self.completed else None,
+        done = self.disk.completed
+        return {"checkpoints": len(done), "last_checkpoint": max(done) if done else None,
                 "checkpoint_dir": str(self.root) if self.root else None,
-                "checkpoint": self.checkpoint_summary(),
+                "checkpoint": self.disk.summary(),
                 "replicas": dict(self.replicas, seconds=round(self.replicas["seconds"], 3))}
