@@ -32,7 +32,7 @@ PROGRESS_EVERY_S = 0.1
 
 
 class Controller(Recovery):
-    def __init__(self, *, world: int, spares: int, policy: Policy, store: Any, agent: Agent,
+    def __init__(self, *, world: int, spares: int, policy: Policy, mail: Any, agent: Agent,
                  log: EventLog, display: Any, managed: bool, nodes: int = 1, spare_nodes: int = 0,
                  run_dir: Any = None):
         self.world = world
@@ -44,13 +44,13 @@ class Controller(Recovery):
         self.watchers = Watchers(policy, log, display)
         self.ledger = TrainingLedger(managed)
         self.policy = policy
-        self.store = store
+        self.mail = mail
         self.agent = agent
         self.log = log
         self.display = display
         run_id = getattr(run_dir, "name", None) or "run"
         self.memory = NodeMemory(policy, agent, log, display, run_id, agent.new_wid)
-        self.table = WorkerTable(agent, store, log, "script" if managed else "import",
+        self.table = WorkerTable(agent, mail, log, "script" if managed else "import",
                                  keeper_of=self.memory.name)
         self.workers = self.table.workers
         self.final_persist: int | None = None  # the last step's checkpoint, awaited at the end
@@ -76,7 +76,6 @@ class Controller(Recovery):
         self.t_train_end: float | None = None
         self._last_progress = 0.0
         self._recent_injects: list[dict[str, Any]] = []
-        self._gen_stores: dict[int, Any] = {}
         self._gen_t0 = 0.0
         self._warm: set[int] = set()
         self.max_step = 0
@@ -136,9 +135,6 @@ class Controller(Recovery):
         for w in (self.workers[wid] for wid in self.plan.values()):
             self.table.spawn(w)
         self._refill_spares()
-
-    def attach_store(self, store: Any) -> None:
-        self.store = self.table.store = store
 
     def _start(self) -> None:
         self.watchers.start(range(self.total_nodes))

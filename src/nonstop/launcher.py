@@ -188,7 +188,10 @@ def run(cfg: RunConfig) -> int:
 
     agent = Agent(cfg.script, cfg.script_args, f"{loopback.HOST}:{port}", run_dir,
                   worker_env(cfg, run_dir, faults), output)
-    controller = Controller(world=cfg.nproc, spares=cfg.spares, policy=pol, store=None, agent=agent,
+    from .mail import StoreMail
+
+    mail = StoreMail(on_lost_event=lambda slot: log.write("event_lost", slot=slot))
+    controller = Controller(world=cfg.nproc, spares=cfg.spares, policy=pol, mail=mail, agent=agent,
                             log=log, display=display, managed=uses_nonstop, nodes=cfg.nodes,
                             spare_nodes=cfg.spare_nodes, run_dir=run_dir)
 
@@ -207,7 +210,7 @@ def run(cfg: RunConfig) -> int:
             "run_id": run_dir.name, "world": cfg.nproc,
             "rendezvous_timeout_s": pol.timeouts.rendezvous_s,
             "collective_timeout_s": pol.timeouts.collective_s, "policy": pol.model_dump()}))
-        controller.attach_store(store)
+        mail.attach(store)
         code = controller.run()
     except _Interrupted as exc:
         display.stop()

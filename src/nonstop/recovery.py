@@ -30,21 +30,15 @@ class Recovery(_Base):
     # == generations =============================================================================
     def _publish(self, gen: int, initial: bool, level: str) -> None:
         """Send every rank its assignment for ``gen``."""
-        from . import loopback
-
         self.gen = gen
-        # A plain script rendezvouses through MASTER_PORT with unprefixed keys: give it a fresh
-        # store per generation so no key is ever reused.
-        gen_store = loopback.master_store()  # torch's own would listen on every interface
-        self._gen_stores[gen] = gen_store
-        for old in [g for g in self._gen_stores if g < gen - 1]:
-            del self._gen_stores[old]
+        node_of = self._node_of()
+        where = self.mail.generation_store(gen, node_of[0])
         for rank, wid in sorted(self.plan.items()):
             w = self.workers[wid]
             w.rank = rank
             self.table.send(w, {"type": protocol.ASSIGN, "gen": gen, "rank": rank, "world": self.world,
-                           "replacements": self.replacements[rank], "port": gen_store.port,
-                           "initial": initial})
+                                "replacements": self.replacements[rank], "initial": initial,
+                                **where, **self._local_ranks(rank, node_of)})
         self.phase = "rendezvous"
         usable = self._usable_nodes()
         for node in usable:  # a node that keeps working after losing its memory gets a new one
@@ -60,6 +54,16 @@ class Recovery(_Base):
         self.log.write("generation", gen=gen, level=level,
                        ranks={str(r): w for r, w in sorted(self.plan.items())})
 
+    def _local_ranks(self, rank: int, node_of: dict[int, int]) -> dict[str, int]:
+        """torchrun's per-host view of a rank: LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK (the
+        index of its host among the hosts that hold ranks, in rank order). Nodes simulated on one
+        host are one host: a rank's LOCAL_RANK picks its device there."""
+        host_of = {r: self.mail.host_of(n) for r, n in node_of.items()}
+        local = sorted(r for r, h in host_of.items() if h == host_of[rank])
+        groups = list(dict.fromkeys(host_of[r] for r in sorted(host_of)))
+        return {"local_rank": local.index(rank), "local_world": len(local),
+                "group_rank": groups.index(host_of[rank])}
+
     def _begin_teardown(self) -> None:
         if self.phase == "tearing_down":
             return
@@ -68,8 +72,7 @@ class Recovery(_Base):
             self.incident.t_decide = now
         self.phase = "tearing_down"
         if self.managed:
-            keys = [protocol.abort_key(self.gen, wid) for wid in self.plan.values()]
-            self.store.multi_set(keys, [protocol.ABORT] * len(keys))
+            self.mail.abort(self.gen, list(self.plan.values()))
             self.deadline = now + self._teardown_allowance()
         else:  # a plain script cannot leave a collective: end every rank process
             for wid in self.plan.values():

@@ -1,5 +1,5 @@
 """The controller's table of worker processes: their records, the warm spare pool, mailboxes,
-kills, and what the workers write to the store (events, progress)."""
+kills, and what the workers report (events, progress), through the job's mail (``mail.py``)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,10 @@ import signal
 import time
 from typing import Any, Iterator
 
-from . import protocol
 from .agent import Agent, Proc
 from .events import EventLog
 
 DUMP_GRACE_S = 0.3  # between asking a stuck process for its stacks and killing it
-EVENT_HOLE_S = 2.0  # an event slot taken but never written is skipped after this long
 
 
 @dataclasses.dataclass
@@ -53,16 +51,14 @@ class Worker:
 
 
 class WorkerTable:
-    def __init__(self, agent: Agent, store: Any, log: EventLog, spare_mode: str,
+    def __init__(self, agent: Agent, mail: Any, log: EventLog, spare_mode: str,
                  keeper_of: Any = None):
-        self.agent, self.store, self.log = agent, store, log
+        self.agent, self.mail, self.log = agent, mail, log
         self.keeper_of = keeper_of  # node -> the name of its keeper (its memory), if any
         self.spare_mode = spare_mode  # "script": spares run the script up to nonstop.wrap
         self.workers: dict[int, Worker] = {}
         self.spare_failures = 0  # spares lost in a row
         self._pending_kills: list[tuple[float, int]] = []
-        self._events_read = 0
-        self._hole_since: float | None = None
 
     def new(self, spare: bool, node: int = 0) -> Worker:
         w = Worker(wid=self.agent.new_wid(), spare=spare, node=node)
@@ -100,7 +96,7 @@ class WorkerTable:
         return others[0] if others else None
 
     def send(self, w: Worker, msg: dict[str, Any]) -> None:
-        self.store.set(protocol.mailbox_key(w.wid, w.seq), protocol.dumps(msg))
+        self.mail.send(w.wid, w.seq, msg)
         w.seq += 1
 
     def kill(self, w: Worker, why: str, dump: bool = False) -> None:
@@ -124,30 +120,10 @@ class WorkerTable:
             self.agent.signal(wid, signal.SIGKILL)
 
     def read_events(self) -> Iterator[dict[str, Any]]:
-        """The workers' new events, in the order they took their slots."""
-        count = self.store.add(protocol.EVENT_COUNT_KEY, 0)
-        while self._events_read < count:
-            key = protocol.event_key(self._events_read)
-            if not self.store.check([key]):
-                # Taken but not written yet (a get would block): next tick. A writer killed
-                # between taking and writing leaves a hole: skip it after a while.
-                now = time.time()
-                if self._hole_since is None:
-                    self._hole_since = now
-                if now - self._hole_since < EVENT_HOLE_S:
-                    return
-                self.log.write("event_lost", slot=self._events_read)
-                self._events_read += 1
-                self._hole_since = None
-                continue
-            self._hole_since = None
-            ev = protocol.loads(self.store.get(key))
-            self._events_read += 1
-            yield ev
+        """The workers' new events, in the order they were written."""
+        return self.mail.events()
 
     def read_progress(self, ranks: list[Worker]) -> list[tuple[Worker, dict[str, Any]]]:
         """The ranks' newest progress records."""
-        keys = [protocol.progress_key(w.wid) for w in ranks]
-        if not keys or not self.store.check(keys):
-            return []
-        return [(w, protocol.loads(raw)) for w, raw in zip(ranks, self.store.multi_get(keys))]
+        recs = self.mail.progress([w.wid for w in ranks])
+        return [(w, recs[w.wid]) for w in ranks if w.wid in recs]

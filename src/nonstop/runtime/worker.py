@@ -200,15 +200,25 @@ class WorkerRuntime:
         self.emit("inject", fault=fault.describe(), kind=fault.kind, rank=fault.rank, step=step,
                   gen=a.get("gen"), pid=os.getpid())
 
+    def group_store(self, msg: dict[str, Any]) -> tuple[str, int]:
+        """Where a generation's group forms: the store named in its assignment (across hosts, a
+        store on the host of its rank 0), else this host's store."""
+        if msg.get("pg_addr"):
+            return msg["pg_addr"], int(msg["pg_port"])
+        return self.host, self.port
+
     # -- environment ----------------------------------------------------------------------------
     def apply_env(self, msg: dict[str, Any]) -> None:
         """Export the torchrun environment of an assignment so scripts that read it see the truth."""
         env = os.environ
         rank, world = str(msg["rank"]), str(msg["world"])
+        group = str(msg.get("group_rank", 0))
         env.update({
-            "RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world,
-            "GROUP_RANK": "0", "ROLE_RANK": rank, "ROLE_WORLD_SIZE": world, "ROLE_NAME": "default",
-            "MASTER_ADDR": self.host, "MASTER_PORT": str(msg.get("port") or self.port),
+            "RANK": rank, "LOCAL_RANK": str(msg.get("local_rank", rank)), "WORLD_SIZE": world,
+            "LOCAL_WORLD_SIZE": str(msg.get("local_world", world)), "GROUP_RANK": group,
+            "NODE_RANK": group, "ROLE_RANK": rank, "ROLE_WORLD_SIZE": world, "ROLE_NAME": "default",
+            "MASTER_ADDR": msg.get("master_addr") or self.host,
+            "MASTER_PORT": str(msg.get("port") or self.port),
             "TORCHELASTIC_RESTART_COUNT": str(msg["gen"]), "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_RUN_ID": str(self.job.get("run_id", "nonstop")),
             protocol.ENV_GENERATION: str(msg["gen"]),

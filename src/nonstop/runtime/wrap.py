@@ -103,7 +103,7 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
         has_state = rt.ever_entered or bool(msg.get("initial"))
         if state is None:  # nothing registered: nothing to agree on, every entry starts over
             tracked.step, tracked.dirty, has_state = 0, False, True
-        group = GenerationGroup(rt.host, rt.port, gen, rank, world, backend,
+        group = GenerationGroup(*rt.group_store(msg), gen, rank, world, backend,
                                 protocol.pg_prefix(gen), job["rendezvous_timeout_s"],
                                 job["collective_timeout_s"])
         # Everything alive now (torch, the model, the script's setup) is moved out of the
