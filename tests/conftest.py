@@ -193,3 +193,31 @@ def pytest_sessionfinish(session, exitstatus):
     if left:
         print("\nprocesses left behind after the suite:\n" + "\n".join(left), file=sys.stderr)
         session.exitstatus = 1
+
+
+@pytest.fixture
+def test_hosts():
+    """Factory of test hosts (network namespaces on a bridge, nonstop.netns): ``hosts =
+    test_hosts(3)`` returns a created TestHosts. All are destroyed at teardown, also when the
+    test failed; the test is skipped where namespaces cannot be made (not root, no ``ip``)."""
+    from nonstop import netns
+
+    ok, why = netns.available()
+    if not ok:
+        pytest.skip(why)
+    made: list = []
+
+    def make(n: int, tag: str = "nst"):
+        th = netns.TestHosts(n, tag)
+        made.append(th)
+        return th.create()
+
+    yield make
+    errors = []
+    for th in reversed(made):
+        try:
+            th.destroy()
+        except Exception as e:  # destroy the others before reporting
+            errors.append(e)
+    if errors:
+        raise errors[0]
