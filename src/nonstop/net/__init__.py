@@ -1,0 +1,1 @@
+"""Talking between hosts: an authenticated message channel over TCP (see channel.py)."""

@@ -1,0 +1,729 @@
+"""An authenticated message channel between hosts.
+
+Why: the host agents, the elected controller and (later) state transfer talk over TCP, where anyone
+who can reach a port can connect. So every frame is authenticated with the job's secret, and the
+channel fails closed: an empty or wrong secret, a bad handshake, a tampered, replayed or reordered
+frame end the connection; none of them delivers a message. Nothing received becomes code or
+objects: a message is a JSON object, with an optional raw byte payload beside it (tensors travel
+as raw bytes next to a JSON skeleton). The channel authenticates, it does not encrypt: what it
+carries can be read by anyone on the path.
+
+Handshake (client C, server S; every step bounded by a timeout)::
+
+    C -> S  hello_c = "NSH\\x01" | role "C" | 3 reserved | nonce_c (16 random bytes)
+    S -> C  hello_s = "NSH\\x01" | role "S" | 3 reserved | nonce_s
+    C -> S  proof_c = HMAC(K["proof C"], hello_c | hello_s)
+    S -> C  0x01 | proof_s = HMAC(K["proof S"], hello_c | hello_s)      or 0x00, and close
+    PRK = HMAC(key="nonstop/channel/1" | nonce_c | nonce_s, msg=secret)
+    K[label] = HMAC(PRK, label | 0x01)                      (HKDF-SHA256, one output block)
+
+The client proves first, so a peer without the secret gets nothing it could test guesses against;
+both nonces enter every key, so one secret never MACs two sessions alike.
+
+Frame (one per message)::
+
+    prefix   "NSF\\x01" | version | 3 reserved | header length (u32) | payload length (u64)
+    tag      HMAC(K_dir, "L" | seq | prefix)[:16]   - lengths are authentic before we allocate
+    header   UTF-8 JSON object, at most 16 MiB
+    payload  raw bytes, at most 1 << 40
+    mac      HMAC(K_dir, "F" | direction | seq | prefix | header | payload)
+
+K_dir is the key of the direction (client to server or back) and seq counts that direction's
+frames from 0. seq is never sent: a replayed, dropped or reordered frame fails its MAC.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import select
+import selectors
+import socket
+import stat
+import struct
+import threading
+import time
+import warnings
+from typing import Any, Callable, Mapping
+
+log = logging.getLogger(__name__)
+
+SECRET_ENV = "NONSTOP_JOB_SECRET"
+MAX_HEADER = 16 << 20  # bytes of JSON in one frame
+MAX_PAYLOAD = 1 << 40  # bytes of payload in one frame
+SHORT_SECRET = 16  # fewer bytes than this is accepted, with a warning
+
+VERSION = 1
+_HELLO_MAGIC = b"NSH\x01"
+_HELLO = struct.Struct(">4sc3x16s")  # magic, role, nonce: 24 bytes
+_NONCE = 16
+_PROOF = 32  # bytes of an HMAC-SHA256
+_ACCEPTED, _REFUSED = b"\x01", b"\x00"
+_FRAME_MAGIC = b"NSF\x01"
+_PREFIX = struct.Struct(">4sB3xIQ")  # magic, version, header length, payload length: 20 bytes
+_TAG = 16
+_MAC = 32
+_SEQ = struct.Struct(">Q")
+# The payload is MACed and moved this much at a time, so that hashing on one side overlaps the
+# transfer and the hashing on the other side instead of following them.
+_CHUNK = 1 << 19
+_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)  # a dead peer is an error, never a SIGPIPE
+
+
+class AuthError(Exception):
+    """A peer failed to prove it holds the job's secret, or a frame failed its check."""
+
+
+class ChannelClosed(Exception):
+    """The peer is gone (EOF, reset, stalled mid-frame) or the channel was closed here."""
+
+
+# -- the secret ----------------------------------------------------------------------------------
+
+
+def load_secret(path: str | None = None, env: Mapping[str, str] = os.environ) -> bytes:
+    """The job's secret: the file's content if a path is given, else ``$NONSTOP_JOB_SECRET``.
+
+    Surrounding whitespace is stripped (so an editor's newline does not change the secret). Empty
+    or missing is a ``ValueError`` of one sentence, never an open channel. A file other users
+    can read is used but warned about: refusing it would only stop the job, not undo the leak.
+    """
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                mode = os.fstat(f.fileno()).st_mode
+                data = f.read()
+        except FileNotFoundError:
+            raise ValueError(f"the job secret file {path} does not exist") from None
+        except OSError as e:
+            raise ValueError(f"cannot read the job secret file {path}: {e.strerror or e}") from None
+        if mode & (stat.S_IRGRP | stat.S_IROTH):
+            warnings.warn(f"the job secret file {path} is readable by other users (chmod 600 it)",
+                          stacklevel=2)
+        secret = data.strip()
+        if not secret:
+            raise ValueError(f"the job secret file {path} is empty")
+    else:
+        secret = env.get(SECRET_ENV, "").strip().encode("utf-8")
+        if not secret:
+            raise ValueError(f"no job secret: set {SECRET_ENV} or give a secret file")
+    if len(secret) < SHORT_SECRET:
+        warnings.warn(f"the job secret is only {len(secret)} bytes; use new_secret() for one that "
+                      "cannot be guessed", stacklevel=2)
+    return secret
+
+
+def new_secret() -> str:
+    """A fresh job secret: 32 random bytes as hex (text, so it fits a file or a variable)."""
+    return secrets.token_hex(32)
+
+
+def _check_secret(secret: bytes | bytearray | str) -> bytes:
+    """Fail closed: an empty secret would authenticate anyone who also has none."""
+    if isinstance(secret, str):
+        secret = secret.encode("utf-8")  # as load_secret reads a hex text secret
+    if not isinstance(secret, (bytes, bytearray, memoryview)):
+        raise TypeError(f"the job secret must be bytes, not {type(secret).__name__}")
+    secret = bytes(secret)
+    if not secret.strip():
+        raise ValueError("the job secret is empty: refusing an unauthenticated channel")
+    return secret
+
+
+def _keys(secret: bytes, hello_c: bytes, hello_s: bytes) -> dict[str, bytes]:
+    """Session keys from the secret and both nonces (HKDF-SHA256: extract, then one block each)."""
+    salt = b"nonstop/channel/1" + hello_c[-_NONCE:] + hello_s[-_NONCE:]
+    prk = hmac.digest(salt, secret, "sha256")
+    labels = ("proof C", "proof S", "frames C>S", "frames S>C")
+    return {label: hmac.digest(prk, label.encode() + b"\x01", "sha256") for label in labels}
+
+
+def _proof(keys: dict[str, bytes], role: str, hello_c: bytes, hello_s: bytes) -> bytes:
+    return hmac.digest(keys[f"proof {role}"], hello_c + hello_s, "sha256")
+
+
+def _tune(sock: socket.socket) -> None:
+    """Small messages go out at once (no Nagle); an idle connection to a dead host is noticed."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+            except OSError:
+                pass
+
+
+class _Mac:
+    """HMAC-SHA256 (RFC 2104) keyed once, written over hashlib.sha256: that lets go of the GIL
+    while it hashes a large buffer and _hashlib's HMAC (Python 3.11) does not, so a payload being
+    checked does not stop the process's other threads."""
+
+    __slots__ = ("_inner", "_outer")
+
+    def __init__(self, key: bytes):
+        if len(key) > 64:
+            key = hashlib.sha256(key).digest()
+        key = key.ljust(64, b"\0")
+        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in key))
+        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in key))
+
+    def start(self) -> Any:
+        return self._inner.copy()
+
+    def finish(self, inner: Any) -> bytes:
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.digest()
+
+
+def _wait(poller: Any, timeout: float | None) -> bool:
+    """Whether the poller's socket became ready within ``timeout`` seconds (None: no limit)."""
+    ms = -1 if timeout is None else max(0, int(timeout * 1000 + 0.999))
+    return bool(poller.poll(ms))
+
+
+# -- the channel ---------------------------------------------------------------------------------
+
+
+class Channel:
+    """One authenticated connection; made by :func:`connect` and :meth:`Listener.accept`.
+
+    Sending and receiving are independent (one lock each), so one thread may block in ``recv``
+    while others send. The socket is non-blocking and every wait is a ``poll`` with a limit of
+    its own, so neither direction's timeout disturbs the other.
+    """
+
+    def __init__(self, sock: socket.socket, peer: tuple[str, int], send_key: bytes,
+                 recv_key: bytes, role: str, stall_timeout_s: float = 30.0):
+        sock.setblocking(False)
+        self._sock = sock
+        self.peer = peer
+        self.stall_timeout_s = stall_timeout_s  # a frame that stops moving this long ends it
+        self._fd = sock.fileno()
+        self._send_mac = _Mac(send_key)  # keyed once, not once a frame
+        self._recv_mac = _Mac(recv_key)
+        self._send_dir = b"C" if role == "C" else b"S"
+        self._recv_dir = b"S" if role == "C" else b"C"
+        self._send_seq = 0
+        self._recv_seq = 0
+        self._send_lock = threading.Lock()
+        self._recv_lock = threading.Lock()
+        self._close_lock = threading.Lock()
+        self._closed = False
+        self._pollin = select.poll()
+        self._pollin.register(self._fd, select.POLLIN)
+        self._pollout = select.poll()
+        self._pollout.register(self._fd, select.POLLOUT)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<Channel {self.peer[0]}:{self.peer[1]} {state}>"
+
+    def __enter__(self) -> Channel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def fileno(self) -> int:
+        """For selectors: readable when a frame (or EOF) is coming. recv never reads ahead, so
+        nothing of the next frame waits in a buffer of ours that a selector cannot see."""
+        return self._fd
+
+    def close(self) -> None:
+        """Idempotent. Shutting down first wakes any thread waiting on the socket."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+    def _fail(self, exc: Exception) -> Exception:
+        """Close (the stream can no longer be trusted or followed) and hand back exc to raise."""
+        self.close()
+        return exc
+
+    # -- sending --
+
+    def send(self, msg: dict, payload: bytes | bytearray | memoryview | None = None) -> None:
+        """Send one frame; thread-safe. The whole frame is written, or ChannelClosed (and the
+        channel is closed: half a frame cannot be taken back). A message that cannot be JSON or
+        is too big is refused here, before anything is written."""
+        if not isinstance(msg, dict):
+            raise TypeError(f"a message is a dict, not {type(msg).__name__}")
+        header = json.dumps(msg, ensure_ascii=False, separators=(",", ":"))
+        header_b = header.encode("utf-8", "surrogatepass")  # as json.loads decodes bytes
+        if len(header_b) > MAX_HEADER:
+            raise ValueError(f"message of {len(header_b)} bytes of JSON; the limit is {MAX_HEADER}")
+        pv = memoryview(b"" if payload is None else payload)
+        if pv.ndim != 1 or pv.format != "B":
+            pv = pv.cast("B")  # any C-contiguous buffer (an array of floats) as its bytes
+        size = pv.nbytes
+        if size > MAX_PAYLOAD:
+            raise ValueError(f"payload of {size} bytes; the limit is {MAX_PAYLOAD}")
+        with self._send_lock:
+            if self._closed:
+                raise ChannelClosed(f"channel to {self._where()} is closed")
+            seq = _SEQ.pack(self._send_seq)
+            prefix = _PREFIX.pack(_FRAME_MAGIC, VERSION, len(header_b), size)
+            tag = self._send_mac.start()
+            tag.update(b"L" + seq + prefix)
+            mac = self._send_mac.start()
+            mac.update(b"F" + self._send_dir + seq + prefix)
+            mac.update(header_b)
+            views: list[Any] = [prefix + self._send_mac.finish(tag)[:_TAG], header_b]
+            if size == 0:
+                views.append(self._send_mac.finish(mac))
+                self._send_views(views)
+            for off in range(0, size, _CHUNK):
+                part = pv[off:off + _CHUNK]
+                mac.update(part)
+                views.append(part)
+                if off + _CHUNK >= size:
+                    views.append(self._send_mac.finish(mac))
+                self._send_views(views)
+                views = []
+            self._send_seq += 1
+
+    def _send_views(self, views: list[Any]) -> None:
+        """Write all the buffers (gathered, no concatenation); a peer that takes nothing for
+        stall_timeout_s is treated as gone."""
+        while views:
+            try:
+                sent = self._sock.sendmsg(views, (), _NOSIGNAL)
+            except (BlockingIOError, InterruptedError):
+                if not _wait(self._pollout, self.stall_timeout_s):
+                    raise self._fail(ChannelClosed(
+                        f"{self._where()} took nothing for {self.stall_timeout_s}s")) from None
+                continue
+            except OSError as e:
+                raise self._fail(ChannelClosed(f"sending to {self._where()}: {e}")) from e
+            while sent:
+                n = len(views[0])
+                if sent >= n:
+                    sent -= n
+                    views.pop(0)
+                else:
+                    views[0] = memoryview(views[0])[sent:]
+                    sent = 0
+
+    # -- receiving --
+
+    def recv(self, timeout: float | None = None) -> tuple[dict, memoryview]:
+        """The next message and its payload (an empty memoryview when none).
+
+        ``timeout`` bounds the wait for a frame to begin (TimeoutError; the channel stays
+        usable). Once a frame has begun, it must keep moving (``stall_timeout_s``) or the channel
+        is closed: ChannelClosed. A frame that fails its check closes the channel: AuthError.
+        The payload is received in place into its own buffer, never copied afterwards.
+        """
+        with self._recv_lock:
+            if self._closed:
+                raise ChannelClosed(f"channel to {self._where()} is closed")
+            head = bytearray(_PREFIX.size + _TAG)
+            self._read_exact(memoryview(head), first=True, timeout=timeout)
+            magic, version, hlen, plen = _PREFIX.unpack_from(head)
+            if magic != _FRAME_MAGIC or version != VERSION:
+                raise self._fail(AuthError(f"{self._where()} sent something that is not a frame"))
+            seq = _SEQ.pack(self._recv_seq)
+            prefix = bytes(head[:_PREFIX.size])
+            tag = self._recv_mac.start()
+            tag.update(b"L" + seq + prefix)
+            expected = self._recv_mac.finish(tag)[:_TAG]
+            if not hmac.compare_digest(expected, bytes(head[_PREFIX.size:])):
+                raise self._fail(AuthError(
+                    f"frame {self._recv_seq} from {self._where()} failed its check "
+                    "(tampered, replayed or out of order)"))
+            if hlen > MAX_HEADER or plen > MAX_PAYLOAD or hlen == 0:
+                raise self._fail(AuthError(
+                    f"{self._where()} claims a frame of {hlen} + {plen} bytes; refused"))
+            header = bytearray(hlen)
+            try:
+                payload = bytearray(plen)
+            except MemoryError:
+                self.close()
+                raise
+            mac = self._recv_mac.start()
+            mac.update(b"F" + self._recv_dir + seq + prefix)
+            self._read_exact(memoryview(header))
+            mac.update(header)
+            pv = memoryview(payload)
+            for off in range(0, plen, _CHUNK):
+                part = pv[off:off + _CHUNK]
+                self._read_exact(part)
+                mac.update(part)
+            got = bytearray(_MAC)
+            self._read_exact(memoryview(got))
+            if not hmac.compare_digest(self._recv_mac.finish(mac), bytes(got)):
+                raise self._fail(AuthError(
+                    f"frame {self._recv_seq} from {self._where()} failed its check "
+                    "(tampered, replayed or out of order)"))
+            self._recv_seq += 1
+            try:
+                msg = json.loads(header)
+            except ValueError:
+                msg = None
+            if not isinstance(msg, dict):
+                raise self._fail(AuthError(
+                    f"{self._where()} sent a header that is not a JSON object"))
+            return msg, pv
+
+    def _read_exact(self, view: memoryview, first: bool = False,
+                    timeout: float | None = None) -> None:
+        """Fill view from the socket. With ``first``, ``timeout`` limits the wait for the first
+        byte (TimeoutError, nothing consumed); every other wait is limited by stall_timeout_s."""
+        want = len(view)
+        got = 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while got < want:
+            try:
+                n = self._sock.recv_into(view[got:] if got else view)
+            except (BlockingIOError, InterruptedError):
+                if first and got == 0:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError(
+                            f"no message from {self._where()} within {timeout}s") from None
+                    _wait(self._pollin, left)
+                elif not _wait(self._pollin, self.stall_timeout_s):
+                    raise self._fail(ChannelClosed(
+                        f"{self._where()} stalled mid-frame for {self.stall_timeout_s}s")) from None
+                continue
+            except OSError as e:
+                if self._closed:
+                    raise ChannelClosed(f"channel to {self._where()} is closed") from e
+                raise self._fail(ChannelClosed(f"receiving from {self._where()}: {e}")) from e
+            if n == 0:
+                if self._closed:
+                    raise ChannelClosed(f"channel to {self._where()} is closed")
+                raise self._fail(ChannelClosed(f"{self._where()} closed the connection"))
+            got += n
+
+    def _where(self) -> str:
+        return f"{self.peer[0]}:{self.peer[1]}"
+
+
+# -- the server side -----------------------------------------------------------------------------
+
+
+class _Pending:
+    """A connection whose handshake is under way: the client's hello and proof arrive into buf."""
+
+    __slots__ = ("sock", "peer", "hello_s", "buf", "got", "deadline", "hello_ok")
+
+    def __init__(self, sock: socket.socket, peer: tuple[str, int], hello_s: bytes, deadline: float):
+        self.sock = sock
+        self.peer = peer
+        self.hello_s = hello_s
+        self.buf = bytearray(_HELLO.size + _PROOF)
+        self.got = 0
+        self.deadline = deadline
+        self.hello_ok = False
+
+
+class Listener:
+    """Accepts authenticated channels on one address.
+
+    It binds exactly ``addr`` (an empty address is refused: every interface must be asked for
+    as ``0.0.0.0`` or ``::``). Handshakes run side by side inside ``accept``, each limited by
+    ``handshake_timeout_s``, so a client that sends garbage or nothing never holds up another.
+    A refused peer is closed, logged, and reported to ``on_refused(address, why)``.
+    """
+
+    def __init__(self, addr: str, secret: bytes, port: int = 0, backlog: int = 64,
+                 handshake_timeout_s: float = 5.0,
+                 on_refused: Callable[[tuple[str, int], str], None] | None = None,
+                 stall_timeout_s: float = 30.0):
+        self._secret = _check_secret(secret)
+        if not addr:
+            raise ValueError("a listener needs the address to bind; give 0.0.0.0 or :: "
+                             "to listen on every interface")
+        family, type_, proto, _, sockaddr = socket.getaddrinfo(
+            addr, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)[0]
+        sock = socket.socket(family, type_, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+            sock.listen(backlog)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self.addr, self.port = sock.getsockname()[:2]
+        self.handshake_timeout_s = handshake_timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        self.on_refused = on_refused
+        self._max_pending = max(1, backlog)
+        self._pending: dict[int, _Pending] = {}
+        self._listening = True  # whether the listening socket is in the selector
+        self._lock = threading.RLock()  # one accept at a time; RLock: on_refused may close us
+        self._closed = False
+        self._state_lock = threading.Lock()
+        # close() from another thread wakes a blocked accept through this pair
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._sock, selectors.EVENT_READ, "listen")
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+
+    def __repr__(self) -> str:
+        return f"<Listener {self.addr}:{self.port}{' closed' if self._closed else ''}>"
+
+    def __enter__(self) -> Listener:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def fileno(self) -> int:
+        """For selectors: readable when accept has something to do (a new connection, or
+        handshake bytes). Where the selector has a descriptor (epoll, kqueue) that is it, so
+        handshakes under way are seen too; else the listening socket."""
+        sel_fileno = getattr(self._sel, "fileno", None)
+        return sel_fileno() if sel_fileno is not None else self._sock.fileno()
+
+    def accept(self, timeout: float | None = None) -> Channel | None:
+        """The next authenticated channel, or None when ``timeout`` passes first.
+        Refused peers do not end the wait."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while True:
+                if self._closed:
+                    raise ChannelClosed(f"listener {self.addr}:{self.port} is closed")
+                now = time.monotonic()
+                self._expire(now)
+                ends = [p.deadline for p in self._pending.values()]
+                if deadline is not None:
+                    ends.append(deadline)
+                wait = max(0.0, min(ends) - now) if ends else None
+                for key, _ in self._sel.select(wait):
+                    if self._closed:  # by on_refused, or another thread
+                        break
+                    if key.data == "listen":
+                        self._take_new()
+                    elif key.data == "wake":
+                        continue  # closed: seen at the top of the loop
+                    elif self._pending.get(key.data.sock.fileno()) is key.data:
+                        channel = self._advance(key.data)
+                        if channel is not None:
+                            return channel  # the other ready events stay for the next call
+                if deadline is not None and time.monotonic() >= deadline:
+                    self._expire(time.monotonic())
+                    return None
+
+    def close(self) -> None:
+        """Idempotent: stops listening and refuses the handshakes under way."""
+        with self._state_lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        with self._lock:  # a blocked accept wakes, sees _closed and lets go of the lock
+            for p in list(self._pending.values()):
+                self._drop(p)
+                p.sock.close()
+            self._sel.close()
+            self._sock.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    # -- handshakes --
+
+    def _take_new(self) -> None:
+        """Accept what is waiting (up to the cap of handshakes under way) and say hello."""
+        while len(self._pending) < self._max_pending:
+            try:
+                conn, addr = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
+                continue
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    log.warning("listener %s:%s cannot accept now: %s", self.addr, self.port, e)
+                    time.sleep(0.05)  # the connection stays queued; do not spin on it
+                    return
+                raise
+            peer = (addr[0], addr[1])
+            try:
+                conn.setblocking(False)
+                _tune(conn)
+                hello_s = _HELLO.pack(_HELLO_MAGIC, b"S", secrets.token_bytes(_NONCE))
+                if conn.send(hello_s) != len(hello_s):
+                    raise OSError("could not send the hello")
+            except OSError as e:
+                conn.close()
+                self._report(peer, f"connection failed before the handshake: {e}")
+                continue
+            p = _Pending(conn, peer, hello_s, time.monotonic() + self.handshake_timeout_s)
+            self._pending[conn.fileno()] = p
+            self._sel.register(conn, selectors.EVENT_READ, p)
+        if self._listening:  # full: leave new connections in the kernel's queue for now
+            self._sel.unregister(self._sock)
+            self._listening = False
+
+    def _advance(self, p: _Pending) -> Channel | None:
+        """Read what the client sent; on a complete and correct proof, its channel."""
+        try:
+            n = p.sock.recv_into(memoryview(p.buf)[p.got:])
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as e:
+            self._refuse(p, f"connection failed during the handshake: {e}", tell=False)
+            return None
+        if n == 0:
+            self._refuse(p, "closed the connection during the handshake", tell=False)
+            return None
+        p.got += n
+        if not p.hello_ok and p.got >= _HELLO.size:
+            magic, role, _ = _HELLO.unpack_from(p.buf)
+            if magic != _HELLO_MAGIC or role != b"C":
+                self._refuse(p, "bad hello: not a nonstop channel client (or another version)")
+                return None
+            p.hello_ok = True
+        if p.got < len(p.buf):
+            return None
+        hello_c = bytes(p.buf[:_HELLO.size])
+        keys = _keys(self._secret, hello_c, p.hello_s)
+        proof_c = _proof(keys, "C", hello_c, p.hello_s)
+        if not hmac.compare_digest(bytes(p.buf[_HELLO.size:]), proof_c):
+            self._refuse(p, "wrong secret: the client's proof does not match")
+            return None
+        reply = _ACCEPTED + _proof(keys, "S", hello_c, p.hello_s)
+        try:
+            if p.sock.send(reply) != len(reply):
+                raise OSError("short write")
+        except OSError as e:
+            self._refuse(p, f"connection failed at the end of the handshake: {e}", tell=False)
+            return None
+        self._drop(p)
+        return Channel(p.sock, p.peer, keys["frames S>C"], keys["frames C>S"], "S",
+                       self.stall_timeout_s)
+
+    def _expire(self, now: float) -> None:
+        for p in [p for p in self._pending.values() if p.deadline <= now]:
+            self._refuse(p, f"no complete handshake within {self.handshake_timeout_s}s")
+
+    def _drop(self, p: _Pending) -> None:
+        """Forget a handshake (the socket stays open) and listen again if we were full."""
+        self._pending.pop(p.sock.fileno(), None)
+        try:
+            self._sel.unregister(p.sock)
+        except (KeyError, ValueError):
+            pass
+        if not self._listening and not self._closed:
+            self._sel.register(self._sock, selectors.EVENT_READ, "listen")
+            self._listening = True
+
+    def _refuse(self, p: _Pending, why: str, tell: bool = True) -> None:
+        self._drop(p)
+        if tell:  # so that a client of ours says "refused" rather than "connection lost"
+            try:
+                p.sock.send(_REFUSED)
+            except OSError:
+                pass
+        p.sock.close()
+        self._report(p.peer, why)
+
+    def _report(self, peer: tuple[str, int], why: str) -> None:
+        log.warning("refused %s:%s on %s:%s: %s", peer[0], peer[1], self.addr, self.port, why)
+        if self.on_refused is not None:
+            try:
+                self.on_refused(peer, why)
+            except Exception:
+                log.exception("on_refused failed")
+
+
+# -- the client side -----------------------------------------------------------------------------
+
+
+def connect(addr: str, port: int, secret: bytes, timeout_s: float = 5.0,
+            stall_timeout_s: float = 30.0) -> Channel:
+    """An authenticated channel to a Listener. ``timeout_s`` bounds the connection and the whole
+    handshake. AuthError when the server refuses us (wrong secret) or fails to prove it holds the
+    secret; ConnectionError or TimeoutError when it cannot be reached."""
+    secret = _check_secret(secret)
+    deadline = time.monotonic() + timeout_s
+    try:
+        sock = socket.create_connection((addr, port), timeout=timeout_s)
+        try:
+            peer, keys = _client_handshake(sock, f"{addr}:{port}", secret, deadline)
+        except BaseException:
+            sock.close()
+            raise
+    except (ConnectionError, TimeoutError):
+        raise
+    except OSError as e:  # unreachable host, unknown name...: one kind of error for callers
+        raise ConnectionError(f"cannot reach {addr}:{port}: {e}") from e
+    return Channel(sock, peer, keys["frames C>S"], keys["frames S>C"], "C", stall_timeout_s)
+
+
+def _client_handshake(sock: socket.socket, where: str, secret: bytes,
+                      deadline: float) -> tuple[tuple[str, int], dict[str, bytes]]:
+    _tune(sock)
+    host, port = sock.getpeername()[:2]
+    hello_c = _HELLO.pack(_HELLO_MAGIC, b"C", secrets.token_bytes(_NONCE))
+    _send_by(sock, hello_c, deadline)
+    hello_s = _recv_by(sock, _HELLO.size, deadline)
+    magic, role, _ = _HELLO.unpack(hello_s)
+    if magic != _HELLO_MAGIC or role != b"S":
+        raise AuthError(f"{where} is not a nonstop channel server (or another version)")
+    keys = _keys(secret, hello_c, hello_s)
+    _send_by(sock, _proof(keys, "C", hello_c, hello_s), deadline)
+    answer = _recv_by(sock, 1, deadline)
+    if answer == _REFUSED:
+        raise AuthError(f"{where} refused us: is the job secret the same on both hosts?")
+    if answer != _ACCEPTED:
+        raise AuthError(f"{where} answered the handshake with nonsense")
+    proof_s = _recv_by(sock, _PROOF, deadline)
+    if not hmac.compare_digest(proof_s, _proof(keys, "S", hello_c, hello_s)):
+        raise AuthError(f"{where} did not prove it holds the job secret")
+    return (host, port), keys
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the handshake did not finish in time")
+    return left
+
+
+def _send_by(sock: socket.socket, data: bytes, deadline: float) -> None:
+    sock.settimeout(_left(deadline))
+    sock.sendall(data)
+
+
+def _recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        sock.settimeout(_left(deadline))
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("the server closed the connection during the handshake")
+        got += k
+    return bytes(buf)
+
+
+__all__ = ["AuthError", "ChannelClosed", "SECRET_ENV", "load_secret", "new_secret", "Channel",
+           "Listener", "connect", "MAX_HEADER", "MAX_PAYLOAD"]
