@@ -48,7 +48,7 @@ def test_injector_fires_only_when_claimed():
         return claims[i] <= f.times
 
     faults = inject.parse("exception:rank=1,step=3")
-    inj = inject.Injector(faults, claim, lambda f, step: fired.append((f.kind, step)))
+    inj = inject.Injector(faults, claim, lambda f, step, index=None: fired.append((f.kind, step)))
     inj.check("start", rank=0, step=3)  # other rank: nothing
     inj.check("start", rank=1, step=2)  # other step: nothing
     with pytest.raises(inject.InjectedError):
@@ -87,7 +87,7 @@ def test_injector_fires_a_recovery_point_once_in_its_generation(monkeypatch):
         return claims[i] <= f.times
 
     monkeypatch.setattr(inject, "fire", lambda f: fired.append(f.describe()))
-    inj = inject.Injector(inject.parse("crash:rank=1,at=restore,gen=2"), claim, lambda f, s: None)
+    inj = inject.Injector(inject.parse("crash:rank=1,at=restore,gen=2"), claim, lambda f, s, index=None: None)
     inj.in_recovery("restore", 1, 1)  # another generation
     inj.in_recovery("rendezvous", 1, 2)  # another point
     inj.in_recovery("restore", 0, 2)  # another rank

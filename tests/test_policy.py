@@ -232,7 +232,7 @@ def test_show_round_trips_and_keeps_schema_order():
     assert policy.load_text(text, "shown") == p
     assert text.isascii()
     tops = [line[:-1] for line in text.splitlines() if re.match(r"^\w+:$", line)]
-    assert tops == ["detect", "recover", "rules", "state", "hooks"]
+    assert tops == ["detect", "recover", "rules", "state", "hooks", "hosts"]
     assert text.index("steady:") < text.index("first_step:") < text.index("heartbeat_s:")
 
 

@@ -61,6 +61,9 @@ class Agent:
         self._next_wid = 0
         self._sel = selectors.DefaultSelector()
         self._logs: dict[int, object] = {}
+        # another thread (a host's channel to its controller) ends a wait early through this
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
 
     def new_wid(self) -> int:
         wid = self._next_wid
@@ -89,6 +92,22 @@ class Agent:
         env["NONSTOP_KEEPER_TOKEN"] = self.keeper_token  # in the environment: only we can read it
         return self._start(wid, cmd, env, f"keeper-n{node}.log", spare=False)
 
+    def spawn_command(self, wid: int, cmd: list[str], env: dict[str, str], log_name: str) -> Proc:
+        """Another process of the job on this host (the standby controller): watched like the
+        others, its output forwarded, ended with them."""
+        return self._start(wid, cmd, env, log_name, spare=False)
+
+    def wake(self) -> None:
+        """End the current ``poll`` early (from another thread)."""
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:  # full: a wake-up is already pending
+            pass
+
+    def lost_nodes(self) -> set[int]:
+        """Nodes gone whole (a host whose agent is gone): none on one host."""
+        return set()
+
     def _start(self, wid: int, cmd: list[str], env: dict[str, str], log_name: str,
                spare: bool) -> Proc:
         popen = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -109,15 +128,16 @@ class Agent:
     def poll(self, timeout: float) -> list[Proc]:
         """Wait up to ``timeout`` for output or exits; return the processes that exited."""
         exited: list[Proc] = []
-        if self._sel.get_map():
-            events = self._sel.select(timeout)
-        else:
-            time.sleep(timeout)
-            events = []
+        events = self._sel.select(timeout)
         for key, _ in events:
             what, wid = key.data
             if what == "out":
                 self._read_output(wid)
+            elif what == "wake":
+                try:
+                    os.read(self._wake_r, 4096)
+                except OSError:
+                    pass
         for proc in self.procs.values():
             if proc.alive and proc.popen.poll() is not None:
                 self._reap(proc)
@@ -227,3 +247,8 @@ class Agent:
     def close(self) -> None:
         self.end_all(0.0)
         self._sel.close()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -41,8 +41,24 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a training script on N ranks, recovering from faults",
                          description="Run SCRIPT on --nproc rank processes with warm spares; "
                                      "survive crashes and hangs.")
-    run.add_argument("--nproc", "--nproc-per-node", type=int, default=1, metavar="N",
-                     help="rank processes (default 1)")
+    run.add_argument("--nproc", type=int, default=1, metavar="N",
+                     help="rank processes on one host (default 1)")
+    run.add_argument("--nproc-per-node", type=int, metavar="P",
+                     help="rank processes per host, as torchrun (one host: the same as --nproc)")
+    run.add_argument("--nnodes", metavar="N|MIN:MAX",
+                     help="hosts that hold ranks, as torchrun (needs --rdzv-endpoint when > 1)")
+    run.add_argument("--rdzv-endpoint", metavar="etcd://HOST:PORT[,...]",
+                     help="the etcd the hosts of the job meet in (many hosts; none: one host, "
+                          "no external service)")
+    run.add_argument("--rdzv-id", metavar="JOB", help="the job's id in etcd (the same on every host)")
+    run.add_argument("--node-addr", metavar="ADDR",
+                     help="this host's address for the job's traffic (default: the address "
+                          "that reaches etcd)")
+    run.add_argument("--node-id", metavar="NAME",
+                     help="this host's name in the job (default: hostname-address)")
+    run.add_argument("--secret-file", metavar="FILE",
+                     help="the job's shared secret (many hosts; else $NONSTOP_JOB_SECRET): every "
+                          "channel between hosts is authenticated with it")
     run.add_argument("--spares", type=int, default=0, metavar="K",
                      help="warm spare processes kept ready to replace a rank (default 0)")
     run.add_argument("--nodes", type=int, default=1, metavar="K",
@@ -175,7 +191,10 @@ def _run(args: argparse.Namespace) -> int:
                     teardown_timeout=args.teardown_timeout, max_restarts=args.max_restarts,
                     checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                     snapshot_every=args.snapshot_every,
-                    quiet=args.quiet, live=False if args.no_live else None)
+                    quiet=args.quiet, live=False if args.no_live else None,
+                    nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
+                    rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                    node_addr=args.node_addr, node_id=args.node_id, secret_file=args.secret_file)
     return run(cfg)
 
 

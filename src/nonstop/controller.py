@@ -76,6 +76,7 @@ class Controller(Recovery):
         self.t_train_end: float | None = None
         self._last_progress = 0.0
         self._recent_injects: list[dict[str, Any]] = []
+        self.claimed: dict[str, int] = {}  # injected faults fired: index -> times
         self._gen_t0 = 0.0
         self._warm: set[int] = set()
         self.max_step = 0
@@ -197,6 +198,28 @@ class Controller(Recovery):
         self.memory.revive(now, occupied, self.phase == "running" and self.incident is None,
                            self._node_of(), self._usable_nodes())
 
+    # == hosts joining and leaving (across hosts a node is a host) ===============================
+    def node_joined(self, node: int) -> None:
+        """A new host: a spare node from now on, warm, ready to take over a failed host's ranks."""
+        self.total_nodes = max(self.total_nodes, node + 1)
+        self.watchers.start([node])
+        self.log.write("node_joined", node=node)
+        self.display.info(f"node {node} joined: a spare node")
+        self._refill_spares()
+
+    def node_lost(self, node: int, why: str) -> None:
+        """A host is gone (its lease expired): never used again; its ranks move."""
+        if node in self.counters.isolated:
+            return
+        self.counters.isolated.add(node)
+        self.watchers.remove_node(node)
+        self.log.write("node_lost", node=node, reason=why)
+        if node in set(self._node_of().values()) and self.phase not in ("finishing", "over"):
+            self._fault(Fault("node_lost", node=node, message=f"node {node} is gone ({why})"))
+        else:
+            self.display.info(f"node {node} is gone ({why}): it held no rank")
+            self._refill_spares()
+
     def _usable_nodes(self) -> list[int]:
         return [n for n in range(self.total_nodes) if n not in self.counters.isolated]
 
@@ -267,6 +290,9 @@ class Controller(Recovery):
             w.joining = max(w.joining, gen)
         elif kind == "inject":
             self._recent_injects.append(ev)
+            if ev.get("index") is not None:  # fired once in the job: never again (any host)
+                key = str(ev["index"])
+                self.claimed[key] = self.claimed.get(key, 0) + 1
             if ev.get("kind") == "node_crash":  # the rest of the node dies with it
                 for x in self.workers.values():
                     if x.node == w.node and not x.dead:

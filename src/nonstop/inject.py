@@ -184,7 +184,7 @@ class Injector:
     fault across the whole job (the store arbitrates), so a replayed step does not fire twice."""
 
     def __init__(self, faults: list[FaultSpec], claim: Callable[[int, FaultSpec], bool],
-                 announce: Callable[[FaultSpec, int], None]):
+                 announce: Callable[..., None]):
         self.faults = faults
         self._claim = claim
         self._announce = announce
@@ -199,14 +199,14 @@ class Injector:
     def check(self, point: str, rank: int, step: int) -> None:
         for i, f in self._by_point.get(point, ()):
             if f.rank == rank and f.step == step and self._claim(i, f):
-                self._announce(f, step)
+                self._announce(f, step, index=i)
                 fire(f)
 
     def in_recovery(self, point: str, rank: int, gen: int) -> None:
         """Fire the faults of a recovery point (``PHASE_POINTS``) for this rank and generation."""
         for i, f in self._by_phase.get(point, ()):
             if f.rank == rank and f.fires_in(gen) and self._claim(i, f):
-                self._announce(f, -1)
+                self._announce(f, -1, index=i)
                 fire(f)
 
     def has_point(self, point: str) -> bool:
@@ -239,7 +239,7 @@ class Injector:
         out): for faults only the caller can do, such as corrupting a snapshot."""
         for i, f in self._claimed:
             if f.kind == kind and f.rank == rank and f.step == step and self._claim(i, f):
-                self._announce(f, step)
+                self._announce(f, step, index=i)
                 return True
         return False
 
@@ -255,7 +255,7 @@ class Injector:
                 continue
             if f.kind == "nan":
                 if step == f.step and self._claim(i, f):
-                    self._announce(f, step)
+                    self._announce(f, step, index=i)
                     poison = True
                 continue
             if i not in self._announced:  # persistent faults are announced once per process

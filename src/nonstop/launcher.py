@@ -42,6 +42,14 @@ class RunConfig:
     snapshot_every: str | None = None
     quiet: bool = False
     live: bool | None = None
+    # across hosts (torchrun's flags): the same command on every host
+    nnodes: str | None = None  # "N" or "MIN:MAX"
+    nproc_per_node: int | None = None  # ranks per host
+    rdzv_endpoint: str | None = None  # etcd://HOST:PORT[,HOST:PORT...]
+    rdzv_id: str | None = None
+    node_addr: str | None = None  # this host's address (default: the one that reaches etcd)
+    node_id: str | None = None
+    secret_file: str | None = None
 
 
 def check_script(path: str) -> tuple[bool, list[str]]:
@@ -136,13 +144,15 @@ def make_run_dir(run_dir: str | None) -> Path:
     return p
 
 
-def worker_env(cfg: RunConfig, run_dir: Path, faults: list[inject.FaultSpec]) -> dict[str, str]:
+def worker_env(run_dir: Path, faults: list[inject.FaultSpec], pin: bool = True) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks must not each take every core
     env["PYTHONUNBUFFERED"] = "1"
     env[protocol.ENV_RUN_DIR] = str(run_dir.resolve())
     env[protocol.ENV_INJECT] = inject.to_env(faults)
-    loopback.pin(env)  # one host: the collectives' listeners stay on loopback too
+    env.pop("NONSTOP_JOB_SECRET", None)  # the job's secret is the agents' alone
+    if pin:
+        loopback.pin(env)  # one host: the collectives' listeners stay on loopback too
     pkg_parent = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_parent, env.get("PYTHONPATH")]))
     return env
@@ -154,6 +164,15 @@ class _Interrupted(Exception):
 
 
 def run(cfg: RunConfig) -> int:
+    if cfg.rdzv_endpoint or cfg.rdzv_id or (cfg.nnodes not in (None, "1", "1:1")):
+        from .hosts.agent import run_host
+
+        return run_host(cfg)
+    if cfg.nproc_per_node is not None:  # one host: per host is the total
+        if cfg.nproc not in (1, cfg.nproc_per_node):
+            raise UsageError(f"--nproc {cfg.nproc} and --nproc-per-node {cfg.nproc_per_node} "
+                             "disagree (one host: give one of them)")
+        cfg.nproc = cfg.nproc_per_node
     pol, faults, uses_nonstop = prepare(cfg)
     run_dir = make_run_dir(cfg.run_dir)
     from .agent import Agent
@@ -187,7 +206,7 @@ def run(cfg: RunConfig) -> int:
             controller.on_output(wid, line)
 
     agent = Agent(cfg.script, cfg.script_args, f"{loopback.HOST}:{port}", run_dir,
-                  worker_env(cfg, run_dir, faults), output)
+                  worker_env(run_dir, faults), output)
     from .mail import StoreMail
 
     mail = StoreMail(on_lost_event=lambda slot: log.write("event_lost", slot=slot))
@@ -240,6 +259,12 @@ def run(cfg: RunConfig) -> int:
         agent.close()
         listener.close()  # a no-op once the store has it
         controller.memory.disk.clean_up()
+    report(controller, log, run_dir, code, display)
+    return code
+
+
+def report(controller: Any, log: Any, run_dir: Path, code: int, display: Any) -> dict[str, Any]:
+    """The run's summary: into the event log, summary.json and the console."""
     t_exit = time.time()
     train_end = controller.t_train_end or t_exit
     ledger = controller.ledger
@@ -264,4 +289,4 @@ def run(cfg: RunConfig) -> int:
                          else controller.traceback + "\n")
     if code != 0 and controller.diagnosis:
         display.error(controller.diagnosis)
-    return code
+    return summary

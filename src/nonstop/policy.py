@@ -229,12 +229,23 @@ class Hooks(_Strict):
     on_give_up: GiveUpHook = GiveUpHook()
 
 
+class Hosts(_Strict):
+    """Across hosts (``--rdzv-endpoint``): how a host is known to be alive."""
+
+    # a host (and the controller) is alive while its lease in etcd is: a lost host is found this
+    # long after it stopped (etcd grants whole seconds)
+    lease_ttl_s: int = Field(2, ge=1, le=60)
+    # hosts a new job waits for (--nnodes) before it gives up with a clear error
+    join_timeout_s: float = Field(300.0, gt=0, le=86400.0)
+
+
 class Policy(_Strict):
     detect: Detect = Detect()
     recover: Recover = Recover()
     rules: Rules = Rules()
     state: StateConfig = StateConfig()
     hooks: Hooks = Hooks()
+    hosts: Hosts = Hosts()
 
     def with_overrides(self, **dotted: Any) -> "Policy":
         """A copy with ``a.b.c`` values replaced (None values are ignored).

@@ -38,7 +38,8 @@ class Recovery(_Base):
             w.rank = rank
             self.table.send(w, {"type": protocol.ASSIGN, "gen": gen, "rank": rank, "world": self.world,
                                 "replacements": self.replacements[rank], "initial": initial,
-                                **where, **self._local_ranks(rank, node_of)})
+                                "claimed": self.claimed, **where,
+                                **self._local_ranks(rank, node_of)})
         self.phase = "rendezvous"
         usable = self._usable_nodes()
         for node in usable:  # a node that keeps working after losing its memory gets a new one

@@ -114,6 +114,8 @@ class WorkerRuntime:
             self._seq += 1
         if msg is not None and msg["type"] == protocol.ASSIGN:
             self.assignment, self.assignment_consumed = msg, False
+            if msg.get("claimed"):
+                self._adopt_claims(msg["claimed"])
         return msg
 
     def wait_message(self) -> dict[str, Any]:
@@ -195,10 +197,19 @@ class WorkerRuntime:
     def _claim_fault(self, index: int, fault: inject.FaultSpec) -> bool:
         return self.store.add(protocol.inject_key(index), 1) <= fault.times
 
-    def _announce_fault(self, fault: inject.FaultSpec, step: int) -> None:
+    def _announce_fault(self, fault: inject.FaultSpec, step: int, index: int | None = None) -> None:
         a = self.assignment or {}
         self.emit("inject", fault=fault.describe(), kind=fault.kind, rank=fault.rank, step=step,
-                  gen=a.get("gen"), pid=os.getpid())
+                  gen=a.get("gen"), pid=os.getpid(), index=index)
+
+    def _adopt_claims(self, claimed: dict[str, int]) -> None:
+        """Faults already fired elsewhere in the job (another host's store counted them): count
+        them here too, so a rank that moved does not fire them again."""
+        store = self.store
+        for index, times in claimed.items():
+            have = store.add(protocol.inject_key(int(index)), 0)
+            if have < times:
+                store.add(protocol.inject_key(int(index)), times - have)
 
     def group_store(self, msg: dict[str, Any]) -> tuple[str, int]:
         """Where a generation's group forms: the store named in its assignment (across hosts, a

@@ -1,0 +1,528 @@
+"""The host agent: ``nonstop run --rdzv-endpoint ...`` on each host.
+
+It registers the host in etcd under a lease, keeps a standby controller process ready (one of
+them is elected), and carries out what the controller in office tells it over the channel: start,
+signal and message its rank processes and warm spares. It relays what they report (events,
+progress, exits, output) with its own times turned into ages, so that no decision ever compares
+two hosts' clocks.
+
+Its ranks live and die with it (each asks the kernel to kill it when the agent dies), never with a
+remote controller. When the agent loses its lease (its host cut off from etcd), the job has given
+its ranks up already: it ends them at once - they must never join a newer generation - and
+registers again as a new host, a spare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import json
+import os
+import queue
+import secrets
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import inject, loopback, protocol
+from ..agent import Agent, Proc
+from ..errors import UsageError
+from ..mail import StoreMail
+from . import keys
+from .netif import interface_of
+
+CONTROLLER_WID = -1  # the standby controller in the agent's process table
+PROGRESS_EVERY_S = 0.1
+DONE_CHECK_S = 1.0
+RESPAWN_S = 0.5  # a standby controller that died is replaced after this long
+REGISTER_RETRY_S = 0.5
+
+
+@dataclasses.dataclass
+class HostConfig:
+    script: str
+    script_args: list[str]
+    nnodes_min: int
+    nnodes_max: int
+    nproc_per_node: int
+    spare_nodes: int
+    spares: int  # warm spares per host that holds ranks
+    endpoints: list[tuple[str, int]]
+    job_id: str
+    addr: str
+    host_id: str
+    run_dir: Path
+    policy: dict[str, Any]  # the effective policy (the file and the flags)
+    policy_digest: str
+    lease_ttl_s: int
+    inject: list[str]
+    quiet: bool = False
+
+    def job_record(self, secret: bytes) -> keys.JobRecord:
+        return keys.JobRecord(
+            nnodes_min=self.nnodes_min, nnodes_max=self.nnodes_max,
+            nproc_per_node=self.nproc_per_node, spare_nodes=self.spare_nodes,
+            script=os.path.basename(self.script), policy_digest=self.policy_digest,
+            secret_check=hmac.new(secret, b"nonstop job secret check", hashlib.sha256).hexdigest())
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        d["run_dir"] = str(self.run_dir)
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str) -> "HostConfig":
+        d = json.loads(text)
+        d["run_dir"] = Path(d["run_dir"])
+        d["endpoints"] = [tuple(e) for e in d["endpoints"]]
+        return cls(**d)
+
+
+class HostAgent:
+    def __init__(self, cfg: HostConfig, secret: bytes, faults: list[inject.FaultSpec]):
+        self.cfg, self.secret, self.faults = cfg, secret, faults
+        self.run_dir = cfg.run_dir
+        self.epoch = 0  # the newest controller epoch seen: older ones are fenced off
+        self.ctl: Any = None  # the channel of the controller in office
+        self.inbox: "queue.Queue[tuple[Any, dict[str, Any]]]" = queue.Queue()
+        self.meta: dict[int, dict[str, Any]] = {}  # wid -> spare, node, rank (for labels)
+        self.code: int | None = None
+        self.lease_lost = threading.Event()
+        self.incarnation = ""
+        self.lease: Any = None
+        self._unsent_exits: list[dict[str, Any]] = []
+        self._last_progress = 0.0
+        self._last_done_check = 0.0
+        self._respawn_at: float | None = None
+        self._stop = threading.Event()
+        self.shift_s = float(os.environ.get("NONSTOP_TEST_CLOCK_SHIFT_S", "0") or 0)
+
+    def now(self) -> float:
+        """This host's clock (shifted in a test that pretends it is wrong)."""
+        return time.time() + self.shift_s
+
+    # == start ===================================================================================
+    def run(self) -> int:
+        from ..net import channel
+        from ..store.etcd import Etcd, StoreUnavailable
+
+        cfg = self.cfg
+        self.etcd = Etcd(cfg.endpoints, cfg.job_id, timeout_s=max(2.0, cfg.lease_ttl_s))
+        try:
+            self._join_job()
+        except StoreUnavailable as exc:
+            raise UsageError(f"cannot reach etcd at {_endpoints(cfg.endpoints)}: {exc}") from None
+        self.local_listener = loopback.listen()
+        self.local_port = self.local_listener.getsockname()[1]
+        env = self._worker_env()
+        self.agent = Agent(cfg.script, cfg.script_args, f"{loopback.HOST}:{self.local_port}",
+                           self.run_dir, env, self._output)
+        self.store = loopback.master_store(self.local_listener)
+        self.store.set(protocol.JOB_KEY, protocol.dumps(self._job_settings()))
+        self.mail = StoreMail()
+        self.mail.attach(self.store)
+        self.rdzv = _bound_store(cfg.addr)
+        self.listener = channel.Listener(cfg.addr, self.secret, on_refused=self._refused)
+        self._register()
+        threading.Thread(target=self._accept_loop, name="nonstop-accept", daemon=True).start()
+        self._spawn_controller()
+        try:
+            return self._loop()
+        finally:
+            self._stop.set()
+            self.agent.close()
+            self.listener.close()
+            if self.lease is not None:
+                self.lease.stop()
+                try:
+                    self.lease.revoke()
+                except Exception:  # noqa: BLE001 - etcd gone: the lease expires by itself
+                    pass
+            self.etcd.close()
+
+    def _job_settings(self) -> dict[str, Any]:
+        timeouts = self.cfg.policy["recover"]["timeouts"]
+        return {"run_id": self.cfg.job_id, "world": self.cfg.nnodes_max * self.cfg.nproc_per_node,
+                "rendezvous_timeout_s": timeouts["rendezvous_s"],
+                "collective_timeout_s": timeouts["collective_s"], "policy": self.cfg.policy}
+
+    def _join_job(self) -> None:
+        """Agree on the job's settings with the hosts already in it, or refuse clearly."""
+        mine = self.cfg.job_record(self.secret)
+        done, _ = self.etcd.get(keys.DONE)
+        if done is not None:
+            raise UsageError(f"job '{self.cfg.job_id}' has already ended "
+                             f"({json.loads(done).get('diagnosis') or 'finished'}): use a new "
+                             "--rdzv-id")
+        if not self.etcd.create(keys.JOB, mine.dumps()):
+            raw, _ = self.etcd.get(keys.JOB)
+            theirs = keys.JobRecord.loads(raw)
+            diff = mine.differs(theirs)
+            if "secret_check" in diff:
+                raise UsageError(f"job '{self.cfg.job_id}' runs with another secret "
+                                 "(NONSTOP_JOB_SECRET / --secret-file): refused")
+            if diff:
+                raise UsageError(f"job '{self.cfg.job_id}' is running with other settings "
+                                 f"({', '.join(diff)} differ): another job uses this --rdzv-id?")
+        hosts = self.etcd.get_prefix(keys.HOSTS)
+        if any(k == keys.host_key(self.cfg.host_id) for k, *_ in hosts):
+            raise UsageError(f"host '{self.cfg.host_id}' is already in job '{self.cfg.job_id}' "
+                             "(two agents with one --node-id, or another job with this --rdzv-id)")
+        limit = self.cfg.nnodes_max + self.cfg.spare_nodes
+        if len(hosts) >= limit:
+            raise UsageError(f"job '{self.cfg.job_id}' already has {len(hosts)} host(s), the most "
+                             f"it takes (--nnodes {self.cfg.nnodes_max} + --spare-nodes "
+                             f"{self.cfg.spare_nodes})")
+
+    def _register(self) -> None:
+        """The host's record, under a lease kept alive in the background."""
+        self.lease_lost.clear()
+        self.lease = self.etcd.lease(self.cfg.lease_ttl_s)
+        self.incarnation = secrets.token_hex(6)
+        rec = keys.HostRecord(host_id=self.cfg.host_id, addr=self.cfg.addr,
+                              ctl_port=self.listener.port, rdzv_port=self.rdzv.port,
+                              pid=os.getpid(), slots=self.cfg.nproc_per_node,
+                              incarnation=self.incarnation)
+        if not self.etcd.create(keys.host_key(self.cfg.host_id), rec.dumps(), lease=self.lease):
+            self.lease.revoke()
+            raise UsageError(f"host '{self.cfg.host_id}' is already in job '{self.cfg.job_id}'")
+        self.lease.keepalive(on_lost=self._on_lease_lost)
+
+    def _on_lease_lost(self) -> None:
+        self.lease_lost.set()
+        self.agent.wake()
+
+    def _worker_env(self) -> dict[str, str]:
+        from ..launcher import worker_env
+
+        env = worker_env(self.run_dir, self.faults, pin=False)
+        iface = interface_of(self.cfg.addr)
+        if iface:  # the collectives listen on the host's address, not on every interface
+            for var in loopback.IFNAME_VARS:
+                env.setdefault(var, iface)
+        return env
+
+    def _spawn_controller(self) -> None:
+        """A standby controller: it campaigns, and runs the job while elected."""
+        conf = self.run_dir / "host.json"
+        conf.write_text(self.cfg.to_json())
+        env = dict(os.environ)
+        env["NONSTOP_JOB_SECRET"] = self.secret.decode()
+        pkg_parent = str(Path(__file__).resolve().parent.parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_parent, env.get("PYTHONPATH")]))
+        env[protocol.ENV_LAUNCHER_PID] = str(os.getpid())
+        cmd = [sys.executable, "-u", "-m", "nonstop.hosts.leader", str(conf)]
+        self.agent.procs.pop(CONTROLLER_WID, None)
+        self.agent.spawn_command(CONTROLLER_WID, cmd, env, "controller.log")
+        self._respawn_at = None
+
+    # == the channel ============================================================================
+    def _accept_loop(self) -> None:
+        from ..net.channel import ChannelClosed
+
+        while not self._stop.is_set():
+            try:
+                ch = self.listener.accept(timeout=0.5)
+            except (OSError, ChannelClosed):  # closed: the agent is ending
+                return
+            if ch is None:
+                continue
+            threading.Thread(target=self._read_loop, args=(ch,), daemon=True,
+                             name="nonstop-ctl").start()
+
+    def _read_loop(self, ch: Any) -> None:
+        from ..net.channel import AuthError, ChannelClosed
+
+        while not self._stop.is_set():
+            try:
+                msg, _ = ch.recv(timeout=1.0)
+            except TimeoutError:
+                continue
+            except (ChannelClosed, AuthError, OSError):
+                self.inbox.put((ch, {"op": "_closed"}))
+                self.agent.wake()
+                return
+            self.inbox.put((ch, msg))
+            self.agent.wake()
+
+    def _refused(self, peer: tuple[str, int], why: str) -> None:
+        print(f"nonstop: refused a connection from {peer[0]}:{peer[1]}: {why}", file=sys.stderr,
+              flush=True)
+
+    def _send(self, msg: dict[str, Any]) -> bool:
+        if self.ctl is None:
+            return False
+        msg["now"] = self.now()
+        try:
+            self.ctl.send(msg)
+            return True
+        except Exception:  # noqa: BLE001 - the controller is gone: a standby will say hello
+            self.ctl = None
+            return False
+
+    # == the loop ===============================================================================
+    def _loop(self) -> int:
+        while self.code is None:
+            exited = self.agent.poll(0.02)
+            for proc in exited:
+                self._on_exit(proc)
+            self._handle_commands()
+            if self.code is not None:
+                break
+            self._relay_events()
+            now = time.time()
+            if now - self._last_progress >= PROGRESS_EVERY_S:
+                self._last_progress = now
+                self._relay_progress()
+            if self.lease_lost.is_set():
+                self._fence()
+            if now - self._last_done_check >= DONE_CHECK_S:
+                self._last_done_check = now
+                self._check_done()
+            if self._respawn_at is not None and now >= self._respawn_at:
+                self._spawn_controller()
+        return self.code
+
+    def _on_exit(self, proc: Proc) -> None:
+        if proc.wid == CONTROLLER_WID:
+            if self.code is None:  # a standby ends only with the job: start another
+                self._respawn_at = time.time() + RESPAWN_S
+            return
+        rec = {"wid": proc.wid, "code": proc.returncode}
+        if not self._send({"op": keys.EXITS, "exits": [rec]}):
+            self._unsent_exits.append(rec)
+
+    def _handle_commands(self) -> None:
+        while True:
+            try:
+                ch, msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            op = msg.get("op")
+            if op == "_closed":
+                if ch is self.ctl:
+                    self.ctl = None
+                continue
+            epoch = int(msg.get("epoch", 0))
+            if epoch < self.epoch:  # a deposed controller: fenced off
+                try:
+                    ch.send({"op": keys.REFUSED, "why": f"stale epoch {epoch} < {self.epoch}"})
+                except Exception:  # noqa: BLE001
+                    pass
+                continue
+            if op == keys.HELLO:
+                self._hello(ch, epoch)
+                continue
+            if ch is not self.ctl:
+                continue  # not the controller in office
+            self._command(op, msg)
+
+    def _hello(self, ch: Any, epoch: int) -> None:
+        if self.ctl is not None and self.ctl is not ch:
+            try:
+                self.ctl.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self.epoch, self.ctl = epoch, ch
+        workers = [{"wid": p.wid, "pid": p.pid, "alive": p.alive, "code": p.returncode,
+                    **self.meta.get(p.wid, {})}
+                   for p in self.agent.procs.values() if p.wid != CONTROLLER_WID]
+        self._send({"op": keys.STATE, "host": self.cfg.host_id, "incarnation": self.incarnation,
+                    "workers": workers})
+        if self._unsent_exits:
+            exits, self._unsent_exits = self._unsent_exits, []
+            self._send({"op": keys.EXITS, "exits": exits})
+
+    def _command(self, op: str, msg: dict[str, Any]) -> None:
+        if op == keys.SPAWN:
+            wid = int(msg["wid"])
+            self.meta[wid] = {"spare": bool(msg.get("spare")), "node": msg.get("node")}
+            try:
+                self.agent.spawn(wid, spare=bool(msg.get("spare")), spare_mode=msg.get("mode"),
+                                 node=int(msg.get("node") or 0))
+            except OSError as exc:
+                print(f"nonstop: cannot start worker {wid}: {exc}", file=sys.stderr, flush=True)
+                self._send({"op": keys.EXITS, "exits": [{"wid": wid, "code": 127}]})
+        elif op == keys.SIGNAL:
+            self.agent.signal(int(msg["wid"]), int(msg.get("sig", signal.SIGKILL)))
+        elif op == keys.SEND:
+            wid, body = int(msg["wid"]), msg["msg"]
+            if body.get("type") == protocol.ASSIGN:
+                self.meta.setdefault(wid, {})["rank"] = body.get("rank")
+                self.meta[wid]["spare"] = False
+            self.mail.send(wid, int(msg["seq"]), body)
+        elif op == keys.ABORT:
+            local = [int(w) for w in msg.get("wids", []) if int(w) in self.agent.procs]
+            self.mail.abort(int(msg["gen"]), local)
+        elif op == keys.END:
+            self.agent.end_all(float(msg.get("grace_s", 0.0)))
+            self.code = int(msg.get("code", 0))
+
+    def _relay_events(self) -> None:
+        evs = list(self.mail.events())
+        if evs:
+            self._send({"op": keys.EVENTS, "events": evs})
+
+    def _relay_progress(self) -> None:
+        live = [p.wid for p in self.agent.alive() if p.wid != CONTROLLER_WID]
+        if not live or self.ctl is None:
+            return
+        recs = self.mail.progress(live)
+        stopped = [wid for wid in live if self.agent.stopped(wid)]
+        self._send({"op": keys.PROGRESS, "recs": {str(w): r for w, r in recs.items()},
+                    "stopped": stopped})
+
+    def _output(self, wid: int, line: str) -> None:
+        if wid == CONTROLLER_WID:
+            print(line, flush=True)
+            return
+        m = self.meta.get(wid, {})
+        label = f"rank {m['rank']}" if m.get("rank") is not None and not m.get("spare") \
+            else f"spare {wid}"
+        if not self.cfg.quiet:
+            print(f"[{self.cfg.host_id} {label}] {line}", flush=True)
+        self._send({"op": keys.OUTPUT, "wid": wid, "line": line})
+
+    # == fencing ================================================================================
+    def _fence(self) -> None:
+        """Our lease is gone: the job has moved on without this host. Its processes end now (they
+        must never join a newer generation); then the host offers itself again, as a spare."""
+        self.lease_lost.clear()
+        killed = [p.wid for p in self.agent.alive() if p.wid != CONTROLLER_WID]
+        for wid in killed:
+            self.agent.signal(wid, signal.SIGKILL)
+        self.agent.signal(CONTROLLER_WID, signal.SIGKILL)
+        if self.ctl is not None:
+            self.ctl.close()
+            self.ctl = None
+        self.meta.clear()
+        self._unsent_exits.clear()
+        print(f"nonstop: host {self.cfg.host_id} lost its lease in etcd: ended its {len(killed)} "
+              "process(es) (fenced); joining again as a new host", file=sys.stderr, flush=True)
+        deadline = time.time() + 3600
+        while self.code is None and time.time() < deadline:
+            self.agent.poll(REGISTER_RETRY_S)
+            try:
+                if self._check_done():
+                    return
+                self._register()
+                break
+            except UsageError:  # our old record has not expired yet
+                continue
+            except Exception:  # noqa: BLE001 - etcd still unreachable: keep trying
+                continue
+        self._respawn_at = time.time()
+
+    def _check_done(self) -> bool:
+        try:
+            raw, _ = self.etcd.get(keys.DONE)
+        except Exception:  # noqa: BLE001 - etcd away for a moment: the job goes on
+            return False
+        if raw is None:
+            return False
+        done = json.loads(raw)
+        self.agent.end_all(0.0)
+        self.code = int(done.get("code", 1))
+        return True
+
+
+def _bound_store(addr: str) -> Any:
+    """A store the generations form their groups on, listening on the host's address only."""
+    import socket
+
+    from torch.distributed import TCPStore
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((addr, 0))
+    sock.listen(1024)
+    port = sock.getsockname()[1]
+    return TCPStore(addr, port, is_master=True, wait_for_workers=False,
+                    master_listen_fd=sock.detach())
+
+
+def _endpoints(endpoints: list[tuple[str, int]]) -> str:
+    return ",".join(f"{h}:{p}" for h, p in endpoints)
+
+
+def _nnodes(text: str | None) -> tuple[int, int]:
+    raw = text or "1"
+    lo, _, hi = raw.partition(":")
+    try:
+        n_min, n_max = int(lo), int(hi or lo)
+    except ValueError:
+        raise UsageError(f"--nnodes takes N or MIN:MAX, got {raw!r}") from None
+    if n_min < 1 or n_max < n_min:
+        raise UsageError(f"--nnodes needs 1 <= MIN <= MAX, got {raw!r}")
+    return n_min, n_max
+
+
+def run_host(cfg: Any) -> int:
+    """``nonstop run`` on one host of many: check everything, then run the host's agent."""
+    import socket
+
+    from .. import launcher
+    from ..net.channel import load_secret
+    from ..store.etcd import parse_endpoints
+    from .netif import route_to
+
+    if not cfg.rdzv_endpoint:
+        raise UsageError("--nnodes > 1 needs --rdzv-endpoint etcd://HOST:PORT (the etcd the hosts "
+                         "meet in)")
+    if not cfg.rdzv_id:
+        raise UsageError("--rdzv-endpoint needs --rdzv-id JOB (the same on every host)")
+    try:
+        endpoints = parse_endpoints(cfg.rdzv_endpoint)
+    except ValueError as exc:
+        raise UsageError(f"--rdzv-endpoint: {exc}") from None
+    n_min, n_max = _nnodes(cfg.nnodes)
+    per_node = cfg.nproc_per_node or cfg.nproc
+    if cfg.checkpoint_dir:
+        raise UsageError("--checkpoint-dir across hosts is not supported yet (each host's "
+                         "memory and disk checkpoints are one host's for now)")
+    run_cfg = dataclasses.replace(cfg, nproc=per_node * n_max, nodes=n_max)
+    pol, faults, uses_nonstop = launcher.prepare(run_cfg)
+    if not uses_nonstop:
+        raise UsageError(f"{cfg.script} does not use nonstop.wrap: across hosts the training "
+                         "function must be wrapped (a plain script runs on one host for now)")
+    # the node memory (keepers, replicas between hosts) is one host's for now: across hosts a
+    # rank's state comes from its peers (a replicated job holds it on every rank)
+    pol = pol.with_overrides(**{"state.snapshot.enabled": False})
+    try:
+        secret = load_secret(cfg.secret_file)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        addr = cfg.node_addr or route_to(*endpoints[0])
+    except OSError as exc:
+        raise UsageError(f"cannot find this host's address towards {endpoints[0][0]}: {exc}") \
+            from None
+    if interface_of(addr) is None and not addr.startswith("127."):
+        raise UsageError(f"--node-addr {addr} is not an address of this host")
+    host_id = cfg.node_id or f"{socket.gethostname()}-{addr}"
+    run_dir = launcher.make_run_dir(cfg.run_dir)
+    digest = hashlib.sha256(json.dumps(pol.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
+    hcfg = HostConfig(script=cfg.script, script_args=list(cfg.script_args), nnodes_min=n_min,
+                      nnodes_max=n_max, nproc_per_node=per_node, spare_nodes=cfg.spare_nodes,
+                      spares=cfg.spares, endpoints=endpoints, job_id=cfg.rdzv_id, addr=addr,
+                      host_id=host_id, run_dir=run_dir.resolve(), policy=pol.model_dump(),
+                      policy_digest=digest, lease_ttl_s=pol.hosts.lease_ttl_s,
+                      inject=list(cfg.inject), quiet=cfg.quiet)
+    # torch's store server warns of every client whose host name it cannot resolve: noise here
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    agent = HostAgent(hcfg, secret, faults)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return agent.run()
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -1,0 +1,306 @@
+"""The controller's view of many hosts: one channel to each host's agent, and the same interface as
+one host's agent (start, signal, watch processes) and mail (mailboxes, aborts, events, progress).
+The controller above it decides as it does on one host; a node here is a host.
+
+A host is alive while its lease in etcd is: a host whose record is gone (or came back as a new
+incarnation, after fencing itself) is lost, and every process it held is reported as exited. Its
+channel going quiet alone proves nothing (a controller's own network may be at fault), so it is
+only reconnected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from . import keys
+
+RECONNECT_S = 0.2
+HOST_LOST_CODE = -int(signal.SIGKILL)  # what a lost host's processes are reported to exit with
+
+
+@dataclasses.dataclass
+class RemoteProc:
+    """A process on another host, as its agent reports it."""
+
+    wid: int
+    node: int
+    spare: bool
+    log_path: Path  # on its host
+    pid: int | None = None
+    returncode: int | None = None
+    t_exit: float | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.returncode is None
+
+
+@dataclasses.dataclass
+class HostLink:
+    node: int
+    rec: keys.HostRecord
+    ch: Any = None
+    lost: bool = False
+    offset: float = 0.0  # our clock minus the host's, from its newest message
+    stopped: set[int] = dataclasses.field(default_factory=set)
+    state: dict[str, Any] | None = None  # its answer to our hello
+
+
+class Cluster:
+    """Agents of many hosts behind one agent-and-mail interface."""
+
+    def __init__(self, epoch: int, secret: bytes, run_dir: Path, output: Callable[[int, str], None],
+                 next_wid: int = 0):
+        self.epoch, self.secret = epoch, secret
+        self.run_dir = run_dir
+        self.output = output
+        self.links: dict[int, HostLink] = {}
+        self.procs: dict[int, RemoteProc] = {}
+        self.inbox: "queue.Queue[tuple[int, dict[str, Any]]]" = queue.Queue()
+        self._next_wid = next_wid
+        self._events: list[dict[str, Any]] = []
+        self._progress: dict[int, dict[str, Any]] = {}
+        self._exited: list[RemoteProc] = []
+        self._stop = threading.Event()
+        self.on_node_joined: Callable[[int], None] | None = None
+        self.on_node_lost: Callable[[int], None] | None = None
+        self.on_tick: Callable[[], None] | None = None  # the leader's own work, once per poll
+        self.grace_s = 0.0
+
+    # == hosts ==================================================================================
+    def add_host(self, node: int, rec: keys.HostRecord, timeout_s: float = 5.0) -> HostLink:
+        """Connect to a host's agent and say hello (it answers with what it runs)."""
+        link = HostLink(node, rec)
+        self.links[node] = link
+        self._connect(link, timeout_s)
+        threading.Thread(target=self._read_loop, args=(link,), daemon=True,
+                         name=f"nonstop-host-{node}").start()
+        return link
+
+    def _connect(self, link: HostLink, timeout_s: float) -> None:
+        from ..net import channel
+
+        link.ch = channel.connect(link.rec.addr, link.rec.ctl_port, self.secret, timeout_s=timeout_s)
+        link.ch.send({"op": keys.HELLO, "epoch": self.epoch})
+
+    def _read_loop(self, link: HostLink) -> None:
+        from ..net.channel import AuthError, ChannelClosed
+
+        while not self._stop.is_set() and not link.lost:
+            try:
+                msg, _ = link.ch.recv(timeout=1.0)
+            except TimeoutError:
+                continue
+            except (ChannelClosed, AuthError, OSError):
+                if self._stop.is_set() or link.lost:
+                    return
+                time.sleep(RECONNECT_S)  # the agent may be fine: our link was not
+                try:
+                    self._connect(link, timeout_s=2.0)
+                except Exception:  # noqa: BLE001 - etcd decides whether the host is lost
+                    pass
+                continue
+            self.inbox.put((link.node, msg))
+
+    def host_gone(self, node: int) -> None:
+        """The host's lease is gone: every process it held is gone with it."""
+        link = self.links.get(node)
+        if link is None or link.lost:
+            return
+        link.lost = True
+        if link.ch is not None:
+            link.ch.close()
+        now = time.time()
+        for p in self.procs.values():
+            if p.node == node and p.alive:
+                p.returncode, p.t_exit = HOST_LOST_CODE, now
+                self._exited.append(p)
+        if self.on_node_lost is not None:
+            self.on_node_lost(node)
+
+    def node_of_host(self, host_id: str, incarnation: str) -> int | None:
+        for node, link in self.links.items():
+            if link.rec.host_id == host_id and link.rec.incarnation == incarnation:
+                return node
+        return None
+
+    def _to(self, node: int, msg: dict[str, Any]) -> None:
+        link = self.links.get(node)
+        if link is None or link.lost or link.ch is None:
+            return
+        msg["epoch"] = self.epoch
+        try:
+            link.ch.send(msg)
+        except Exception:  # noqa: BLE001 - the reader reconnects; etcd decides if it is lost
+            pass
+
+    # == the agent interface ======================================================================
+    def new_wid(self) -> int:
+        wid = self._next_wid
+        self._next_wid += 1
+        return wid
+
+    def spawn(self, wid: int, spare: bool, spare_mode: str | None = None, node: int = 0,
+              keeper: str | None = None) -> RemoteProc:
+        proc = RemoteProc(wid, node, spare, self.run_dir / "logs" / f"worker-{wid}.log")
+        self.procs[wid] = proc
+        link = self.links.get(node)
+        if link is None or link.lost:
+            proc.returncode, proc.t_exit = HOST_LOST_CODE, time.time()
+            self._exited.append(proc)
+            return proc
+        self._to(node, {"op": keys.SPAWN, "wid": wid, "spare": spare, "mode": spare_mode,
+                        "node": node})
+        return proc
+
+    def spawn_keeper(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("node memory (keepers) across hosts is not available yet")
+
+    def signal(self, wid: int, sig: int = signal.SIGKILL) -> None:
+        p = self.procs.get(wid)
+        if p is not None and p.alive:
+            self._to(p.node, {"op": keys.SIGNAL, "wid": wid, "sig": int(sig)})
+
+    def stopped(self, wid: int) -> bool:
+        p = self.procs.get(wid)
+        link = self.links.get(p.node) if p is not None else None
+        return bool(link is not None and wid in link.stopped)
+
+    def alive(self) -> list[RemoteProc]:
+        return [p for p in self.procs.values() if p.alive]
+
+    def lost_nodes(self) -> set[int]:
+        return {n for n, link in self.links.items() if link.lost}
+
+    def wake(self) -> None:
+        self.inbox.put((-1, {"op": "_wake"}))
+
+    def poll(self, timeout: float) -> list[RemoteProc]:
+        """Wait up to ``timeout`` for what the hosts report; return the processes that exited."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                node, msg = self.inbox.get(timeout=max(0.0, left)) if left > 0 else \
+                    self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            self._on_message(node, msg)
+            if self._exited:
+                break
+        while True:  # whatever else arrived meanwhile
+            try:
+                node, msg = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            self._on_message(node, msg)
+        if self.on_tick is not None:
+            self.on_tick()
+        exited, self._exited = self._exited, []
+        return exited
+
+    def _on_message(self, node: int, msg: dict[str, Any]) -> None:
+        op = msg.get("op")
+        if op == "_wake":
+            return
+        if op == "_call":
+            msg["fn"]()
+            return
+        link = self.links.get(node)
+        if link is None or link.lost:
+            return
+        if isinstance(msg.get("now"), (int, float)):
+            link.offset = time.time() - msg["now"]
+        if op == keys.EXITS:
+            now = time.time()
+            for e in msg.get("exits", []):
+                p = self.procs.get(int(e["wid"]))
+                if p is not None and p.alive:
+                    p.returncode = e.get("code") if e.get("code") is not None else HOST_LOST_CODE
+                    p.t_exit = now
+                    self._exited.append(p)
+        elif op == keys.EVENTS:
+            for ev in msg.get("events", []):
+                self._events.append(keys.shift_times(ev, link.offset))
+        elif op == keys.PROGRESS:
+            for wid, rec in msg.get("recs", {}).items():
+                self._progress[int(wid)] = keys.shift_times(rec, link.offset)
+            link.stopped = {int(w) for w in msg.get("stopped", [])}
+        elif op == keys.OUTPUT:
+            self.output(int(msg["wid"]), str(msg.get("line", "")))
+        elif op == keys.STATE:
+            link.state = msg
+            self._adopt(link, msg)
+        elif op == keys.REFUSED:  # a newer controller is in office: we must stop at once
+            raise Deposed(f"host {link.rec.host_id} refused a command: {msg.get('why')}")
+
+    def _adopt(self, link: HostLink, state: dict[str, Any]) -> None:
+        """What a host runs, as it says (after a takeover, or a reconnect)."""
+        for w in state.get("workers", []):
+            wid = int(w["wid"])
+            p = self.procs.get(wid)
+            if p is None:
+                p = RemoteProc(wid, link.node, bool(w.get("spare")),
+                               self.run_dir / "logs" / f"worker-{wid}.log")
+                self.procs[wid] = p
+                self._next_wid = max(self._next_wid, wid + 1)
+            p.pid = w.get("pid")
+            if not w.get("alive") and p.alive:
+                p.returncode, p.t_exit = w.get("code"), time.time()
+                self._exited.append(p)
+
+    def end_all(self, grace_s: float, deadline_s: float = 10.0) -> None:
+        """The job is over: the leader tells every host to end its processes and leave."""
+        self.grace_s = grace_s
+
+    def end_hosts(self, code: int) -> None:
+        for node in list(self.links):
+            self._to(node, {"op": keys.END, "code": code, "grace_s": self.grace_s})
+
+    def close(self) -> None:
+        self._stop.set()
+        for link in self.links.values():
+            if link.ch is not None:
+                link.ch.close()
+
+    # == the mail interface ======================================================================
+    def send(self, wid: int, seq: int, msg: dict[str, Any]) -> None:
+        p = self.procs.get(wid)
+        if p is not None:
+            self._to(p.node, {"op": keys.SEND, "wid": wid, "seq": seq, "msg": msg})
+
+    def abort(self, gen: int, wids: list[int]) -> None:
+        by_node: dict[int, list[int]] = {}
+        for wid in wids:
+            p = self.procs.get(wid)
+            if p is not None:
+                by_node.setdefault(p.node, []).append(wid)
+        for node, mine in by_node.items():
+            self._to(node, {"op": keys.ABORT, "gen": gen, "wids": mine})
+
+    def events(self) -> Iterator[dict[str, Any]]:
+        evs, self._events = self._events, []
+        return iter(evs)
+
+    def progress(self, wids: list[int]) -> dict[int, dict[str, Any]]:
+        return {w: self._progress[w] for w in wids if w in self._progress}
+
+    @staticmethod
+    def host_of(node: int) -> int:
+        return node
+
+    def generation_store(self, gen: int, node: int) -> dict[str, Any]:
+        """The group forms on the store of its rank 0's host, under the generation's prefix."""
+        rec = self.links[node].rec
+        return {"pg_addr": rec.addr, "pg_port": rec.rdzv_port, "master_addr": rec.addr,
+                "port": rec.rdzv_port}
+
+
+class Deposed(Exception):
+    """A host answered that a newer controller is in office."""

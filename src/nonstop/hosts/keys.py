@@ -1,0 +1,102 @@
+"""What lives in etcd for one job, under ``/nonstop/<job id>/``, and the messages on the channel
+between the controller and the hosts' agents. Both sides read the names from here.
+
+etcd holds membership and decisions, never the hot path: a host's record (under its lease), the
+job's settings, the elected controller (under its lease; its epoch is the key's create revision),
+the controller's journal (written only while it holds that epoch) and the job's end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+JOB = "job"  # JobRecord: the settings every host must agree on (created by the first host)
+HOSTS = "hosts/"  # hosts/<host id> -> HostRecord, under the host agent's lease
+LEADER = "leader"  # the controller in office, under its lease; epoch = this key's create revision
+JOURNAL = "journal"  # the controller's state: a standby continues from it
+DONE = "done"  # the job's end: {"code", "diagnosis"}; a host that joins later leaves at once
+
+
+def host_key(host_id: str) -> str:
+    return HOSTS + host_id
+
+
+# -- controller -> agent (every message carries the controller's epoch; a lower one is ignored) --
+HELLO = "hello"  # {epoch} -> the agent answers STATE
+SPAWN = "spawn"  # {wid, spare, mode, node}
+SIGNAL = "signal"  # {wid, sig}
+SEND = "send"  # {wid, seq, msg}: a mailbox message
+ABORT = "abort"  # {gen, wids}
+END = "end"  # {code, grace_s}: end every process and leave with this code
+# -- agent -> controller ---------------------------------------------------------------------------
+STATE = "state"  # {host, workers: [{wid, pid, alive, code}], now}
+EXITS = "exits"  # {exits: [{wid, code}]}
+EVENTS = "events"  # {events: [...]}: the ranks' events, in order
+PROGRESS = "progress"  # {recs: {wid: record}, stopped: [wid]}
+OUTPUT = "output"  # {wid, line}: a line a process printed (log rules)
+REFUSED = "refused"  # {why}: a command the agent will not carry out (a stale epoch)
+
+
+@dataclasses.dataclass
+class HostRecord:
+    """One host's agent, alive while its lease is."""
+
+    host_id: str
+    addr: str  # the host's address: every listener of the job on this host binds it
+    ctl_port: int  # the agent's channel (the controller connects here)
+    rdzv_port: int  # the store the generations whose rank 0 is here form their groups on
+    pid: int
+    slots: int  # ranks per host (--nproc-per-node)
+    incarnation: str  # a new one each time the agent registers (after fencing itself)
+
+    def dumps(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def loads(cls, raw: bytes | str) -> "HostRecord":
+        data = json.loads(raw)
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass
+class JobRecord:
+    """The settings every host of the job must share: a host started with others is refused."""
+
+    nnodes_min: int
+    nnodes_max: int
+    nproc_per_node: int
+    spare_nodes: int
+    script: str  # its file name: two different jobs under one id are told apart
+    policy_digest: str
+    secret_check: str  # an HMAC of a fixed text: a host with another secret is refused at once
+
+    def dumps(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def loads(cls, raw: bytes | str) -> "JobRecord":
+        data = json.loads(raw)
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+
+    def differs(self, other: "JobRecord") -> list[str]:
+        return [f.name for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(other, f.name)]
+
+
+TIME_FIELDS = ("t", "hb")
+
+
+def shift_times(obj: dict[str, Any], offset: float) -> dict[str, Any]:
+    """A record from another host, with its times moved onto this host's clock (``offset`` =
+    this host's clock minus the sender's, taken when the message arrived). No decision compares
+    two hosts' clocks: the sender's times are only ever read relative to its own clock."""
+    for key, value in obj.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and \
+                (key in TIME_FIELDS or key.startswith("t_")):
+            obj[key] = value + offset
+    life = obj.get("life")
+    if isinstance(life, list) and len(life) == 2 and isinstance(life[1], (int, float)):
+        obj["life"] = [life[0], life[1] + offset]
+    return obj

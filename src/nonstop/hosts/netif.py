@@ -1,0 +1,34 @@
+"""The host's network interfaces: which one holds an address, and which address reaches etcd."""
+
+from __future__ import annotations
+
+import fcntl
+import socket
+import struct
+
+_SIOCGIFADDR = 0x8915
+
+
+def interface_of(addr: str) -> str | None:
+    """The name of the interface that holds ``addr`` (gloo and NCCL listen on an interface)."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for name in names:
+            try:
+                raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(raw[20:24]) == addr:
+                return name
+    return None
+
+
+def route_to(host: str, port: int) -> str:
+    """This host's address on the route to ``host`` (no packet is sent): the address other hosts
+    reach it at, unless the user names one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))
+        return s.getsockname()[0]
