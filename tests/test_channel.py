@@ -479,7 +479,8 @@ def test_bad_clients_do_not_hold_up_a_good_one(secret):
         # the garbage was refused at once (and told so); the silent one when its time is up
         assert lst.accept(timeout=hs + 0.5) is None
         assert any("bad hello" in why for why in refused)
-        assert any("during the handshake" in why for why in refused)
+        # a client that connects and leaves without a byte is a liveness probe: not refused
+        assert not any("closed the connection during the handshake" in why for why in refused)
         assert any("no complete handshake" in why for why in refused)
         garbage.settimeout(2)
         told = b""

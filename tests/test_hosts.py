@@ -4,6 +4,8 @@ bitwise against the fault-free run."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from conftest import TRAIN, bitwise_equal
 
@@ -97,3 +99,55 @@ def test_a_host_killed_whole_moves_its_ranks_to_the_spare_host(job, reference):
     assert [e["node"] for e in j.of("node_lost")] == [victim_node]  # its lease expired
     saved = _saved(j, 3)
     assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", "240"))
+
+
+def _victim(j: HostJob) -> tuple[int, int]:
+    """A host that holds ranks and not the controller: (test host index, node)."""
+    leader = j.of("leader")[0]
+    order = list(leader["hosts"])  # node order: the order the hosts joined
+    node = 1 if order[1] != leader["host"] else 0
+    return int(order[node].removeprefix("host")), node
+
+
+def test_a_partitioned_host_fences_itself_and_comes_back_as_a_spare(job, reference):
+    j = job(3)
+    for i in range(3):
+        _train(j, i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
+               steps=500, sleep_ms=15)
+    j.wait_output("step 50 ", 90)
+    victim, node = _victim(j)
+    j.hosts[victim].cut()  # no packets either way, no resets
+    j.wait_output("fenced", 30, hosts=[victim])
+    j.hosts[victim].heal()
+    codes = j.wait(150)
+    assert set(codes.values()) == {0}, "\n".join(j.output(i)[-3000:] for i in codes)
+    assert [e["node"] for e in j.of("node_lost")] == [node]
+    joined = j.of("node_joined")
+    assert len(joined) == 1 and joined[0]["node"] == 3  # the healed host, as a new spare node
+    # its spares were started there: the pool of spare hosts is full again
+    assert any(e["node"] == 3 and e["spare"] for e in j.of("spawn"))
+    # no split brain: no process of the cut host's joined any generation after the first
+    spawns = {e["wid"]: e["node"] for e in j.of("spawn")}
+    assert not [e for e in j.of("rank_joining") if e["gen"] > 0 and spawns[e["wid"]] == node]
+    incidents = j.of("incident")
+    assert len(incidents) == 1 and incidents[0]["steps_lost"] == 0
+    saved = _saved(j, 3)
+    assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", "500"))
+
+
+def test_etcd_stopped_for_5_seconds_does_not_stop_training(job, reference):
+    j = job(2)
+    for i in range(2):
+        _train(j, i, "--nnodes", "2", "--nproc-per-node", "2", steps=700, sleep_ms=15)
+    j.wait_output("step 50 ", 90)
+    j.etcd.stop_member("e0")
+    time.sleep(5)
+    j.etcd.start_member("e0")
+    codes = j.wait(150)
+    assert codes == {0: 0, 1: 0}, j.output(0)[-3000:] + j.output(1)[-3000:]
+    assert not j.of("incident") and not j.of("node_lost") and not j.of("fault")
+    both = j.output(0) + j.output(1)
+    assert "etcd is back: the control plane resumes" in both
+    assert "fenced" not in both
+    saved = _saved(j, 2)
+    assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", "700"))

@@ -237,6 +237,8 @@ class Hosts(_Strict):
     lease_ttl_s: int = Field(2, ge=1, le=60)
     # hosts a new job waits for (--nnodes) before it gives up with a clear error
     join_timeout_s: float = Field(300.0, gt=0, le=86400.0)
+    # etcd unreachable (no quorum) this long: the job stops with a diagnosis; shorter, it trains on
+    store_outage_s: float = Field(60.0, gt=0, le=86400.0)
 
 
 class Policy(_Strict):

@@ -40,6 +40,7 @@ PROGRESS_EVERY_S = 0.1
 DONE_CHECK_S = 1.0
 RESPAWN_S = 0.5  # a standby controller that died is replaced after this long
 REGISTER_RETRY_S = 0.5
+PEER_PROBE_S = 0.5  # a peer's agent answers a connect within this (or refuses it)
 
 
 @dataclasses.dataclass
@@ -92,11 +93,15 @@ class HostAgent:
         self.meta: dict[int, dict[str, Any]] = {}  # wid -> spare, node, rank (for labels)
         self.code: int | None = None
         self.lease_lost = threading.Event()
+        self.doubt_since: float | None = None  # etcd unreachable since (monotonic)
+        self.peers: list[tuple[str, int]] = []  # the other hosts' agents, as last read
+        self._probe: threading.Thread | None = None
+        self._probed: tuple[float, bool] | None = None  # the last round of probes: when, answered
         self.incarnation = ""
         self.lease: Any = None
         self._unsent_exits: list[dict[str, Any]] = []
         self._last_progress = 0.0
-        self._last_done_check = 0.0
+        self.done: dict[str, Any] | None = None  # the job's end, as read from etcd
         self._respawn_at: float | None = None
         self._stop = threading.Event()
         self.shift_s = float(os.environ.get("NONSTOP_TEST_CLOCK_SHIFT_S", "0") or 0)
@@ -129,6 +134,7 @@ class HostAgent:
         self.listener = channel.Listener(cfg.addr, self.secret, on_refused=self._refused)
         self._register()
         threading.Thread(target=self._accept_loop, name="nonstop-accept", daemon=True).start()
+        threading.Thread(target=self._store_loop, name="nonstop-store", daemon=True).start()
         self._spawn_controller()
         try:
             return self._loop()
@@ -137,11 +143,10 @@ class HostAgent:
             self.agent.close()
             self.listener.close()
             if self.lease is not None:
-                self.lease.stop()
                 try:
                     self.lease.revoke()
                 except Exception:  # noqa: BLE001 - etcd gone: the lease expires by itself
-                    pass
+                    self.lease.stop()
             self.etcd.close()
 
     def _job_settings(self) -> dict[str, Any]:
@@ -190,10 +195,21 @@ class HostAgent:
         if not self.etcd.create(keys.host_key(self.cfg.host_id), rec.dumps(), lease=self.lease):
             self.lease.revoke()
             raise UsageError(f"host '{self.cfg.host_id}' is already in job '{self.cfg.job_id}'")
-        self.lease.keepalive(on_lost=self._on_lease_lost)
+        self.lease.keepalive(on_lost=self._on_lease_lost, on_doubt=self._on_doubt)
 
     def _on_lease_lost(self) -> None:
         self.lease_lost.set()
+        self.agent.wake()
+
+    def _on_doubt(self, doubt: bool) -> None:
+        """etcd unreachable for a whole TTL (or reachable again). Unreachable for everyone (etcd
+        down), the job trains on and etcd extends the leases when it is back; unreachable for this
+        host alone, the job has given this host up: which one is told by the peers."""
+        self.doubt_since = time.monotonic() if doubt else None
+        if doubt:
+            print(f"nonstop: host {self.cfg.host_id} cannot reach etcd at "
+                  f"{_endpoints(self.cfg.endpoints)} (lease not refreshed for "
+                  f"{self.cfg.lease_ttl_s} s)", file=sys.stderr, flush=True)
         self.agent.wake()
 
     def _worker_env(self) -> dict[str, str]:
@@ -250,6 +266,8 @@ class HostAgent:
             self.agent.wake()
 
     def _refused(self, peer: tuple[str, int], why: str) -> None:
+        if "closed the connection" in why:  # a probe (or a port scan): nothing was offered
+            return
         print(f"nonstop: refused a connection from {peer[0]}:{peer[1]}: {why}", file=sys.stderr,
               flush=True)
 
@@ -279,10 +297,11 @@ class HostAgent:
                 self._last_progress = now
                 self._relay_progress()
             if self.lease_lost.is_set():
-                self._fence()
-            if now - self._last_done_check >= DONE_CHECK_S:
-                self._last_done_check = now
-                self._check_done()
+                self._fence("its lease in etcd expired")
+            elif self.doubt_since is not None:
+                self._judge_doubt()
+            if self.done is not None:
+                self._end_done()
             if self._respawn_at is not None and now >= self._respawn_at:
                 self._spawn_controller()
         return self.code
@@ -388,10 +407,54 @@ class HostAgent:
         self._send({"op": keys.OUTPUT, "wid": wid, "line": line})
 
     # == fencing ================================================================================
-    def _fence(self) -> None:
-        """Our lease is gone: the job has moved on without this host. Its processes end now (they
-        must never join a newer generation); then the host offers itself again, as a spare."""
+    def _judge_doubt(self) -> None:
+        """etcd is out of reach. Reaching none of its peers either, this host is the one cut off
+        (its lease expires at etcd as ours did here): fence now. Reaching some, etcd itself is
+        down: train on, up to the policy's outage tolerance."""
+        now = time.monotonic()
+        since = self.doubt_since
+        done = self._probed  # (when the last round started, whether a peer answered)
+        if done is not None and done[0] >= since and not done[1] and self.peers:
+            self._fence("it reaches neither etcd nor any other host")
+            return
+        if (self._probe is None or not self._probe.is_alive()) and \
+                (done is None or now - done[0] >= PEER_PROBE_S):
+            self._probe = threading.Thread(target=self._probe_peers, args=(now,), daemon=True,
+                                           name="nonstop-probe")
+            self._probe.start()
+        outage = self.cfg.policy["hosts"]["store_outage_s"]
+        if now - self.doubt_since > outage + 3 * self.cfg.lease_ttl_s + 5:
+            # the controller gives up at the tolerance and says so; it did not reach us
+            print(f"nonstop: error: etcd unreachable for {now - self.doubt_since:.0f} s "
+                  f"(hosts.store_outage_s={outage:g}) and no word from the controller: ending "
+                  "this host's processes", file=sys.stderr, flush=True)
+            self.agent.end_all(0.0)
+            self.code = 1
+
+    def _probe_peers(self, started: float) -> None:
+        """Whether any other host answers (a connect accepted or refused: either proves the
+        path); never judged on one host's word about another's clock."""
+        import socket
+
+        for addr, port in list(self.peers):
+            try:
+                with socket.create_connection((addr, port), timeout=PEER_PROBE_S):
+                    pass
+            except ConnectionRefusedError:  # a refusal came back: the path works
+                pass
+            except OSError:
+                continue
+            self._probed = (started, True)
+            return
+        self._probed = (started, False)
+
+    def _fence(self, why: str) -> None:
+        """The job has moved on without this host (its lease is gone, or it is cut off). Its
+        processes end now - they must never join a newer generation - then the host offers
+        itself again, as a new host (a spare), once etcd answers."""
         self.lease_lost.clear()
+        self.doubt_since = None
+        self._probed = None
         killed = [p.wid for p in self.agent.alive() if p.wid != CONTROLLER_WID]
         for wid in killed:
             self.agent.signal(wid, signal.SIGKILL)
@@ -401,33 +464,54 @@ class HostAgent:
             self.ctl = None
         self.meta.clear()
         self._unsent_exits.clear()
-        print(f"nonstop: host {self.cfg.host_id} lost its lease in etcd: ended its {len(killed)} "
-              "process(es) (fenced); joining again as a new host", file=sys.stderr, flush=True)
+        print(f"nonstop: host {self.cfg.host_id} fenced ({why}): ended its {len(killed)} "
+              "process(es); it joins again as a new host once etcd answers", file=sys.stderr,
+              flush=True)
+        old, self.lease = self.lease, None
+        if old is not None:
+            old.stop()
         deadline = time.time() + 3600
         while self.code is None and time.time() < deadline:
             self.agent.poll(REGISTER_RETRY_S)
             try:
-                if self._check_done():
+                if self._read_job():
+                    self._end_done()
                     return
+                if old is not None:  # our old record goes first: the controller sees a new host
+                    old.revoke()
+                    old = None
                 self._register()
                 break
-            except UsageError:  # our old record has not expired yet
+            except UsageError:  # our old record is still there
                 continue
             except Exception:  # noqa: BLE001 - etcd still unreachable: keep trying
                 continue
         self._respawn_at = time.time()
 
-    def _check_done(self) -> bool:
-        try:
-            raw, _ = self.etcd.get(keys.DONE)
-        except Exception:  # noqa: BLE001 - etcd away for a moment: the job goes on
-            return False
+    def _store_loop(self) -> None:
+        """etcd is read here, never in the loop that serves the ranks: an etcd out of reach makes
+        a call wait for its deadline, and the ranks' heartbeats must not wait with it."""
+        while not self._stop.wait(DONE_CHECK_S):
+            try:
+                self._read_job()
+            except Exception:  # noqa: BLE001 - etcd away for a moment: the job goes on
+                continue
+
+    def _read_job(self) -> bool:
+        """Whether the job has ended (then this host ends too); reads the peers on the way."""
+        raw, _ = self.etcd.get(keys.DONE)
+        rows = self.etcd.get_prefix(keys.HOSTS)
+        peers = [keys.HostRecord.loads(r[1]) for r in rows]
+        self.peers = [(p.addr, p.ctl_port) for p in peers if p.host_id != self.cfg.host_id]
         if raw is None:
             return False
-        done = json.loads(raw)
-        self.agent.end_all(0.0)
-        self.code = int(done.get("code", 1))
+        self.done = json.loads(raw)
+        self.agent.wake()
         return True
+
+    def _end_done(self) -> None:
+        self.agent.end_all(0.0)
+        self.code = int((self.done or {}).get("code", 1))
 
 
 def _bound_store(addr: str) -> Any:

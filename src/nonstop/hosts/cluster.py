@@ -74,11 +74,17 @@ class Cluster:
         self.grace_s = 0.0
 
     # == hosts ==================================================================================
-    def add_host(self, node: int, rec: keys.HostRecord, timeout_s: float = 5.0) -> HostLink:
-        """Connect to a host's agent and say hello (it answers with what it runs)."""
+    def add_host(self, node: int, rec: keys.HostRecord, timeout_s: float = 5.0,
+                 ch: Any = None) -> HostLink:
+        """Connect to a host's agent (or take the channel already opened to it) and say hello
+        (it answers with what it runs)."""
         link = HostLink(node, rec)
         self.links[node] = link
-        self._connect(link, timeout_s)
+        if ch is None:
+            self._connect(link, timeout_s)
+        else:
+            link.ch = ch
+            ch.send({"op": keys.HELLO, "epoch": self.epoch})
         threading.Thread(target=self._read_loop, args=(link,), daemon=True,
                          name=f"nonstop-host-{node}").start()
         return link
@@ -180,6 +186,10 @@ class Cluster:
 
     def wake(self) -> None:
         self.inbox.put((-1, {"op": "_wake"}))
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` in the controller's thread, at its next poll (from any thread)."""
+        self.inbox.put((-1, {"op": "_call", "fn": fn}))
 
     def poll(self, timeout: float) -> list[RemoteProc]:
         """Wait up to ``timeout`` for what the hosts report; return the processes that exited."""

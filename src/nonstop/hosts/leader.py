@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     secret = load_secret()
     etcd = Etcd(cfg.endpoints, cfg.job_id, timeout_s=max(2.0, cfg.lease_ttl_s))
     stop = threading.Event()
+    office = Office()
 
     def lost() -> None:
         print(f"nonstop: the controller on {cfg.host_id} lost its lease in etcd: it steps down",
@@ -55,25 +56,61 @@ def main(argv: list[str] | None = None) -> None:
     me = json.dumps({"host": cfg.host_id, "pid": os.getpid()})
     while True:
         try:
-            lead = etcd.campaign(keys.LEADER, me, cfg.lease_ttl_s, stop, on_lost=lost)
+            lead = etcd.campaign(keys.LEADER, me, cfg.lease_ttl_s, stop, on_lost=lost,
+                                 on_doubt=office.doubt)
             break
         except StoreUnavailable:
             time.sleep(0.5)
     if lead is None:
         os._exit(0)
-    code = Leader(cfg, secret, etcd, lead).run()
+    office.confirm = lambda: _still_leader(etcd, lead.epoch)
+    code = Leader(cfg, secret, etcd, lead, office).run()
     sys.stdout.flush()
     os._exit(0 if code is not None else 1)
 
 
+class Office:
+    """Whether etcd is reachable for the controller in office. Out of reach, the controller
+    carries on (the ranks train; a fault is still handled with what the hosts have), and checks
+    that it is still the one in office as soon as etcd answers again."""
+
+    def __init__(self) -> None:
+        self.down_since: float | None = None
+        self.confirm: Any = None
+
+    def doubt(self, doubt: bool) -> None:
+        if doubt:
+            self.down_since = time.monotonic()
+            print("nonstop: etcd is out of reach: training goes on; the controller waits for it",
+                  file=sys.stderr, flush=True)
+            return
+        self.down_since = None
+        if self.confirm is not None and not self.confirm():
+            print("nonstop: another controller took office while etcd was out of reach: this "
+                  "one steps down", file=sys.stderr, flush=True)
+            os._exit(3)
+        print("nonstop: etcd is back: the control plane resumes", file=sys.stderr, flush=True)
+
+
+def _still_leader(etcd: Any, epoch: int) -> bool:
+    try:
+        found = etcd.leader(keys.LEADER)
+    except Exception:  # noqa: BLE001 - out of reach again: judged at the next answer
+        return True
+    return found is not None and found[1] == epoch
+
+
 class Leader:
-    def __init__(self, cfg: HostConfig, secret: bytes, etcd: Any, lead: Any):
+    def __init__(self, cfg: HostConfig, secret: bytes, etcd: Any, lead: Any, office: Office):
         self.cfg, self.secret, self.etcd, self.lead = cfg, secret, etcd, lead
+        self.office = office
         self.epoch = lead.epoch
         self.run_dir = cfg.run_dir
-        self._hosts_rev = 0
-        self._last_hosts = 0.0
         self._journal_gen = -2
+        self._pending: str | None = None  # the journal to write next
+        self._worker: threading.Thread | None = None
+        self._joining: set[tuple[str, str]] = set()
+        self.controller: Any = None
 
     def guarded(self, puts: dict[str, str]) -> None:
         self.etcd.guarded(keys.LEADER, self.epoch, puts=puts)
@@ -119,6 +156,7 @@ class Leader:
         controller = Controller(world=world, spares=cfg.spares * nodes, policy=pol, mail=cluster,
                                 agent=cluster, log=log, display=display, managed=True,
                                 nodes=nodes, spare_nodes=len(hosts) - nodes, run_dir=self.run_dir)
+        self.controller = controller
         cluster.on_node_lost = lambda n: controller.node_lost(n, "its lease in etcd expired")
         cluster.on_tick = lambda: self._tick(controller, cluster)
         display.info(f"controller on {cfg.host_id} (epoch {self.epoch}): {world} rank(s) on "
@@ -158,57 +196,96 @@ class Leader:
 
     # == while the job runs =====================================================================
     def _tick(self, controller: Any, cluster: Any) -> None:
-        now = time.monotonic()
-        if controller.gen != self._journal_gen and controller.phase not in ("starting",):
+        """Once per controller tick, in the controller's thread: never waits on etcd (a worker
+        thread reads and writes it); hands the journal over, acts on what the worker read."""
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._store_loop, args=(cluster,),
+                                            daemon=True, name="nonstop-store")
+            self._worker.start()
+        down = self.office.down_since
+        if down is not None:
+            outage = controller.policy.hosts.store_outage_s
+            if time.monotonic() - down > outage and controller.exit_code is None:
+                controller.give_up("etcd unreachable", (
+                    f"etcd at {','.join(f'{h}:{p}' for h, p in self.cfg.endpoints)} unreachable "
+                    f"for {time.monotonic() - down:.0f} s (hosts.store_outage_s={outage:g}): no "
+                    "host can be known alive or dead without it"))
+        if controller.gen != self._journal_gen and controller.phase != "starting":
             self._journal_gen = controller.gen
-            self._write_journal(controller)
-        if now - self._last_hosts >= HOSTS_EVERY_S:
-            self._last_hosts = now
-            self._check_hosts(controller, cluster)
+            self._pending = self._journal(controller)  # the newest wins
 
-    def _write_journal(self, controller: Any) -> None:
+    def _journal(self, controller: Any) -> str:
         rec = {"epoch": self.epoch, "gen": controller.gen,
                "plan": {str(r): w for r, w in controller.plan.items()},
                "nodes": {str(n): {"host": link.rec.host_id, "incarnation": link.rec.incarnation}
                          for n, link in controller.agent.links.items()},
                "isolated": sorted(controller.counters.isolated),
                "replacements": controller.replacements, "max_step": controller.max_step}
-        try:
-            self.guarded({keys.JOURNAL: json.dumps(rec, separators=(",", ":"))})
-        except Exception as exc:  # noqa: BLE001
-            from ..store.etcd import Fenced
+        return json.dumps(rec, separators=(",", ":"))
 
-            if isinstance(exc, Fenced):
-                print("nonstop: a newer controller is in office: this one stops", file=sys.stderr,
-                      flush=True)
-                os._exit(3)
+    def _store_loop(self, cluster: Any) -> None:
+        """etcd's side of the controller, in its own thread: the journal written (only while
+        this controller holds its epoch), the hosts read. What it finds is handed to the
+        controller's thread through the cluster's inbox."""
+        from ..store.etcd import Fenced
 
-    def _check_hosts(self, controller: Any, cluster: Any) -> None:
-        """Hosts whose lease expired are lost; hosts that joined are spare nodes."""
-        try:
-            rows = self.etcd.get_prefix(keys.HOSTS)
-        except Exception:  # noqa: BLE001 - etcd away: nothing is decided without it
-            return
-        alive = {}
-        for _, raw, _, _ in rows:
-            rec = keys.HostRecord.loads(raw)
-            alive[(rec.host_id, rec.incarnation)] = rec
+        while True:
+            time.sleep(HOSTS_EVERY_S)
+            if self.office.down_since is not None:
+                continue  # nothing is decided on etcd's word until it is back
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                try:
+                    self.guarded({keys.JOURNAL: pending})
+                except Fenced:
+                    print("nonstop: a newer controller is in office: this one stops",
+                          file=sys.stderr, flush=True)
+                    os._exit(3)
+                except Exception:  # noqa: BLE001 - etcd out of reach: written later
+                    if self._pending is None:
+                        self._pending = pending
+            try:
+                rows = self.etcd.get_prefix(keys.HOSTS)
+            except Exception:  # noqa: BLE001 - etcd away: nothing is decided without it
+                continue
+            alive = {}
+            for _, raw, _, _ in rows:
+                rec = keys.HostRecord.loads(raw)
+                alive[(rec.host_id, rec.incarnation)] = rec
+            cluster.call(lambda a=alive: self._on_hosts(a, cluster))
+
+    def _on_hosts(self, alive: dict[tuple[str, str], keys.HostRecord], cluster: Any) -> None:
+        """Hosts whose lease expired are lost; hosts that joined are connected (in the
+        background) and become spare nodes."""
         for node, link in list(cluster.links.items()):
             if not link.lost and (link.rec.host_id, link.rec.incarnation) not in alive:
                 cluster.host_gone(node)
         known = {(link.rec.host_id, link.rec.incarnation) for link in cluster.links.values()}
         for key, rec in alive.items():
-            if key in known:
+            if key in known or key in self._joining:
                 continue
+            self._joining.add(key)
+            threading.Thread(target=self._connect_new, args=(key, rec, cluster), daemon=True,
+                             name="nonstop-join").start()
+
+    def _connect_new(self, key: tuple[str, str], rec: keys.HostRecord, cluster: Any) -> None:
+        from ..net import channel
+
+        try:
+            ch = channel.connect(rec.addr, rec.ctl_port, self.secret, timeout_s=2.0)
+        except Exception as exc:  # noqa: BLE001 - tried again at the next look
+            print(f"nonstop: host {rec.host_id} joined but cannot be reached yet: {exc}",
+                  file=sys.stderr, flush=True)
+            self._joining.discard(key)
+            return
+
+        def joined() -> None:
+            self._joining.discard(key)
             node = max(cluster.links) + 1 if cluster.links else 0
-            try:
-                cluster.add_host(node, rec, timeout_s=2.0)
-            except Exception as exc:  # noqa: BLE001 - try again at the next look
-                cluster.links.pop(node, None)
-                print(f"nonstop: host {rec.host_id} joined but cannot be reached yet: {exc}",
-                      file=sys.stderr, flush=True)
-                continue
-            controller.node_joined(node)
+            cluster.add_host(node, rec, ch=ch)
+            self.controller.node_joined(node)
+
+        cluster.call(joined)
 
 
 if __name__ == "__main__":

@@ -591,6 +591,10 @@ class Listener:
             self._refuse(p, f"connection failed during the handshake: {e}", tell=False)
             return None
         if n == 0:
+            if p.got == 0:  # connected and left without a byte: a liveness probe, not an attempt
+                p.sock.close()
+                log.debug("%s:%s connected and closed without a byte", *p.peer)
+                return None
             self._refuse(p, "closed the connection during the handshake", tell=False)
             return None
         p.got += n

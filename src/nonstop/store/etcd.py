@@ -757,11 +757,13 @@ class Etcd:
     # -- election --
 
     def campaign(self, key: str, value: str, ttl_s: int, stop: threading.Event,
-                 on_lost: Callable[[], None]) -> "Leadership | None":
+                 on_lost: Callable[[], None],
+                 on_doubt: Callable[[bool], None] | None = None) -> "Leadership | None":
         """Block until this caller holds ``key`` (created under a fresh lease, only if absent),
         or until ``stop`` is set (-> None). Waiting, it watches the key for its deletion. The
         lease is then kept alive in a thread; ``on_lost`` is called once if it cannot be for
-        longer than its TTL, after which the caller must stop acting as leader."""
+        longer than its TTL, after which the caller must stop acting as leader (with
+        ``on_doubt``: see :meth:`Lease.keepalive`)."""
         k = self._key(key)
         lease: Lease | None = None
         while not stop.is_set():
@@ -787,7 +789,7 @@ class Etcd:
             if not epoch and kvs and int(kvs[0].get("lease", 0)) == lease.id:
                 epoch = int(kvs[0]["create_revision"])  # an earlier, timed-out try of ours won
             if epoch:
-                ld = Leadership(self, key, value, epoch, lease, on_lost)
+                ld = Leadership(self, key, value, epoch, lease, on_lost, on_doubt)
                 if stop.is_set():
                     ld.resign()
                     return None
@@ -848,6 +850,8 @@ class Lease:
         self._lost = False
         self._revoked = False
         self._on_lost: Callable[[], None] | None = None
+        self._on_doubt: Callable[[bool], None] | None = None
+        self._doubt = False
         self._lost_lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -874,12 +878,21 @@ class Lease:
         self._last_ok = sent
         return True
 
-    def keepalive(self, on_lost: Callable[[], None] | None = None) -> None:
+    def keepalive(self, on_lost: Callable[[], None] | None = None,
+                  on_doubt: Callable[[bool], None] | None = None) -> None:
         """Refresh every ttl/3 in a daemon thread; ``on_lost`` is called once (from that thread)
-        when etcd says the lease expired, or when no refresh succeeded for ttl_s."""
+        when etcd says the lease expired, or when no refresh succeeded for ttl_s.
+
+        With ``on_doubt``, not reaching etcd for ttl_s is not taken as the loss: etcd itself may
+        be down (restarting), and it extends every lease when it comes back. ``on_doubt(True)`` is
+        called then, the refreshes go on, and ``on_doubt(False)`` follows the first one that
+        succeeds; ``on_lost`` only when etcd says the lease is gone. The caller decides meanwhile
+        (a host that reaches none of its peers is the one cut off)."""
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError(f"lease {self.id:x} is already kept alive")
         self._on_lost = on_lost
+        self._on_doubt = on_doubt
+        self._doubt = False
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name=f"nonstop-etcd-lease-{self.id:x}",
                                         daemon=True)
@@ -892,11 +905,18 @@ class Lease:
         while not self._stop.is_set():
             expires = self._last_ok + self.ttl_s
             sent = time.monotonic()
+            doubting = self._on_doubt is not None
             if sent >= expires:
-                self._declare_lost(f"not refreshed for {self.ttl_s} s")
-                return
+                if not doubting:
+                    self._declare_lost(f"not refreshed for {self.ttl_s} s")
+                    return
+                if not self._doubt:
+                    self._doubt = True
+                    log.warning("etcd lease %x: not refreshed for %s s", self.id, self.ttl_s)
+                    self._call_doubt(True)
             try:
-                ttl = self._etcd._keepalive_once(self.id, min(expires, sent + self._etcd.timeout_s))
+                limit = sent + self._etcd.timeout_s if doubting else min(expires, sent + self._etcd.timeout_s)
+                ttl = self._etcd._keepalive_once(self.id, limit)
             except StoreError as e:  # unavailable, or refused: try again until it expires
                 log.debug("lease %x: refresh failed: %s", self.id, e)
                 self._stop.wait(0.05)
@@ -905,7 +925,16 @@ class Lease:
                 self._declare_lost("etcd says it expired")
                 return
             self._last_ok = sent
+            if self._doubt:
+                self._doubt = False
+                self._call_doubt(False)
             self._stop.wait(max(0.0, period - (time.monotonic() - sent)))
+
+    def _call_doubt(self, doubt: bool) -> None:
+        try:
+            self._on_doubt(doubt)
+        except Exception:  # noqa: BLE001 - a callback's failure must not stop the refreshes
+            log.exception("on_doubt callback of lease %x failed", self.id)
 
     def _declare_lost(self, why: str) -> None:
         with self._lost_lock:
@@ -940,11 +969,11 @@ class Leadership:
     leader: pass (key, epoch) to :meth:`Etcd.guarded` so a deposed leader's writes fail."""
 
     def __init__(self, etcd: Etcd, key: str, value: str, epoch: int, lease: Lease,
-                 on_lost: Callable[[], None]):
+                 on_lost: Callable[[], None], on_doubt: Callable[[bool], None] | None = None):
         self.key, self.value, self.epoch, self.lease = key, value, epoch, lease
         self._etcd = etcd
         self._resigned = False
-        lease.keepalive(on_lost)
+        lease.keepalive(on_lost, on_doubt)
 
     def __repr__(self) -> str:
         return f"Leadership({self.key!r}, epoch={self.epoch}, alive={self.alive})"
