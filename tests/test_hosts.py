@@ -4,6 +4,8 @@ bitwise against the fault-free run."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -151,3 +153,28 @@ def test_etcd_stopped_for_5_seconds_does_not_stop_training(job, reference):
     assert "fenced" not in both
     saved = _saved(j, 2)
     assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", "700"))
+
+
+def test_the_controller_killed_training_goes_on_and_a_standby_takes_over(job, reference):
+    j = job(2)
+    for i in range(2):
+        _train(j, i, "--nnodes", "2", "--nproc-per-node", "2", "--spares", "1",
+               "--inject", "crash:rank=1,step=450", steps=600, sleep_ms=15)
+    j.wait_output("step 50 ", 90)
+    first = j.of("leader")[0]
+    t_kill = time.time()
+    os.kill(first["pid"], signal.SIGKILL)
+    codes = j.wait(150)
+    assert codes == {0: 0, 1: 0}, j.output(0)[-3000:] + j.output(1)[-3000:]
+    leaders = j.of("leader")
+    assert len(leaders) == 2 and leaders[1]["takeover"] and leaders[1]["epoch"] > first["epoch"]
+    # in office within the lease's TTL and a second (the events' times are the test host's)
+    assert leaders[1]["t"] - t_kill <= 2 + 1
+    take = j.of("takeover")
+    assert len(take) == 1 and take[0]["steady"] and not take[0]["missing"]
+    # the fault after the takeover is handled by the new controller, from a warm spare
+    incidents = j.of("incident")
+    assert len(incidents) == 1 and incidents[0]["levels"] == ["rank replacement"]
+    assert incidents[0]["steps_lost"] == 0
+    saved = _saved(j, 2)
+    assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", "600"))

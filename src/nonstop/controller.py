@@ -88,7 +88,8 @@ class Controller(Recovery):
 
     # == the loop ===============================================================================
     def run(self) -> int:
-        self._start()
+        if self.gen < 0:  # a new job (a controller taking over has adopted one: see adopt)
+            self._start()
         while self.exit_code is None:
             tick = (TICK_BUSY_S if self.phase == "tearing_down" else
                     TICK_IDLE_S if self.phase == "running" else TICK_WAIT_S)
@@ -198,6 +199,54 @@ class Controller(Recovery):
         self.memory.revive(now, occupied, self.phase == "running" and self.incident is None,
                            self._node_of(), self._usable_nodes())
 
+    # == taking over a running job (across hosts) ===============================================
+    def adopt(self, adoption: Any, seen: list[Any], journal: dict[str, Any] | None,
+              lost: set[int]) -> None:
+        """Continue a job another controller ran: its generation, plan and processes as the hosts
+        report them, its budgets from the journal. A job that trains goes on untouched; one
+        caught mid-recovery (or missing a rank) recovers from here."""
+        from .workers import Worker
+
+        j = journal or {}
+        self.log.write("takeover", gen=adoption.gen, steady=adoption.steady,
+                       missing=adoption.missing, orphans=adoption.orphans,
+                       spares=adoption.spares, journal_gen=j.get("gen"), lost=sorted(lost))
+        for s in seen:
+            self.workers[s.wid] = Worker(wid=s.wid, spare=s.spare and s.alive, node=s.node,
+                                         seq=s.seq, rank=s.rank, dead=not s.alive)
+        for rank, wid in adoption.plan.items():
+            if wid not in self.workers:  # gone with its host: a record to replace
+                self.workers[wid] = Worker(wid=wid, spare=False, node=self._journal_node(j, rank),
+                                           rank=rank, dead=True)
+            self.workers[wid].rank = rank
+        self.plan = dict(adoption.plan)
+        self.gen = adoption.gen
+        self.replacements = list(j.get("replacements") or self.replacements)
+        self.counters.isolated |= set(j.get("isolated") or []) | set(lost)
+        self.max_step = int(j.get("max_step") or 0)
+        self.claimed = dict(j.get("claimed") or {})
+        self.phase = "rendezvous"  # until the replayed events show every rank in
+        self._gen_t0 = time.time()
+        self.deadline = self._gen_t0 + self.policy.timeouts.rendezvous_s
+        self._warm = set()
+        self.watchers.start(range(self.total_nodes))
+        for wid in adoption.orphans:
+            self.table.kill(self.workers[wid], "assigned by the controller before, not in the "
+                                               "job's plan")
+        for node in sorted(lost & set(self._node_of().values())):
+            self._fault(Fault("node_lost", node=node, message=f"node {node} is gone (its lease "
+                                                              "expired while no controller was "
+                                                              "in office)"))
+        for rank in adoption.missing:
+            w = self.workers[self.plan[rank]]
+            self._fault(Fault("crash", rank=rank, node=w.node, message=(
+                f"rank {rank}'s process is gone (found by the controller taking over)")))
+        self._refill_spares()
+
+    @staticmethod
+    def _journal_node(journal: dict[str, Any], rank: int) -> int:
+        return int((journal.get("node_of") or {}).get(str(rank), 0))
+
     # == hosts joining and leaving (across hosts a node is a host) ===============================
     def node_joined(self, node: int) -> None:
         """A new host: a spare node from now on, warm, ready to take over a failed host's ranks."""
@@ -277,7 +326,8 @@ class Controller(Recovery):
         kind = ev["type"]
         gen = ev.get("gen")
         if kind in ("ready", "entered", "left", "done", "inject", "exit", "first_step", "wrapped",
-                    "joining", "snapshot_interval", "snapshot_failed", "no_steps"):
+                    "joining", "snapshot_interval", "snapshot_failed", "no_steps") \
+                and not ev.get("replay"):  # a replayed one is in the log of the controller before
             self.log.write(f"rank_{kind}", **{k: v for k, v in ev.items() if k != "type"})
         if kind == "ready":
             w.ready = True
@@ -344,7 +394,8 @@ class Controller(Recovery):
         self._t_running = time.time()
         self.watchers.logs.start(self._t_running, self.plan.keys())
         self.deadline = float("inf")
-        self._log_restore(ranks)
+        if not ev.get("replay"):
+            self._log_restore(ranks)
         inc = self.incident
         if inc is None:
             return

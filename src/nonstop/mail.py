@@ -63,8 +63,13 @@ class StoreMail:
     def progress(self, wids: list[int]) -> dict[int, dict[str, Any]]:
         """The newest progress record of each worker that has one."""
         keys = [protocol.progress_key(wid) for wid in wids]
-        if not keys or not self.store.check(keys):
+        if not keys:
             return {}
+        if not self.store.check(keys):  # some have none yet (a process just started)
+            have = [(w, k) for w, k in zip(wids, keys) if self.store.check([k])]
+            if not have:
+                return {}
+            wids, keys = [w for w, _ in have], [k for _, k in have]
         return {wid: protocol.loads(raw) for wid, raw in zip(wids, self.store.multi_get(keys))}
 
     @staticmethod

@@ -40,7 +40,8 @@ PROGRESS_EVERY_S = 0.1
 DONE_CHECK_S = 1.0
 RESPAWN_S = 0.5  # a standby controller that died is replaced after this long
 REGISTER_RETRY_S = 0.5
-PEER_PROBE_S = 0.5  # a peer's agent answers a connect within this (or refuses it)
+PEER_PROBE_S = 0.5
+HISTORY_MAX = 50_000  # events kept for a controller that takes over  # a peer's agent answers a connect within this (or refuses it)
 
 
 @dataclasses.dataclass
@@ -100,6 +101,8 @@ class HostAgent:
         self.incarnation = ""
         self.lease: Any = None
         self._unsent_exits: list[dict[str, Any]] = []
+        self.history: list[dict[str, Any]] = []  # every event of this host's processes
+        self._delivered = 0  # how many of them reached the controller in office
         self._last_progress = 0.0
         self.done: dict[str, Any] | None = None  # the job's end, as read from etcd
         self._respawn_at: float | None = None
@@ -341,17 +344,25 @@ class HostAgent:
             self._command(op, msg)
 
     def _hello(self, ch: Any, epoch: int) -> None:
+        """A controller says hello: it is the one in office from now on. A new one (a takeover)
+        gets what this host runs and every event of its processes so far, to rebuild its view;
+        the same one, reconnecting, gets what it missed."""
         if self.ctl is not None and self.ctl is not ch:
             try:
                 self.ctl.close()
             except Exception:  # noqa: BLE001
                 pass
+        new = epoch != self.epoch
         self.epoch, self.ctl = epoch, ch
         workers = [{"wid": p.wid, "pid": p.pid, "alive": p.alive, "code": p.returncode,
                     **self.meta.get(p.wid, {})}
                    for p in self.agent.procs.values() if p.wid != CONTROLLER_WID]
         self._send({"op": keys.STATE, "host": self.cfg.host_id, "incarnation": self.incarnation,
-                    "workers": workers})
+                    "workers": workers, "takeover": new})
+        since = 0 if new else self._delivered
+        if self.history[since:]:
+            if self._send({"op": keys.EVENTS, "events": self.history[since:], "replay": new}):
+                self._delivered = len(self.history)
         if self._unsent_exits:
             exits, self._unsent_exits = self._unsent_exits, []
             self._send({"op": keys.EXITS, "exits": exits})
@@ -370,9 +381,10 @@ class HostAgent:
             self.agent.signal(int(msg["wid"]), int(msg.get("sig", signal.SIGKILL)))
         elif op == keys.SEND:
             wid, body = int(msg["wid"]), msg["msg"]
+            meta = self.meta.setdefault(wid, {})
             if body.get("type") == protocol.ASSIGN:
-                self.meta.setdefault(wid, {})["rank"] = body.get("rank")
-                self.meta[wid]["spare"] = False
+                meta.update(rank=body.get("rank"), gen=body.get("gen"), spare=False)
+            meta["seq"] = int(msg["seq"]) + 1  # a controller taking over goes on from here
             self.mail.send(wid, int(msg["seq"]), body)
         elif op == keys.ABORT:
             local = [int(w) for w in msg.get("wids", []) if int(w) in self.agent.procs]
@@ -383,8 +395,15 @@ class HostAgent:
 
     def _relay_events(self) -> None:
         evs = list(self.mail.events())
-        if evs:
-            self._send({"op": keys.EVENTS, "events": evs})
+        if not evs:
+            return
+        self.history += evs
+        if len(self.history) > HISTORY_MAX:  # the oldest go: a takeover rebuilds from the rest
+            cut = len(self.history) - HISTORY_MAX
+            self.history = self.history[cut:]
+            self._delivered = max(0, self._delivered - cut)
+        if self._send({"op": keys.EVENTS, "events": self.history[self._delivered:]}):
+            self._delivered = len(self.history)
 
     def _relay_progress(self) -> None:
         live = [p.wid for p in self.agent.alive() if p.wid != CONTROLLER_WID]
@@ -464,6 +483,7 @@ class HostAgent:
             self.ctl = None
         self.meta.clear()
         self._unsent_exits.clear()
+        self.history, self._delivered = [], 0
         print(f"nonstop: host {self.cfg.host_id} fenced ({why}): ended its {len(killed)} "
               "process(es); it joins again as a new host once etcd answers", file=sys.stderr,
               flush=True)

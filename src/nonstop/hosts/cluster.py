@@ -236,7 +236,10 @@ class Cluster:
                     p.t_exit = now
                     self._exited.append(p)
         elif op == keys.EVENTS:
+            replay = bool(msg.get("replay"))
             for ev in msg.get("events", []):
+                if replay:  # already in the event log of the controller before us
+                    ev["replay"] = True
                 self._events.append(keys.shift_times(ev, link.offset))
         elif op == keys.PROGRESS:
             for wid, rec in msg.get("recs", {}).items():

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import keys
+from . import keys, takeover
 from .agent import HostConfig
 
 HOSTS_EVERY_S = 0.2  # how often the host list is read from etcd while the job runs
@@ -127,40 +127,57 @@ class Leader:
         done, _ = self.etcd.get(keys.DONE)
         if done is not None:
             return json.loads(done).get("code", 0)
-        journal, _ = self.etcd.get(keys.JOURNAL)
-        if journal is not None:
-            # a controller was in office before: taking over a running job is the next step;
-            # until then the job stops cleanly rather than run twice
-            self._finish(1, "the controller was replaced while the job ran; taking over a "
-                            "running job is not supported yet")
-            return 1
+        raw, _ = self.etcd.get(keys.JOURNAL)
+        journal = json.loads(raw) if raw is not None else None
         pol = policy_mod.Policy.model_validate(cfg.policy)
-        hosts = self._wait_for_hosts(pol.hosts.join_timeout_s)
-        if hosts is None:
-            return 2
+        if journal is None:
+            hosts = self._wait_for_hosts(pol.hosts.join_timeout_s)
+            if hosts is None:
+                return 2
+            placed = dict(enumerate(hosts))
+            lost: set[int] = set()
+        else:
+            placed, lost = self._place_hosts(journal)
         display = Display(quiet=cfg.quiet, live=False)
         log = EventLog(self.run_dir)
-        log.write("leader", epoch=self.epoch, host=cfg.host_id,
-                  hosts={h.host_id: h.addr for h in hosts})
+        log.write("leader", epoch=self.epoch, host=cfg.host_id, pid=os.getpid(),
+                  takeover=journal is not None,
+                  hosts={h.host_id: h.addr for _, h in sorted(placed.items())})
         controller: Controller | None = None
 
         def output(wid: int, line: str) -> None:
             if controller is not None:
                 controller.on_output(wid, line)
 
-        cluster = Cluster(self.epoch, self.secret, self.run_dir, output)
-        for node, rec in enumerate(hosts):
-            cluster.add_host(node, rec)
+        cluster = Cluster(self.epoch, self.secret, self.run_dir, output,
+                          next_wid=int((journal or {}).get("next_wid", 0)))
+        for node, rec in sorted(placed.items()):
+            try:
+                cluster.add_host(node, rec, timeout_s=2.0)
+            except Exception as exc:  # noqa: BLE001 - alive in etcd, out of reach: lost for us
+                print(f"nonstop: host {rec.host_id} cannot be reached: {exc}", file=sys.stderr,
+                      flush=True)
+                cluster.links.pop(node, None)
+                lost.add(node)
         nodes = cfg.nnodes_max
         world = nodes * cfg.nproc_per_node
+        total = max(list(placed) + list(lost)) + 1
         controller = Controller(world=world, spares=cfg.spares * nodes, policy=pol, mail=cluster,
                                 agent=cluster, log=log, display=display, managed=True,
-                                nodes=nodes, spare_nodes=len(hosts) - nodes, run_dir=self.run_dir)
+                                nodes=nodes, spare_nodes=total - nodes, run_dir=self.run_dir)
         self.controller = controller
+        if journal is not None:
+            seen = self._collect(cluster, lost, timeout_s=cfg.lease_ttl_s + 3.0)
+            adoption = takeover.adopt(journal, seen, world)
+            display.info(f"controller on {cfg.host_id} (epoch {self.epoch}) takes over at "
+                         f"generation {adoption.gen}"
+                         + ("" if adoption.steady else f"; rank(s) {adoption.missing} to recover"))
+            controller.adopt(adoption, seen, journal, lost)
+        else:
+            display.info(f"controller on {cfg.host_id} (epoch {self.epoch}): {world} rank(s) on "
+                         f"{nodes} host(s) + {total - nodes} spare host(s)")
         cluster.on_node_lost = lambda n: controller.node_lost(n, "its lease in etcd expired")
         cluster.on_tick = lambda: self._tick(controller, cluster)
-        display.info(f"controller on {cfg.host_id} (epoch {self.epoch}): {world} rank(s) on "
-                     f"{nodes} host(s) + {len(hosts) - nodes} spare host(s)")
         code = controller.run()
         report(controller, log, self.run_dir, code, display)
         self._finish(code, controller.diagnosis)
@@ -168,6 +185,49 @@ class Leader:
         time.sleep(0.2)  # the END frames leave before the process does
         cluster.close()
         return code
+
+    def _place_hosts(self, journal: dict[str, Any]) -> tuple[dict[int, keys.HostRecord], set[int]]:
+        """The hosts alive now, at the nodes the journal gave them (a host that joined since is a
+        new node); the journal's nodes whose host is gone are lost."""
+        alive = {}
+        for _, raw, _, _ in self.etcd.get_prefix(keys.HOSTS):
+            rec = keys.HostRecord.loads(raw)
+            alive[(rec.host_id, rec.incarnation)] = rec
+        placed: dict[int, keys.HostRecord] = {}
+        lost: set[int] = set()
+        for node, h in (journal.get("nodes") or {}).items():
+            rec = alive.pop((h["host"], h["incarnation"]), None)
+            if rec is None:
+                lost.add(int(node))
+            else:
+                placed[int(node)] = rec
+        nxt = max(list(placed) + list(lost) + [-1]) + 1
+        for _, rec in sorted(alive.items()):
+            placed[nxt] = rec
+            nxt += 1
+        return placed, lost
+
+    def _collect(self, cluster: Any, lost: set[int], timeout_s: float) -> list[Any]:
+        """Every host's answer to our hello: what it runs. A host that does not answer in time
+        is taken as lost (its processes with it)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and \
+                any(link.state is None for link in cluster.links.values()):
+            cluster.poll(0.02)
+        seen = []
+        for node, link in cluster.links.items():
+            if link.state is None:
+                lost.add(node)
+                continue
+            for w in link.state.get("workers", []):
+                seen.append(takeover.Seen(
+                    wid=int(w["wid"]), node=node, alive=bool(w.get("alive")),
+                    spare=bool(w.get("spare")), rank=w.get("rank"), gen=w.get("gen"),
+                    seq=int(w.get("seq", 0))))
+        for node in lost:
+            if node in cluster.links:
+                cluster.host_gone(node)
+        return seen
 
     def _wait_for_hosts(self, timeout_s: float) -> list[keys.HostRecord] | None:
         """The job's first hosts: --nnodes of them hold ranks (in the order they joined), the
@@ -220,7 +280,9 @@ class Leader:
                "nodes": {str(n): {"host": link.rec.host_id, "incarnation": link.rec.incarnation}
                          for n, link in controller.agent.links.items()},
                "isolated": sorted(controller.counters.isolated),
-               "replacements": controller.replacements, "max_step": controller.max_step}
+               "replacements": controller.replacements, "max_step": controller.max_step,
+               "node_of": {str(r): n for r, n in controller._node_of().items()},
+               "claimed": controller.claimed, "next_wid": controller.agent._next_wid}
         return json.dumps(rec, separators=(",", ":"))
 
     def _store_loop(self, cluster: Any) -> None:
