@@ -178,3 +178,37 @@ def test_the_controller_killed_training_goes_on_and_a_standby_takes_over(job, re
     assert incidents[0]["steps_lost"] == 0
     saved = _saved(j, 2)
     assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", "600"))
+
+
+def test_the_controllers_host_killed_whole(job, reference):
+    """The host of the controller in office dies with its ranks: a standby on another host takes
+    office within the lease's TTL and a second, finds the ranks gone and moves them to the spare
+    host."""
+    j = job(3)
+    for i in range(3):
+        _train(j, i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
+               steps=400, sleep_ms=15)
+    j.wait_output("step 50 ", 90)
+    first = j.of("leader")[0]
+    order = list(first["hosts"])
+    victim = int(first["host"].removeprefix("host"))
+    victim_node = order.index(first["host"])
+    t_kill = time.time()
+    j.kill_host(victim)
+    codes = j.wait(150)
+    alive = {i: c for i, c in codes.items() if i != victim}
+    assert set(alive.values()) == {0}, "\n".join(j.output(i)[-3000:] for i in alive)
+    leaders = j.of("leader")
+    assert len(leaders) == 2 and leaders[1]["takeover"] and leaders[1]["host"] != first["host"]
+    assert leaders[1]["t"] - t_kill <= 2 + 1
+    take = j.of("takeover")[0]
+    assert victim_node in take["lost"]
+    if victim_node < 2:  # it held ranks: they moved to the spare host, nothing lost
+        assert not take["steady"]
+        incidents = j.of("incident")
+        assert len(incidents) == 1 and incidents[0]["steps_lost"] == 0
+        spawns = {e["wid"]: e["node"] for e in j.of("spawn")}
+        last = j.of("generation")[-1]["ranks"].values()
+        assert {spawns[w] for w in last} == {0, 1, 2} - {victim_node}
+    saved = _saved(j, 3)
+    assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", "400"))

@@ -90,6 +90,7 @@ class HostAgent:
         self.run_dir = cfg.run_dir
         self.epoch = 0  # the newest controller epoch seen: older ones are fenced off
         self.ctl: Any = None  # the channel of the controller in office
+        self.agent: Agent | None = None
         self.inbox: "queue.Queue[tuple[Any, dict[str, Any]]]" = queue.Queue()
         self.meta: dict[int, dict[str, Any]] = {}  # wid -> spare, node, rank (for labels)
         self.code: int | None = None
@@ -124,26 +125,32 @@ class HostAgent:
             self._join_job()
         except StoreUnavailable as exc:
             raise UsageError(f"cannot reach etcd at {_endpoints(cfg.endpoints)}: {exc}") from None
-        self.local_listener = loopback.listen()
-        self.local_port = self.local_listener.getsockname()[1]
-        env = self._worker_env()
-        self.agent = Agent(cfg.script, cfg.script_args, f"{loopback.HOST}:{self.local_port}",
-                           self.run_dir, env, self._output)
-        self.store = loopback.master_store(self.local_listener)
-        self.store.set(protocol.JOB_KEY, protocol.dumps(self._job_settings()))
-        self.mail = StoreMail()
-        self.mail.attach(self.store)
-        self.rdzv = _bound_store(cfg.addr)
+        # the host is counted as soon as it can be (before torch is imported, which takes a
+        # second or more): a host that joins a full job learns it from the others at once
         self.listener = channel.Listener(cfg.addr, self.secret, on_refused=self._refused)
+        rdzv_sock = _bound_socket(cfg.addr)
+        self.rdzv_port = rdzv_sock.getsockname()[1]
         self._register()
-        threading.Thread(target=self._accept_loop, name="nonstop-accept", daemon=True).start()
-        threading.Thread(target=self._store_loop, name="nonstop-store", daemon=True).start()
-        self._spawn_controller()
+        self.agent: Agent | None = None
         try:
+            self.local_listener = loopback.listen()
+            self.local_port = self.local_listener.getsockname()[1]
+            env = self._worker_env()
+            self.agent = Agent(cfg.script, cfg.script_args, f"{loopback.HOST}:{self.local_port}",
+                               self.run_dir, env, self._output)
+            self.store = loopback.master_store(self.local_listener)
+            self.store.set(protocol.JOB_KEY, protocol.dumps(self._job_settings()))
+            self.mail = StoreMail()
+            self.mail.attach(self.store)
+            self.rdzv = _bound_store(rdzv_sock)
+            threading.Thread(target=self._accept_loop, name="nonstop-accept", daemon=True).start()
+            threading.Thread(target=self._store_loop, name="nonstop-store", daemon=True).start()
+            self._spawn_controller()
             return self._loop()
         finally:
             self._stop.set()
-            self.agent.close()
+            if self.agent is not None:
+                self.agent.close()
             self.listener.close()
             if self.lease is not None:
                 try:
@@ -192,7 +199,7 @@ class HostAgent:
         self.lease = self.etcd.lease(self.cfg.lease_ttl_s)
         self.incarnation = secrets.token_hex(6)
         rec = keys.HostRecord(host_id=self.cfg.host_id, addr=self.cfg.addr,
-                              ctl_port=self.listener.port, rdzv_port=self.rdzv.port,
+                              ctl_port=self.listener.port, rdzv_port=self.rdzv_port,
                               pid=os.getpid(), slots=self.cfg.nproc_per_node,
                               incarnation=self.incarnation)
         if not self.etcd.create(keys.host_key(self.cfg.host_id), rec.dumps(), lease=self.lease):
@@ -202,7 +209,8 @@ class HostAgent:
 
     def _on_lease_lost(self) -> None:
         self.lease_lost.set()
-        self.agent.wake()
+        if self.agent is not None:
+            self.agent.wake()
 
     def _on_doubt(self, doubt: bool) -> None:
         """etcd unreachable for a whole TTL (or reachable again). Unreachable for everyone (etcd
@@ -213,7 +221,8 @@ class HostAgent:
             print(f"nonstop: host {self.cfg.host_id} cannot reach etcd at "
                   f"{_endpoints(self.cfg.endpoints)} (lease not refreshed for "
                   f"{self.cfg.lease_ttl_s} s)", file=sys.stderr, flush=True)
-        self.agent.wake()
+        if self.agent is not None:
+            self.agent.wake()
 
     def _worker_env(self) -> dict[str, str]:
         from ..launcher import worker_env
@@ -392,6 +401,8 @@ class HostAgent:
         elif op == keys.END:
             self.agent.end_all(float(msg.get("grace_s", 0.0)))
             self.code = int(msg.get("code", 0))
+            if msg.get("why"):
+                print(f"nonstop: error: {msg['why']}", file=sys.stderr, flush=True)
 
     def _relay_events(self) -> None:
         evs = list(self.mail.events())
@@ -534,16 +545,25 @@ class HostAgent:
         self.code = int((self.done or {}).get("code", 1))
 
 
-def _bound_store(addr: str) -> Any:
-    """A store the generations form their groups on, listening on the host's address only."""
+def _bound_socket(addr: str) -> Any:
+    """A listening socket on the host's address only (torch's store would take every address)."""
     import socket
 
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((addr, 0))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _bound_store(sock: Any) -> Any:
+    """The store the generations whose rank 0 is on this host form their groups on."""
     from torch.distributed import TCPStore
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind((addr, 0))
-    sock.listen(1024)
-    port = sock.getsockname()[1]
+    addr, port = sock.getsockname()[:2]
     return TCPStore(addr, port, is_master=True, wait_for_workers=False,
                     master_listen_fd=sock.detach())
 

@@ -153,7 +153,7 @@ class Leader:
                           next_wid=int((journal or {}).get("next_wid", 0)))
         for node, rec in sorted(placed.items()):
             try:
-                cluster.add_host(node, rec, timeout_s=2.0)
+                cluster.add_host(node, rec, timeout_s=5.0)
             except Exception as exc:  # noqa: BLE001 - alive in etcd, out of reach: lost for us
                 print(f"nonstop: host {rec.host_id} cannot be reached: {exc}", file=sys.stderr,
                       flush=True)
@@ -323,18 +323,40 @@ class Leader:
             if not link.lost and (link.rec.host_id, link.rec.incarnation) not in alive:
                 cluster.host_gone(node)
         known = {(link.rec.host_id, link.rec.incarnation) for link in cluster.links.values()}
+        room = self.cfg.nnodes_max + self.cfg.spare_nodes - \
+            sum(1 for link in cluster.links.values() if not link.lost)
         for key, rec in alive.items():
             if key in known or key in self._joining:
                 continue
             self._joining.add(key)
+            if room <= 0:  # it registered before it could see the job was full
+                threading.Thread(target=self._turn_away, args=(rec,), daemon=True).start()
+                continue
+            room -= 1
             threading.Thread(target=self._connect_new, args=(key, rec, cluster), daemon=True,
                              name="nonstop-join").start()
+
+    def _turn_away(self, rec: keys.HostRecord) -> None:
+        from ..net import channel
+
+        why = (f"job '{self.cfg.job_id}' already has {self.cfg.nnodes_max + self.cfg.spare_nodes} "
+               f"host(s), the most it takes (--nnodes {self.cfg.nnodes_max} + --spare-nodes "
+               f"{self.cfg.spare_nodes})")
+        try:
+            ch = channel.connect(rec.addr, rec.ctl_port, self.secret, timeout_s=5.0)
+            ch.send({"op": keys.HELLO, "epoch": self.epoch})
+            ch.send({"op": keys.END, "epoch": self.epoch, "code": 2, "why": why})
+            time.sleep(0.2)
+            ch.close()
+        except Exception as exc:  # noqa: BLE001 - it may be gone already
+            print(f"nonstop: could not turn host {rec.host_id} away: {exc}", file=sys.stderr,
+                  flush=True)
 
     def _connect_new(self, key: tuple[str, str], rec: keys.HostRecord, cluster: Any) -> None:
         from ..net import channel
 
         try:
-            ch = channel.connect(rec.addr, rec.ctl_port, self.secret, timeout_s=2.0)
+            ch = channel.connect(rec.addr, rec.ctl_port, self.secret, timeout_s=5.0)
         except Exception as exc:  # noqa: BLE001 - tried again at the next look
             print(f"nonstop: host {rec.host_id} joined but cannot be reached yet: {exc}",
                   file=sys.stderr, flush=True)

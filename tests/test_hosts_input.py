@@ -1,0 +1,136 @@
+"""Bad input across hosts: one clear line, exit code 2, nothing left running. The hosts here are
+agents on loopback with their own names (the rendezvous checks need no network namespaces)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import TRAIN, policy_file
+
+from nonstop.store.etcd import Etcd, parse_endpoints
+from nonstop.store.etcd_server import EtcdCluster
+
+pytestmark = pytest.mark.integration
+
+SECRET = "input-test-secret-0123456789abcdef"
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    cluster = EtcdCluster([("e0", "127.0.0.1", [])], tmp_path / "etcd").start()
+    yield cluster
+    cluster.stop()
+
+
+def launch(tmp_path, name: str, *flags: str, secret: str | None = SECRET,
+           script: str = str(TRAIN)) -> subprocess.Popen:
+    env = dict(os.environ)
+    env.pop("NONSTOP_JOB_SECRET", None)
+    if secret is not None:
+        env["NONSTOP_JOB_SECRET"] = secret
+    cmd = [sys.executable, "-m", "nonstop", "run", "--no-live", "--quiet", "--node-addr",
+           "127.0.0.1", "--node-id", name, f"--run-dir={tmp_path / name}", *flags, script,
+           "--steps", "4000", "--sleep-ms", "5"]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def refused(proc: subprocess.Popen, timeout: float = 60) -> str:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 2, out + err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("nonstop: error: "), err
+    assert "Traceback" not in out + err
+    return lines[0]
+
+
+def end(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+        p.communicate(timeout=30)
+
+
+@pytest.mark.parametrize("flags, secret, says", [
+    (["--nnodes", "2", "--rdzv-endpoint", "etcd://127.0.0.1:1", "--rdzv-id", "j"], SECRET,
+     "cannot reach etcd at 127.0.0.1:1"),
+    (["--nnodes", "2", "--rdzv-endpoint", "etcd://127.0.0.1"], SECRET, "--rdzv-endpoint"),
+    (["--nnodes", "2", "--rdzv-endpoint", "etcd://127.0.0.1:2379"], SECRET, "--rdzv-id"),
+    (["--nnodes", "2"], SECRET, "needs --rdzv-endpoint"),
+    (["--nnodes", "2:1", "--rdzv-endpoint", "etcd://127.0.0.1:2379", "--rdzv-id", "j"], SECRET,
+     "--nnodes"),
+    (["--nnodes", "2", "--rdzv-endpoint", "etcd://127.0.0.1:2379", "--rdzv-id", "j"], None,
+     "NONSTOP_JOB_SECRET"),
+    (["--nnodes", "2", "--rdzv-endpoint", "etcd://127.0.0.1:2379", "--rdzv-id", "j",
+      "--node-addr", "198.18.255.77"], SECRET, "not an address of this host"),
+])
+def test_bad_rendezvous_flags(tmp_path, flags, secret, says):
+    t0 = time.time()
+    line = refused(launch(tmp_path, "h0", *flags, secret=secret))
+    assert says in line
+    assert time.time() - t0 < 20
+
+
+def test_a_host_the_job_has_no_room_for_a_host_with_another_secret_or_other_settings(tmp_path,
+                                                                                   etcd):
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", etcd.url,
+              "--rdzv-id", "full"]
+    a, b = launch(tmp_path, "a", *common), launch(tmp_path, "b", *common)
+    try:
+        # the job is up once both are registered: a third host has no place in it
+        store = Etcd(parse_endpoints(etcd.url), "full")
+        deadline = time.time() + 30
+        while len(store.get_prefix("hosts/")) < 2 and time.time() < deadline:
+            time.sleep(0.1)
+        store.close()
+        assert a.poll() is None and b.poll() is None
+        line = refused(launch(tmp_path, "c", *common))
+        assert "already has 2 host(s)" in line
+        # another secret is refused before anything else
+        line = refused(launch(tmp_path, "d", *common, secret="another-secret-0123456789abcdef"))
+        assert "another secret" in line
+        # the same id with other settings: another job
+        line = refused(launch(tmp_path, "e", "--nnodes", "3", "--nproc-per-node", "1",
+                              "--rdzv-endpoint", etcd.url, "--rdzv-id", "full"))
+        assert "other settings" in line and "nnodes" in line
+        # the same host name twice
+        line = refused(launch(tmp_path, "a", *common))
+        assert "already in job" in line
+    finally:
+        end(a, b)
+
+
+def test_a_host_alone_under_its_own_job_id_gives_up_clearly(tmp_path, etcd):
+    pol = policy_file(tmp_path, "hosts:\n  join_timeout_s: 3\n")
+    p = launch(tmp_path, "lonely", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint",
+               etcd.url, "--rdzv-id", "typo", "--policy", pol)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 2, out + err
+    assert "only 1 of 2 host(s) joined job 'typo' within 3 s" in out + err
+    assert "Traceback" not in out + err
+    # the job id is spent: running it again says so at once
+    line = refused(launch(tmp_path, "again", "--nnodes", "2", "--nproc-per-node", "1",
+                          "--rdzv-endpoint", etcd.url, "--rdzv-id", "typo", "--policy", pol))
+    assert "has already ended" in line
+
+
+def test_a_host_that_registers_into_a_full_job_is_turned_away(tmp_path, etcd):
+    """Three hosts start at once for a job of two: the third may register before it can see the
+    job full; the controller then turns it away (one clear line, exit 2)."""
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", etcd.url,
+              "--rdzv-id", "race"]
+    procs = [launch(tmp_path, f"r{i}", *common) for i in range(3)]
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and all(p.poll() is None for p in procs):
+            time.sleep(0.1)
+        gone = [p for p in procs if p.poll() is not None]
+        assert len(gone) == 1, "no host was turned away"
+        line = refused(gone[0])
+        assert "already has 2 host(s)" in line
+    finally:
+        end(*procs)
