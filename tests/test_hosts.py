@@ -20,7 +20,7 @@ ok, why = netns.available()
 if not ok:
     pytest.skip(f"test hosts unavailable: {why}", allow_module_level=True)
 
-STEPS = 60
+STEPS = 300  # one fault-free reference serves every test (the sleep changes no number)
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def test_a_host_killed_whole_moves_its_ranks_to_the_spare_host(job, reference):
     j = job(3)
     for i in range(3):
         _train(j, i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
-               steps=240, sleep_ms=15)
+               sleep_ms=10)
     j.wait_output("step 50 ", 90)
     leader = j.of("leader")[0]
     order = list(leader["hosts"])  # node order: the order the hosts joined
@@ -100,7 +100,7 @@ def test_a_host_killed_whole_moves_its_ranks_to_the_spare_host(job, reference):
     assert sorted(r for r, w in last.items() if spawns[w] == spare_node) == on_victim
     assert [e["node"] for e in j.of("node_lost")] == [victim_node]  # its lease expired
     saved = _saved(j, 3)
-    assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", "240"))
+    assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", str(STEPS)))
 
 
 def _victim(j: HostJob) -> tuple[int, int]:
@@ -115,7 +115,7 @@ def test_a_partitioned_host_fences_itself_and_comes_back_as_a_spare(job, referen
     j = job(3)
     for i in range(3):
         _train(j, i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
-               steps=500, sleep_ms=15)
+               sleep_ms=25)
     j.wait_output("step 50 ", 90)
     victim, node = _victim(j)
     j.hosts[victim].cut()  # no packets either way, no resets
@@ -134,13 +134,13 @@ def test_a_partitioned_host_fences_itself_and_comes_back_as_a_spare(job, referen
     incidents = j.of("incident")
     assert len(incidents) == 1 and incidents[0]["steps_lost"] == 0
     saved = _saved(j, 3)
-    assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", "500"))
+    assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", str(STEPS)))
 
 
 def test_etcd_stopped_for_5_seconds_does_not_stop_training(job, reference):
     j = job(2)
     for i in range(2):
-        _train(j, i, "--nnodes", "2", "--nproc-per-node", "2", steps=700, sleep_ms=15)
+        _train(j, i, "--nnodes", "2", "--nproc-per-node", "2", sleep_ms=25)
     j.wait_output("step 50 ", 90)
     j.etcd.stop_member("e0")
     time.sleep(5)
@@ -152,14 +152,14 @@ def test_etcd_stopped_for_5_seconds_does_not_stop_training(job, reference):
     assert "etcd is back: the control plane resumes" in both
     assert "fenced" not in both
     saved = _saved(j, 2)
-    assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", "700"))
+    assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", str(STEPS)))
 
 
 def test_the_controller_killed_training_goes_on_and_a_standby_takes_over(job, reference):
     j = job(2)
     for i in range(2):
         _train(j, i, "--nnodes", "2", "--nproc-per-node", "2", "--spares", "1",
-               "--inject", "crash:rank=1,step=450", steps=600, sleep_ms=15)
+               "--inject", "crash:rank=1,step=250", sleep_ms=20)
     j.wait_output("step 50 ", 90)
     first = j.of("leader")[0]
     t_kill = time.time()
@@ -177,7 +177,7 @@ def test_the_controller_killed_training_goes_on_and_a_standby_takes_over(job, re
     assert len(incidents) == 1 and incidents[0]["levels"] == ["rank replacement"]
     assert incidents[0]["steps_lost"] == 0
     saved = _saved(j, 2)
-    assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", "600"))
+    assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", str(STEPS)))
 
 
 def test_the_controllers_host_killed_whole(job, reference):
@@ -187,7 +187,7 @@ def test_the_controllers_host_killed_whole(job, reference):
     j = job(3)
     for i in range(3):
         _train(j, i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
-               steps=400, sleep_ms=15)
+               sleep_ms=10)
     j.wait_output("step 50 ", 90)
     first = j.of("leader")[0]
     order = list(first["hosts"])
@@ -211,4 +211,32 @@ def test_the_controllers_host_killed_whole(job, reference):
         last = j.of("generation")[-1]["ranks"].values()
         assert {spawns[w] for w in last} == {0, 1, 2} - {victim_node}
     saved = _saved(j, 3)
-    assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", "400"))
+    assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", str(STEPS)))
+
+
+def test_a_health_check_fails_on_one_host_its_ranks_move_to_the_spare_host(job, reference):
+    """Health checks run on each host, by its agent: a failing one on a host that holds ranks
+    moves them to the spare host and isolates the host."""
+    j = job(3)
+    marker = j.base / "bad"
+    pol = j.base / "policy.yaml"
+    pol.write_text("detect:\n  health_checks:\n"
+                   f"    - {{name: disk, command: 'test ! -e {marker}-$NONSTOP_TEST_HOST', "
+                   "every_s: 0.3, timeout_s: 5}\n")
+    for i in range(3):
+        j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
+                "--policy", str(pol), script=str(TRAIN), env={"NONSTOP_TEST_HOST": f"host{i}"},
+                script_args=["--steps", str(STEPS), "--sleep-ms", "10",
+                             "--save", str(j.base / f"final{i}.pt")])
+    j.wait_output("step 50 ", 90)
+    victim, node = _victim(j)
+    marker.with_name(f"bad-host{victim}").write_text("")
+    codes = j.wait(120)
+    assert set(codes.values()) == {0}, "\n".join(j.output(i)[-3000:] for i in codes)
+    health = [e for e in j.of("health") if e.get("check") == "disk"]
+    assert health and {e["node"] for e in health} == {node}
+    incidents = j.of("incident")
+    assert len(incidents) == 1 and incidents[0]["levels"] == ["node replacement"]
+    assert [e["node"] for e in j.of("isolate")] == [node]
+    saved = _saved(j, 3)
+    assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", str(STEPS)))

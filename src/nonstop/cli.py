@@ -95,11 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--run-dir", metavar="DIR")
 
     bench = sub.add_parser("bench", help="measure recovery against peers")
-    bench.add_argument("scenario", choices=["crash", "hang", "state", "second"])
+    bench.add_argument("scenario", choices=["crash", "hang", "state", "second", "hosts"])
     bench.add_argument("--ranks", type=int, help="rank processes (default 4; state: 2)")
-    bench.add_argument("--repeat", type=int, default=5)
-    bench.add_argument("--steps", type=int, default=100)
-    bench.add_argument("--kill-step", type=int, default=50)
+    bench.add_argument("--repeat", type=int, help="runs of each system (default 5; hosts: 3)")
+    bench.add_argument("--steps", type=int, help="steps of each run (default 100; hosts: 200)")
+    bench.add_argument("--kill-step", type=int,
+                       help="the step of the fault (default 50; hosts: 50)")
     bench.add_argument("--systems", help="comma-separated subset to run (default: all)")
     bench.add_argument("--false-positive-minutes", type=float, default=10.0,
                        help="hang: minutes of fault-free jittery training to count false alarms")
@@ -116,6 +117,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default 100)")
     bench.add_argument("--phases", default="snapshot,restore,restart",
                        help="state: which measurements (default all: snapshot,restore,restart)")
+    bench.add_argument("--hosts", type=int, default=3, metavar="H",
+                       help="hosts: test hosts that hold ranks (default 3)")
+    bench.add_argument("--ranks-per-host", type=int, default=2, metavar="P",
+                       help="hosts: ranks on each host (default 2)")
+    bench.add_argument("--spare-hosts", type=int, default=1, metavar="S",
+                       help="hosts: spare hosts (default 1)")
+    bench.add_argument("--cases", metavar="LIST",
+                       help="hosts: comma-separated subset of rank_crash,host_loss,partition,"
+                            "controller_kill,etcd_restart (default: all)")
+    bench.add_argument("--sleep-ms", type=float, metavar="MS",
+                       help="hosts: sleep per step, a stand-in for accelerator work (default 15)")
     bench.add_argument("--json", action="store_true", help="print the result as JSON, last on stdout")
     bench.add_argument("--out", metavar="DIR", help="keep the runs here (default: a temporary dir)")
 
@@ -149,11 +161,19 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_demo(steps=args.steps, run_dir=args.run_dir)
         if args.command == "bench":
-            from .bench import crash, hang, second, state
+            from .bench import crash, hang, hosts, second, state
 
-            module = {"crash": crash, "hang": hang, "state": state, "second": second}[args.scenario]
-            if args.ranks is None:
-                args.ranks = 2 if args.scenario == "state" else 4
+            module = {"crash": crash, "hang": hang, "state": state, "second": second,
+                      "hosts": hosts}[args.scenario]
+            if args.scenario == "hosts":  # its own defaults (steps, fault step: the driver's)
+                if args.repeat is None:
+                    args.repeat = 3
+            else:
+                if args.ranks is None:
+                    args.ranks = 2 if args.scenario == "state" else 4
+                for name, default in (("repeat", 5), ("steps", 100), ("kill_step", 50)):
+                    if getattr(args, name) is None:
+                        setattr(args, name, default)
             if args.systems is None:
                 args.systems = ",".join(module.SYSTEMS)
             return module.main(args)

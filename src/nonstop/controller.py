@@ -139,7 +139,7 @@ class Controller(Recovery):
         self._refill_spares()
 
     def _start(self) -> None:
-        self.watchers.start(range(self.total_nodes))
+        self.watchers.start(range(self.total_nodes), getattr(self.agent, "health", None))
         self.prespawn()
         self._publish(0, initial=True, level="start")
 
@@ -229,7 +229,7 @@ class Controller(Recovery):
         self._gen_t0 = time.time()
         self.deadline = self._gen_t0 + self.policy.timeouts.rendezvous_s
         self._warm = set()
-        self.watchers.start(range(self.total_nodes))
+        self.watchers.start(range(self.total_nodes), getattr(self.agent, "health", None))
         for wid in adoption.orphans:
             self.table.kill(self.workers[wid], "assigned by the controller before, not in the "
                                                "job's plan")

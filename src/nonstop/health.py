@@ -182,6 +182,11 @@ class HealthMonitor:
         return [HealthResult("nvml", node, False, None, "; ".join(problems), now, seconds)
                 for node in self._nodes]
 
+    def add_node(self, node: int) -> None:
+        """A node that joined the job (a new host): checked from now on."""
+        if node not in self._nodes:
+            self._nodes = sorted(self._nodes + [node])
+
     def remove_node(self, node: int) -> None:
         """An isolated node: no more checks there; its running checks are ended."""
         self._nodes = [n for n in self._nodes if n != node]

@@ -182,11 +182,16 @@ class Recovery(_Base):
         if decision.level is Level.REPLACE_RANK:
             return {r: node_of[r] for r in decision.replace}
         if decision.level is Level.REPLACE_NODE:
+            # the ranks of a node given up go to a spare node, together; a rank that died on a
+            # healthy node meanwhile is replaced where it was
             spare_nodes = iter(self._spare_node_ids())
             moved: dict[int, int] = {}
             out = {}
             for r in sorted(decision.replace):
                 old = node_of[r]
+                if old not in decision.isolate:
+                    out[r] = old
+                    continue
                 if old not in moved:
                     moved[old] = next(spare_nodes)
                 out[r] = moved[old]

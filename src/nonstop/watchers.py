@@ -29,11 +29,18 @@ class Watchers:
         self.logs = LogWatch(policy.detect.log_rules)
         self.health: Any = None  # the node health checks, once started
 
-    def start(self, nodes: Iterable[int]) -> None:
+    def start(self, nodes: Iterable[int], source: Any = None) -> None:
+        """Health checks for ``nodes``: run here (one host), or by each host's agent and
+        reported (``source``: the same interface as HealthMonitor)."""
         from .health import HealthMonitor
 
+        if self.health is not None:  # started already: the nodes join it
+            for node in nodes:
+                self.health.add_node(node)
+            return
         d = self.policy.detect
-        self.health = HealthMonitor(d.health_checks, nodes, nvml=d.nvml)
+        self.health = source if source is not None else \
+            HealthMonitor(d.health_checks, nodes, nvml=d.nvml)
         if d.health_checks or d.nvml != "off":
             self.log.write("health", status=self.health.nvml_status,
                            checks=[c.name for c in d.health_checks])

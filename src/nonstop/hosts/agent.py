@@ -91,6 +91,7 @@ class HostAgent:
         self.epoch = 0  # the newest controller epoch seen: older ones are fenced off
         self.ctl: Any = None  # the channel of the controller in office
         self.agent: Agent | None = None
+        self.health: Any = None  # this host's health checks (False: none configured)
         self.inbox: "queue.Queue[tuple[Any, dict[str, Any]]]" = queue.Queue()
         self.meta: dict[int, dict[str, Any]] = {}  # wid -> spare, node, rank (for labels)
         self.code: int | None = None
@@ -149,6 +150,8 @@ class HostAgent:
             return self._loop()
         finally:
             self._stop.set()
+            if self.health:
+                self.health.close()
             if self.agent is not None:
                 self.agent.close()
             self.listener.close()
@@ -314,6 +317,7 @@ class HostAgent:
                 self._judge_doubt()
             if self.done is not None:
                 self._end_done()
+            self._check_health(now)
             if self._respawn_at is not None and now >= self._respawn_at:
                 self._spawn_controller()
         return self.code
@@ -424,6 +428,27 @@ class HostAgent:
         stopped = [wid for wid in live if self.agent.stopped(wid)]
         self._send({"op": keys.PROGRESS, "recs": {str(w): r for w, r in recs.items()},
                     "stopped": stopped})
+
+    def _check_health(self, now: float) -> None:
+        """This host's health checks (the policy's commands, NVML), run here and reported: a
+        check of a host runs on that host."""
+        if self.health is None:
+            d = self.cfg.policy["detect"]
+            if not d["health_checks"] and d["nvml"] == "off":
+                self.health = False
+                return
+            from ..health import HealthMonitor
+            from ..policy import HealthCheck
+
+            self.health = HealthMonitor([HealthCheck(**c) for c in d["health_checks"]], [0],
+                                        nvml=d["nvml"])
+        if not self.health:
+            return
+        results = self.health.poll(now)
+        if results:
+            self._send({"op": keys.HEALTH, "nvml_status": self.health.nvml_status,
+                        "results": [{"check": r.check, "ok": r.ok, "code": r.code,
+                                     "detail": r.detail, "seconds": r.seconds} for r in results]})
 
     def _output(self, wid: int, line: str) -> None:
         if wid == CONTROLLER_WID:

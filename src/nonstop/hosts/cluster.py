@@ -67,11 +67,13 @@ class Cluster:
         self._events: list[dict[str, Any]] = []
         self._progress: dict[int, dict[str, Any]] = {}
         self._exited: list[RemoteProc] = []
+        self._unsent: dict[int, list[tuple[int, dict[str, Any]]]] = {}  # wid -> (seq, message)
         self._stop = threading.Event()
         self.on_node_joined: Callable[[int], None] | None = None
         self.on_node_lost: Callable[[int], None] | None = None
         self.on_tick: Callable[[], None] | None = None  # the leader's own work, once per poll
         self.grace_s = 0.0
+        self.health = RemoteHealth()  # each host's agent runs its own checks
 
     # == hosts ==================================================================================
     def add_host(self, node: int, rec: keys.HostRecord, timeout_s: float = 5.0,
@@ -163,6 +165,8 @@ class Cluster:
             return proc
         self._to(node, {"op": keys.SPAWN, "wid": wid, "spare": spare, "mode": spare_mode,
                         "node": node})
+        for seq, msg in self._unsent.pop(wid, []):  # its assignment went out before it existed
+            self._to(node, {"op": keys.SEND, "wid": wid, "seq": seq, "msg": msg})
         return proc
 
     def spawn_keeper(self, *args: Any, **kwargs: Any) -> Any:
@@ -247,6 +251,8 @@ class Cluster:
             link.stopped = {int(w) for w in msg.get("stopped", [])}
         elif op == keys.OUTPUT:
             self.output(int(msg["wid"]), str(msg.get("line", "")))
+        elif op == keys.HEALTH:
+            self.health.report(node, msg.get("results", []), msg.get("nvml_status"))
         elif op == keys.STATE:
             link.state = msg
             self._adopt(link, msg)
@@ -287,6 +293,8 @@ class Cluster:
         p = self.procs.get(wid)
         if p is not None:
             self._to(p.node, {"op": keys.SEND, "wid": wid, "seq": seq, "msg": msg})
+        else:  # a process about to be started: its mailbox is written once its host starts it
+            self._unsent.setdefault(wid, []).append((seq, msg))
 
     def abort(self, gen: int, wids: list[int]) -> None:
         by_node: dict[int, list[int]] = {}
@@ -313,6 +321,44 @@ class Cluster:
         rec = self.links[node].rec
         return {"pg_addr": rec.addr, "pg_port": rec.rdzv_port, "master_addr": rec.addr,
                 "port": rec.rdzv_port}
+
+
+class RemoteHealth:
+    """The health checks of every host, run by its agent: the results as they arrive, with the
+    interface of one host's HealthMonitor."""
+
+    def __init__(self) -> None:
+        from ..health import HealthResult
+
+        self._result = HealthResult
+        self._pending: list[Any] = []
+        self._removed: set[int] = set()
+        self.nvml_status = "NVML: checked by each host's agent"
+
+    def report(self, node: int, results: list[dict[str, Any]], nvml_status: str | None) -> None:
+        if nvml_status:
+            self.nvml_status = nvml_status
+        if node in self._removed:
+            return
+        now = time.time()
+        for r in results:
+            self._pending.append(self._result(check=str(r.get("check")), node=node,
+                                              ok=bool(r.get("ok")), code=r.get("code"),
+                                              detail=str(r.get("detail", "")), t=now,
+                                              seconds=float(r.get("seconds") or 0.0)))
+
+    def poll(self, now: float) -> list[Any]:
+        out, self._pending = self._pending, []
+        return out
+
+    def add_node(self, node: int) -> None:
+        self._removed.discard(node)
+
+    def remove_node(self, node: int) -> None:
+        self._removed.add(node)
+
+    def close(self) -> None:
+        self._pending = []
 
 
 class Deposed(Exception):

@@ -36,6 +36,7 @@ EXITS = "exits"  # {exits: [{wid, code}]}
 EVENTS = "events"  # {events: [...]}: the ranks' events, in order
 PROGRESS = "progress"  # {recs: {wid: record}, stopped: [wid]}
 OUTPUT = "output"  # {wid, line}: a line a process printed (log rules)
+HEALTH = "health"  # {results: [{check, ok, code, detail, seconds}]}: the host's health checks
 REFUSED = "refused"  # {why}: a command the agent will not carry out (a stale epoch)
 
 

@@ -178,7 +178,22 @@ class Leader:
                          f"{nodes} host(s) + {total - nodes} spare host(s)")
         cluster.on_node_lost = lambda n: controller.node_lost(n, "its lease in etcd expired")
         cluster.on_tick = lambda: self._tick(controller, cluster)
-        code = controller.run()
+        try:
+            code = controller.run()
+        except Exception:  # noqa: BLE001 - a fault of nonstop's own: end cleanly, never loop
+            import traceback
+
+            text = traceback.format_exc()
+            sys.stderr.write(text)
+            # a standby would take office and meet the same state: the job ends here, saying why
+            controller.diagnosis = ("the controller failed (a bug in nonstop; please report it "
+                                    f"with {self.run_dir}/logs/controller.log): "
+                                    f"{text.strip().splitlines()[-1]}")
+            code = 1
+            try:
+                controller.agent.end_all(0.0)
+            except Exception:  # noqa: BLE001
+                pass
         report(controller, log, self.run_dir, code, display)
         self._finish(code, controller.diagnosis)
         cluster.end_hosts(code)

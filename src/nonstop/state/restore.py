@@ -5,11 +5,15 @@ holds for other ranks, checkpoints on disk); ``plan`` picks the newest step ever
 and a source for each. State then moves over the new group (a peer's live state or snapshot, a
 buddy's replica) or is read locally (own node's memory, disk). A source that fails its checksum is
 excluded and the plan made again: garbage is never loaded.
+
+Nothing received from another rank is unpickled: offers and outcomes travel as JSON, state as
+``packing``'s JSON skeleton and raw bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import struct
 import time
 from pathlib import Path
@@ -84,13 +88,10 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
     ``schedule`` (this rank's snapshot schedule) is shared with the offers; the result's
     ``agreed`` holds what every rank received, so all can adopt the same. ``agreed`` (a fault
     injection point) is called once the offers are known, before any state moves."""
-    import torch.distributed as dist
-
     t0 = time.monotonic()
     offer, problems = _offer(state, rank, has_state, where)
     t_offer = time.monotonic()
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, {"offer": offer.to_wire(), "schedule": schedule or {}})
+    gathered = _all_gather_json({"offer": offer.to_wire(), "schedule": schedule or {}}, world)
     offers = [Offer.from_wire(g["offer"]) for g in gathered]
     t_gathered = time.monotonic()
     if agreed is not None:
@@ -100,8 +101,7 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
         p = planning.plan(offers, where.sharded)
         nbytes, failure = _execute(p, offers, state, rank, where)
         t_moved = time.monotonic()
-        statuses: list[Any] = [None] * world
-        dist.all_gather_object(statuses, failure)
+        statuses = _all_gather_json(failure, world)
         failed = [f for f in statuses if f is not None]
         if not failed:
             break
@@ -124,6 +124,23 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
                                  "agree": round(t_gathered - t_offer, 6),  # waits for the last rank
                                  "move": round(t_moved - t_gathered, 6),  # the final attempt
                                  "confirm": round(t_end - t_moved, 6)})
+
+
+def _all_gather_json(obj: Any, world: int) -> list[Any]:
+    """Every rank's ``obj`` (plain values), gathered as JSON text: like ``all_gather_object``,
+    without its pickle."""
+    import torch
+    import torch.distributed as dist
+
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64))
+    lengths = [int(s) for s in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
+    padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = [torch.empty(max(lengths), dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(out, padded)
+    return [json.loads(t[:n].numpy().tobytes()) for t, n in zip(out, lengths)]
 
 
 def _without(offers: list[Offer], failed: list[dict[str, Any]]) -> list[Offer]:
@@ -230,6 +247,8 @@ def _receive(a: planning.Action, state: Any, where: Where) -> int:
     ok, meta_len, data_len, signed = (int(x) for x in header.tolist())
     if not ok:
         raise _Bad(f"rank {a.holder} could not send its {a.source} copy")
+    if not (0 <= meta_len <= packing.MAX_META and data_len >= 0):
+        raise _Bad(f"rank {a.holder} announced {meta_len} bytes of metadata, {data_len} of data")
     meta_t = torch.empty(meta_len, dtype=torch.uint8)
     dist.recv(meta_t, a.holder)
     data = (where.memory.buffer(data_len) if where.memory is not None
@@ -240,8 +259,16 @@ def _receive(a: planning.Action, state: Any, where: Where) -> int:
     checksum = struct.unpack("<Q", struct.pack("<q", signed))[0]
     if checksum and _checksum(meta, data) != checksum:
         raise _Bad(f"the {a.source} copy from rank {a.holder} fails its checksum")
-    state.load_state_dict(packing.unpack(meta, data))
+    state.load_state_dict(_unpack(meta, data, f"the {a.source} copy from rank {a.holder}"))
     return data_len
+
+
+def _unpack(meta: bytes, data: Any, what: str) -> dict[str, Any]:
+    """The state dict of a copy (JSON skeleton + bytes); one that does not parse is a bad source."""
+    try:
+        return packing.unpack(meta, data)
+    except packing.BadMeta as exc:
+        raise _Bad(f"{what}: {exc}") from None
 
 
 def _private(sd: dict[str, Any], state: Any, where: Where) -> dict[str, Any]:
@@ -276,7 +303,8 @@ def _load_local(source: str, step: int, state: Any, rank: int, where: Where) -> 
                 if not slot.verify(info):
                     raise _Bad(f"the {source} snapshot of step {step} fails its checksum")
                 meta, data = slot.read(info)
-                state.load_state_dict(_private(packing.unpack(meta, data), state, where))
+                sd = _unpack(meta, data, f"the {source} snapshot of step {step}")
+                state.load_state_dict(_private(sd, state, where))
                 return info.data_len
         except (OSError, ConnectionError, AttributeError) as exc:
             raise _Bad(f"node memory: {type(exc).__name__}: {exc}") from None
