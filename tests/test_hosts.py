@@ -48,10 +48,14 @@ def _train(j: HostJob, i: int, *flags: str, steps: int = STEPS, sleep_ms: float 
 
 
 def test_rank_crash_on_a_remote_host_is_replaced_from_a_warm_spare(job, reference):
+    """Also: one host's clock is 30 s ahead (its agent and ranks report times that far off). No
+    decision compares two hosts' clocks, so nothing is judged hung or late for it."""
     j = job(2)
     for i in range(2):
-        _train(j, i, "--nnodes", "2", "--nproc-per-node", "2", "--spares", "1",
-               "--inject", "crash:rank=3,step=20")
+        j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--spares", "1",
+                "--inject", "crash:rank=3,step=20", script=str(TRAIN),
+                env={"NONSTOP_TEST_CLOCK_SHIFT_S": "30" if i == 1 else "0"},
+                script_args=["--steps", str(STEPS), "--save", str(j.base / f"final{i}.pt")])
     codes = j.wait(120)
     assert codes == {0: 0, 1: 0}, j.output(0)[-3000:] + j.output(1)[-3000:]
     leader = j.of("leader")
@@ -59,6 +63,8 @@ def test_rank_crash_on_a_remote_host_is_replaced_from_a_warm_spare(job, referenc
     incidents = j.of("incident")
     assert len(incidents) == 1 and incidents[0]["levels"] == ["rank replacement"]
     assert incidents[0]["steps_lost"] == 0
+    assert 0 <= incidents[0]["mttr_s"] < 5 and all(0 <= v < 5 for v in incidents[0]["phases_s"].values())
+    assert not [f for f in j.of("fault") if f["kind"] not in ("crash", "peer")]  # no false hang
     replace = j.of("replace")
     assert [r["rank"] for r in replace] == [3] and replace[0]["warm"]
     # rank 3 stays on the host it was on (the spare there took it)
@@ -101,6 +107,12 @@ def test_a_host_killed_whole_moves_its_ranks_to_the_spare_host(job, reference):
     assert [e["node"] for e in j.of("node_lost")] == [victim_node]  # its lease expired
     saved = _saved(j, 3)
     assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", str(STEPS)))
+
+
+def _listeners(host) -> set[str]:
+    """The local addresses of the TCP listeners in a test host (its processes are the job's)."""
+    out = host.run(["ss", "-ltnH"], timeout=10, capture_output=True, text=True).stdout
+    return {line.split()[3].rsplit(":", 1)[0].strip("[]") for line in out.splitlines() if line.strip()}
 
 
 def _victim(j: HostJob) -> tuple[int, int]:
@@ -161,6 +173,9 @@ def test_the_controller_killed_training_goes_on_and_a_standby_takes_over(job, re
         _train(j, i, "--nnodes", "2", "--nproc-per-node", "2", "--spares", "1",
                "--inject", "crash:rank=1,step=250", sleep_ms=20)
     j.wait_output("step 50 ", 90)
+    for h in j.hosts:  # every listener of the job binds its host's address or loopback only
+        listening = _listeners(h)
+        assert listening and listening <= {h.addr, "127.0.0.1"}, (h.addr, listening)
     first = j.of("leader")[0]
     t_kill = time.time()
     os.kill(first["pid"], signal.SIGKILL)
@@ -240,3 +255,25 @@ def test_a_health_check_fails_on_one_host_its_ranks_move_to_the_spare_host(job, 
     assert [e["node"] for e in j.of("isolate")] == [node]
     saved = _saved(j, 3)
     assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", str(STEPS)))
+
+
+def test_etcd_losing_a_member_goes_unnoticed_losing_quorum_ends_the_job_clearly(job):
+    j = job(2, etcd_members=3)
+    pol = j.base / "policy.yaml"
+    pol.write_text("hosts:\n  store_outage_s: 4\n")
+    for i in range(2):
+        _train(j, i, "--nnodes", "2", "--nproc-per-node", "2", "--policy", str(pol), sleep_ms=40)
+    j.wait_output("step 50 ", 90)
+    j.etcd.stop_member("e0")  # one of three: a quorum is left
+    j.wait_output("step 100 ", 60)
+    assert not j.of("fault") and all(p.poll() is None for p in j.procs.values())
+    j.etcd.stop_member("e1")  # no quorum: nothing can be known about hosts
+    t0 = time.time()
+    codes = j.wait(90)
+    assert codes == {0: 1, 1: 1}, j.output(0)[-3000:] + j.output(1)[-3000:]
+    assert time.time() - t0 < 4 + 2 + 15  # the tolerance, the lease's TTL, and ending
+    both = j.output(0) + j.output(1)
+    assert "unreachable for" in both and "hosts.store_outage_s=4" in both
+    assert "fenced" not in both  # the hosts reached each other: etcd was down, not them
+    ends = j.of("run_end")
+    assert ends and ends[-1]["exit_code"] == 1 and "etcd" in ends[-1]["diagnosis"]

@@ -412,6 +412,8 @@ class HostAgent:
         evs = list(self.mail.events())
         if not evs:
             return
+        if self.shift_s:  # a test pretending this host's clock is off: its ranks' times too
+            evs = [keys.shift_times(ev, self.shift_s) for ev in evs]
         self.history += evs
         if len(self.history) > HISTORY_MAX:  # the oldest go: a takeover rebuilds from the rest
             cut = len(self.history) - HISTORY_MAX
@@ -425,6 +427,8 @@ class HostAgent:
         if not live or self.ctl is None:
             return
         recs = self.mail.progress(live)
+        if self.shift_s:
+            recs = {w: keys.shift_times(r, self.shift_s) for w, r in recs.items()}
         stopped = [wid for wid in live if self.agent.stopped(wid)]
         self._send({"op": keys.PROGRESS, "recs": {str(w): r for w, r in recs.items()},
                     "stopped": stopped})
