@@ -21,6 +21,7 @@ from typing import Any
 
 from . import keys, takeover
 from .agent import HostConfig
+from .journal import Journal
 
 HOSTS_EVERY_S = 0.2  # how often the host list is read from etcd while the job runs
 
@@ -107,6 +108,7 @@ class Leader:
         self.epoch = lead.epoch
         self.run_dir = cfg.run_dir
         self._journal_gen = -2
+        self.journal = Journal(etcd, self.epoch)
         self._pending: str | None = None  # the journal to write next
         self._worker: threading.Thread | None = None
         self._joining: set[tuple[str, str]] = set()
@@ -313,7 +315,7 @@ class Leader:
             pending, self._pending = self._pending, None
             if pending is not None:
                 try:
-                    self.guarded({keys.JOURNAL: pending})
+                    self.journal.write(pending)
                 except Fenced:
                     print("nonstop: a newer controller is in office: this one stops",
                           file=sys.stderr, flush=True)
