@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--secret-file", metavar="FILE",
                      help="the job's shared secret (many hosts; else $NONSTOP_JOB_SECRET): every "
                           "channel between hosts is authenticated with it")
+    run.add_argument("--etcd-cacert", metavar="FILE",
+                     help="CA that signed etcd's certificate (TLS; https:// endpoints)")
+    run.add_argument("--etcd-cert", metavar="FILE", help="client certificate for etcd (TLS)")
+    run.add_argument("--etcd-key", metavar="FILE", help="its private key")
+    run.add_argument("--etcd-user", metavar="NAME",
+                     help="etcd user (authentication on); its password in $NONSTOP_ETCD_PASSWORD")
     run.add_argument("--spares", type=int, default=0, metavar="K",
                      help="warm spare processes kept ready to replace a rank (default 0)")
     run.add_argument("--nodes", type=int, default=1, metavar="K",
@@ -214,7 +220,9 @@ def _run(args: argparse.Namespace) -> int:
                     quiet=args.quiet, live=False if args.no_live else None,
                     nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
                     rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
-                    node_addr=args.node_addr, node_id=args.node_id, secret_file=args.secret_file)
+                    node_addr=args.node_addr, node_id=args.node_id, secret_file=args.secret_file,
+                    etcd_cacert=args.etcd_cacert, etcd_cert=args.etcd_cert,
+                    etcd_key=args.etcd_key, etcd_user=args.etcd_user)
     return run(cfg)
 
 

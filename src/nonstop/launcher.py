@@ -50,6 +50,10 @@ class RunConfig:
     node_addr: str | None = None  # this host's address (default: the one that reaches etcd)
     node_id: str | None = None
     secret_file: str | None = None
+    etcd_cacert: str | None = None  # TLS to etcd (with https:// endpoints)
+    etcd_cert: str | None = None
+    etcd_key: str | None = None
+    etcd_user: str | None = None  # password in $NONSTOP_ETCD_PASSWORD
 
 
 def check_script(path: str) -> tuple[bool, list[str]]:
@@ -151,6 +155,7 @@ def worker_env(run_dir: Path, faults: list[inject.FaultSpec], pin: bool = True) 
     env[protocol.ENV_RUN_DIR] = str(run_dir.resolve())
     env[protocol.ENV_INJECT] = inject.to_env(faults)
     env.pop("NONSTOP_JOB_SECRET", None)  # the job's secret is the agents' alone
+    env.pop("NONSTOP_ETCD_PASSWORD", None)
     if pin:
         loopback.pin(env)  # one host: the collectives' listeners stay on loopback too
     pkg_parent = str(Path(__file__).resolve().parent.parent)

@@ -35,6 +35,7 @@ from ..mail import StoreMail
 from . import keys
 from .netif import interface_of
 
+ETCD_PASSWORD = "NONSTOP_ETCD_PASSWORD"
 CONTROLLER_WID = -1  # the standby controller in the agent's process table
 PROGRESS_EVERY_S = 0.1
 DONE_CHECK_S = 1.0
@@ -63,6 +64,17 @@ class HostConfig:
     lease_ttl_s: int
     inject: list[str]
     quiet: bool = False
+    etcd_tls: dict[str, str | None] | None = None  # ca, cert, key (https)
+    etcd_user: str | None = None  # its password: $NONSTOP_ETCD_PASSWORD
+
+    def etcd(self) -> Any:
+        """A client of the job's etcd, as the flags say (TLS, a user)."""
+        from ..store.etcd import TLS, Etcd
+
+        user = self.etcd_user
+        return Etcd(self.endpoints, self.job_id, timeout_s=max(2.0, self.lease_ttl_s),
+                    tls=TLS(**self.etcd_tls) if self.etcd_tls is not None else None, user=user,
+                    password=os.environ.get(ETCD_PASSWORD) if user else None)
 
     def job_record(self, secret: bytes) -> keys.JobRecord:
         return keys.JobRecord(
@@ -118,14 +130,16 @@ class HostAgent:
     # == start ===================================================================================
     def run(self) -> int:
         from ..net import channel
-        from ..store.etcd import Etcd, StoreUnavailable
+        from ..store.etcd import StoreError, StoreUnavailable
 
         cfg = self.cfg
-        self.etcd = Etcd(cfg.endpoints, cfg.job_id, timeout_s=max(2.0, cfg.lease_ttl_s))
+        self.etcd = cfg.etcd()
         try:
             self._join_job()
         except StoreUnavailable as exc:
             raise UsageError(f"cannot reach etcd at {_endpoints(cfg.endpoints)}: {exc}") from None
+        except StoreError as exc:  # it answered, and refused (a wrong user or password)
+            raise UsageError(f"etcd at {_endpoints(cfg.endpoints)} refused us: {exc}") from None
         # the host is counted as soon as it can be (before torch is imported, which takes a
         # second or more): a host that joins a full job learns it from the others at once
         self.listener = channel.Listener(cfg.addr, self.secret, on_refused=self._refused)
@@ -619,7 +633,7 @@ def run_host(cfg: Any) -> int:
 
     from .. import launcher
     from ..net.channel import load_secret
-    from ..store.etcd import parse_endpoints
+    from ..store.etcd import parse_endpoints, wants_tls
     from .netif import route_to
 
     if not cfg.rdzv_endpoint:
@@ -631,6 +645,18 @@ def run_host(cfg: Any) -> int:
         endpoints = parse_endpoints(cfg.rdzv_endpoint)
     except ValueError as exc:
         raise UsageError(f"--rdzv-endpoint: {exc}") from None
+    tls = None
+    if wants_tls(cfg.rdzv_endpoint) or cfg.etcd_cacert or cfg.etcd_cert:
+        for flag, path in (("--etcd-cacert", cfg.etcd_cacert), ("--etcd-cert", cfg.etcd_cert),
+                           ("--etcd-key", cfg.etcd_key)):
+            if path and not os.path.isfile(path):
+                raise UsageError(f"{flag} {path}: no such file")
+        if bool(cfg.etcd_cert) != bool(cfg.etcd_key):
+            raise UsageError("--etcd-cert and --etcd-key go together")
+        tls = {"ca": _abs(cfg.etcd_cacert), "cert": _abs(cfg.etcd_cert),
+               "key": _abs(cfg.etcd_key)}
+    if cfg.etcd_user and not os.environ.get(ETCD_PASSWORD):
+        raise UsageError(f"--etcd-user needs its password in ${ETCD_PASSWORD}")
     n_min, n_max = _nnodes(cfg.nnodes)
     per_node = cfg.nproc_per_node or cfg.nproc
     if cfg.checkpoint_dir:
@@ -663,7 +689,8 @@ def run_host(cfg: Any) -> int:
                       spares=cfg.spares, endpoints=endpoints, job_id=cfg.rdzv_id, addr=addr,
                       host_id=host_id, run_dir=run_dir.resolve(), policy=pol.model_dump(),
                       policy_digest=digest, lease_ttl_s=pol.hosts.lease_ttl_s,
-                      inject=list(cfg.inject), quiet=cfg.quiet)
+                      inject=list(cfg.inject), quiet=cfg.quiet, etcd_tls=tls,
+                      etcd_user=cfg.etcd_user)
     # torch's store server warns of every client whose host name it cannot resolve: noise here
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     agent = HostAgent(hcfg, secret, faults)
@@ -679,3 +706,7 @@ def run_host(cfg: Any) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _abs(path: str | None) -> str | None:
+    return os.path.abspath(path) if path else None

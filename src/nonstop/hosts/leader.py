@@ -42,10 +42,10 @@ def main(argv: list[str] | None = None) -> None:
     _die_with_parent()
     cfg = HostConfig.from_json(Path(argv[0]).read_text())
     from ..net.channel import load_secret
-    from ..store.etcd import Etcd, StoreUnavailable
+    from ..store.etcd import StoreUnavailable
 
     secret = load_secret()
-    etcd = Etcd(cfg.endpoints, cfg.job_id, timeout_s=max(2.0, cfg.lease_ttl_s))
+    etcd = cfg.etcd()
     stop = threading.Event()
     office = Office()
 

@@ -239,7 +239,7 @@ def _auth_session_class() -> type:
                     self._token = None
 
         def _login(self, timeout: Any) -> str:
-            r = super().request("POST", self.auth_url, timeout=timeout,
+            r = super().request("POST", self.auth_url, timeout=timeout, verify=self.verify,
                                 json={"name": self._user, "password": self._password})
             if r.status_code != 200:
                 text, code = _error_text(r)
@@ -423,7 +423,9 @@ class Etcd:
     def _post(self, client: Any, path: str, payload: Mapping[str, Any], timeout: float) -> dict:
         requests = self._requests
         try:
-            resp = client.session.post(client.get_url(path), json=payload, timeout=timeout)
+            # verify given per request: requests lets $REQUESTS_CA_BUNDLE override a session's
+            resp = client.session.post(client.get_url(path), json=payload, timeout=timeout,
+                                       verify=client.session.verify)
         except (requests.Timeout, requests.ConnectionError) as e:
             raise _Retry(f"{type(e).__name__}: {e}") from None
         if resp.status_code == 200:
@@ -683,6 +685,7 @@ class Etcd:
             try:
                 resp = client.session.post(
                     client.get_url("/watch"), json={"create_request": create}, stream=True,
+                    verify=client.session.verify,
                     timeout=(min(remaining, self._attempt_s), deadline - now + 1.0))
             except (requests.Timeout, requests.ConnectionError) as e:
                 last, failures = f"{self._name(idx)}: {type(e).__name__}: {e}", failures + 1
