@@ -45,6 +45,11 @@ def main(argv: list[str] | None = None) -> None:
     from ..store.etcd import StoreUnavailable
 
     secret = load_secret()
+    # everything a controller needs is imported while in standby (~2 s of pydantic and the
+    # controller's modules): taking office then costs the lease's expiry, not an import
+    from .. import controller, display, events, launcher  # noqa: F401
+    from . import cluster  # noqa: F401
+
     etcd = cfg.etcd()
     stop = threading.Event()
     office = Office()
