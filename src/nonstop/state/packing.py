@@ -260,7 +260,8 @@ class _Encoder:
                 return {"d": items}
             node: dict[str, Any] = {"o": items}
             if attrs:
-                node["a"] = [[name, self.value(v, (path, _Attr("." + name)), depth + 1)]
+                node["a"] = [[_attr_name(name, path, x),
+                              self.value(v, (path, _Attr("." + name)), depth + 1)]
                              for name, v in attrs.items()]
             return node
         if isinstance(x, list) or tx is tuple:
@@ -282,6 +283,12 @@ class _Encoder:
         raise _refuse(path, x)
 
 
+def _attr_name(name: Any, path: Any, owner: Any) -> str:
+    if not (isinstance(name, str) and name.isidentifier() and not name.startswith("__")):
+        raise _refuse(path, owner, f" with an attribute named {name!r}")
+    return name
+
+
 def _dumps(doc: Any) -> bytes:
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("ascii")
 
@@ -293,6 +300,9 @@ def layout(sd: dict[str, Any], info: dict[str, Any] | None = None) -> Layout:
     tree = enc.value(sd, "state", 0)
     info_node = _Encoder(tensors_ok=False).value(dict(info or {}), "info", 0)
     meta = _dumps({"format": FORMAT, "tree": tree, "specs": enc.wire, "info": info_node})
+    if len(meta) > MAX_META:  # a receiver would refuse it
+        raise UnsupportedState(f"the state's skeleton takes {len(meta)} bytes, more than "
+                               f"{MAX_META}: {len(enc.tensors)} tensors; fewer, larger ones")
     return Layout(meta, enc.tensors, enc.specs, enc.total)
 
 
