@@ -66,6 +66,7 @@ class Controller(Recovery):
         self._nan_deadline: float | None = None  # every rank must report its non-finite step by then
         self.incident: Incident | None = None
         self.incidents: list[Incident] = []
+        self.incident_base = 0  # incidents of the controllers before this one (across hosts)
         self.round: list[Fault] = []
         self.replacements = [0] * world
         self.exit_code: int | None = None
@@ -222,7 +223,13 @@ class Controller(Recovery):
         self.plan = dict(adoption.plan)
         self.gen = adoption.gen
         self.replacements = list(j.get("replacements") or self.replacements)
+        c = j.get("counters") or {}
+        self.counters.spent = dict(c.get("spent") or {})  # budgets are the job's, not a term's
+        for name in ("user_errors_in_a_row", "nan_in_a_row", "hangs_in_a_row",
+                     "restarts_without_infra"):
+            setattr(self.counters, name, int(c.get(name) or 0))
         self.counters.isolated |= set(j.get("isolated") or []) | set(lost)
+        self.incident_base = int(j.get("incidents") or 0)  # incidents keep their numbers
         self.max_step = int(j.get("max_step") or 0)
         self.claimed = dict(j.get("claimed") or {})
         self.phase = "rendezvous"  # until the replayed events show every rank in
@@ -241,6 +248,11 @@ class Controller(Recovery):
             w = self.workers[self.plan[rank]]
             self._fault(Fault("crash", rank=rank, node=w.node, message=(
                 f"rank {rank}'s process is gone (found by the controller taking over)")))
+        if not adoption.steady and not adoption.missing and self.phase == "rendezvous":
+            # every rank's process lives, not all in the newest generation: the one the
+            # controller before was forming; it is formed again, from where they are
+            self._fault(Fault("takeover", message=(
+                f"generation {adoption.gen} was forming when the controller changed")))
         self._refill_spares()
 
     @staticmethod

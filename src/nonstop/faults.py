@@ -39,6 +39,7 @@ KINDS: dict[str, tuple[Domain, Attribution, str]] = {
     "node_lost": (Domain.NODE, Attribution.INFRA, "a node's ranks and its memory (its keeper) are gone"),
     "no_state": (Domain.JOB, Attribution.UNKNOWN, "no rank holds a consistent copy of the state"),
     "deadline": (Domain.JOB, Attribution.UNKNOWN, "a recovery level missed its deadline"),
+    "takeover": (Domain.JOB, Attribution.INFRA, "a controller took over a generation still forming"),
 }
 
 

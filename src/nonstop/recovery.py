@@ -285,7 +285,8 @@ class Recovery(_Base):
         t0 = self._fault_time(now)  # an injection we were told of, else now
         if t_fault is not None:  # the caller knows better (a hang: the last progress)
             t0 = min(t0, t_fault)
-        self.incident = Incident(id=len(self.incidents) + 1, t_fault=t0, t_detect=now,
+        self.incident = Incident(id=self.incident_base + len(self.incidents) + 1, t_fault=t0,
+                                 t_detect=now,
                                  gen_from=self.gen, step_before=self.max_step)
         if fault.kind == "nan":
             self.incident.faults.append(_short(fault.describe()))

@@ -304,7 +304,9 @@ class Leader:
                "isolated": sorted(controller.counters.isolated),
                "replacements": controller.replacements, "max_step": controller.max_step,
                "node_of": {str(r): n for r, n in controller._node_of().items()},
-               "claimed": controller.claimed, "next_wid": controller.agent._next_wid}
+               "claimed": controller.claimed, "next_wid": controller.agent._next_wid,
+               "counters": controller._counters_record(),
+               "incidents": len(controller.incidents) + (controller.incident is not None)}
         return json.dumps(rec, separators=(",", ":"))
 
     def _store_loop(self, cluster: Any) -> None:

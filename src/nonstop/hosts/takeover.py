@@ -29,13 +29,13 @@ class Seen:
 
 @dataclasses.dataclass
 class Adoption:
-    gen: int  # the generation the job is in
-    plan: dict[int, int]  # rank -> wid in that generation
-    missing: list[int]  # ranks with no live process in it: a fault to recover from
+    gen: int  # the newest generation any process was assigned
+    plan: dict[int, int]  # rank -> wid: the live process with the rank's newest assignment
+    missing: list[int]  # ranks with no live process at all: a fault to recover from
     spares: list[int]  # live warm spares
-    orphans: list[int]  # live processes that are neither (assigned to a generation that never
-    # formed, or to an older one): ended at once
-    steady: bool  # every rank has its process: the job goes on untouched
+    orphans: list[int]  # live processes whose rank went to another since: ended at once
+    steady: bool  # every rank's process is in the newest generation: the job goes on as it is
+    # (not steady and nothing missing: a generation was being formed; it is formed again)
 
 
 def adopt(journal: dict[str, Any] | None, seen: list[Seen], world: int) -> Adoption:
@@ -44,16 +44,20 @@ def adopt(journal: dict[str, Any] | None, seen: list[Seen], world: int) -> Adopt
     j_gen = int(journal["gen"]) if journal else -1
     gen = max([s.gen for s in assigned] + [j_gen])
     plan: dict[int, int] = {}
+    newest: dict[int, Seen] = {}
     orphans: list[int] = []
-    for s in sorted(assigned, key=lambda s: s.wid):
-        if s.gen == gen and s.rank is not None and 0 <= s.rank < world and s.rank not in plan:
-            plan[s.rank] = s.wid
-        else:
+    # the newest assignment of a rank wins; an older holder of the same rank was replaced
+    for s in sorted(assigned, key=lambda s: (-(s.gen or 0), s.wid)):
+        if s.rank is None or not 0 <= s.rank < world or s.rank in newest:
             orphans.append(s.wid)
+            continue
+        newest[s.rank] = s
+        plan[s.rank] = s.wid
     j_plan = {int(r): int(w) for r, w in (journal or {}).get("plan", {}).items()}
     missing = [r for r in range(world) if r not in plan]
     for r in missing:  # the process the journal names (gone), or none at all
         plan[r] = j_plan.get(r, -1 - r)
     spares = sorted(s.wid for s in live if s.spare)
+    steady = not missing and gen >= 0 and all(s.gen == gen for s in newest.values())
     return Adoption(gen=max(gen, 0), plan=plan, missing=missing, spares=spares,
-                    orphans=sorted(orphans), steady=not missing and gen >= 0)
+                    orphans=sorted(orphans), steady=steady)
