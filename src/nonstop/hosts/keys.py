@@ -40,8 +40,20 @@ HEALTH = "health"  # {results: [{check, ok, code, detail, seconds}]}: the host's
 REFUSED = "refused"  # {why}: a command the agent will not carry out (a stale epoch)
 
 
+class _Record:
+    """A record kept in etcd as JSON (never pickled: other hosts read it)."""
+
+    def dumps(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))  # type: ignore[call-overload]
+
+    @classmethod
+    def loads(cls, raw: bytes | str) -> Any:
+        data = json.loads(raw)
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
+
+
 @dataclasses.dataclass
-class HostRecord:
+class HostRecord(_Record):
     """One host's agent, alive while its lease is."""
 
     host_id: str
@@ -52,17 +64,10 @@ class HostRecord:
     slots: int  # ranks per host (--nproc-per-node)
     incarnation: str  # a new one each time the agent registers (after fencing itself)
 
-    def dumps(self) -> str:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def loads(cls, raw: bytes | str) -> "HostRecord":
-        data = json.loads(raw)
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
 
 
 @dataclasses.dataclass
-class JobRecord:
+class JobRecord(_Record):
     """The settings every host of the job must share: a host started with others is refused."""
 
     nnodes_min: int
@@ -73,13 +78,6 @@ class JobRecord:
     policy_digest: str
     secret_check: str  # an HMAC of a fixed text: a host with another secret is refused at once
 
-    def dumps(self) -> str:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
-
-    @classmethod
-    def loads(cls, raw: bytes | str) -> "JobRecord":
-        data = json.loads(raw)
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
 
     def differs(self, other: "JobRecord") -> list[str]:
         return [f.name for f in dataclasses.fields(self)
