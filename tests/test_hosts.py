@@ -9,7 +9,7 @@ import signal
 import time
 
 import pytest
-from conftest import TRAIN, bitwise_equal
+from conftest import PLAIN, TRAIN, bitwise_equal
 
 from nonstop import netns
 from nonstop.bench.hostjob import HostJob
@@ -263,3 +263,26 @@ def test_etcd_losing_a_member_goes_unnoticed_losing_quorum_ends_the_job_clearly(
     assert "fenced" not in both  # the hosts reached each other: etcd was down, not them
     ends = j.of("run_end")
     assert ends and ends[-1]["exit_code"] == 1 and "etcd" in ends[-1]["diagnosis"]
+
+
+def test_a_plain_torchrun_script_across_hosts_is_restarted_whole(job, reference):
+    """A script without nonstop.wrap: each generation rendezvouses through MASTER_ADDR/PORT on a
+    fresh store of its rank 0's host; a rank killed restarts every rank."""
+    j = job(2)
+    for i in range(2):
+        j.start(i, "--nnodes", "2", "--nproc-per-node", "2", script=str(PLAIN),
+                script_args=["--steps", "1500", "--save", str(j.base / f"final{i}.pt")])
+    at = j.wait_output("step 100 ", 90)
+    victim = j.hosts[1 - at]  # a rank on the host that does not print rank 0's lines
+    pids = [p for p in victim.pids()
+            if b"nonstop.runtime.bootstrap" in open(f"/proc/{p}/cmdline", "rb").read()]
+    assert pids
+    os.kill(pids[0], signal.SIGKILL)
+    codes = j.wait(150)
+    assert codes == {0: 0, 1: 0}, j.output(0)[-3000:] + j.output(1)[-3000:]
+    incidents = j.of("incident")
+    assert len(incidents) == 1 and incidents[0]["levels"] == ["job restart"]
+    assert "(restart 1)" in j.output(0) + j.output(1)
+    saved = _saved(j, 2)
+    assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", "1500",
+                                                                 script=PLAIN))

@@ -66,6 +66,7 @@ class HostConfig:
     quiet: bool = False
     etcd_tls: dict[str, str | None] | None = None  # ca, cert, key (https)
     etcd_user: str | None = None  # its password: $NONSTOP_ETCD_PASSWORD
+    managed: bool = True  # the script uses nonstop.wrap (else: restarted whole on any fault)
 
     def etcd(self) -> Any:
         """A client of the job's etcd, as the flags say (TLS, a user)."""
@@ -116,6 +117,7 @@ class HostAgent:
         self.lease: Any = None
         self._unsent_exits: list[dict[str, Any]] = []
         self.history: list[dict[str, Any]] = []  # every event of this host's processes
+        self._gen_stores: dict[int, Any] = {}  # a plain script's stores, per generation
         self._delivered = 0  # how many of them reached the controller in office
         self._last_progress = 0.0
         self.done: dict[str, Any] | None = None  # the job's end, as read from etcd
@@ -416,6 +418,15 @@ class HostAgent:
         elif op == keys.ABORT:
             local = [int(w) for w in msg.get("wids", []) if int(w) in self.agent.procs]
             self.mail.abort(int(msg["gen"]), local)
+        elif op == keys.OPEN_STORE:
+            # a plain script rendezvouses with unprefixed keys through MASTER_ADDR/PORT: each of
+            # its generations gets a store of its own, on this host's address only
+            gen = int(msg["gen"])
+            store = _bound_store(_bound_socket(self.cfg.addr))
+            self._gen_stores[gen] = store
+            for old in [g for g in self._gen_stores if g < gen - 1]:
+                del self._gen_stores[old]
+            self._send({"op": keys.REPLY, "id": msg.get("id"), "port": store.port})
         elif op == keys.END:
             self.agent.end_all(float(msg.get("grace_s", 0.0)))
             self.code = int(msg.get("code", 0))
@@ -664,9 +675,6 @@ def run_host(cfg: Any) -> int:
                          "memory and disk checkpoints are one host's for now)")
     run_cfg = dataclasses.replace(cfg, nproc=per_node * n_max, nodes=n_max)
     pol, faults, uses_nonstop = launcher.prepare(run_cfg)
-    if not uses_nonstop:
-        raise UsageError(f"{cfg.script} does not use nonstop.wrap: across hosts the training "
-                         "function must be wrapped (a plain script runs on one host for now)")
     # the node memory (keepers, replicas between hosts) is one host's for now: across hosts a
     # rank's state comes from its peers (a replicated job holds it on every rank)
     pol = pol.with_overrides(**{"state.snapshot.enabled": False})
@@ -690,7 +698,7 @@ def run_host(cfg: Any) -> int:
                       host_id=host_id, run_dir=run_dir.resolve(), policy=pol.model_dump(),
                       policy_digest=digest, lease_ttl_s=pol.hosts.lease_ttl_s,
                       inject=list(cfg.inject), quiet=cfg.quiet, etcd_tls=tls,
-                      etcd_user=cfg.etcd_user)
+                      etcd_user=cfg.etcd_user, managed=uses_nonstop)
     # torch's store server warns of every client whose host name it cannot resolve: noise here
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     agent = HostAgent(hcfg, secret, faults)

@@ -68,6 +68,9 @@ class Cluster:
         self._progress: dict[int, dict[str, Any]] = {}
         self._exited: list[RemoteProc] = []
         self._unsent: dict[int, list[tuple[int, dict[str, Any]]]] = {}  # wid -> (seq, message)
+        self._replies: dict[int, tuple[threading.Event, dict[str, Any]]] = {}
+        self._req = 0
+        self.managed = True  # the script uses nonstop.wrap
         self._stop = threading.Event()
         self.on_node_joined: Callable[[int], None] | None = None
         self.on_node_lost: Callable[[int], None] | None = None
@@ -113,6 +116,11 @@ class Cluster:
                     self._connect(link, timeout_s=2.0)
                 except Exception:  # noqa: BLE001 - etcd decides whether the host is lost
                     pass
+                continue
+            if msg.get("op") == keys.REPLY and msg.get("id") in self._replies:
+                waiter, answer = self._replies[msg["id"]]
+                answer.update(msg)
+                waiter.set()
                 continue
             self.inbox.put((link.node, msg))
 
@@ -317,10 +325,28 @@ class Cluster:
         return node
 
     def generation_store(self, gen: int, node: int) -> dict[str, Any]:
-        """The group forms on the store of its rank 0's host, under the generation's prefix."""
+        """The group forms on a store of its rank 0's host: the host's own store under the
+        generation's prefix (nonstop.wrap), or a fresh store of the generation's (a plain script,
+        whose keys have no prefix)."""
         rec = self.links[node].rec
+        port = rec.rdzv_port
+        if not self.managed:
+            reply = self.request(node, {"op": keys.OPEN_STORE, "gen": gen})
+            port = int(reply["port"]) if reply and reply.get("port") else rec.rdzv_port
         return {"pg_addr": rec.addr, "pg_port": rec.rdzv_port, "master_addr": rec.addr,
-                "port": rec.rdzv_port}
+                "port": port}
+
+    def request(self, node: int, msg: dict[str, Any], timeout_s: float = 5.0
+                ) -> dict[str, Any] | None:
+        """Ask one host and wait for its answer (None: no answer in time)."""
+        self._req += 1
+        waiter = threading.Event()
+        self._replies[self._req] = (waiter, {})
+        msg["id"] = self._req
+        self._to(node, msg)
+        waiter.wait(timeout_s)
+        _, answer = self._replies.pop(msg["id"])
+        return answer or None
 
 
 class RemoteHealth:

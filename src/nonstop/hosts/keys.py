@@ -30,6 +30,7 @@ SIGNAL = "signal"  # {wid, sig}
 SEND = "send"  # {wid, seq, msg}: a mailbox message
 ABORT = "abort"  # {gen, wids}
 END = "end"  # {code, grace_s}: end every process and leave with this code
+OPEN_STORE = "open_store"  # {gen, id}: a fresh store for a plain script's generation -> REPLY
 # -- agent -> controller ---------------------------------------------------------------------------
 STATE = "state"  # {host, workers: [{wid, pid, alive, code}], now}
 EXITS = "exits"  # {exits: [{wid, code}]}
@@ -38,6 +39,7 @@ PROGRESS = "progress"  # {recs: {wid: record}, stopped: [wid]}
 OUTPUT = "output"  # {wid, line}: a line a process printed (log rules)
 HEALTH = "health"  # {results: [{check, ok, code, detail, seconds}]}: the host's health checks
 REFUSED = "refused"  # {why}: a command the agent will not carry out (a stale epoch)
+REPLY = "reply"  # {id, ...}: the answer to a request
 
 
 class _Record:

@@ -169,8 +169,9 @@ class Leader:
         nodes = cfg.nnodes_max
         world = nodes * cfg.nproc_per_node
         total = max(list(placed) + list(lost)) + 1
+        cluster.managed = cfg.managed
         controller = Controller(world=world, spares=cfg.spares * nodes, policy=pol, mail=cluster,
-                                agent=cluster, log=log, display=display, managed=True,
+                                agent=cluster, log=log, display=display, managed=cfg.managed,
                                 nodes=nodes, spare_nodes=total - nodes, run_dir=self.run_dir)
         self.controller = controller
         if journal is not None:
