@@ -1,0 +1,40 @@
+"""``nonstop bench hosts``: one short run of its fastest case across test hosts (the full bench,
+every case against torchrun, is the benchmark's, in docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from conftest import nonstop_cmd
+
+from nonstop import netns
+
+pytestmark = pytest.mark.integration
+
+ok, why = netns.available()
+if not ok:
+    pytest.skip(f"test hosts unavailable: {why}", allow_module_level=True)
+
+
+def test_bench_hosts_rank_crash_smoke(tmp_path):
+    proc = subprocess.run(
+        nonstop_cmd("bench", "hosts", "--json", "--repeat", "1", "--cases", "rank_crash",
+                    "--systems", "nonstop", "--steps", "60", "--kill-step", "20",
+                    "--sleep-ms", "10", "--out", str(tmp_path)),
+        capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["scenario"] == "hosts"
+    assert (res["hosts"], res["ranks_per_host"], res["lease_ttl_s"]) == (3, 2, 2)
+    (r,) = res["results"]
+    assert (r["case"], r["system"]) == ("rank_crash", "nonstop")
+    assert set(r) >= {"mttr_s", "lost_steps", "max_step_gap_s", "split_brain",
+                      "params_match_reference"}
+    assert r["params_match_reference"] is True, proc.stderr[-3000:]
+    assert r["split_brain"] is False
+    assert r["lost_steps"]["max"] == 0
+    assert r["mttr_s"]["median"] is not None and r["max_step_gap_s"] is not None
+    (run,) = r["runs"]
+    assert run["levels"] == ["rank replacement"] and run["victim_is_controller_host"] is False
