@@ -4,6 +4,7 @@ agents on loopback with their own names (the rendezvous checks need no network n
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -27,14 +28,15 @@ def etcd(tmp_path):
 
 
 def launch(tmp_path, name: str, *flags: str, secret: str | None = SECRET,
-           script: str = str(TRAIN)) -> subprocess.Popen:
+           script: str = str(TRAIN), steps: tuple = ("--steps", "4000", "--sleep-ms", "5")
+           ) -> subprocess.Popen:
     env = dict(os.environ)
     env.pop("NONSTOP_JOB_SECRET", None)
     if secret is not None:
         env["NONSTOP_JOB_SECRET"] = secret
     cmd = [sys.executable, "-m", "nonstop", "run", "--no-live", "--quiet", "--node-addr",
            "127.0.0.1", "--node-id", name, f"--run-dir={tmp_path / name}", *flags, script,
-           "--steps", "4000", "--sleep-ms", "5"]
+           *steps]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 
@@ -134,3 +136,28 @@ def test_a_host_that_registers_into_a_full_job_is_turned_away(tmp_path, etcd):
         assert "already has 2 host(s)" in line
     finally:
         end(*procs)
+
+
+def test_a_host_slow_to_answer_at_the_start_is_waited_for(tmp_path, etcd):
+    """A host registered in etcd that does not answer when the job starts (stopped here for 6 s:
+    its lease expires meanwhile, it fences itself and registers again) is waited for, as etcd
+    lists it, up to hosts.join_timeout_s: the job then runs on every host rather than placing
+    ranks on a host it never reached."""
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", etcd.url,
+              "--rdzv-id", "slow"]
+    a = launch(tmp_path, "a", *common, steps=("--steps", "30"))
+    store = Etcd(parse_endpoints(etcd.url), "slow")
+    deadline = time.time() + 30
+    while not store.get_prefix("hosts/") and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(a.pid, signal.SIGSTOP)  # registered, not answering
+    b = launch(tmp_path, "b", *common, steps=("--steps", "30"))
+    time.sleep(6)
+    os.kill(a.pid, signal.SIGCONT)
+    store.close()
+    try:
+        out_a, err_a = a.communicate(timeout=120)
+        out_b, err_b = b.communicate(timeout=120)
+    finally:
+        end(a, b)
+    assert a.returncode == 0 and b.returncode == 0, err_a[-2000:] + err_b[-2000:]

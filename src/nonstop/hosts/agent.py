@@ -149,6 +149,8 @@ class HostAgent:
         self.rdzv_port = rdzv_sock.getsockname()[1]
         self._register()
         self.agent: Agent | None = None
+        # the controller may connect at once: its hello waits in the inbox until the loop runs
+        threading.Thread(target=self._accept_loop, name="nonstop-accept", daemon=True).start()
         try:
             self.local_listener = loopback.listen()
             self.local_port = self.local_listener.getsockname()[1]
@@ -160,7 +162,6 @@ class HostAgent:
             self.mail = StoreMail()
             self.mail.attach(self.store)
             self.rdzv = _bound_store(rdzv_sock)
-            threading.Thread(target=self._accept_loop, name="nonstop-accept", daemon=True).start()
             threading.Thread(target=self._store_loop, name="nonstop-store", daemon=True).start()
             self._spawn_controller()
             return self._loop()
@@ -228,8 +229,7 @@ class HostAgent:
 
     def _on_lease_lost(self) -> None:
         self.lease_lost.set()
-        if self.agent is not None:
-            self.agent.wake()
+        self._wake()
 
     def _on_doubt(self, doubt: bool) -> None:
         """etcd unreachable for a whole TTL (or reachable again). Unreachable for everyone (etcd
@@ -240,8 +240,7 @@ class HostAgent:
             print(f"nonstop: host {self.cfg.host_id} cannot reach etcd at "
                   f"{_endpoints(self.cfg.endpoints)} (lease not refreshed for "
                   f"{self.cfg.lease_ttl_s} s)", file=sys.stderr, flush=True)
-        if self.agent is not None:
-            self.agent.wake()
+        self._wake()
 
     def _worker_env(self) -> dict[str, str]:
         from ..launcher import worker_env
@@ -291,9 +290,13 @@ class HostAgent:
                 continue
             except (ChannelClosed, AuthError, OSError):
                 self.inbox.put((ch, {"op": "_closed"}))
-                self.agent.wake()
+                self._wake()
                 return
             self.inbox.put((ch, msg))
+            self._wake()
+
+    def _wake(self) -> None:
+        if self.agent is not None:  # none yet: the loop has not started, it reads the inbox first
             self.agent.wake()
 
     def _refused(self, peer: tuple[str, int], why: str) -> None:
@@ -591,7 +594,7 @@ class HostAgent:
         if raw is None:
             return False
         self.done = json.loads(raw)
-        self.agent.wake()
+        self._wake()
         return True
 
     def _end_done(self) -> None:

@@ -137,8 +137,13 @@ class Leader:
         raw, _ = self.etcd.get(keys.JOURNAL)
         journal = json.loads(raw) if raw is not None else None
         pol = policy_mod.Policy.model_validate(cfg.policy)
+        channels: dict[str, Any] = {}
         if journal is None:
+            deadline = time.monotonic() + pol.hosts.join_timeout_s
             hosts = self._wait_for_hosts(pol.hosts.join_timeout_s)
+            if hosts is None:
+                return 2
+            hosts = self._reachable(hosts, channels, deadline)
             if hosts is None:
                 return 2
             placed = dict(enumerate(hosts))
@@ -160,7 +165,8 @@ class Leader:
                           next_wid=int((journal or {}).get("next_wid", 0)))
         for node, rec in sorted(placed.items()):
             try:
-                cluster.add_host(node, rec, timeout_s=5.0)
+                cluster.add_host(node, rec, timeout_s=5.0,
+                                 ch=channels.get(rec.host_id, (None, None))[1])
             except Exception as exc:  # noqa: BLE001 - alive in etcd, out of reach: lost for us
                 print(f"nonstop: host {rec.host_id} cannot be reached: {exc}", file=sys.stderr,
                       flush=True)
@@ -208,6 +214,46 @@ class Leader:
         time.sleep(0.2)  # the END frames leave before the process does
         cluster.close()
         return code
+
+    def _reachable(self, hosts: list[keys.HostRecord], channels: dict[str, Any],
+                   deadline: float) -> list[keys.HostRecord] | None:
+        """The first hosts of a new job, each answering on its channel: those that answer hold
+        the ranks, in the order they joined. A host that does not answer yet (still starting) is
+        tried again, as etcd lists it then (it may have registered anew), until the join
+        deadline; the job needs --nnodes that answer."""
+        from ..net import channel
+
+        want = self.cfg.nnodes_max
+        while True:
+            answered = [h for h in hosts if channels.get(h.host_id, (None,))[0] == h.incarnation]
+            pending = [h for h in hosts if h not in answered]
+            for rec in pending:
+                try:
+                    ch = channel.connect(rec.addr, rec.ctl_port, self.secret, timeout_s=2.0)
+                except Exception:  # noqa: BLE001 - not listening yet, or out of reach
+                    continue
+                old = channels.pop(rec.host_id, None)
+                if old is not None:
+                    old[1].close()
+                channels[rec.host_id] = (rec.incarnation, ch)
+                answered.append(rec)
+            if len(answered) >= want:  # spare hosts that answer later join as they do
+                order = {h.host_id: i for i, h in enumerate(hosts)}
+                return sorted(answered, key=lambda h: order[h.host_id])
+            if time.monotonic() > deadline:
+                late = [h for h in hosts if h not in answered]
+                self._finish(2, f"only {len(answered)} of {want} host(s) of job "
+                                f"'{self.cfg.job_id}' answered on their address "
+                                f"({', '.join(f'{h.host_id} at {h.addr}' for h in late)} did "
+                                "not): check the network between the hosts and --node-addr")
+                return None
+            time.sleep(0.2)
+            try:  # as etcd lists them now: one may have gone, or registered again
+                rows = self.etcd.get_prefix(keys.HOSTS)
+                rows.sort(key=lambda r: r[3])
+                hosts = [keys.HostRecord.loads(r[1]) for r in rows]
+            except Exception:  # noqa: BLE001 - etcd away for a moment: the same list
+                pass
 
     def _place_hosts(self, journal: dict[str, Any]) -> tuple[dict[int, keys.HostRecord], set[int]]:
         """The hosts alive now, at the nodes the journal gave them (a host that joined since is a
