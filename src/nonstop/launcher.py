@@ -170,7 +170,7 @@ class _Interrupted(Exception):
 
 def run(cfg: RunConfig) -> int:
     if cfg.rdzv_endpoint or cfg.rdzv_id or (cfg.nnodes not in (None, "1", "1:1")):
-        from .hosts.agent import run_host
+        from .hosts.config import run_host
 
         return run_host(cfg)
     if cfg.nproc_per_node is not None:  # one host: per host is the total

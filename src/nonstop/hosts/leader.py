@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from . import keys, takeover
-from .agent import HostConfig
+from .config import HostConfig
 from .journal import Journal
 
 HOSTS_EVERY_S = 0.2  # how often the host list is read from etcd while the job runs

@@ -1,0 +1,165 @@
+"""One host's settings for a job across hosts (the command's flags, checked), and ``run_host``:
+``nonstop run`` with ``--rdzv-endpoint``, from its flags to the host's agent."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+from . import keys
+
+ETCD_PASSWORD = "NONSTOP_ETCD_PASSWORD"
+
+
+@dataclasses.dataclass
+class HostConfig:
+    script: str
+    script_args: list[str]
+    nnodes_min: int
+    nnodes_max: int
+    nproc_per_node: int
+    spare_nodes: int
+    spares: int  # warm spares per host that holds ranks
+    endpoints: list[tuple[str, int]]
+    job_id: str
+    addr: str
+    host_id: str
+    run_dir: Path
+    policy: dict[str, Any]  # the effective policy (the file and the flags)
+    policy_digest: str
+    lease_ttl_s: int
+    inject: list[str]
+    quiet: bool = False
+    etcd_tls: dict[str, str | None] | None = None  # ca, cert, key (https)
+    etcd_user: str | None = None  # its password: $NONSTOP_ETCD_PASSWORD
+    managed: bool = True  # the script uses nonstop.wrap (else: restarted whole on any fault)
+
+    def etcd(self) -> Any:
+        """A client of the job's etcd, as the flags say (TLS, a user)."""
+        from ..store.etcd import TLS, Etcd
+
+        user = self.etcd_user
+        return Etcd(self.endpoints, self.job_id, timeout_s=max(2.0, self.lease_ttl_s),
+                    tls=TLS(**self.etcd_tls) if self.etcd_tls is not None else None, user=user,
+                    password=os.environ.get(ETCD_PASSWORD) if user else None)
+
+    def job_record(self, secret: bytes) -> keys.JobRecord:
+        return keys.JobRecord(
+            nnodes_min=self.nnodes_min, nnodes_max=self.nnodes_max,
+            nproc_per_node=self.nproc_per_node, spare_nodes=self.spare_nodes,
+            script=os.path.basename(self.script), policy_digest=self.policy_digest,
+            secret_check=hmac.new(secret, b"nonstop job secret check", hashlib.sha256).hexdigest())
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        d["run_dir"] = str(self.run_dir)
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str) -> "HostConfig":
+        d = json.loads(text)
+        d["run_dir"] = Path(d["run_dir"])
+        d["endpoints"] = [tuple(e) for e in d["endpoints"]]
+        return cls(**d)
+
+
+def _nnodes(text: str | None) -> tuple[int, int]:
+    raw = text or "1"
+    lo, _, hi = raw.partition(":")
+    try:
+        n_min, n_max = int(lo), int(hi or lo)
+    except ValueError:
+        raise UsageError(f"--nnodes takes N or MIN:MAX, got {raw!r}") from None
+    if n_min < 1 or n_max < n_min:
+        raise UsageError(f"--nnodes needs 1 <= MIN <= MAX, got {raw!r}")
+    return n_min, n_max
+
+
+def run_host(cfg: Any) -> int:
+    """``nonstop run`` on one host of many: check everything, then run the host's agent."""
+    import socket
+
+    from .. import launcher
+    from ..net.channel import load_secret
+    from ..store.etcd import parse_endpoints, wants_tls
+    from .agent import HostAgent
+    from .netif import interface_of, route_to
+
+    if not cfg.rdzv_endpoint:
+        raise UsageError("--nnodes > 1 needs --rdzv-endpoint etcd://HOST:PORT (the etcd the hosts "
+                         "meet in)")
+    if not cfg.rdzv_id:
+        raise UsageError("--rdzv-endpoint needs --rdzv-id JOB (the same on every host)")
+    try:
+        endpoints = parse_endpoints(cfg.rdzv_endpoint)
+    except ValueError as exc:
+        raise UsageError(f"--rdzv-endpoint: {exc}") from None
+    tls = None
+    if wants_tls(cfg.rdzv_endpoint) or cfg.etcd_cacert or cfg.etcd_cert:
+        for flag, path in (("--etcd-cacert", cfg.etcd_cacert), ("--etcd-cert", cfg.etcd_cert),
+                           ("--etcd-key", cfg.etcd_key)):
+            if path and not os.path.isfile(path):
+                raise UsageError(f"{flag} {path}: no such file")
+        if bool(cfg.etcd_cert) != bool(cfg.etcd_key):
+            raise UsageError("--etcd-cert and --etcd-key go together")
+        tls = {"ca": _abs(cfg.etcd_cacert), "cert": _abs(cfg.etcd_cert),
+               "key": _abs(cfg.etcd_key)}
+    if cfg.etcd_user and not os.environ.get(ETCD_PASSWORD):
+        raise UsageError(f"--etcd-user needs its password in ${ETCD_PASSWORD}")
+    n_min, n_max = _nnodes(cfg.nnodes)
+    per_node = cfg.nproc_per_node or cfg.nproc
+    if cfg.checkpoint_dir:
+        raise UsageError("--checkpoint-dir across hosts is not supported yet (each host's "
+                         "memory and disk checkpoints are one host's for now)")
+    run_cfg = dataclasses.replace(cfg, nproc=per_node * n_max, nodes=n_max)
+    pol, faults, uses_nonstop = launcher.prepare(run_cfg)
+    # the node memory (keepers, replicas between hosts) is one host's for now: across hosts a
+    # rank's state comes from its peers (a replicated job holds it on every rank)
+    pol = pol.with_overrides(**{"state.snapshot.enabled": False})
+    try:
+        secret = load_secret(cfg.secret_file)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        addr = cfg.node_addr or route_to(*endpoints[0])
+    except OSError as exc:
+        raise UsageError(f"cannot find this host's address towards {endpoints[0][0]}: {exc}") \
+            from None
+    if interface_of(addr) is None and not addr.startswith("127."):
+        raise UsageError(f"--node-addr {addr} is not an address of this host")
+    host_id = cfg.node_id or f"{socket.gethostname()}-{addr}"
+    run_dir = launcher.make_run_dir(cfg.run_dir)
+    digest = hashlib.sha256(json.dumps(pol.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
+    hcfg = HostConfig(script=cfg.script, script_args=list(cfg.script_args), nnodes_min=n_min,
+                      nnodes_max=n_max, nproc_per_node=per_node, spare_nodes=cfg.spare_nodes,
+                      spares=cfg.spares, endpoints=endpoints, job_id=cfg.rdzv_id, addr=addr,
+                      host_id=host_id, run_dir=run_dir.resolve(), policy=pol.model_dump(),
+                      policy_digest=digest, lease_ttl_s=pol.hosts.lease_ttl_s,
+                      inject=list(cfg.inject), quiet=cfg.quiet, etcd_tls=tls,
+                      etcd_user=cfg.etcd_user, managed=uses_nonstop)
+    # torch's store server warns of every client whose host name it cannot resolve: noise here
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    agent = HostAgent(hcfg, secret, faults)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return agent.run()
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _abs(path: str | None) -> str | None:
+    return os.path.abspath(path) if path else None
