@@ -592,6 +592,7 @@ class Listener:
             return None
         if n == 0:
             if p.got == 0:  # connected and left without a byte: a liveness probe, not an attempt
+                self._drop(p)
                 p.sock.close()
                 log.debug("%s:%s connected and closed without a byte", *p.peer)
                 return None
