@@ -22,12 +22,13 @@ def test_bench_hosts_rank_crash_smoke(tmp_path):
     proc = subprocess.run(
         nonstop_cmd("bench", "hosts", "--json", "--repeat", "1", "--cases", "rank_crash",
                     "--systems", "nonstop", "--steps", "60", "--kill-step", "20",
+                    "--hosts", "2", "--ranks-per-host", "1", "--spare-hosts", "0",
                     "--sleep-ms", "10", "--out", str(tmp_path)),
         capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["scenario"] == "hosts"
-    assert (res["hosts"], res["ranks_per_host"], res["lease_ttl_s"]) == (3, 2, 2)
+    assert (res["hosts"], res["ranks_per_host"], res["lease_ttl_s"]) == (2, 1, 2)
     (r,) = res["results"]
     assert (r["case"], r["system"]) == ("rank_crash", "nonstop")
     assert set(r) >= {"mttr_s", "lost_steps", "max_step_gap_s", "split_brain",

@@ -121,24 +121,6 @@ def test_a_partitioned_host_fences_itself_and_comes_back_as_a_spare(job, referen
     assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", str(STEPS)))
 
 
-def test_etcd_stopped_for_5_seconds_does_not_stop_training(job, reference):
-    j = job(2)
-    for i in range(2):
-        _train(j, i, "--nnodes", "2", "--nproc-per-node", "2", sleep_ms=25)
-    j.wait_output("step 50 ", 90)
-    j.etcd.stop_member("e0")
-    time.sleep(5)
-    j.etcd.start_member("e0")
-    codes = j.wait(150)
-    assert codes == {0: 0, 1: 0}, j.output(0)[-3000:] + j.output(1)[-3000:]
-    assert not j.of("incident") and not j.of("node_lost") and not j.of("fault")
-    both = j.output(0) + j.output(1)
-    assert "etcd is back: the control plane resumes" in both
-    assert "fenced" not in both
-    saved = _saved(j, 2)
-    assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", str(STEPS)))
-
-
 def test_the_controller_killed_training_goes_on_then_a_crash_on_a_remote_host(job, reference):
     """The controller is SIGKILLed: the ranks train on and a standby takes office within the
     lease's TTL and a second. Then a rank crashes: the new controller replaces it from the warm
@@ -243,26 +225,38 @@ def test_a_health_check_fails_on_one_host_its_ranks_move_to_the_spare_host(job, 
     assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", str(STEPS)))
 
 
-def test_etcd_losing_a_member_goes_unnoticed_losing_quorum_ends_the_job_clearly(job):
+def test_etcd_a_member_lost_quorum_lost_for_5_s_then_for_good(job):
+    """etcd of three members: one lost goes unnoticed; the quorum lost for 5 s (as etcd stopped
+    and started again) does not stop training, and the control plane resumes; lost for longer
+    than hosts.store_outage_s, the job ends with a diagnosis (no host fenced: they reached each
+    other, etcd was what was down)."""
     j = job(2, etcd_members=3)
     pol = j.base / "policy.yaml"
-    pol.write_text("hosts:\n  store_outage_s: 4\n")
+    pol.write_text("hosts:\n  store_outage_s: 7\n")
     for i in range(2):
-        _train(j, i, "--nnodes", "2", "--nproc-per-node", "2", "--policy", str(pol), sleep_ms=40)
+        _train(j, i, "--nnodes", "2", "--nproc-per-node", "2", "--policy", str(pol),
+               steps=100_000, sleep_ms=20)
     j.wait_output("step 50 ", 90)
     j.etcd.stop_member("e0")  # one of three: a quorum is left
     j.wait_output("step 100 ", 60)
+    j.etcd.stop_member("e1")  # no quorum
+    time.sleep(5)
+    j.etcd.start_member("e0")
+    j.etcd.start_member("e1")
+    j.wait_output("etcd is back: the control plane resumes", 30)
     assert not j.of("fault") and all(p.poll() is None for p in j.procs.values())
-    j.etcd.stop_member("e1")  # no quorum: nothing can be known about hosts
+    j.etcd.stop_member("e0")
+    j.etcd.stop_member("e1")  # and now for good
     t0 = time.time()
     codes = j.wait(90)
     assert codes == {0: 1, 1: 1}, j.output(0)[-3000:] + j.output(1)[-3000:]
-    assert time.time() - t0 < 4 + 2 + 15  # the tolerance, the lease's TTL, and ending
+    assert time.time() - t0 < 7 + 2 + 15  # the tolerance, the lease's TTL, and ending
     both = j.output(0) + j.output(1)
-    assert "unreachable for" in both and "hosts.store_outage_s=4" in both
-    assert "fenced" not in both  # the hosts reached each other: etcd was down, not them
+    assert "unreachable for" in both and "hosts.store_outage_s=7" in both
+    assert "fenced" not in both
     ends = j.of("run_end")
     assert ends and ends[-1]["exit_code"] == 1 and "etcd" in ends[-1]["diagnosis"]
+    assert not j.of("incident")  # nothing was recovered from: training never stopped
 
 
 def test_a_plain_torchrun_script_across_hosts_is_restarted_whole(job, reference):
@@ -271,7 +265,7 @@ def test_a_plain_torchrun_script_across_hosts_is_restarted_whole(job, reference)
     j = job(2)
     for i in range(2):
         j.start(i, "--nnodes", "2", "--nproc-per-node", "2", script=str(PLAIN),
-                script_args=["--steps", "1500", "--save", str(j.base / f"final{i}.pt")])
+                script_args=["--steps", "600", "--save", str(j.base / f"final{i}.pt")])
     at = j.wait_output("step 100 ", 90)
     victim = j.hosts[1 - at]  # a rank on the host that does not print rank 0's lines
     pids = [p for p in victim.pids()
@@ -284,5 +278,5 @@ def test_a_plain_torchrun_script_across_hosts_is_restarted_whole(job, reference)
     assert len(incidents) == 1 and incidents[0]["levels"] == ["job restart"]
     assert "(restart 1)" in j.output(0) + j.output(1)
     saved = _saved(j, 2)
-    assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", "1500",
+    assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", "600",
                                                                  script=PLAIN))

@@ -7,8 +7,11 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
+import ssl
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import TRAIN
@@ -52,15 +55,16 @@ def tls_etcd(tmp_path):
          "--heartbeat-interval", "50", "--election-timeout", "500", "--log-level", "warn"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        import time
-
+        ctx = ssl.create_default_context(cafile=str(d / "ca.pem"))
+        ctx.load_cert_chain(str(d / "client.pem"), str(d / "client-key.pem"))
         deadline = time.time() + 30
-        while time.time() < deadline:
-            r = subprocess.run(["openssl", "s_client", "-connect", f"127.0.0.1:{port}",
-                                "-brief"], input=b"", capture_output=True, timeout=10)
-            if b"CONNECTION ESTABLISHED" in r.stdout + r.stderr:
-                break
-            time.sleep(0.2)
+        while time.time() < deadline:  # etcd answers TLS once it is up
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as raw, \
+                        ctx.wrap_socket(raw, server_hostname="127.0.0.1"):
+                    break
+            except OSError:
+                time.sleep(0.1)
         yield url, d
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
