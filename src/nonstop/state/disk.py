@@ -28,6 +28,12 @@ else:
 
 
 class DiskWrites(_Base):
+    def _unlease_stager(self, h: Any, i: int) -> None:
+        h.leases[i]["stager"] -= 1
+        if h.leases[i]["stager"] <= 0:
+            del h.leases[i]["stager"]
+        self.changed.notify_all()
+
     def _stager(self) -> None:
         while True:
             with self.changed:
@@ -35,13 +41,21 @@ class DiskWrites(_Base):
                     self.changed.wait(1.0)
                 job = self.stage_queue.popleft()
                 h = self.holders.get(job["holder"])
-                found = h.newest(job["step"]) if h is not None else None
+                slot = job.pop("slot", None)  # leased for us when the snapshot came in
+                if h is not None and slot is not None:
+                    info = h.infos()[slot]
+                    found = (slot, info) if info is not None and info.step == job["step"] else None
+                    if found is None:
+                        self._unlease_stager(h, slot)
+                else:
+                    found = h.newest(job["step"]) if h is not None else None
+                    if found is not None:
+                        h.leases[found[0]]["stager"] += 1
                 if found is None:  # nothing left to write from: not worth retrying
                     self.emit({"ev": "part_failed", "job": job, "retryable": False,
                                "error": f"no snapshot of step {job['step']} in {job['holder']}"})
                     continue
                 i, info = found
-                h.leases[i]["stager"] += 1
                 src = os.dup(h.fds[i])
             try:
                 staged = shm.create(f"{job['holder']}.disk", info.total)
@@ -58,10 +72,7 @@ class DiskWrites(_Base):
             finally:
                 os.close(src)
                 with self.changed:
-                    h.leases[i]["stager"] -= 1
-                    if h.leases[i]["stager"] <= 0:
-                        del h.leases[i]["stager"]
-                    self.changed.notify_all()
+                    self._unlease_stager(h, i)
             if staged is not None:
                 with self.lock:
                     kept = self.kept.get(job["holder"])

@@ -336,7 +336,11 @@ class Keeper(Replication, DiskWrites):
                 self.repl_queue.append(h.name)
                 self.changed.notify_all()
             if msg.get("persist"):
-                self.stage_queue.append(dict(msg["persist"], holder=h.name, step=info.step))
+                # the stager's lease is taken now: by the time it runs, two more snapshots may
+                # have come, and the slot must not be written over before it is copied
+                h.leases[i]["stager"] += 1
+                self.stage_queue.append(dict(msg["persist"], holder=h.name, step=info.step,
+                                             slot=i))
         self.changed.notify_all()
         return ({"ok": info is not None} if msg.get("reply") else None), []
 
