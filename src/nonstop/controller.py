@@ -105,7 +105,8 @@ class Controller(Recovery):
                 self.display.status(self.snapshot())
             self._check(now)
             if self.exit_code is None:
-                self._act(self.watchers.poll_health(now, self.counters.isolated,
+                # a node already faulted in the open incident is not reported again
+                self._act(self.watchers.poll_health(now, self._faulty_nodes(),
                                                     set(self._node_of().values())))
             self.memory.poll()
             self._check_keepers(now)
