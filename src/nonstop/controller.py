@@ -16,7 +16,7 @@ from .agent import Agent, Proc
 from .events import EventLog
 from .faults import exit_fault
 from .ladder import Counters, Decision, Fault, Level
-from .metrics import Incident
+from .metrics import Incident, restore_record
 from .policy import Policy
 from .ledger import TrainingLedger
 from .recovery import Recovery
@@ -207,29 +207,17 @@ class Controller(Recovery):
         """Continue a job another controller ran: its generation, plan and processes as the hosts
         report them, its budgets from the journal. A job that trains goes on untouched; one
         caught mid-recovery (or missing a rank) recovers from here."""
-        from .workers import Worker
+        from .hosts import takeover
 
         j = journal or {}
         self.log.write("takeover", gen=adoption.gen, steady=adoption.steady,
                        missing=adoption.missing, orphans=adoption.orphans,
                        spares=adoption.spares, journal_gen=j.get("gen"), lost=sorted(lost))
-        for s in seen:
-            self.workers[s.wid] = Worker(wid=s.wid, spare=s.spare and s.alive, node=s.node,
-                                         seq=s.seq, rank=s.rank, dead=not s.alive)
-        for rank, wid in adoption.plan.items():
-            if wid not in self.workers:  # gone with its host: a record to replace
-                self.workers[wid] = Worker(wid=wid, spare=False, node=self._journal_node(j, rank),
-                                           rank=rank, dead=True)
-            self.workers[wid].rank = rank
+        self.workers.update(takeover.workers(adoption, seen, j))
         self.plan = dict(adoption.plan)
         self.gen = adoption.gen
         self.replacements = list(j.get("replacements") or self.replacements)
-        c = j.get("counters") or {}
-        self.counters.spent = dict(c.get("spent") or {})  # budgets are the job's, not a term's
-        for name in ("user_errors_in_a_row", "nan_in_a_row", "hangs_in_a_row",
-                     "restarts_without_infra"):
-            setattr(self.counters, name, int(c.get(name) or 0))
-        self.counters.isolated |= set(j.get("isolated") or []) | set(lost)
+        self.counters = Counters.from_record(j.get("counters"), set(j.get("isolated") or []) | lost)
         self.incident_base = int(j.get("incidents") or 0)  # incidents keep their numbers
         self.max_step = int(j.get("max_step") or 0)
         self.claimed = dict(j.get("claimed") or {})
@@ -255,10 +243,6 @@ class Controller(Recovery):
             self._fault(Fault("takeover", message=(
                 f"generation {adoption.gen} was forming when the controller changed")))
         self._refill_spares()
-
-    @staticmethod
-    def _journal_node(journal: dict[str, Any], rank: int) -> int:
-        return int((journal.get("node_of") or {}).get(str(rank), 0))
 
     # == hosts joining and leaving (across hosts a node is a host) ===============================
     def node_joined(self, node: int) -> None:
@@ -427,15 +411,9 @@ class Controller(Recovery):
         evs = [x.entered_ev for x in ranks if x.entered_ev is not None and not x.entered_ev.get("plain")]
         if not evs:
             return
-        sources = {str(e["rank"]): e.get("source") for e in evs}
-        skipped: list[dict[str, Any]] = []
-        for s in (s for e in evs for s in (e.get("skipped") or [])):
-            if s not in skipped:  # every rank learnt of every failed source
-                skipped.append(s)
-        step = evs[0].get("step")
-        self.log.write("restore", gen=self.gen, step=step, sources=sources, skipped=skipped,
-                       seconds=max(e.get("restore_s") or 0.0 for e in evs),
-                       bytes=sum(e.get("nbytes") or 0 for e in evs))
+        rec = restore_record(evs)
+        self.log.write("restore", gen=self.gen, **rec)
+        step, sources, skipped = rec["step"], rec["sources"], rec["skipped"]
         for s in skipped:
             self.display.info(f"rank {s.get('rank')}: {s.get('source')} copy of step "
                               f"{s.get('step')} skipped: {s.get('why')}")
@@ -616,20 +594,9 @@ class Controller(Recovery):
                 "max_step": self.max_step}
 
     def _on_no_steps(self, ev: dict[str, Any]) -> None:
-        """A rank's training function runs without ctx.steps: its progress is its marks, what a
-        failure loses is unknown, and injected faults keyed to steps can never fire."""
-        first = self.ledger.no_steps()
-        faults = ev.get("faults") or []
-        if faults and self.exit_code is None:
-            fn = ev.get("function") or "the training function"
+        diagnosis, warning = self.ledger.no_steps(ev)
+        if diagnosis is not None and self.exit_code is None:
             self._fail(Decision(Level.FAIL, reason="injected faults cannot fire", usage_error=True,
-                                diagnosis=f"--inject {'; '.join(faults)} cannot fire: {fn}() does "
-                                          "not iterate ctx.steps, and these faults are keyed to its "
-                                          "steps (loop with `for step in ctx.steps(total)`)"))
-            return
-        if first and ev.get("registered"):
-            fn = ev.get("function") or "the training function"
-            self.display.warning(
-                f"{fn}() registers nonstop.State but does not iterate ctx.steps: after a failure "
-                "it starts again from its beginning on top of the trained state, and the steps "
-                "lost are unknown; loop with `for step in ctx.steps(total)` (docs/usage.md)")
+                                diagnosis=diagnosis))
+        elif warning is not None:
+            self.display.warning(warning)

@@ -59,6 +59,22 @@ class Counters:
     def used(self, level: Level) -> int:
         return self.spent.get(level.value, 0)
 
+    _IN_A_ROW = ("user_errors_in_a_row", "nan_in_a_row", "hangs_in_a_row", "restarts_without_infra")
+
+    def record(self) -> dict[str, Any]:
+        """What outlives the controller (the event log, the journal across hosts)."""
+        return {"spent": self.spent, **{n: getattr(self, n) for n in self._IN_A_ROW},
+                "isolated": sorted(self.isolated)}
+
+    @classmethod
+    def from_record(cls, rec: dict[str, Any] | None, isolated: set[int] = frozenset()) -> Counters:
+        """The counters a record kept (a controller taking over: budgets are the job's, not a
+        term's), with ``isolated`` nodes added."""
+        rec = rec or {}
+        return cls(spent=dict(rec.get("spent") or {}),
+                   **{n: int(rec.get(n) or 0) for n in cls._IN_A_ROW},
+                   isolated=set(rec.get("isolated") or []) | set(isolated))
+
     # kept for the event log and older callers
     @property
     def rank_replacements(self) -> int:

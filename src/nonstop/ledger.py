@@ -32,10 +32,23 @@ class TrainingLedger:
         self.steps_seen = self.steps_seen or bool(ev.get("steps"))
         self.unfired += [f for f in ev.get("unfired") or () if f not in self.unfired]
 
-    def no_steps(self) -> bool:
-        """A rank runs without ctx.steps. Returns whether this is the first to say so."""
+    def no_steps(self, ev: dict[str, Any]) -> tuple[str | None, str | None]:
+        """A rank runs without ctx.steps (its "no_steps" report): its progress is its marks, what
+        a failure loses is unknown, and faults keyed to steps can never fire. Returns what to
+        fail the run with (a usage error), and what to warn of (once per run)."""
         first, self.stepless = not self.stepless, True
-        return first
+        fn = ev.get("function") or "the training function"
+        faults = ev.get("faults") or []
+        if faults:
+            return (f"--inject {'; '.join(faults)} cannot fire: {fn}() does not iterate ctx.steps, "
+                    "and these faults are keyed to its steps (loop with `for step in "
+                    "ctx.steps(total)`)", None)
+        if first and ev.get("registered"):
+            return None, (f"{fn}() registers nonstop.State but does not iterate ctx.steps: after a "
+                          "failure it starts again from its beginning on top of the trained state, "
+                          "and the steps lost are unknown; loop with `for step in "
+                          "ctx.steps(total)` (docs/usage.md)")
+        return None, None
 
     def steps_known(self) -> bool:
         """Whether the steps a failure undid can be counted: only when the ranks iterate ctx.steps."""

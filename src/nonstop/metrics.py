@@ -171,3 +171,16 @@ def summarize(incidents: list[dict[str, Any]], wall_s: float, productive_s: floa
         "continues": continues,
         "incident_list": incidents,
     }
+
+
+def restore_record(entered: list[dict[str, Any]]) -> dict[str, Any]:
+    """A generation's restore from its ranks' "entered" reports: the step, where each rank's
+    state came from, the sources that were skipped (each once), the slowest rank's seconds and
+    the bytes moved."""
+    skipped: list[dict[str, Any]] = []
+    for s in (s for e in entered for s in (e.get("skipped") or [])):
+        if s not in skipped:  # every rank learnt of every failed source
+            skipped.append(s)
+    return {"step": entered[0].get("step"), "sources": {str(e["rank"]): e.get("source") for e in entered},
+            "skipped": skipped, "seconds": max(e.get("restore_s") or 0.0 for e in entered),
+            "bytes": sum(e.get("nbytes") or 0 for e in entered)}

@@ -128,7 +128,7 @@ class Recovery(_Base):
         self.log.write("decision", gen=self.gen, level=decision.level.value, reason=decision.reason,
                        replace=sorted(decision.replace), isolate=sorted(decision.isolate),
                        passed_over=list(decision.passed_over), escalated_from=escalate,
-                       counters=self._counters_record())
+                       counters=self.counters.record())
         if decision.level is Level.FAIL:
             self._fail(decision)
             return
@@ -222,13 +222,6 @@ class Recovery(_Base):
         healthy = [n for n in range(self.total_nodes) if n not in self.counters.isolated]
         return JobView(world=self.world, managed=self.managed, node_of=self._node_of(),
                        spare_nodes=len(self._spare_node_ids()), capacity=len(healthy) * self.slots, slots=self.slots)
-
-    def _counters_record(self) -> dict[str, Any]:
-        c = self.counters
-        return {"spent": c.spent, "user_errors_in_a_row": c.user_errors_in_a_row,
-                "nan_in_a_row": c.nan_in_a_row, "hangs_in_a_row": c.hangs_in_a_row,
-                "restarts_without_infra": c.restarts_without_infra,
-                "isolated": sorted(c.isolated)}
 
     def _announce(self, decision: Decision) -> None:
         moved = ", ".join(f"rank {r} -> worker {self.plan[r]}"
@@ -390,7 +383,7 @@ class Recovery(_Base):
                                      self.counters)
         self.counters = ladder.charge(decision, [], self.counters, time.time())
         self.log.write("decision", gen=self.gen, level=decision.level.value, reason=decision.reason,
-                       step=step, counters=self._counters_record())
+                       step=step, counters=self.counters.record())
         self._nan_deadline = None
         if decision.level is Level.FAIL:
             self._fail(decision)

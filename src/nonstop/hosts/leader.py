@@ -352,7 +352,7 @@ class Leader:
                "replacements": controller.replacements, "max_step": controller.max_step,
                "node_of": {str(r): n for r, n in controller._node_of().items()},
                "claimed": controller.claimed, "next_wid": controller.agent._next_wid,
-               "counters": controller._counters_record(),
+               "counters": controller.counters.record(),
                "incidents": len(controller.incidents) + (controller.incident is not None)}
         return json.dumps(rec, separators=(",", ":"))
 

@@ -61,3 +61,19 @@ def adopt(journal: dict[str, Any] | None, seen: list[Seen], world: int) -> Adopt
     steady = not missing and gen >= 0 and all(s.gen == gen for s in newest.values())
     return Adoption(gen=max(gen, 0), plan=plan, missing=missing, spares=spares,
                     orphans=sorted(orphans), steady=steady)
+
+
+def workers(adoption: Adoption, seen: list[Seen], journal: dict[str, Any] | None) -> dict[int, Any]:
+    """The controller's records of the job's processes: each one a host reports, as it reports
+    it, and a dead record for each rank whose process is gone with its host (to be replaced)."""
+    from ..workers import Worker
+
+    out = {s.wid: Worker(wid=s.wid, spare=s.spare and s.alive, node=s.node, seq=s.seq, rank=s.rank,
+                         dead=not s.alive) for s in seen}
+    node_of = (journal or {}).get("node_of") or {}
+    for rank, wid in adoption.plan.items():
+        if wid not in out:
+            out[wid] = Worker(wid=wid, spare=False, node=int(node_of.get(str(rank), 0)), rank=rank,
+                              dead=True)
+        out[wid].rank = rank
+    return out
