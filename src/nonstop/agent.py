@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from . import protocol
 from .console import ConsoleFilter
@@ -91,6 +91,13 @@ class Agent:
         env = dict(self.env)
         env["NONSTOP_KEEPER_TOKEN"] = self.keeper_token  # in the environment: only we can read it
         return self._start(wid, cmd, env, f"keeper-n{node}.log", spare=False)
+
+    @staticmethod
+    def keeper_link(node: int, name: str, deadline: float) -> Any:
+        """A connection to the keeper of a node of this host (once it listens)."""
+        from .state.wire import KeeperLink
+
+        return KeeperLink.open(name, deadline)
 
     def spawn_command(self, wid: int, cmd: list[str], env: dict[str, str], log_name: str) -> Proc:
         """Another process of the job on this host (the standby controller): watched like the

@@ -27,8 +27,7 @@ class KeeperHandle:
     name: str
     wid: int
     pid: int = 0
-    client: wire.Client | None = None  # requests
-    events: wire.Client | None = None  # what the keeper reports (parts written, replicas made)
+    link: Any = None  # requests, and what the keeper reports (parts written, replicas made)
     tcp: str | None = None  # where other nodes' keepers push replicas
     killed: bool = False  # ended by nonstop: its exit is not a fault
     lost: bool = False
@@ -85,20 +84,12 @@ class NodeMemory:
         return h
 
     def _connect(self, h: KeeperHandle) -> None:
-        deadline = time.time() + CONNECT_S
-        while True:
-            try:
-                h.client = wire.Client(h.name, timeout_s=30.0)
-                h.events = wire.Client(h.name, timeout_s=30.0)
-                reply, _ = h.events.call({"op": "subscribe"})
-                h.events.sock.setblocking(False)
-                h.tcp = reply["tcp"]
-                return
-            except (FileNotFoundError, ConnectionRefusedError):
-                if time.time() > deadline:
-                    raise RuntimeError(f"the keeper of node {h.node} did not start within "
-                                       f"{CONNECT_S:g} s (see its log)") from None
-                time.sleep(0.02)
+        try:
+            h.link = self.agent.keeper_link(h.node, h.name, time.time() + CONNECT_S)
+        except TimeoutError:
+            raise RuntimeError(f"the keeper of node {h.node} did not start within "
+                               f"{CONNECT_S:g} s (see its log)") from None
+        h.tcp = h.link.tcp
 
     def restart(self, node: int) -> None:
         """A node whose memory was lost keeps working: a new, empty memory."""
@@ -128,10 +119,9 @@ class NodeMemory:
             return None
         h = self.keepers[node]
         h.lost, h.lost_at = True, time.time()
-        for c in (h.client, h.events):
-            if c is not None:
-                c.close()
-        h.client = h.events = None
+        if h.link is not None:
+            h.link.close()
+        h.link = None
         self.log.write("node_memory_lost", node=node, code=code, killed=h.killed)
         return h
 
@@ -165,10 +155,10 @@ class NodeMemory:
 
     def _call(self, node: int, msg: dict[str, Any]) -> dict[str, Any] | None:
         h = self.keepers.get(node)
-        if h is None or h.lost or h.client is None:
+        if h is None or h.lost or h.link is None:
             return None
         try:
-            return h.client.call(msg)[0]
+            return h.link.call(msg)
         except (OSError, ConnectionError, wire.KeeperError) as exc:
             self.log.write("keeper_error", node=node, op=msg.get("op"), error=str(exc))
             return None
@@ -179,17 +169,7 @@ class NodeMemory:
         when the policy says the job must end for its checkpoints."""
         self.disk.retry_due()
         for h in list(self.keepers.values()):
-            while h.events is not None:
-                try:
-                    msg, fds = wire.recv(h.events.sock)
-                except BlockingIOError:
-                    break
-                except OSError:
-                    msg = None
-                if msg is None:
-                    h.events.close()
-                    h.events = None
-                    break
+            for msg in h.link.events() if h.link is not None else ():
                 self._on_event(msg)
         self.disk.check_fatal()
 

@@ -82,3 +82,57 @@ class Client:
 
 class KeeperError(RuntimeError):
     """The keeper refused a request (it says why)."""
+
+
+class KeeperLink:
+    """The launcher's connection to a keeper of its own host: requests on one socket, the
+    keeper's reports on another. (Across hosts the same interface goes through the host's agent:
+    ``nonstop.hosts.memory``.)"""
+
+    def __init__(self, name: str, timeout_s: float = 30.0):
+        self.client = Client(name, timeout_s=timeout_s)
+        self._events: Client | None = Client(name, timeout_s=timeout_s)
+        reply, _ = self._events.call({"op": "subscribe"})
+        self._events.sock.setblocking(False)
+        self.tcp: str = reply["tcp"]  # where other nodes' keepers push replicas
+
+    @classmethod
+    def open(cls, name: str, deadline: float, poll_s: float = 0.02) -> KeeperLink:
+        """Connect once the keeper listens; TimeoutError at ``deadline``."""
+        import time
+
+        while True:
+            try:
+                return cls(name)
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.time() > deadline:
+                    raise TimeoutError(f"keeper {name!r} is not listening") from None
+                time.sleep(poll_s)
+
+    def call(self, msg: dict[str, Any]) -> dict[str, Any]:
+        return self.client.call(msg)[0]
+
+    def events(self) -> list[dict[str, Any]]:
+        """What the keeper reported since (never blocks)."""
+        out: list[dict[str, Any]] = []
+        while self._events is not None:
+            try:
+                msg, fds = recv(self._events.sock)
+            except BlockingIOError:
+                break
+            except OSError:
+                msg, fds = None, []
+            for fd in fds:
+                os.close(fd)
+            if msg is None:
+                self._events.close()
+                self._events = None
+                break
+            out.append(msg)
+        return out
+
+    def close(self) -> None:
+        self.client.close()
+        if self._events is not None:
+            self._events.close()
+            self._events = None
