@@ -14,6 +14,7 @@ import uuid
 import pytest
 import torch
 
+from nonstop.net.channel import SECRET_ENV
 from nonstop.state import checkpoint, packing, shm, wire
 from nonstop.state.memory import NodeMemory, own, replica
 
@@ -22,13 +23,25 @@ from nonstop.state.memory import NodeMemory, own, replica
 def keepers():
     """Start keepers by node; all are killed (by pid) at the end."""
     procs: list[subprocess.Popen] = []
+    logs: list = []
 
-    def start(node: int, writer: bool = False, token: str = "") -> NodeMemory:
+    def start(node: int, writer: bool = False, token: str = "", secret: str | None = None,
+              log=None) -> NodeMemory:
+        """``secret``: the job's secret (replicas over the authenticated channel); ``log``: a
+        path the keeper's output goes to."""
         name = f"nonstop-test-{uuid.uuid4().hex[:8]}-n{node}"
         cmd = [sys.executable, "-m", "nonstop.state.keeper", name, "--node", str(node),
                "--parent", str(os.getpid())] + (["--writer"] if writer else [])
         env = dict(os.environ, NONSTOP_KEEPER_TOKEN=token)
-        procs.append(subprocess.Popen(cmd, start_new_session=True, env=env))
+        env.pop(SECRET_ENV, None)
+        if secret is not None:
+            env[SECRET_ENV] = secret
+        out = None
+        if log is not None:
+            out = open(log, "wb")
+            logs.append(out)
+        procs.append(subprocess.Popen(cmd, start_new_session=True, env=env, stdout=out,
+                                      stderr=out))
         deadline = time.time() + 15
         while True:
             try:
@@ -44,6 +57,8 @@ def keepers():
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
         p.wait(timeout=10)
+    for f in logs:
+        f.close()
 
 
 def snapshot(mem: NodeMemory, rank: int, sd: dict, step: int, persist=None) -> shm.SlotInfo:
@@ -115,6 +130,57 @@ def test_a_replica_without_the_jobs_token_is_refused(keepers):
         snapshot(a, 0, {"w": torch.ones(10)}, step)
     wait_for(lambda: a.listing()[own(0)]["repl_error"] is not None)
     assert replica(0) not in b.listing()  # nothing was written into the other job's memory
+
+
+SECRET = "keeper-test-secret-0123456789abcdef"
+
+
+def test_replicas_across_hosts_travel_over_the_authenticated_channel(keepers):
+    # different tokens: the replica can only have come through the channel (the job's secret)
+    a = keepers(0, token="one", secret=SECRET)
+    b = keepers(1, token="two", secret=SECRET)
+    tcp_b = b.client.call({"op": "ping"})[0]["tcp"]
+    host, _, port = tcp_b.rpartition(":")
+    assert host == "127.0.0.1" and int(port) > 0  # "host:port" as before
+    a.client.call({"op": "configure", "replicate": {own(0): tcp_b}})
+    sd = {"w": torch.randn(300_000)}
+    for step in (1, 2, 3):
+        sd["w"].add_(1)
+        info = snapshot(a, 0, sd, step)
+    wait_for(lambda: b.steps(replica(0)) == [3, 2])
+    with a.lease(own(0), 3) as (oinfo, oslot), b.lease(replica(0), 3) as (rinfo, rslot):
+        assert rinfo == oinfo == info and rslot.verify(rinfo)
+        assert bytes(rslot.buffer[:info.total]) == bytes(oslot.buffer[:info.total])
+        assert torch.equal(packing.unpack(*rslot.read(rinfo))["w"], sd["w"])
+    listing = a.listing()[own(0)]
+    assert listing["replicated_step"] == 3 and listing["repl_error"] is None
+
+
+def test_a_replica_without_the_jobs_secret_is_refused_and_logged(keepers, tmp_path):
+    log = tmp_path / "b.log"
+    b = keepers(1, secret=SECRET, log=log)
+    tcp_b = b.client.call({"op": "ping"})[0]["tcp"]
+    other = keepers(0, secret="another-jobs-secret-0123456789abcdef")
+    plain = keepers(2)  # no secret at all: the one-host token path
+    for sender in (other, plain):
+        sender.client.call({"op": "configure", "replicate": {own(0): tcp_b}})
+        snapshot(sender, 0, {"w": torch.ones(10)}, 1)
+        wait_for(lambda: sender.listing()[own(0)]["repl_error"] is not None)
+    assert "refused" in other.listing()[own(0)]["repl_error"]
+    assert replica(0) not in b.listing()  # nothing was written into this job's memory
+    wait_for(lambda: log.read_text().count("refused") >= 2)
+    lines = [line for line in log.read_text().splitlines() if "refused" in line]
+    assert len(lines) == 2, lines  # one line each
+    assert "wrong secret" in lines[0] and "bad hello" in lines[1]
+
+
+def test_an_empty_job_secret_is_no_keeper():
+    """Set but empty fails closed: no keeper, rather than one taking unauthenticated replicas."""
+    env = dict(os.environ, **{SECRET_ENV: " \n"})
+    out = subprocess.run([sys.executable, "-m", "nonstop.state.keeper",
+                          f"nonstop-test-{uuid.uuid4().hex[:8]}-n0"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "no job secret" in out.stderr
 
 
 def test_a_dead_buddy_does_not_stop_snapshots(keepers):

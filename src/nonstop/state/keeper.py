@@ -18,22 +18,26 @@ import argparse
 import collections
 import ctypes
 import itertools
+import logging
 import os
 import selectors
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from typing import Any
 
 from . import shm, wire
 from .disk import DiskWrites
-from .replicas import DEFER_LIMIT_S, Replication
+from .replicas import DEFER_LIMIT_S, Replication, job_secret
 
 SLOTS = 2
-# Replicas arrive over TCP, where any local user could connect: every frame carries the job's
-# secret (from the environment, which only the job's user can read), or it is refused.
+# Replicas arrive over TCP, where anyone who can reach the port could connect. Across hosts
+# (``$NONSTOP_JOB_SECRET`` set) they travel over the authenticated channel: every frame MACed with
+# the job's secret. On one host, every frame carries this token instead (from the environment,
+# which only the job's user can read), or it is refused.
 ENV_TOKEN = "NONSTOP_KEEPER_TOKEN"
 
 
@@ -93,6 +97,7 @@ class Keeper(Replication, DiskWrites):
     def __init__(self, name: str, node: int, host: str, writer: bool):
         self.name, self.node = name, node
         self.token = os.environ.get(ENV_TOKEN, "")
+        self.secret = job_secret()  # None: one host, the token path
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.holders: dict[str, Holder] = {}
@@ -101,10 +106,7 @@ class Keeper(Replication, DiskWrites):
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self.listener.bind(wire.address(name))
         self.listener.listen(128)
-        self.tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        self.tcp.bind((host, 0))
-        self.tcp.listen(16)
-        self.tcp_addr = f"{host}:{self.tcp.getsockname()[1]}"
+        self._listen_for_replicas(host)  # self.tcp, self.tcp_addr
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_w.setblocking(False)
         self.conns: dict[int, socket.socket] = {}
@@ -169,9 +171,7 @@ class Keeper(Replication, DiskWrites):
                 if tag == "listen":
                     self._accept()
                 elif tag == "tcp":
-                    conn, _ = self.tcp.accept()
-                    threading.Thread(target=self._receive, args=(conn,), daemon=True,
-                                     name="replica-in").start()
+                    self._accept_replicas()
                 elif tag == "wake":
                     try:
                         self._wake_r.recv(4096)
@@ -181,6 +181,7 @@ class Keeper(Replication, DiskWrites):
                     self._from_writer()
                 else:
                     self._serve(tag)
+            self._tend_replicas()
             self._retry_deferred()
             self._dispatch_persist()
             self._flush_events()
@@ -403,7 +404,14 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.parent:
         die_with(args.parent)
-    Keeper(args.name, args.node, args.host, args.writer).run()
+    # what the channel's listener logs (a refused peer) is one line on stderr, in the keeper's log
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format=f"keeper {args.name}: %(message)s")
+    try:
+        keeper = Keeper(args.name, args.node, args.host, args.writer)
+    except ValueError as exc:  # an empty job secret: no unauthenticated listener instead
+        sys.exit(f"keeper {args.name}: {exc}")
+    keeper.run()
 
 
 if __name__ == "__main__":
