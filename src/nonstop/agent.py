@@ -58,6 +58,8 @@ class Agent:
         self.output = output
         self.procs: dict[int, Proc] = {}
         self.keeper_token = secrets.token_hex(16)  # the job's replicas carry it node to node
+        self.keeper_host = "127.0.0.1"  # where keepers take replicas in (a host's address: across hosts)
+        self.keeper_env: dict[str, str] = {}  # across hosts: the keepers' secret
         self._next_wid = 0
         self._sel = selectors.DefaultSelector()
         self._logs: dict[int, object] = {}
@@ -87,8 +89,9 @@ class Agent:
     def spawn_keeper(self, wid: int, node: int, name: str, writer: bool) -> Proc:
         """The node's memory (``nonstop.state.keeper``): ends with this process."""
         cmd = [sys.executable, "-u", "-m", "nonstop.state.keeper", name, "--node", str(node),
+               "--host", self.keeper_host,
                "--parent", str(os.getpid())] + (["--writer"] if writer else [])
-        env = dict(self.env)
+        env = {**self.env, **self.keeper_env}
         env["NONSTOP_KEEPER_TOKEN"] = self.keeper_token  # in the environment: only we can read it
         return self._start(wid, cmd, env, f"keeper-n{node}.log", spare=False)
 

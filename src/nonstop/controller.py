@@ -226,6 +226,8 @@ class Controller(Recovery):
         self.deadline = self._gen_t0 + self.policy.timeouts.rendezvous_s
         self._warm = set()
         self.watchers.start(range(self.total_nodes), getattr(self.agent, "health", None))
+        self.memory.world = self.world
+        self.memory.adopt([(s.node, s.wid, s.keeper) for s in seen if s.keeper and s.alive])
         for wid in adoption.orphans:
             self.table.kill(self.workers[wid], "assigned by the controller before, not in the "
                                                "job's plan")
@@ -249,6 +251,10 @@ class Controller(Recovery):
         """A new host: a spare node from now on, warm, ready to take over a failed host's ranks."""
         self.total_nodes = max(self.total_nodes, node + 1)
         self.watchers.start([node])
+        try:
+            self.memory.start([node])
+        except RuntimeError as exc:  # its memory did not start: it holds no snapshots
+            self.log.write("keeper_error", node=node, op="start", error=str(exc))
         self.log.write("node_joined", node=node)
         self.display.info(f"node {node} joined: a spare node")
         self._refill_spares()
@@ -260,6 +266,7 @@ class Controller(Recovery):
         self.counters.isolated.add(node)
         self.watchers.remove_node(node)
         self.log.write("node_lost", node=node, reason=why)
+        self.memory.configure(self._node_of(), self._usable_nodes())  # replicas go elsewhere
         if node in set(self._node_of().values()) and self.phase not in ("finishing", "over"):
             self._fault(Fault("node_lost", node=node, message=f"node {node} is gone ({why})"))
         else:

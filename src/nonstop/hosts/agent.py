@@ -29,13 +29,16 @@ from .. import inject, loopback, protocol
 from ..agent import Agent, Proc
 from ..errors import UsageError
 from ..mail import StoreMail
+from ..net.channel import SECRET_ENV
 from . import keys
 from .config import HostConfig
+from .memory import HostKeepers, replica_secret
 from .netif import interface_of
 
 CONTROLLER_WID = -1  # the standby controller in the agent's process table
 PROGRESS_EVERY_S = 0.1
 DONE_CHECK_S = 1.0
+KEEPER_START_S = 15.0  # the node memory has this long to listen (a bare Python start)
 RESPAWN_S = 0.5  # a standby controller that died is replaced after this long
 REGISTER_RETRY_S = 0.5
 PEER_PROBE_S = 0.5  # a peer's agent answers a connect within this (or refuses it)
@@ -50,6 +53,7 @@ class HostAgent:
         self.ctl: Any = None  # the channel of the controller in office
         self.agent: Agent | None = None
         self.health: Any = None  # this host's health checks (False: none configured)
+        self.keepers: HostKeepers | None = None  # its node memory's connections
         self.inbox: "queue.Queue[tuple[Any, dict[str, Any]]]" = queue.Queue()
         self.meta: dict[int, dict[str, Any]] = {}  # wid -> spare, node, rank (for labels)
         self.code: int | None = None
@@ -102,6 +106,9 @@ class HostAgent:
             env = self._worker_env()
             self.agent = Agent(cfg.script, cfg.script_args, f"{loopback.HOST}:{self.local_port}",
                                self.run_dir, env, self._output)
+            self.agent.keeper_host = cfg.addr  # replicas come in from other hosts
+            self.agent.keeper_env = {SECRET_ENV: replica_secret(self.secret)}
+            self.keepers = HostKeepers(self._send)
             self.store = loopback.master_store(self.local_listener)
             self.store.set(protocol.JOB_KEY, protocol.dumps(self._job_settings()))
             self.mail = StoreMail()
@@ -114,6 +121,8 @@ class HostAgent:
             self._stop.set()
             if self.health:
                 self.health.close()
+            if self.keepers is not None:
+                self.keepers.close()
             if self.agent is not None:
                 self.agent.close()
             self.listener.close()
@@ -251,14 +260,16 @@ class HostAgent:
               flush=True)
 
     def _send(self, msg: dict[str, Any]) -> bool:
-        if self.ctl is None:
+        ctl = self.ctl  # (also called from the keepers' relay thread)
+        if ctl is None:
             return False
         msg["now"] = self.now()
         try:
-            self.ctl.send(msg)
+            ctl.send(msg)
             return True
         except Exception:  # noqa: BLE001 - the controller is gone: a standby will say hello
-            self.ctl = None
+            if self.ctl is ctl:
+                self.ctl = None
             return False
 
     # == the loop ===============================================================================
@@ -271,6 +282,7 @@ class HostAgent:
             if self.code is not None:
                 break
             self._relay_events()
+            self.keepers.poll()
             now = time.time()
             if now - self._last_progress >= PROGRESS_EVERY_S:
                 self._last_progress = now
@@ -291,6 +303,8 @@ class HostAgent:
             if self.code is None:  # a standby ends only with the job: start another
                 self._respawn_at = time.time() + RESPAWN_S
             return
+        if self.meta.get(proc.wid, {}).get("keeper"):
+            self.keepers.gone(self.meta[proc.wid]["keeper"])
         rec = {"wid": proc.wid, "code": proc.returncode}
         if not self._send({"op": keys.EXITS, "exits": [rec]}):
             self._unsent_exits.append(rec)
@@ -350,10 +364,22 @@ class HostAgent:
             self.meta[wid] = {"spare": bool(msg.get("spare")), "node": msg.get("node")}
             try:
                 self.agent.spawn(wid, spare=bool(msg.get("spare")), spare_mode=msg.get("mode"),
-                                 node=int(msg.get("node") or 0))
+                                 node=int(msg.get("node") or 0), keeper=msg.get("keeper"))
             except OSError as exc:
                 print(f"nonstop: cannot start worker {wid}: {exc}", file=sys.stderr, flush=True)
                 self._send({"op": keys.EXITS, "exits": [{"wid": wid, "code": 127}]})
+        elif op == keys.SPAWN_KEEPER:
+            wid, name = int(msg["wid"]), str(msg["name"])
+            self.meta[wid] = {"keeper": name, "node": msg.get("node")}
+            try:
+                self.agent.spawn_keeper(wid, int(msg.get("node") or 0), name, bool(msg.get("writer")))
+            except OSError as exc:
+                print(f"nonstop: cannot start the node memory: {exc}", file=sys.stderr, flush=True)
+                self._send({"op": keys.EXITS, "exits": [{"wid": wid, "code": 127}]})
+                return
+            self.keepers.started(name, time.time() + KEEPER_START_S)
+        elif op in (keys.KEEPER_OPEN, keys.KEEPER_CALL):
+            self.keepers.request(op, msg)
         elif op == keys.SIGNAL:
             self.agent.signal(int(msg["wid"]), int(msg.get("sig", signal.SIGKILL)))
         elif op == keys.SEND:

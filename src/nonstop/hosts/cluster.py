@@ -66,6 +66,7 @@ class Cluster:
         self._next_wid = next_wid
         self._events: list[dict[str, Any]] = []
         self._progress: dict[int, dict[str, Any]] = {}
+        self._keeper_events: dict[int, list[dict[str, Any]]] = {}
         self._exited: list[RemoteProc] = []
         self._unsent: dict[int, list[tuple[int, dict[str, Any]]]] = {}  # wid -> (seq, message)
         self._replies: dict[int, tuple[threading.Event, dict[str, Any]]] = {}
@@ -172,13 +173,34 @@ class Cluster:
             self._exited.append(proc)
             return proc
         self._to(node, {"op": keys.SPAWN, "wid": wid, "spare": spare, "mode": spare_mode,
-                        "node": node})
+                        "node": node, "keeper": keeper})
         for seq, msg in self._unsent.pop(wid, []):  # its assignment went out before it existed
             self._to(node, {"op": keys.SEND, "wid": wid, "seq": seq, "msg": msg})
         return proc
 
-    def spawn_keeper(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("node memory (keepers) across hosts is not available yet")
+    def spawn_keeper(self, wid: int, node: int, name: str, writer: bool) -> RemoteProc:
+        """The node memory of a host, started by its agent (which connects to it)."""
+        proc = RemoteProc(wid, node, False, self.run_dir / "logs" / f"keeper-n{node}.log")
+        self.procs[wid] = proc
+        link = self.links.get(node)
+        if link is None or link.lost:
+            proc.returncode, proc.t_exit = HOST_LOST_CODE, time.time()
+            self._exited.append(proc)
+            return proc
+        self._to(node, {"op": keys.SPAWN_KEEPER, "wid": wid, "node": node, "name": name,
+                        "writer": writer})
+        return proc
+
+    def keeper_link(self, node: int, name: str, deadline: float) -> Any:
+        from .memory import RemoteKeeperLink
+
+        link = self.links.get(node)
+        if link is None or link.lost:
+            raise TimeoutError(f"node {node} is gone")
+        return RemoteKeeperLink.open(self, node, name, deadline)
+
+    def keeper_events(self, node: int) -> list[dict[str, Any]]:
+        return self._keeper_events.pop(node, [])
 
     def signal(self, wid: int, sig: int = signal.SIGKILL) -> None:
         p = self.procs.get(wid)
@@ -257,6 +279,8 @@ class Cluster:
             for wid, rec in msg.get("recs", {}).items():
                 self._progress[int(wid)] = keys.shift_times(rec, link.offset)
             link.stopped = {int(w) for w in msg.get("stopped", [])}
+        elif op == keys.KEEPER_EVENTS:
+            self._keeper_events.setdefault(node, []).extend(msg.get("events", []))
         elif op == keys.OUTPUT:
             self.output(int(msg["wid"]), str(msg.get("line", "")))
         elif op == keys.HEALTH:
@@ -335,6 +359,10 @@ class Cluster:
             port = int(reply["port"]) if reply and reply.get("port") else rec.rdzv_port
         return {"pg_addr": rec.addr, "pg_port": rec.rdzv_port, "master_addr": rec.addr,
                 "port": port}
+
+    def tell(self, node: int, msg: dict[str, Any]) -> None:
+        """Say something to a host, waiting for nothing."""
+        self._to(node, msg)
 
     def request(self, node: int, msg: dict[str, Any], timeout_s: float = 5.0
                 ) -> dict[str, Any] | None:

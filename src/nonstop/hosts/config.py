@@ -115,14 +115,8 @@ def run_host(cfg: Any) -> int:
         raise UsageError(f"--etcd-user needs its password in ${ETCD_PASSWORD}")
     n_min, n_max = _nnodes(cfg.nnodes)
     per_node = cfg.nproc_per_node or cfg.nproc
-    if cfg.checkpoint_dir:
-        raise UsageError("--checkpoint-dir across hosts is not supported yet (each host's "
-                         "memory and disk checkpoints are one host's for now)")
     run_cfg = dataclasses.replace(cfg, nproc=per_node * n_max, nodes=n_max)
     pol, faults, uses_nonstop = launcher.prepare(run_cfg)
-    # the node memory (keepers, replicas between hosts) is one host's for now: across hosts a
-    # rank's state comes from its peers (a replicated job holds it on every rank)
-    pol = pol.with_overrides(**{"state.snapshot.enabled": False})
     try:
         secret = load_secret(cfg.secret_file)
     except ValueError as exc:

@@ -25,7 +25,10 @@ def host_key(host_id: str) -> str:
 
 # -- controller -> agent (every message carries the controller's epoch; a lower one is ignored) --
 HELLO = "hello"  # {epoch} -> the agent answers STATE
-SPAWN = "spawn"  # {wid, spare, mode, node}
+SPAWN = "spawn"  # {wid, spare, mode, node, keeper}: keeper = the name of its node's memory
+SPAWN_KEEPER = "spawn_keeper"  # {wid, node, name, writer}: the host's node memory
+KEEPER_OPEN = "keeper_open"  # {id, name} -> REPLY {tcp} once the agent reaches it, or {error}
+KEEPER_CALL = "keeper_call"  # {id, name, msg} -> REPLY {reply} or {error}: a request to it
 SIGNAL = "signal"  # {wid, sig}
 SEND = "send"  # {wid, seq, msg}: a mailbox message
 ABORT = "abort"  # {gen, wids}
@@ -37,6 +40,7 @@ EXITS = "exits"  # {exits: [{wid, code}]}
 EVENTS = "events"  # {events: [...]}: the ranks' events, in order
 PROGRESS = "progress"  # {recs: {wid: record}, stopped: [wid]}
 OUTPUT = "output"  # {wid, line}: a line a process printed (log rules)
+KEEPER_EVENTS = "keeper_events"  # {events: [...]}: what the host's keeper reported
 HEALTH = "health"  # {results: [{check, ok, code, detail, seconds}]}: the host's health checks
 REFUSED = "refused"  # {why}: a command the agent will not carry out (a stale epoch)
 REPLY = "reply"  # {id, ...}: the answer to a request

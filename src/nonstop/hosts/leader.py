@@ -292,7 +292,7 @@ class Leader:
                 seen.append(takeover.Seen(
                     wid=int(w["wid"]), node=node, alive=bool(w.get("alive")),
                     spare=bool(w.get("spare")), rank=w.get("rank"), gen=w.get("gen"),
-                    seq=int(w.get("seq", 0))))
+                    seq=int(w.get("seq", 0)), keeper=w.get("keeper")))
         for node in lost:
             if node in cluster.links:
                 cluster.host_gone(node)

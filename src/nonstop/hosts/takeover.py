@@ -25,6 +25,7 @@ class Seen:
     rank: int | None = None
     gen: int | None = None  # the generation of its newest assignment
     seq: int = 0  # its next mailbox slot
+    keeper: str | None = None  # the host's node memory (not a rank's process): its name
 
 
 @dataclasses.dataclass
@@ -39,6 +40,7 @@ class Adoption:
 
 
 def adopt(journal: dict[str, Any] | None, seen: list[Seen], world: int) -> Adoption:
+    seen = [s for s in seen if s.keeper is None]
     live = [s for s in seen if s.alive]
     assigned = [s for s in live if s.rank is not None and s.gen is not None and not s.spare]
     j_gen = int(journal["gen"]) if journal else -1
@@ -69,7 +71,7 @@ def workers(adoption: Adoption, seen: list[Seen], journal: dict[str, Any] | None
     from ..workers import Worker
 
     out = {s.wid: Worker(wid=s.wid, spare=s.spare and s.alive, node=s.node, seq=s.seq, rank=s.rank,
-                         dead=not s.alive) for s in seen}
+                         dead=not s.alive) for s in seen if s.keeper is None}
     node_of = (journal or {}).get("node_of") or {}
     for rank, wid in adoption.plan.items():
         if wid not in out:

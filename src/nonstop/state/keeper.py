@@ -31,7 +31,7 @@ from typing import Any
 
 from . import shm, wire
 from .disk import DiskWrites
-from .replicas import DEFER_LIMIT_S, Replication, job_secret
+from .replicas import DEFER_LIMIT_S, REPL_WAIT_S, Replication, _forget, job_secret
 
 SLOTS = 2
 # Replicas arrive over TCP, where anyone who can reach the port could connect. Across hosts
@@ -54,6 +54,7 @@ class Holder:
         self.repl_error: str | None = None  # replication failed: writes no longer wait for it
         self.repl_s: float | None = None  # how long the last replication took (into memory in place)
         self.repl_first_s: float | None = None  # ...into new memory: an upper bound until then
+        self.repl_wait_since: float | None = None  # a write waits for the buddy since then
 
     def infos(self) -> list[shm.SlotInfo | None]:
         return [shm.read_header(fd) if fd is not None else None for fd in self.fds]
@@ -102,6 +103,7 @@ class Keeper(Replication, DiskWrites):
         self.changed = threading.Condition(self.lock)
         self.holders: dict[str, Holder] = {}
         self.replicate_to: dict[str, str] = {}  # holder -> "host:port" of the buddy node's keeper
+        self.repl_conns: dict[str, Any] = {}  # buddy address -> its open connection
         self.sel = selectors.DefaultSelector()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self.listener.bind(wire.address(name))
@@ -166,7 +168,7 @@ class Keeper(Replication, DiskWrites):
         if self.want_writer:
             self._start_writer()
         while True:
-            for key, _ in self.sel.select(timeout=0.5):
+            for key, _ in self.sel.select(timeout=0.05 if self.deferred else 0.5):
                 tag = key.data
                 if tag == "listen":
                     self._accept()
@@ -315,7 +317,17 @@ class Keeper(Replication, DiskWrites):
         other = h.infos()[1 - i]
         if (other is not None and h.name in self.replicate_to and h.repl_error is None
                 and other.seq > h.replicated):
-            return None  # the newer snapshot has not reached the buddy: keep the older one
+            # the newer snapshot has not reached the buddy: keep the older one, for a while
+            now = time.time()
+            h.repl_wait_since = h.repl_wait_since or now
+            limit = max(REPL_WAIT_S, 3 * (h.repl_s or 0.0))
+            if now - h.repl_wait_since < limit:
+                return None
+            h.repl_error = (f"the buddy did not take step {other.step} within {limit:.2f} s: "
+                            "snapshots go on without waiting for it")
+            self.emit({"ev": "replication_behind", "holder": h.name, "step": other.step,
+                       "to": self.replicate_to.get(h.name), "waited_s": round(limit, 3)})
+        h.repl_wait_since = None
         fd, fresh = h.ensure(i, int(msg["size"]))
         h.writing[i] = cid
         seq = 1 + max((info.seq for info in h.infos() if info is not None), default=0)
@@ -364,6 +376,8 @@ class Keeper(Replication, DiskWrites):
                     self.repl_queue.append(name)
         for name in set(self.replicate_to) - set(new):
             self.holder(name).repl_error = None
+        for addr in set(self.replicate_to.values()) - set(new.values()):
+            _forget(self.repl_conns, addr)  # a send stuck on a buddy given up ends now
         self.replicate_to = new
         if msg.get("writer") and self.writer is None:
             self.want_writer = True

@@ -38,6 +38,10 @@ else:
     _Base = object
 
 REPLICA_TIMEOUT_S = 120.0
+# a snapshot waits this long (or 3 replications' time) for the one before to reach the buddy;
+# then it goes on without waiting (the buddy falls behind: a cut-off or slow host must not
+# stall training) until a replica is taken again
+REPL_WAIT_S = 0.5
 DEFER_LIMIT_S = 120.0  # a write (a snapshot, a replica) waits at most this long for a free slot
 CONNECT_S = 10.0
 TEND_S = 1.0  # how often handshakes under way are looked at without a byte coming in
@@ -94,7 +98,7 @@ class Replication(_Base):
 
     # == sending =================================================================================
     def _replicator(self) -> None:
-        conns: dict[str, Any] = {}  # buddy address -> socket or channel, kept open
+        conns = self.repl_conns  # buddy address -> socket or channel, kept open
         mapped: dict[tuple[str, int], shm.Slot] = {}  # own slots mapped for the channel
         while True:
             with self.changed:
@@ -120,6 +124,7 @@ class Replication(_Base):
             with self.changed:
                 h.leases[i]["replication"] -= 1
                 if error is None and self.replicate_to.get(name) == addr:
+                    h.repl_error = None  # caught up: writes keep in step with the buddy again
                     h.replicated = max(h.replicated, info.seq)
                     h.replicated_step = info.step
                     if fresh:  # into memory the buddy had to allocate: not a steady cost
@@ -274,9 +279,16 @@ def _mapped(cache: dict[tuple[str, int], shm.Slot], key: tuple[str, int], fd: in
 
 
 def _forget(conns: dict[str, Any], addr: str) -> None:
+    """Close the connection to ``addr`` (from any thread: a send or a wait on it ends at once)."""
     conn = conns.pop(addr, None)
-    if conn is not None:
-        conn.close()
+    if conn is None:
+        return
+    if isinstance(conn, socket.socket):
+        try:
+            conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked on it
+        except OSError:
+            pass
+    conn.close()
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

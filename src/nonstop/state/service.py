@@ -66,7 +66,7 @@ class NodeMemory:
     def start(self, nodes: Iterable[int]) -> None:
         if not self.enabled:
             return
-        if self.root is not None:
+        if self.root is not None and not self.keepers:  # (later: parts being written now)
             checkpoint.clean_temp(self.root)
         started = [self._spawn(n) for n in nodes]
         for h in started:
@@ -90,6 +90,19 @@ class NodeMemory:
             raise RuntimeError(f"the keeper of node {h.node} did not start within "
                                f"{CONNECT_S:g} s (see its log)") from None
         h.tcp = h.link.tcp
+
+    def adopt(self, found: list[tuple[int, int, str]]) -> None:
+        """Keepers another controller started (a takeover): (node, wid, name) of each alive."""
+        if not self.enabled:
+            return
+        for node, wid, name in found:
+            h = self.keepers[node] = KeeperHandle(node, name, wid)
+            try:
+                self._connect(h)
+            except RuntimeError as exc:
+                self.log.write("keeper_error", node=node, op="adopt", error=str(exc))
+        self.log.write("keepers", nodes={str(h.node): {"wid": h.wid, "replicas_at": h.tcp}
+                                         for h in self.keepers.values()}, adopted=True)
 
     def restart(self, node: int) -> None:
         """A node whose memory was lost keeps working: a new, empty memory."""
@@ -150,15 +163,17 @@ class NodeMemory:
             targets[node][own(rank)] = self.keepers[buddy].tcp or ""
             buddies[str(rank)] = buddy
         for node, replicate in targets.items():
-            self._call(node, {"op": "configure", "replicate": replicate})
+            self._call(node, {"op": "configure", "replicate": replicate}, wait=False)
         self.log.write("replication", buddies=buddies)
 
-    def _call(self, node: int, msg: dict[str, Any]) -> dict[str, Any] | None:
+    def _call(self, node: int, msg: dict[str, Any], wait: bool = True) -> dict[str, Any] | None:
+        """A request to a node's keeper; ``wait=False``: sent, not waited for (a keeper on a host
+        that is gone and not yet known to be must not hold up a recovery)."""
         h = self.keepers.get(node)
         if h is None or h.lost or h.link is None:
             return None
         try:
-            return h.link.call(msg)
+            return h.link.call(msg) if wait else h.link.tell(msg)
         except (OSError, ConnectionError, wire.KeeperError) as exc:
             self.log.write("keeper_error", node=node, op=msg.get("op"), error=str(exc))
             return None
@@ -170,6 +185,7 @@ class NodeMemory:
         self.disk.retry_due()
         for h in list(self.keepers.values()):
             for msg in h.link.events() if h.link is not None else ():
+                msg.setdefault("node", h.node)
                 self._on_event(msg)
         self.disk.check_fatal()
 
@@ -183,6 +199,11 @@ class NodeMemory:
             self.replicas["failures"] += 1
             self.log.write("replication_failed", node=ev["node"], holder=ev.get("holder"),
                            step=ev.get("step"), error=ev.get("error"))
+        elif kind == "replication_behind":
+            self.log.write("replication_behind", node=ev["node"], holder=ev.get("holder"),
+                           step=ev.get("step"), to=ev.get("to"), waited_s=ev.get("waited_s"))
+        elif kind == "keeper_error":  # a request nobody waited for (across hosts)
+            self.log.write("keeper_error", node=ev["node"], op=ev.get("op"), error=ev.get("error"))
         elif kind == "part_done":
             self.disk.part_done(ev["job"], ev["part"], ev["node"])
         elif kind == "part_failed":
