@@ -1,6 +1,7 @@
-"""Disk checkpoints from a keeper's snapshots: a mixin of ``Keeper``. A snapshot going to disk is
-first copied by the kernel into memory of its own (its slot is free at once for the next
-snapshot); a writer process of the keeper's (``nonstop.state.writer``) takes it from there.
+"""Disk checkpoints from a keeper's snapshots: the keeper's ``DiskWrites``. A snapshot going to
+disk is first copied by the kernel into memory of its own (its slot is free at once for the next
+snapshot), in a stager thread; a writer process of the keeper's (``nonstop.state.writer``) takes
+it from there, talked to from the keeper's loop.
 
 The copy of a part that could not be written is kept (one per holder: the newest) so that the
 launcher can have it written again (``persist`` with ``again``) once the disk may take it, even
@@ -9,38 +10,60 @@ after the slot has moved on; ``forget`` frees it when the launcher gives that st
 
 from __future__ import annotations
 
+import collections
 import os
 import selectors
 import socket
 import subprocess
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 from . import shm, wire
+from .slots import Holder, Slots
 
 # What the writer says about a failed write, passed on to the launcher as it is.
 _CAUSE = ("error", "errno", "message", "path", "need", "traceback")
 
-if TYPE_CHECKING:
-    from .keeper import Keeper as _Base
-else:
-    _Base = object
+Job = tuple[dict[str, Any], shm.SlotInfo, int]  # a part to write: (job, snapshot, staged copy)
 
 
-class DiskWrites(_Base):
-    def _unlease_stager(self, h: Any, i: int) -> None:
-        h.leases[i]["stager"] -= 1
-        if h.leases[i]["stager"] <= 0:
-            del h.leases[i]["stager"]
-        self.changed.notify_all()
+class DiskWrites:
+    """``emit``: an event for the keeper's subscribers; ``wake``: the keeper's loop looks again
+    (a staged copy is ready); ``sel``: the keeper's selector, which watches the writer's socket
+    (tagged ``"writer"``: the loop calls ``from_writer``)."""
 
-    def _stager(self) -> None:
+    def __init__(self, slots: Slots, emit: Callable[[dict[str, Any]], None],
+                 wake: Callable[[], None], sel: selectors.BaseSelector):
+        self.slots, self.emit, self.wake, self.sel = slots, emit, wake, sel
+        self.stage_queue: collections.deque[dict[str, Any]] = collections.deque()
+        self.write_queue: collections.deque[Job] = collections.deque()
+        self.writer: subprocess.Popen | None = None
+        self.writer_sock: socket.socket | None = None
+        self.writer_job: Job | None = None
+        # holder -> the staged copy of its newest part that failed to be written
+        self.kept: dict[str, Job] = {}
+
+    def _unlease_stager(self, h: Holder, i: int) -> None:
+        h.unlease(i, "stager")
+        self.slots.changed.notify_all()
+
+    def stage(self, h: Holder, i: int, info: shm.SlotInfo, persist: dict[str, Any]) -> None:
+        """A snapshot just committed goes to disk (``persist``: the part's job). Called with the
+        slots' lock held."""
+        # the stager's lease is taken now: by the time it runs, two more snapshots may have
+        # come, and the slot must not be written over before it is copied
+        h.leases[i]["stager"] += 1
+        self.stage_queue.append(dict(persist, holder=h.name, step=info.step, slot=i))
+
+    def stager(self) -> None:
+        """The staging thread: each job's snapshot copied into memory of its own, for the
+        writer."""
         while True:
-            with self.changed:
+            with self.slots.changed:
                 while not self.stage_queue:
-                    self.changed.wait(1.0)
+                    self.slots.changed.wait(1.0)
                 job = self.stage_queue.popleft()
-                h = self.holders.get(job["holder"])
+                h = self.slots.holders.get(job["holder"])
                 slot = job.pop("slot", None)  # leased for us when the snapshot came in
                 if h is not None and slot is not None:
                     info = h.infos()[slot]
@@ -71,19 +94,19 @@ class DiskWrites(_Base):
                 staged = None
             finally:
                 os.close(src)
-                with self.changed:
+                with self.slots.changed:
                     self._unlease_stager(h, i)
             if staged is not None:
-                with self.lock:
+                with self.slots.lock:
                     kept = self.kept.get(job["holder"])
                     if kept is not None and kept[0]["step"] < job["step"]:
                         self._forget(job["holder"])  # a newer step supersedes the failed one
                     self.write_queue.append((job, info, staged))
             self.wake()
 
-    def _disk_request(self, msg: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    def request(self, msg: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """``persist`` (``again``: from the copy kept after a failure, if there is one) or
-        ``forget``. Called with the lock held."""
+        ``forget``. Called with the slots' lock held."""
         holder, step = msg["holder"], msg["step"]
         kept = self.kept.get(holder)
         if msg["op"] == "forget":
@@ -95,11 +118,11 @@ class DiskWrites(_Base):
             self.write_queue.append(kept)
             return {"ok": True, "kept": True}, []
         self.stage_queue.append({k: v for k, v in msg.items() if k != "again"})
-        self.changed.notify_all()
+        self.slots.changed.notify_all()
         return {"ok": True, "kept": False}, []
 
     def _keep(self, job: dict[str, Any], info: shm.SlotInfo, fd: int) -> None:
-        with self.lock:
+        with self.slots.lock:
             kept = self.kept.get(job["holder"])
             if kept is not None and kept[0]["step"] > job["step"]:
                 os.close(fd)  # a newer failed step's copy is the one worth keeping
@@ -112,7 +135,8 @@ class DiskWrites(_Base):
         if kept is not None:
             os.close(kept[2])
 
-    def _start_writer(self) -> None:
+    def start_writer(self) -> None:
+        """The writer process, unless one is running; its socket watched by the selector."""
         if self.writer is not None and self.writer.poll() is None:
             return
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -123,21 +147,24 @@ class DiskWrites(_Base):
         self.writer_sock = mine
         self.sel.register(mine, selectors.EVENT_READ, "writer")
 
-    def _dispatch_persist(self) -> None:
-        with self.lock:
+    def dispatch(self) -> None:
+        """The keeper's loop: the next staged part to the writer, once it is done with the one
+        before (a writer that died is started again first)."""
+        with self.slots.lock:
             if self.writer_job is not None or not self.write_queue:
                 return
             job, info, fd = self.write_queue.popleft()
             self.writer_job = (job, info, fd)
         if self.writer is None or self.writer.poll() is not None:
             self._writer_gone(keep_job=True)
-            self._start_writer()
+            self.start_writer()
         try:
             wire.send(self.writer_sock, {"op": "write", "job": job, "info": info.to_wire()}, [fd])
         except OSError:
             self._writer_gone()
 
-    def _from_writer(self) -> None:
+    def from_writer(self) -> None:
+        """The keeper's loop: the writer said something (a part done or failed) or went away."""
         try:
             msg, fds = wire.recv(self.writer_sock)
         except OSError:

@@ -1,5 +1,9 @@
-"""Copying snapshots to the buddy node's keeper, and taking in other nodes' copies: a mixin of
-``Keeper`` (it shares the keeper's holders and lock), run in the keeper's own threads.
+"""Copying snapshots to the buddy node's keeper, and taking in other nodes' copies: the keeper's
+``Replication``, which owns where each holder's snapshots go (``replicate_to``) and the
+connections to the buddies, and works on the keeper's slots (``slots.Slots``) in threads of its
+own: one sender, one receiver per incoming connection. The keeper calls it from its loop (a
+connection coming in) and from its requests (a commit, a write waiting for the buddy, a new
+configuration).
 
 Two ways over TCP, chosen by the keeper's environment:
 
@@ -18,6 +22,7 @@ says the buddy wrote into memory in place, ``f`` into memory it had to allocate.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hmac
 import json
@@ -27,22 +32,17 @@ import struct
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from ..net import channel
 from . import shm
-
-if TYPE_CHECKING:
-    from .keeper import Keeper as _Base
-else:
-    _Base = object
+from .slots import DEFER_LIMIT_S, Holder, Slots
 
 REPLICA_TIMEOUT_S = 120.0
 # a snapshot waits this long (or 3 replications' time) for the one before to reach the buddy;
 # then it goes on without waiting (the buddy falls behind: a cut-off or slow host must not
 # stall training) until a replica is taken again
 REPL_WAIT_S = 0.5
-DEFER_LIMIT_S = 120.0  # a write (a snapshot, a replica) waits at most this long for a free slot
 CONNECT_S = 10.0
 TEND_S = 1.0  # how often handshakes under way are looked at without a byte coming in
 
@@ -55,24 +55,90 @@ def job_secret(env: Mapping[str, str] = os.environ) -> bytes | None:
     return channel.load_secret(env=env)
 
 
-class Replication(_Base):
-    # == the listener ============================================================================
-    def _listen_for_replicas(self, host: str) -> None:
-        """``self.tcp`` (a selector-ready object) and ``self.tcp_addr`` ("host:port")."""
+class Replication:
+    """``emit``: an event for the keeper's subscribers; ``wake``: the keeper's loop looks again
+    (a replica came in); ``name``: the keeper's, for its log; ``host``: the address replicas
+    arrive at; ``secret``: the job's (the channel), else None and ``token`` (the token path)."""
+
+    def __init__(self, slots: Slots, emit: Callable[[dict[str, Any]], None],
+                 wake: Callable[[], None], *, name: str, node: int, host: str, token: str,
+                 secret: bytes | None):
+        self.slots, self.emit, self.wake = slots, emit, wake
+        self.name, self.node, self.token, self.secret = name, node, token, secret
+        self.replicate_to: dict[str, str] = {}  # holder -> "host:port" of the buddy node's keeper
+        self.queue: collections.deque[str] = collections.deque()  # holders with news to send
+        self.conns: dict[str, Any] = {}  # buddy address -> its open connection (socket or channel)
         self._next_tend = 0.0
-        if self.secret is None:
+        # ``tcp``: what replicas arrive at, for the keeper's selector; ``tcp_addr``: "host:port"
+        if secret is None:
             self.tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             self.tcp.bind((host, 0))
             self.tcp.listen(16)
             port = self.tcp.getsockname()[1]
         else:
-            self.tcp = channel.Listener(host, self.secret, on_refused=self._replica_refused)
+            self.tcp = channel.Listener(host, secret, on_refused=self._replica_refused)
             port = self.tcp.port
         self.tcp_addr = f"{host}:{port}"
 
-    def _accept_replicas(self) -> None:
-        """Main thread: a connection (or handshake bytes) came in. Each accepted connection gets
-        a receiving thread of its own."""
+    # == the keeper's requests (called with the slots' lock held) ================================
+    def buddy(self, name: str) -> str | None:
+        """Where the holder's snapshots are copied to, if anywhere."""
+        return self.replicate_to.get(name)
+
+    def pending(self, h: Holder, seq: int) -> bool:
+        """Whether writes must wait for snapshot ``seq`` of ``h`` to reach the buddy: it has one,
+        has not taken it yet, and has not fallen behind."""
+        return h.name in self.replicate_to and h.repl_error is None and h.replicated < seq
+
+    def holds_back(self, h: Holder, newer: shm.SlotInfo | None) -> bool:
+        """Whether a write into ``h``'s older slot waits for now: the ``newer`` snapshot has not
+        reached the buddy yet. It waits ``REPL_WAIT_S`` (or 3 replications' time) at most; then
+        the buddy is behind (``replication_behind``) and writes stop waiting for it."""
+        if newer is not None and self.pending(h, newer.seq):
+            now = time.time()
+            h.repl_wait_since = h.repl_wait_since or now
+            limit = max(REPL_WAIT_S, 3 * (h.repl_s or 0.0))
+            if now - h.repl_wait_since < limit:
+                return True
+            h.repl_error = (f"the buddy did not take step {newer.step} within {limit:.2f} s: "
+                            "snapshots go on without waiting for it")
+            self.emit({"ev": "replication_behind", "holder": h.name, "step": newer.step,
+                       "to": self.replicate_to.get(h.name), "waited_s": round(limit, 3)})
+        h.repl_wait_since = None
+        return False
+
+    def expected_s(self, h: Holder) -> float | None:
+        """How long copying ``h``'s next snapshot to the buddy may take, if known."""
+        repl_s = h.repl_s if h.repl_s is not None else h.repl_first_s
+        buddy = self.replicate_to.get(h.name, "")
+        if repl_s is not None and buddy.rpartition(":")[0] == self.tcp_addr.rpartition(":")[0]:
+            repl_s *= 2  # a buddy on this very machine: its CPUs pay for both ends of the copy
+        return repl_s
+
+    def committed(self, name: str) -> None:
+        """A new snapshot of the holder: the sender copies it to the buddy, if it has one."""
+        if name in self.replicate_to and name not in self.queue:
+            self.queue.append(name)
+            self.slots.changed.notify_all()
+
+    def configure(self, new: dict[str, str]) -> None:
+        """Where each holder's snapshots go from now on (holder -> "host:port")."""
+        for name, addr in new.items():
+            h = self.slots.holder(name)
+            if self.replicate_to.get(name) != addr:  # a new buddy holds nothing yet
+                h.replicated, h.replicated_step, h.repl_error = -1, None, None
+                if name not in self.queue:
+                    self.queue.append(name)
+        for name in set(self.replicate_to) - set(new):
+            self.slots.holder(name).repl_error = None
+        for addr in set(self.replicate_to.values()) - set(new.values()):
+            _forget(self.conns, addr)  # a send stuck on a buddy given up ends now
+        self.replicate_to = new
+
+    # == the listener (the keeper's main thread) =================================================
+    def accept(self) -> None:
+        """A connection (or handshake bytes) came in. Each accepted connection gets a receiving
+        thread of its own."""
         if self.secret is None:
             conn, _ = self.tcp.accept()
             threading.Thread(target=self._receive, args=(conn,), daemon=True,
@@ -86,26 +152,27 @@ class Replication(_Base):
             threading.Thread(target=self._receive_framed, args=(ch,), daemon=True,
                              name="replica-in").start()
 
-    def _tend_replicas(self) -> None:
-        """Main thread, now and then: a handshake that stalled is refused when its time is up
-        (the listener sees that only when asked)."""
+    def tend(self) -> None:
+        """Now and then: a handshake that stalled is refused when its time is up (the listener
+        sees that only when asked)."""
         if self.secret is not None and time.monotonic() >= self._next_tend:
-            self._accept_replicas()
+            self.accept()
 
     def _replica_refused(self, peer: tuple[str, int], why: str) -> None:
         # the listener has logged it (one line on stderr); the subscribers hear of it too
         self.emit({"ev": "replica_refused", "peer": f"{peer[0]}:{peer[1]}", "why": why})
 
     # == sending =================================================================================
-    def _replicator(self) -> None:
-        conns = self.repl_conns  # buddy address -> socket or channel, kept open
+    def sender(self) -> None:
+        """The sending thread: each holder queued, its newest snapshot to its buddy, unless the
+        buddy has it already."""
         mapped: dict[tuple[str, int], shm.Slot] = {}  # own slots mapped for the channel
         while True:
-            with self.changed:
-                while not self.repl_queue:
-                    self.changed.wait(1.0)
-                name = self.repl_queue.popleft()
-                h, addr = self.holders.get(name), self.replicate_to.get(name)
+            with self.slots.changed:
+                while not self.queue:
+                    self.slots.changed.wait(1.0)
+                name = self.queue.popleft()
+                h, addr = self.slots.holders.get(name), self.replicate_to.get(name)
                 found = h.newest() if h is not None and addr is not None else None
                 if found is None or found[1].seq <= h.replicated:
                     continue
@@ -115,13 +182,13 @@ class Replication(_Base):
             t0 = time.time()
             try:
                 if self.secret is None:
-                    error, fresh = self._send_replica(conns, addr, name, info, fd)
+                    error, fresh = self._send_replica(addr, name, info, fd)
                 else:
                     slot = _mapped(mapped, (name, i), fd, info.total)
-                    error, fresh = self._send_framed(conns, addr, name, info, slot)
+                    error, fresh = self._send_framed(addr, name, info, slot)
             finally:
                 os.close(fd)
-            with self.changed:
+            with self.slots.changed:
                 h.leases[i]["replication"] -= 1
                 if error is None and self.replicate_to.get(name) == addr:
                     h.repl_error = None  # caught up: writes keep in step with the buddy again
@@ -133,23 +200,23 @@ class Replication(_Base):
                         h.repl_s = time.time() - t0
                 elif error is not None:
                     h.repl_error = error
-                self.changed.notify_all()
+                self.slots.changed.notify_all()
             self.emit({"ev": "replicated" if error is None else "replication_failed",
                        "holder": name, "step": info.step, "bytes": info.total,
                        "seconds": round(time.time() - t0, 6), "to": addr, "error": error})
 
-    def _send_replica(self, conns: dict[str, Any], addr: str, name: str,
-                      info: shm.SlotInfo, fd: int) -> tuple[str | None, bool]:
+    def _send_replica(self, addr: str, name: str, info: shm.SlotInfo,
+                      fd: int) -> tuple[str | None, bool]:
         """Send one snapshot (token path); returns (error or None, whether the buddy wrote it
         into new memory)."""
         try:
-            sock = conns.get(addr)
+            sock = self.conns.get(addr)
             if sock is None:
                 host, _, port = addr.rpartition(":")
                 sock = socket.create_connection((host, int(port)), timeout=CONNECT_S)
                 sock.settimeout(REPLICA_TIMEOUT_S)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small frames, no waits
-                conns[addr] = sock
+                self.conns[addr] = sock
             head = json.dumps({"owner": name, "total": info.total, "step": info.step,
                                "seq": info.seq, "from": self.node, "token": self.token}).encode()
             sock.sendall(struct.pack("<I", len(head)) + head)
@@ -160,18 +227,18 @@ class Replication(_Base):
                 raise ConnectionError("the buddy did not acknowledge the replica")
             return None, ack == b"f"
         except (OSError, ValueError) as exc:
-            _forget(conns, addr)
+            _forget(self.conns, addr)
             return f"{type(exc).__name__}: {exc}", False
 
-    def _send_framed(self, conns: dict[str, Any], addr: str, name: str, info: shm.SlotInfo,
+    def _send_framed(self, addr: str, name: str, info: shm.SlotInfo,
                      slot: shm.Slot) -> tuple[str | None, bool]:
         """Send one snapshot over the authenticated channel: one frame, its payload the slot's
         mapping itself (no copy here); then wait for the buddy's ack frame."""
         try:
-            ch = conns.get(addr)
+            ch = self.conns.get(addr)
             if ch is None:
                 host, _, port = addr.rpartition(":")
-                ch = conns[addr] = channel.connect(host, int(port), self.secret, CONNECT_S)
+                ch = self.conns[addr] = channel.connect(host, int(port), self.secret, CONNECT_S)
             ch.send({"owner": name, "total": info.total, "step": info.step, "seq": info.seq,
                      "from": self.node}, payload=slot.buffer[:info.total])
             reply, _ = ch.recv(timeout=REPLICA_TIMEOUT_S)
@@ -180,7 +247,7 @@ class Replication(_Base):
                 raise ConnectionError(f"the buddy did not acknowledge the replica: {reply}")
             return None, ack == "f"
         except (OSError, ValueError, channel.AuthError, channel.ChannelClosed) as exc:
-            _forget(conns, addr)
+            _forget(self.conns, addr)
             return f"{type(exc).__name__}: {exc}", False
 
     # == receiving ===============================================================================
@@ -191,11 +258,11 @@ class Replication(_Base):
         invalidated and marked as being written until the block ends; and whether its memory
         was just allocated. The block writes the data, and the header last."""
         name = "rep" + owner.lstrip("r")
-        with self.changed:
-            h = self.holder(name)
+        with self.slots.changed:
+            h = self.slots.holder(name)
             deadline = time.time() + DEFER_LIMIT_S
             while not h.free(h.older()) and time.time() < deadline:
-                self.changed.wait(0.5)
+                self.slots.changed.wait(0.5)
             i = h.older()
             fd, fresh = h.ensure(i, total)
             h.writing[i] = "replica-in"
@@ -206,9 +273,9 @@ class Replication(_Base):
             slot.invalidate()
             yield slot, fresh
         finally:
-            with self.changed:
+            with self.slots.changed:
                 h.writing[i] = None
-                self.changed.notify_all()
+                self.slots.changed.notify_all()
 
     def _receive(self, sock: socket.socket) -> None:
         """Replicas pushed by other nodes' keepers (token path), straight into this node's slots."""
