@@ -242,13 +242,17 @@ def test_etcd_a_member_lost_quorum_lost_for_5_s_then_for_good(job):
     """etcd of three members: one lost goes unnoticed; the quorum lost for 5 s (as etcd stopped
     and started again) does not stop training, and the control plane resumes; lost for longer
     than hosts.store_outage_s, the job ends with a diagnosis (no host fenced: they reached each
-    other, etcd was what was down)."""
+    other, etcd was what was down), and the state saved first: the newest step every rank holds
+    in the hosts' memory, written by each host's keeper into the checkpoint directory they share."""
+    from nonstop.state import checkpoint
+
     j = job(2, etcd_members=3)
     pol = j.base / "policy.yaml"
     pol.write_text("hosts:\n  store_outage_s: 7\n")
+    ckpt = j.base / "ckpt"
     for i in range(2):
         _train(j, i, "--nnodes", "2", "--nproc-per-node", "2", "--policy", str(pol),
-               steps=100_000, sleep_ms=20)
+               "--checkpoint-dir", str(ckpt), steps=100_000, sleep_ms=20, script=SHARDED)
     j.wait_output("step 50 ", 90)
     j.etcd.stop_member("e0")  # one of three: a quorum is left
     j.wait_output("step 100 ", 60)
@@ -270,6 +274,11 @@ def test_etcd_a_member_lost_quorum_lost_for_5_s_then_for_good(job):
     ends = j.of("run_end")
     assert ends and ends[-1]["exit_code"] == 1 and "etcd" in ends[-1]["diagnosis"]
     assert not j.of("incident")  # nothing was recovered from: training never stopped
+    (saved,) = j.of("emergency_checkpoint")
+    assert saved["complete"] and saved["step"] > 100, saved
+    # every rank's part (a sharded job: four parts), from the keepers of both hosts
+    assert {v.rsplit(" ", 1)[-1] for v in saved["sources"].values()} == {"0", "1"}
+    assert checkpoint.complete_steps(ckpt)[0] == saved["step"]
 
 
 def test_a_plain_torchrun_script_across_hosts_is_restarted_whole(job, reference):

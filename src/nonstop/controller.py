@@ -55,6 +55,7 @@ class Controller(Recovery):
         self.workers = self.table.workers
         self.final_persist: int | None = None  # the last step's checkpoint, awaited at the end
         self._sick_nodes: set[int] = set()  # nodes with a node-level fault in this incident
+        self._failing = False  # the job is being given up (its state saved meanwhile)
         self.snap_stats: dict[str, Any] | None = None  # rank 0's snapshot numbers
         self.plan: dict[int, int] = {}  # rank -> wid, for self.gen
         self.gen = -1

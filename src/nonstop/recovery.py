@@ -319,6 +319,9 @@ class Recovery(_Base):
         self._fail(Decision(Level.FAIL, reason=reason, diagnosis=diagnosis))
 
     def _fail(self, decision: Decision) -> None:
+        if self._failing:  # a second cause while saving the state for the first: one diagnosis
+            return
+        self._failing = True
         self.diagnosis = decision.diagnosis or decision.reason
         self.traceback = decision.traceback
         self.usage_error = decision.usage_error

@@ -470,7 +470,9 @@ class HostAgent:
         (its lease expires at etcd as ours did here): fence now. Reaching some, etcd itself is
         down: train on, up to the policy's outage tolerance."""
         now = time.monotonic()
-        since = self.doubt_since
+        since = self.doubt_since  # (cleared by the lease's thread at any moment: read once)
+        if since is None:
+            return
         done = self._probed  # (when the last round started, whether a peer answered)
         if done is not None and done[0] >= since and not done[1] and self.peers:
             self._fence("it reaches neither etcd nor any other host")
@@ -481,9 +483,9 @@ class HostAgent:
                                            name="nonstop-probe")
             self._probe.start()
         outage = self.cfg.policy["hosts"]["store_outage_s"]
-        if now - self.doubt_since > outage + 3 * self.cfg.lease_ttl_s + 5:
+        if now - since > outage + 3 * self.cfg.lease_ttl_s + 5:
             # the controller gives up at the tolerance and says so; it did not reach us
-            print(f"nonstop: error: etcd unreachable for {now - self.doubt_since:.0f} s "
+            print(f"nonstop: error: etcd unreachable for {now - since:.0f} s "
                   f"(hosts.store_outage_s={outage:g}) and no word from the controller: ending "
                   "this host's processes", file=sys.stderr, flush=True)
             self.agent.end_all(0.0)

@@ -42,7 +42,7 @@ REPLICA_TIMEOUT_S = 120.0
 # a snapshot waits this long (or 3 replications' time) for the one before to reach the buddy;
 # then it goes on without waiting (the buddy falls behind: a cut-off or slow host must not
 # stall training) until a replica is taken again
-REPL_WAIT_S = 0.5
+REPL_WAIT_S = 0.5  # (across hosts only)
 CONNECT_S = 10.0
 TEND_S = 1.0  # how often handshakes under way are looked at without a byte coming in
 
@@ -92,9 +92,12 @@ class Replication:
 
     def holds_back(self, h: Holder, newer: shm.SlotInfo | None) -> bool:
         """Whether a write into ``h``'s older slot waits for now: the ``newer`` snapshot has not
-        reached the buddy yet. It waits ``REPL_WAIT_S`` (or 3 replications' time) at most; then
-        the buddy is behind (``replication_behind``) and writes stop waiting for it."""
+        reached the buddy yet. Across hosts it waits ``REPL_WAIT_S`` (or 3 replications' time)
+        at most; then the buddy is behind (``replication_behind``) and writes stop waiting for it.
+        (On one host a buddy is never cut off: a keeper gone refuses the connection at once.)"""
         if newer is not None and self.pending(h, newer.seq):
+            if self.secret is None:
+                return True
             now = time.time()
             h.repl_wait_since = h.repl_wait_since or now
             limit = max(REPL_WAIT_S, 3 * (h.repl_s or 0.0))
