@@ -165,30 +165,28 @@ class Cluster:
 
     def spawn(self, wid: int, spare: bool, spare_mode: str | None = None, node: int = 0,
               keeper: str | None = None) -> RemoteProc:
-        proc = RemoteProc(wid, node, spare, self.run_dir / "logs" / f"worker-{wid}.log")
-        self.procs[wid] = proc
-        link = self.links.get(node)
-        if link is None or link.lost:
-            proc.returncode, proc.t_exit = HOST_LOST_CODE, time.time()
-            self._exited.append(proc)
-            return proc
-        self._to(node, {"op": keys.SPAWN, "wid": wid, "spare": spare, "mode": spare_mode,
-                        "node": node, "keeper": keeper})
+        proc = self._start(RemoteProc(wid, node, spare, self.run_dir / "logs" / f"worker-{wid}.log"),
+                           {"op": keys.SPAWN, "wid": wid, "spare": spare, "mode": spare_mode,
+                            "node": node, "keeper": keeper})
         for seq, msg in self._unsent.pop(wid, []):  # its assignment went out before it existed
             self._to(node, {"op": keys.SEND, "wid": wid, "seq": seq, "msg": msg})
         return proc
 
     def spawn_keeper(self, wid: int, node: int, name: str, writer: bool) -> RemoteProc:
         """The node memory of a host, started by its agent (which connects to it)."""
-        proc = RemoteProc(wid, node, False, self.run_dir / "logs" / f"keeper-n{node}.log")
-        self.procs[wid] = proc
-        link = self.links.get(node)
+        return self._start(RemoteProc(wid, node, False, self.run_dir / "logs" / f"keeper-n{node}.log"),
+                           {"op": keys.SPAWN_KEEPER, "wid": wid, "node": node, "name": name,
+                            "writer": writer})
+
+    def _start(self, proc: RemoteProc, order: dict[str, Any]) -> RemoteProc:
+        """Ask the process's host to start it; on a host that is gone it has exited already."""
+        self.procs[proc.wid] = proc
+        link = self.links.get(proc.node)
         if link is None or link.lost:
             proc.returncode, proc.t_exit = HOST_LOST_CODE, time.time()
             self._exited.append(proc)
-            return proc
-        self._to(node, {"op": keys.SPAWN_KEEPER, "wid": wid, "node": node, "name": name,
-                        "writer": writer})
+        else:
+            self._to(proc.node, order)
         return proc
 
     def keeper_link(self, node: int, name: str, deadline: float) -> Any:
