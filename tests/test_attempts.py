@@ -3,8 +3,8 @@ phase it was spent in, and the phases still add up to the MTTR. Pure: no process
 
 import pytest
 
-from nonstop.console import ConsoleFilter
-from nonstop.metrics import PHASES, Incident
+from nonstop.observe.console import ConsoleFilter
+from nonstop.observe.incidents import PHASES, Incident
 
 
 def _recovered(inc: Incident, t: float) -> None:

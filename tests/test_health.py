@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from nonstop.health import NVML_EVERY_S, HealthMonitor, HealthResult
+from nonstop.agent.health import NVML_EVERY_S, HealthMonitor, HealthResult
 from nonstop.policy import HealthCheck
 
 

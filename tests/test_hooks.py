@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from nonstop.hooks import run_give_up_hook
+from nonstop.observe.hooks import run_give_up_hook
 from nonstop.policy import GiveUpHook
 
 DIAG = {"diagnosis": "rank 1 raised ValueError", "exit_code": 1, "step": 42,

@@ -1,8 +1,8 @@
 """The ladder's decisions as a pure function of faults, history and policy."""
 
-from nonstop import ladder
-from nonstop.faults import Attribution, Domain, Fault
-from nonstop.ladder import Counters, JobView, Level
+from nonstop.decide import ladder
+from nonstop.decide.faults import Attribution, Domain, Fault
+from nonstop.decide.ladder import Counters, JobView, Level
 from nonstop.policy import Policy
 
 P = Policy()

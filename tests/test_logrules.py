@@ -1,6 +1,6 @@
 """Log-pattern rules: trigger rules and liveness rules (pure logic, no processes)."""
 
-from nonstop.logrules import LogWatch, Match, default_code
+from nonstop.decide.logrules import LogWatch, Match, default_code
 from nonstop.policy import LogRule
 
 

@@ -1,6 +1,6 @@
 """Incident phases add up to the MTTR; summaries."""
 
-from nonstop.metrics import PHASES, Incident, summarize
+from nonstop.observe.incidents import PHASES, Incident, summarize
 
 
 def test_phases_partition_the_mttr_even_with_missing_points():
@@ -43,7 +43,7 @@ def test_steps_lost_is_unknown_when_the_ranks_show_no_steps():
 
 
 def test_a_resumed_attempt_counts_the_steps_it_redid():
-    from nonstop.metrics import continuation
+    from nonstop.observe.incidents import continuation
 
     assert continuation([], 0) is None and continuation([], None) is None
     # resumed from a checkpoint of a run this directory has no record of: how far it got is unknown
@@ -62,7 +62,7 @@ def test_a_resumed_attempt_counts_the_steps_it_redid():
 def test_an_event_log_keeps_every_attempt(tmp_path):
     import json
 
-    from nonstop.events import EventLog, attempts, read
+    from nonstop.observe.events import EventLog, attempts, read
 
     path = tmp_path / "events.jsonl"
     lines = [{"t": 1.0, "type": "run_start", "attempt": 1, "managed": True},

@@ -5,8 +5,8 @@ progress, and injected faults that such a function can never fire are named."""
 from __future__ import annotations
 
 from nonstop import inject, policy
-from nonstop.signals import Signals
-from nonstop.workers import Worker
+from nonstop.decide.liveness import Signals
+from nonstop.controller.workers import Worker
 
 
 def _rank(wid: int, rank: int, t_step: float = 0.0, first_gen: int = -1) -> Worker:

@@ -1,6 +1,6 @@
 """What a controller taking office makes of the journal and of what the hosts report (pure)."""
 
-from nonstop.hosts.takeover import Seen, adopt
+from nonstop.decide.takeover import Seen, adopt
 
 
 def _rank(wid, rank, gen, node=0, alive=True):

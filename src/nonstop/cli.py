@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.systems = ",".join(module.SYSTEMS)
             return module.main(args)
         if args.command == "report":
-            from .report import show
+            from .observe.report import show
 
             return show(args.run_dir)
         if args.command == "policy":

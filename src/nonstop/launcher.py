@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import inject, loopback, metrics, policy as policy_mod, protocol
+from . import inject, policy as policy_mod, protocol
+from .agent import loopback
+from .observe import incidents as metrics
 from .errors import UsageError
 
 
@@ -180,10 +182,10 @@ def run(cfg: RunConfig) -> int:
         cfg.nproc = cfg.nproc_per_node
     pol, faults, uses_nonstop = prepare(cfg)
     run_dir = make_run_dir(cfg.run_dir)
-    from .agent import Agent
-    from .controller import Controller
-    from .display import Display
-    from .events import EventLog, mark_logs
+    from .agent.agent import Agent
+    from .controller.controller import Controller
+    from .observe.display import Display
+    from .observe.events import EventLog, mark_logs
     from .state.outcomes import CheckpointsFailing
 
     display = Display(quiet=cfg.quiet, live=cfg.live)
@@ -212,7 +214,7 @@ def run(cfg: RunConfig) -> int:
 
     agent = Agent(cfg.script, cfg.script_args, f"{loopback.HOST}:{port}", run_dir,
                   worker_env(run_dir, faults), output)
-    from .mail import StoreMail
+    from .agent.mail import StoreMail
 
     mail = StoreMail(on_lost_event=lambda slot: log.write("event_lost", slot=slot))
     controller = Controller(world=cfg.nproc, spares=cfg.spares, policy=pol, mail=mail, agent=agent,

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from .. import loopback
+from ..agent import loopback
 
 JOB = Path(__file__).resolve().parent / "job.py"
 

@@ -115,7 +115,7 @@ def _wait_etcd(j: Any, what: str, pred: Callable[[Any], bool], timeout_s: float)
 
 def start_nonstop(j: Any, flags: list[str], script_args: list[str], n: int) -> None:
     """Host 0 alone until it holds the controller's office, then the others in order."""
-    from ..hosts import keys
+    from ..protocol import hosts as keys
 
     j.start(0, *flags, script=str(SCRIPT), script_args=[*script_args, "--save",
                                                          str(j.base / "final0.pt")])

@@ -25,12 +25,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import inject, loopback, protocol
-from ..agent import Agent, Proc
+from .. import inject, protocol
+from ..agent import loopback
+from ..agent.agent import Agent, Proc
 from ..errors import UsageError
-from ..mail import StoreMail
+from ..agent.mail import StoreMail
 from ..net.channel import SECRET_ENV
-from . import keys
+from ..protocol import hosts as keys
 from .config import HostConfig
 from .memory import HostKeepers, replica_secret
 from .netif import interface_of
@@ -440,7 +441,7 @@ class HostAgent:
             if not d["health_checks"] and d["nvml"] == "off":
                 self.health = False
                 return
-            from ..health import HealthMonitor
+            from ..agent.health import HealthMonitor
             from ..policy import HealthCheck
 
             self.health = HealthMonitor([HealthCheck(**c) for c in d["health_checks"]], [0],

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from . import keys
+from ..protocol import hosts as keys
 
 RECONNECT_S = 0.2
 HOST_LOST_CODE = -int(signal.SIGKILL)  # what a lost host's processes are reported to exit with
@@ -380,7 +380,7 @@ class RemoteHealth:
     interface of one host's HealthMonitor."""
 
     def __init__(self) -> None:
-        from ..health import HealthResult
+        from ..agent.health import HealthResult
 
         self._result = HealthResult
         self._pending: list[Any] = []

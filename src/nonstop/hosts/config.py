@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from . import keys
+from ..protocol import hosts as keys
 
 ETCD_PASSWORD = "NONSTOP_ETCD_PASSWORD"
 

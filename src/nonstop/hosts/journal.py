@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from . import keys
+from ..protocol import hosts as keys
 
 KEEP_REVISIONS = 100  # history left for watchers a little behind (a watch older re-reads)
 COMPACT_EVERY_S = 30.0

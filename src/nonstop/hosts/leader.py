@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import keys, takeover
+from ..protocol import hosts as keys
+from ..decide import takeover
 from .config import HostConfig
 from .journal import Journal
 
@@ -47,7 +48,9 @@ def main(argv: list[str] | None = None) -> None:
     secret = load_secret()
     # everything a controller needs is imported while in standby (~2 s of pydantic and the
     # controller's modules): taking office then costs the lease's expiry, not an import
-    from .. import controller, display, events, launcher  # noqa: F401
+    from ..controller import controller  # noqa: F401
+    from ..observe import display, events
+    from .. import launcher
     from . import cluster  # noqa: F401
 
     etcd = cfg.etcd()
@@ -124,9 +127,9 @@ class Leader:
 
     def run(self) -> int | None:
         from .. import policy as policy_mod
-        from ..controller import Controller
-        from ..display import Display
-        from ..events import EventLog
+        from ..controller.controller import Controller
+        from ..observe.display import Display
+        from ..observe.events import EventLog
         from ..launcher import report
         from .cluster import Cluster
 

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import keys
+from ..protocol import hosts as keys
 
 CALL_TIMEOUT_S = 5.0  # a keeper's answer, relayed (a listing, a persist order)
 

@@ -263,7 +263,7 @@ def _context(rt: Any, tracked: State, msg: dict[str, Any], resumed: Any) -> Cont
     rt.monitor.in_steps = False  # a loop left by a failure may not have said so yet
     rules = rt.job.get("policy", {}).get("detect", {}).get("loss_rules") or None
     if rules:
-        from ..detect import LossRules
+        from ..decide.detect import LossRules
         from ..policy import LossRule
 
         rules = LossRules(LossRule(**r) for r in rules)

@@ -15,7 +15,7 @@ import math
 from typing import Any
 
 from .faults import Attribution, Domain, Fault
-from .policy import Policy
+from ..policy import Policy
 
 __all__ = ["Attribution", "Counters", "Decision", "Fault", "JobView", "Level", "charge", "decide",
            "decide_nan", "progressed", "quiet"]

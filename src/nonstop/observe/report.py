@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
 def show(run_dir: str) -> int:

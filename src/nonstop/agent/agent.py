@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from . import protocol
-from .console import ConsoleFilter
+from .. import protocol
+from ..observe.console import ConsoleFilter
 
 
 @dataclasses.dataclass
@@ -98,7 +98,7 @@ class Agent:
     @staticmethod
     def keeper_link(node: int, name: str, deadline: float) -> Any:
         """A connection to the keeper of a node of this host (once it listens)."""
-        from .state.wire import KeeperLink
+        from ..state.wire import KeeperLink
 
         return KeeperLink.open(name, deadline)
 

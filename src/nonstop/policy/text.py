@@ -17,7 +17,7 @@ from pydantic_core import ErrorDetails
 from yaml.constructor import ConstructorError
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from .errors import UsageError
+from ..errors import UsageError
 
 M = TypeVar("M", bound=BaseModel)
 Loc = tuple[Union[int, str], ...]

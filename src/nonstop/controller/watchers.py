@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable
 
-from .ladder import Fault
-from .logrules import LogWatch
-from .policy import Policy
+from ..decide.ladder import Fault
+from ..decide.logrules import LogWatch
+from ..policy import Policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Watchers:
     def start(self, nodes: Iterable[int], source: Any = None) -> None:
         """Health checks for ``nodes``: run here (one host), or by each host's agent and
         reported (``source``: the same interface as HealthMonitor)."""
-        from .health import HealthMonitor
+        from ..agent.health import HealthMonitor
 
         if self.health is not None:  # started already: the nodes join it
             for node in nodes:

@@ -11,7 +11,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from .metrics import PHASES
+from .incidents import PHASES
 
 
 class Display:

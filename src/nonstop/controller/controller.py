@@ -11,17 +11,17 @@ import signal
 import time
 from typing import Any
 
-from . import protocol
-from .agent import Agent, Proc
-from .events import EventLog
-from .faults import exit_fault
-from .ladder import Counters, Decision, Fault, Level
-from .metrics import Incident, restore_record
-from .policy import Policy
+from .. import protocol
+from ..agent.agent import Agent, Proc
+from ..observe.events import EventLog
+from ..decide.faults import exit_fault
+from ..decide.ladder import Counters, Decision, Fault, Level
+from ..observe.incidents import Incident, restore_record
+from ..policy import Policy
 from .ledger import TrainingLedger
 from .recovery import Recovery
-from .signals import Signals
-from .state.service import NodeMemory
+from ..decide.liveness import Signals
+from ..state.service import NodeMemory
 from .watchers import Command, Watchers
 from .workers import DUMP_GRACE_S, Worker, WorkerTable
 
@@ -208,7 +208,7 @@ class Controller(Recovery):
         """Continue a job another controller ran: its generation, plan and processes as the hosts
         report them, its budgets from the journal. A job that trains goes on untouched; one
         caught mid-recovery (or missing a rank) recovers from here."""
-        from .hosts import takeover
+        from ..decide import takeover
 
         j = journal or {}
         self.log.write("takeover", gen=adoption.gen, steady=adoption.steady,

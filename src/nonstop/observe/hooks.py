@@ -14,7 +14,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from .policy import GiveUpHook
+from ..policy import GiveUpHook
 
 TAIL = 2000  # characters of output kept for the record: enough to see why, small enough to log
 # Linux refuses to exec with any one environment string over 128 KiB (MAX_ARG_STRLEN); a bigger

@@ -12,7 +12,7 @@ import warnings
 from dataclasses import dataclass
 from typing import IO, Any, Iterable, Mapping, Sequence
 
-from .policy import HealthCheck
+from ..policy import HealthCheck
 
 # ECC counters and pending retirements change rarely; a GPU query costs milliseconds of the loop.
 NVML_EVERY_S = 60.0

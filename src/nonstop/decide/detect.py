@@ -9,7 +9,7 @@ import math
 import statistics
 from typing import Iterable
 
-from .policy import Hang, HangTuning, LossRule, Straggler
+from ..policy import Hang, HangTuning, LossRule, Straggler
 
 
 def _clamp(value: float, tuning: HangTuning) -> float:

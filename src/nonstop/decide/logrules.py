@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .policy import LogRule
+from ..policy import LogRule
 
 LINE_MAX = 300  # a Match keeps at most this much of the line: event logs stay small
 _SHOWN_MAX = 80  # and its message quotes at most this much: one readable line

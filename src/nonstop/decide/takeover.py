@@ -68,7 +68,7 @@ def adopt(journal: dict[str, Any] | None, seen: list[Seen], world: int) -> Adopt
 def workers(adoption: Adoption, seen: list[Seen], journal: dict[str, Any] | None) -> dict[int, Any]:
     """The controller's records of the job's processes: each one a host reports, as it reports
     it, and a dead record for each rank whose process is gone with its host (to be replaced)."""
-    from ..workers import Worker
+    from ..controller.workers import Worker
 
     out = {s.wid: Worker(wid=s.wid, spare=s.spare and s.alive, node=s.node, seq=s.seq, rank=s.rank,
                          dead=not s.alive) for s in seen if s.keeper is None}

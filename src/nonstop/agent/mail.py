@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterator
 
-from . import protocol
+from .. import protocol
 
 EVENT_HOLE_S = 2.0  # an event slot taken but never written is skipped after this long
 

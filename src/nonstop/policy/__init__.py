@@ -11,7 +11,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import UsageError
+from ..errors import UsageError
 
 
 class _Strict(BaseModel):
@@ -268,7 +268,7 @@ class Policy(_Strict):
         try:
             return Policy.model_validate(data)
         except ValidationError as exc:
-            from . import policy_yaml
+            from . import text as policy_yaml
 
             policy_yaml.fail_without_file("policy override", exc, Policy)
 
@@ -311,7 +311,7 @@ def load_text(text: str, source: str) -> Policy:
     """A policy from YAML text; ``source`` starts every error message (e.g. "policy file p.yaml").
 
     Raises UsageError ``"<source> line <n>: <dotted.field>: <problem>"``, one line, for any text."""
-    from . import policy_yaml
+    from . import text as policy_yaml
 
     return policy_yaml.validate(text, source, Policy)
 
@@ -319,7 +319,7 @@ def load_text(text: str, source: str) -> Policy:
 def show_text(policy: Policy, source: str | None = None) -> str:
     """The effective policy as YAML, every field in schema order; ``load_text`` reads it back to
     an equal Policy. ``source`` (the file it came from) goes into the header comment."""
-    from . import policy_yaml
+    from . import text as policy_yaml
 
     origin = f"from {source}, defaults for the rest" if source else "all defaults"
     return policy_yaml.dump(policy.model_dump(), header=f"nonstop policy ({origin})")

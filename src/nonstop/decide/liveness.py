@@ -7,8 +7,8 @@ from typing import Any, Iterable
 
 from .detect import HangTimer, RankView, StragglerWatch, describe_stall, hung_ranks
 from .ladder import Fault
-from .policy import Policy
-from .workers import Worker
+from ..policy import Policy
+from ..controller.workers import Worker
 
 
 class Signals:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from . import ladder, protocol
-from .ladder import Decision, Fault, JobView, Level
-from .metrics import Incident
+from ..decide import ladder
+from .. import protocol
+from ..decide.ladder import Decision, Fault, JobView, Level
+from ..observe.incidents import Incident
 from .workers import Worker
 
 if TYPE_CHECKING:
@@ -335,7 +336,7 @@ class Recovery(_Base):
             self.emergency("give up")
         hook = self.policy.hooks.on_give_up
         if not self.usage_error and (hook.command or hook.url):
-            from .hooks import run_give_up_hook
+            from ..observe.hooks import run_give_up_hook
 
             report = {"diagnosis": self.diagnosis, "exit_code": 1, "run_dir": str(self.run_dir),
                       "generation": self.gen, "step": self.max_step,

@@ -8,8 +8,8 @@ import signal
 import time
 from typing import Any, Iterator
 
-from .agent import Agent, Proc
-from .events import EventLog
+from ..agent.agent import Agent, Proc
+from ..observe.events import EventLog
 
 DUMP_GRACE_S = 0.3  # between asking a stuck process for its stacks and killing it
 

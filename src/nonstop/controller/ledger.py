@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from .metrics import Incident
+from ..observe.incidents import Incident
 
 
 class TrainingLedger:

@@ -1,0 +1,1 @@
+"""One host's processes: start, watch, signal; their mailboxes and health checks."""

@@ -1,0 +1,1 @@
+"""The controller: turns what the job reports into generations and incidents."""

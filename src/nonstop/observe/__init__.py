@@ -1,0 +1,1 @@
+"""What nonstop shows of a job: the event log, incidents and goodput, the display, the report."""
