@@ -14,6 +14,7 @@ registers again as a new host, a spare.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -32,6 +33,7 @@ from ..errors import UsageError
 from ..agent.mail import StoreMail
 from ..net.channel import SECRET_ENV
 from ..protocol import hosts as keys
+from ..protocol import messages as m
 from .config import HostConfig
 from .memory import HostKeepers, replica_secret
 from .netif import interface_of
@@ -39,6 +41,7 @@ from .netif import interface_of
 CONTROLLER_WID = -1  # the standby controller in the agent's process table
 PROGRESS_EVERY_S = 0.1
 DONE_CHECK_S = 1.0
+CLOSED = object()  # in the inbox: the channel it came on is closed
 KEEPER_START_S = 15.0  # the node memory has this long to listen (a bare Python start)
 RESPAWN_S = 0.5  # a standby controller that died is replaced after this long
 REGISTER_RETRY_S = 0.5
@@ -244,10 +247,16 @@ class HostAgent:
             except TimeoutError:
                 continue
             except (ChannelClosed, AuthError, OSError):
-                self.inbox.put((ch, {"op": "_closed"}))
+                self.inbox.put((ch, CLOSED))
                 self._wake()
                 return
-            self.inbox.put((ch, msg))
+            try:
+                order = m.decode(msg)
+            except m.BadMessage as exc:  # the job's secret, another nonstop: said, not obeyed
+                print(f"nonstop: a message from the controller refused: {exc}", file=sys.stderr,
+                      flush=True)
+                continue
+            self.inbox.put((ch, order))
             self._wake()
 
     def _wake(self) -> None:
@@ -260,13 +269,12 @@ class HostAgent:
         print(f"nonstop: refused a connection from {peer[0]}:{peer[1]}: {why}", file=sys.stderr,
               flush=True)
 
-    def _send(self, msg: dict[str, Any]) -> bool:
+    def _send(self, msg: m.Report) -> bool:
         ctl = self.ctl  # (also called from the keepers' relay thread)
         if ctl is None:
             return False
-        msg["now"] = self.now()
         try:
-            ctl.send(msg)
+            ctl.send(m.encode(dataclasses.replace(msg, now=self.now())))
             return True
         except Exception:  # noqa: BLE001 - the controller is gone: a standby will say hello
             if self.ctl is ctl:
@@ -307,33 +315,31 @@ class HostAgent:
         if self.meta.get(proc.wid, {}).get("keeper"):
             self.keepers.gone(self.meta[proc.wid]["keeper"])
         rec = {"wid": proc.wid, "code": proc.returncode}
-        if not self._send({"op": keys.EXITS, "exits": [rec]}):
+        if not self._send(m.Exits(exits=[rec])):
             self._unsent_exits.append(rec)
 
     def _handle_commands(self) -> None:
         while True:
             try:
-                ch, msg = self.inbox.get_nowait()
+                ch, order = self.inbox.get_nowait()
             except queue.Empty:
                 return
-            op = msg.get("op")
-            if op == "_closed":
+            if order is CLOSED:
                 if ch is self.ctl:
                     self.ctl = None
                 continue
-            epoch = int(msg.get("epoch", 0))
-            if epoch < self.epoch:  # a deposed controller: fenced off
+            if order.epoch < self.epoch:  # a deposed controller: fenced off
                 try:
-                    ch.send({"op": keys.REFUSED, "why": f"stale epoch {epoch} < {self.epoch}"})
+                    ch.send(m.encode(m.Refused(why=f"stale epoch {order.epoch} < {self.epoch}")))
                 except Exception:  # noqa: BLE001
                     pass
                 continue
-            if op == keys.HELLO:
-                self._hello(ch, epoch)
+            if isinstance(order, m.Hello):
+                self._hello(ch, order.epoch)
                 continue
             if ch is not self.ctl:
                 continue  # not the controller in office
-            self._command(op, msg)
+            self._command(order)
 
     def _hello(self, ch: Any, epoch: int) -> None:
         """A controller says hello: it is the one in office from now on. A new one (a takeover)
@@ -349,64 +355,61 @@ class HostAgent:
         workers = [{"wid": p.wid, "pid": p.pid, "alive": p.alive, "code": p.returncode,
                     **self.meta.get(p.wid, {})}
                    for p in self.agent.procs.values() if p.wid != CONTROLLER_WID]
-        self._send({"op": keys.STATE, "host": self.cfg.host_id, "incarnation": self.incarnation,
-                    "workers": workers, "takeover": new})
+        self._send(m.State(host=self.cfg.host_id, incarnation=self.incarnation, workers=workers,
+                           takeover=new))
         since = 0 if new else self._delivered
         if self.history[since:]:
-            if self._send({"op": keys.EVENTS, "events": self.history[since:], "replay": new}):
+            if self._send(m.Events(events=self.history[since:], replay=new)):
                 self._delivered = len(self.history)
         if self._unsent_exits:
             exits, self._unsent_exits = self._unsent_exits, []
-            self._send({"op": keys.EXITS, "exits": exits})
+            self._send(m.Exits(exits=exits))
 
-    def _command(self, op: str, msg: dict[str, Any]) -> None:
-        if op == keys.SPAWN:
-            wid = int(msg["wid"])
-            self.meta[wid] = {"spare": bool(msg.get("spare")), "node": msg.get("node")}
-            try:
-                self.agent.spawn(wid, spare=bool(msg.get("spare")), spare_mode=msg.get("mode"),
-                                 node=int(msg.get("node") or 0), keeper=msg.get("keeper"))
-            except OSError as exc:
-                print(f"nonstop: cannot start worker {wid}: {exc}", file=sys.stderr, flush=True)
-                self._send({"op": keys.EXITS, "exits": [{"wid": wid, "code": 127}]})
-        elif op == keys.SPAWN_KEEPER:
-            wid, name = int(msg["wid"]), str(msg["name"])
-            self.meta[wid] = {"keeper": name, "node": msg.get("node")}
-            try:
-                self.agent.spawn_keeper(wid, int(msg.get("node") or 0), name, bool(msg.get("writer")))
-            except OSError as exc:
-                print(f"nonstop: cannot start the node memory: {exc}", file=sys.stderr, flush=True)
-                self._send({"op": keys.EXITS, "exits": [{"wid": wid, "code": 127}]})
-                return
-            self.keepers.started(name, time.time() + KEEPER_START_S)
-        elif op in (keys.KEEPER_OPEN, keys.KEEPER_CALL):
-            self.keepers.request(op, msg)
-        elif op == keys.SIGNAL:
-            self.agent.signal(int(msg["wid"]), int(msg.get("sig", signal.SIGKILL)))
-        elif op == keys.SEND:
-            wid, body = int(msg["wid"]), msg["msg"]
-            meta = self.meta.setdefault(wid, {})
-            if body.get("type") == protocol.ASSIGN:
-                meta.update(rank=body.get("rank"), gen=body.get("gen"), spare=False)
-            meta["seq"] = int(msg["seq"]) + 1  # a controller taking over goes on from here
-            self.mail.send(wid, int(msg["seq"]), body)
-        elif op == keys.ABORT:
-            local = [int(w) for w in msg.get("wids", []) if int(w) in self.agent.procs]
-            self.mail.abort(int(msg["gen"]), local)
-        elif op == keys.OPEN_STORE:
-            # a plain script rendezvouses with unprefixed keys through MASTER_ADDR/PORT: each of
-            # its generations gets a store of its own, on this host's address only
-            gen = int(msg["gen"])
-            store = _bound_store(_bound_socket(self.cfg.addr))
-            self._gen_stores[gen] = store
-            for old in [g for g in self._gen_stores if g < gen - 1]:
-                del self._gen_stores[old]
-            self._send({"op": keys.REPLY, "id": msg.get("id"), "port": store.port})
-        elif op == keys.END:
-            self.agent.end_all(float(msg.get("grace_s", 0.0)))
-            self.code = int(msg.get("code", 0))
-            if msg.get("why"):
-                print(f"nonstop: error: {msg['why']}", file=sys.stderr, flush=True)
+    def _command(self, order: m.Order) -> None:
+        match order:
+            case m.Spawn(wid=wid, spare=spare, mode=mode, node=node, keeper=keeper):
+                self.meta[wid] = {"spare": spare, "node": node}
+                try:
+                    self.agent.spawn(wid, spare=spare, spare_mode=mode, node=node, keeper=keeper)
+                except OSError as exc:
+                    print(f"nonstop: cannot start worker {wid}: {exc}", file=sys.stderr,
+                          flush=True)
+                    self._send(m.Exits(exits=[{"wid": wid, "code": 127}]))
+            case m.SpawnKeeper(wid=wid, node=node, name=name, writer=writer):
+                self.meta[wid] = {"keeper": name, "node": node}
+                try:
+                    self.agent.spawn_keeper(wid, node, name, writer)
+                except OSError as exc:
+                    print(f"nonstop: cannot start the node memory: {exc}", file=sys.stderr,
+                          flush=True)
+                    self._send(m.Exits(exits=[{"wid": wid, "code": 127}]))
+                    return
+                self.keepers.started(name, time.time() + KEEPER_START_S)
+            case m.KeeperOpen() | m.KeeperCall():
+                self.keepers.request(order)
+            case m.Signal(wid=wid, sig=sig):
+                self.agent.signal(wid, sig)
+            case m.Send(wid=wid, seq=seq, msg=body):
+                meta = self.meta.setdefault(wid, {})
+                if body.get("type") == protocol.ASSIGN:
+                    meta.update(rank=body.get("rank"), gen=body.get("gen"), spare=False)
+                meta["seq"] = seq + 1  # a controller taking over goes on from here
+                self.mail.send(wid, seq, body)
+            case m.Abort(gen=gen, wids=wids):
+                self.mail.abort(gen, [w for w in wids if w in self.agent.procs])
+            case m.OpenStore(gen=gen):
+                # a plain script rendezvouses with unprefixed keys through MASTER_ADDR/PORT: each
+                # of its generations gets a store of its own, on this host's address only
+                store = _bound_store(_bound_socket(self.cfg.addr))
+                self._gen_stores[gen] = store
+                for old in [g for g in self._gen_stores if g < gen - 1]:
+                    del self._gen_stores[old]
+                self._send(m.Reply(id=order.id, port=store.port))
+            case m.End(code=code, grace_s=grace_s, why=why):
+                self.agent.end_all(grace_s)
+                self.code = code
+                if why:
+                    print(f"nonstop: error: {why}", file=sys.stderr, flush=True)
 
     def _relay_events(self) -> None:
         evs = list(self.mail.events())
@@ -419,7 +422,7 @@ class HostAgent:
             cut = len(self.history) - HISTORY_MAX
             self.history = self.history[cut:]
             self._delivered = max(0, self._delivered - cut)
-        if self._send({"op": keys.EVENTS, "events": self.history[self._delivered:]}):
+        if self._send(m.Events(events=self.history[self._delivered:])):
             self._delivered = len(self.history)
 
     def _relay_progress(self) -> None:
@@ -430,8 +433,7 @@ class HostAgent:
         if self.shift_s:
             recs = {w: keys.shift_times(r, self.shift_s) for w, r in recs.items()}
         stopped = [wid for wid in live if self.agent.stopped(wid)]
-        self._send({"op": keys.PROGRESS, "recs": {str(w): r for w, r in recs.items()},
-                    "stopped": stopped})
+        self._send(m.Progress(recs={str(w): r for w, r in recs.items()}, stopped=stopped))
 
     def _check_health(self, now: float) -> None:
         """This host's health checks (the policy's commands, NVML), run here and reported: a
@@ -450,9 +452,10 @@ class HostAgent:
             return
         results = self.health.poll(now)
         if results:
-            self._send({"op": keys.HEALTH, "nvml_status": self.health.nvml_status,
-                        "results": [{"check": r.check, "ok": r.ok, "code": r.code,
-                                     "detail": r.detail, "seconds": r.seconds} for r in results]})
+            self._send(m.Health(nvml_status=self.health.nvml_status,
+                                results=[{"check": r.check, "ok": r.ok, "code": r.code,
+                                          "detail": r.detail, "seconds": r.seconds}
+                                         for r in results]))
 
     def _output(self, wid: int, line: str) -> None:
         if wid == CONTROLLER_WID:
@@ -463,7 +466,7 @@ class HostAgent:
             else f"spare {wid}"
         if not self.cfg.quiet:
             print(f"[{self.cfg.host_id} {label}] {line}", flush=True)
-        self._send({"op": keys.OUTPUT, "wid": wid, "line": line})
+        self._send(m.Output(wid=wid, line=line))
 
     # == fencing ================================================================================
     def _judge_doubt(self) -> None:

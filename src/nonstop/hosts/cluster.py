@@ -13,12 +13,14 @@ from __future__ import annotations
 import dataclasses
 import queue
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..protocol import hosts as keys
+from ..protocol import messages as m
 
 RECONNECT_S = 0.2
 HOST_LOST_CODE = -int(signal.SIGKILL)  # what a lost host's processes are reported to exit with
@@ -49,7 +51,7 @@ class HostLink:
     lost: bool = False
     offset: float = 0.0  # our clock minus the host's, from its newest message
     stopped: set[int] = dataclasses.field(default_factory=set)
-    state: dict[str, Any] | None = None  # its answer to our hello
+    state: m.State | None = None  # its answer to our hello
 
 
 class Cluster:
@@ -62,14 +64,15 @@ class Cluster:
         self.output = output
         self.links: dict[int, HostLink] = {}
         self.procs: dict[int, RemoteProc] = {}
-        self.inbox: "queue.Queue[tuple[int, dict[str, Any]]]" = queue.Queue()
+        # (node, a report) from the hosts' readers; (-1, None): wake up; (-1, fn): run fn here
+        self.inbox: "queue.Queue[tuple[int, Any]]" = queue.Queue()
         self._next_wid = next_wid
         self._events: list[dict[str, Any]] = []
         self._progress: dict[int, dict[str, Any]] = {}
         self._keeper_events: dict[int, list[dict[str, Any]]] = {}
         self._exited: list[RemoteProc] = []
         self._unsent: dict[int, list[tuple[int, dict[str, Any]]]] = {}  # wid -> (seq, message)
-        self._replies: dict[int, tuple[threading.Event, dict[str, Any]]] = {}
+        self._replies: dict[int, tuple[threading.Event, list[m.Reply]]] = {}
         self._req = 0
         self.managed = True  # the script uses nonstop.wrap
         self._stop = threading.Event()
@@ -90,7 +93,7 @@ class Cluster:
             self._connect(link, timeout_s)
         else:
             link.ch = ch
-            ch.send({"op": keys.HELLO, "epoch": self.epoch})
+            ch.send(m.encode(m.Hello(epoch=self.epoch)))
         threading.Thread(target=self._read_loop, args=(link,), daemon=True,
                          name=f"nonstop-host-{node}").start()
         return link
@@ -99,7 +102,7 @@ class Cluster:
         from ..net import channel
 
         link.ch = channel.connect(link.rec.addr, link.rec.ctl_port, self.secret, timeout_s=timeout_s)
-        link.ch.send({"op": keys.HELLO, "epoch": self.epoch})
+        link.ch.send(m.encode(m.Hello(epoch=self.epoch)))
 
     def _read_loop(self, link: HostLink) -> None:
         from ..net.channel import AuthError, ChannelClosed
@@ -118,12 +121,18 @@ class Cluster:
                 except Exception:  # noqa: BLE001 - etcd decides whether the host is lost
                     pass
                 continue
-            if msg.get("op") == keys.REPLY and msg.get("id") in self._replies:
-                waiter, answer = self._replies[msg["id"]]
-                answer.update(msg)
+            try:
+                report = m.decode(msg)
+            except m.BadMessage as exc:  # an agent with the secret but another nonstop
+                print(f"nonstop: a message from host {link.rec.host_id} refused: {exc}",
+                      file=sys.stderr, flush=True)
+                continue
+            if isinstance(report, m.Reply) and report.id in self._replies:
+                waiter, answer = self._replies[report.id]
+                answer.append(report)
                 waiter.set()
                 continue
-            self.inbox.put((link.node, msg))
+            self.inbox.put((link.node, report))
 
     def host_gone(self, node: int) -> None:
         """The host's lease is gone: every process it held is gone with it."""
@@ -147,13 +156,12 @@ class Cluster:
                 return node
         return None
 
-    def _to(self, node: int, msg: dict[str, Any]) -> None:
+    def _to(self, node: int, order: m.Order) -> None:
         link = self.links.get(node)
         if link is None or link.lost or link.ch is None:
             return
-        msg["epoch"] = self.epoch
         try:
-            link.ch.send(msg)
+            link.ch.send(m.encode(dataclasses.replace(order, epoch=self.epoch)))
         except Exception:  # noqa: BLE001 - the reader reconnects; etcd decides if it is lost
             pass
 
@@ -166,19 +174,18 @@ class Cluster:
     def spawn(self, wid: int, spare: bool, spare_mode: str | None = None, node: int = 0,
               keeper: str | None = None) -> RemoteProc:
         proc = self._start(RemoteProc(wid, node, spare, self.run_dir / "logs" / f"worker-{wid}.log"),
-                           {"op": keys.SPAWN, "wid": wid, "spare": spare, "mode": spare_mode,
-                            "node": node, "keeper": keeper})
+                           m.Spawn(wid=wid, spare=spare, mode=spare_mode, node=node,
+                                   keeper=keeper))
         for seq, msg in self._unsent.pop(wid, []):  # its assignment went out before it existed
-            self._to(node, {"op": keys.SEND, "wid": wid, "seq": seq, "msg": msg})
+            self._to(node, m.Send(wid=wid, seq=seq, msg=msg))
         return proc
 
     def spawn_keeper(self, wid: int, node: int, name: str, writer: bool) -> RemoteProc:
         """The node memory of a host, started by its agent (which connects to it)."""
         return self._start(RemoteProc(wid, node, False, self.run_dir / "logs" / f"keeper-n{node}.log"),
-                           {"op": keys.SPAWN_KEEPER, "wid": wid, "node": node, "name": name,
-                            "writer": writer})
+                           m.SpawnKeeper(wid=wid, node=node, name=name, writer=writer))
 
-    def _start(self, proc: RemoteProc, order: dict[str, Any]) -> RemoteProc:
+    def _start(self, proc: RemoteProc, order: m.Order) -> RemoteProc:
         """Ask the process's host to start it; on a host that is gone it has exited already."""
         self.procs[proc.wid] = proc
         link = self.links.get(proc.node)
@@ -203,7 +210,7 @@ class Cluster:
     def signal(self, wid: int, sig: int = signal.SIGKILL) -> None:
         p = self.procs.get(wid)
         if p is not None and p.alive:
-            self._to(p.node, {"op": keys.SIGNAL, "wid": wid, "sig": int(sig)})
+            self._to(p.node, m.Signal(wid=wid, sig=int(sig)))
 
     def stopped(self, wid: int) -> bool:
         p = self.procs.get(wid)
@@ -217,11 +224,11 @@ class Cluster:
         return {n for n, link in self.links.items() if link.lost}
 
     def wake(self) -> None:
-        self.inbox.put((-1, {"op": "_wake"}))
+        self.inbox.put((-1, None))
 
     def call(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` in the controller's thread, at its next poll (from any thread)."""
-        self.inbox.put((-1, {"op": "_call", "fn": fn}))
+        self.inbox.put((-1, fn))
 
     def poll(self, timeout: float) -> list[RemoteProc]:
         """Wait up to ``timeout`` for what the hosts report; return the processes that exited."""
@@ -247,51 +254,50 @@ class Cluster:
         exited, self._exited = self._exited, []
         return exited
 
-    def _on_message(self, node: int, msg: dict[str, Any]) -> None:
-        op = msg.get("op")
-        if op == "_wake":
+    def _on_message(self, node: int, msg: m.Report | Callable[[], None] | None) -> None:
+        if msg is None:  # woken
             return
-        if op == "_call":
-            msg["fn"]()
+        if not isinstance(msg, m.Report):  # to be run in this thread
+            msg()
             return
         link = self.links.get(node)
         if link is None or link.lost:
             return
-        if isinstance(msg.get("now"), (int, float)):
-            link.offset = time.time() - msg["now"]
-        if op == keys.EXITS:
-            now = time.time()
-            for e in msg.get("exits", []):
-                p = self.procs.get(int(e["wid"]))
-                if p is not None and p.alive:
-                    p.returncode = e.get("code") if e.get("code") is not None else HOST_LOST_CODE
-                    p.t_exit = now
-                    self._exited.append(p)
-        elif op == keys.EVENTS:
-            replay = bool(msg.get("replay"))
-            for ev in msg.get("events", []):
-                if replay:  # already in the event log of the controller before us
-                    ev["replay"] = True
-                self._events.append(keys.shift_times(ev, link.offset))
-        elif op == keys.PROGRESS:
-            for wid, rec in msg.get("recs", {}).items():
-                self._progress[int(wid)] = keys.shift_times(rec, link.offset)
-            link.stopped = {int(w) for w in msg.get("stopped", [])}
-        elif op == keys.KEEPER_EVENTS:
-            self._keeper_events.setdefault(node, []).extend(msg.get("events", []))
-        elif op == keys.OUTPUT:
-            self.output(int(msg["wid"]), str(msg.get("line", "")))
-        elif op == keys.HEALTH:
-            self.health.report(node, msg.get("results", []), msg.get("nvml_status"))
-        elif op == keys.STATE:
-            link.state = msg
-            self._adopt(link, msg)
-        elif op == keys.REFUSED:  # a newer controller is in office: we must stop at once
-            raise Deposed(f"host {link.rec.host_id} refused a command: {msg.get('why')}")
+        if msg.now is not None:
+            link.offset = time.time() - msg.now
+        match msg:
+            case m.Exits(exits=exits):
+                now = time.time()
+                for e in exits:
+                    p = self.procs.get(int(e["wid"]))
+                    if p is not None and p.alive:
+                        p.returncode = e["code"] if e.get("code") is not None else HOST_LOST_CODE
+                        p.t_exit = now
+                        self._exited.append(p)
+            case m.Events(events=events, replay=replay):
+                for ev in events:
+                    if replay:  # already in the event log of the controller before us
+                        ev["replay"] = True
+                    self._events.append(keys.shift_times(ev, link.offset))
+            case m.Progress(recs=recs, stopped=stopped):
+                for wid, rec in recs.items():
+                    self._progress[int(wid)] = keys.shift_times(rec, link.offset)
+                link.stopped = set(stopped)
+            case m.KeeperEvents(events=events):
+                self._keeper_events.setdefault(node, []).extend(events)
+            case m.Output(wid=wid, line=line):
+                self.output(wid, line)
+            case m.Health(results=results, nvml_status=nvml_status):
+                self.health.report(node, results, nvml_status)
+            case m.State():
+                link.state = msg
+                self._adopt(link, msg)
+            case m.Refused(why=why):  # a newer controller is in office: we must stop at once
+                raise Deposed(f"host {link.rec.host_id} refused a command: {why}")
 
-    def _adopt(self, link: HostLink, state: dict[str, Any]) -> None:
+    def _adopt(self, link: HostLink, state: m.State) -> None:
         """What a host runs, as it says (after a takeover, or a reconnect)."""
-        for w in state.get("workers", []):
+        for w in state.workers:
             wid = int(w["wid"])
             p = self.procs.get(wid)
             if p is None:
@@ -310,7 +316,7 @@ class Cluster:
 
     def end_hosts(self, code: int) -> None:
         for node in list(self.links):
-            self._to(node, {"op": keys.END, "code": code, "grace_s": self.grace_s})
+            self._to(node, m.End(code=code, grace_s=self.grace_s))
 
     def close(self) -> None:
         self._stop.set()
@@ -322,7 +328,7 @@ class Cluster:
     def send(self, wid: int, seq: int, msg: dict[str, Any]) -> None:
         p = self.procs.get(wid)
         if p is not None:
-            self._to(p.node, {"op": keys.SEND, "wid": wid, "seq": seq, "msg": msg})
+            self._to(p.node, m.Send(wid=wid, seq=seq, msg=msg))
         else:  # a process about to be started: its mailbox is written once its host starts it
             self._unsent.setdefault(wid, []).append((seq, msg))
 
@@ -333,7 +339,7 @@ class Cluster:
             if p is not None:
                 by_node.setdefault(p.node, []).append(wid)
         for node, mine in by_node.items():
-            self._to(node, {"op": keys.ABORT, "gen": gen, "wids": mine})
+            self._to(node, m.Abort(gen=gen, wids=mine))
 
     def events(self) -> Iterator[dict[str, Any]]:
         evs, self._events = self._events, []
@@ -353,26 +359,25 @@ class Cluster:
         rec = self.links[node].rec
         port = rec.rdzv_port
         if not self.managed:
-            reply = self.request(node, {"op": keys.OPEN_STORE, "gen": gen})
-            port = int(reply["port"]) if reply and reply.get("port") else rec.rdzv_port
+            reply = self.request(node, m.OpenStore(gen=gen))
+            port = reply.port if reply is not None and reply.port else rec.rdzv_port
         return {"pg_addr": rec.addr, "pg_port": rec.rdzv_port, "master_addr": rec.addr,
                 "port": port}
 
-    def tell(self, node: int, msg: dict[str, Any]) -> None:
+    def tell(self, node: int, order: m.Order) -> None:
         """Say something to a host, waiting for nothing."""
-        self._to(node, msg)
+        self._to(node, order)
 
-    def request(self, node: int, msg: dict[str, Any], timeout_s: float = 5.0
-                ) -> dict[str, Any] | None:
+    def request(self, node: int, order: m.Order, timeout_s: float = 5.0) -> m.Reply | None:
         """Ask one host and wait for its answer (None: no answer in time)."""
         self._req += 1
+        rid = self._req
         waiter = threading.Event()
-        self._replies[self._req] = (waiter, {})
-        msg["id"] = self._req
-        self._to(node, msg)
+        self._replies[rid] = (waiter, [])
+        self._to(node, dataclasses.replace(order, id=rid))
         waiter.wait(timeout_s)
-        _, answer = self._replies.pop(msg["id"])
-        return answer or None
+        _, answer = self._replies.pop(rid)
+        return answer[0] if answer else None
 
 
 class RemoteHealth:

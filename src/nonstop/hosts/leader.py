@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..protocol import hosts as keys
+from ..protocol import messages as m
 from ..decide import takeover
 from .config import HostConfig
 from .journal import Journal
@@ -291,7 +292,7 @@ class Leader:
             if link.state is None:
                 lost.add(node)
                 continue
-            for w in link.state.get("workers", []):
+            for w in link.state.workers:
                 seen.append(takeover.Seen(
                     wid=int(w["wid"]), node=node, alive=bool(w.get("alive")),
                     spare=bool(w.get("spare")), rank=w.get("rank"), gen=w.get("gen"),
@@ -418,8 +419,8 @@ class Leader:
                f"{self.cfg.spare_nodes})")
         try:
             ch = channel.connect(rec.addr, rec.ctl_port, self.secret, timeout_s=5.0)
-            ch.send({"op": keys.HELLO, "epoch": self.epoch})
-            ch.send({"op": keys.END, "epoch": self.epoch, "code": 2, "why": why})
+            ch.send(m.encode(m.Hello(epoch=self.epoch)))
+            ch.send(m.encode(m.End(epoch=self.epoch, code=2, why=why)))
             time.sleep(0.2)
             ch.close()
         except Exception as exc:  # noqa: BLE001 - it may be gone already

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..protocol import hosts as keys
+from ..protocol import messages as m
 
 CALL_TIMEOUT_S = 5.0  # a keeper's answer, relayed (a listing, a persist order)
 
@@ -40,28 +40,27 @@ class RemoteKeeperLink:
             left = deadline - time.time()
             if left <= 0:
                 raise TimeoutError(f"the keeper of node {node} did not answer")
-            reply = cluster.request(node, {"op": keys.KEEPER_OPEN, "name": name},
-                                    timeout_s=min(left, 5.0))
-            if reply and reply.get("tcp"):
-                return cls(cluster, node, name, str(reply["tcp"]))
-            if reply and reply.get("error"):
-                raise TimeoutError(str(reply["error"]))
+            reply = cluster.request(node, m.KeeperOpen(name=name), timeout_s=min(left, 5.0))
+            if reply is not None and reply.tcp:
+                return cls(cluster, node, name, reply.tcp)
+            if reply is not None and reply.error:
+                raise TimeoutError(reply.error)
             time.sleep(0.05)
 
     def call(self, msg: dict[str, Any]) -> dict[str, Any]:
         from ..state.wire import KeeperError
 
-        reply = self.cluster.request(self.node, {"op": keys.KEEPER_CALL, "name": self.name,
-                                                 "msg": msg}, timeout_s=CALL_TIMEOUT_S)
+        reply = self.cluster.request(self.node, m.KeeperCall(name=self.name, msg=msg),
+                                     timeout_s=CALL_TIMEOUT_S)
         if reply is None:
             raise ConnectionError(f"no answer from the keeper of node {self.node}")
-        if reply.get("error"):
-            raise KeeperError(str(reply["error"]))
-        return dict(reply.get("reply") or {})
+        if reply.error:
+            raise KeeperError(reply.error)
+        return dict(reply.reply or {})
 
     def tell(self, msg: dict[str, Any]) -> None:
         """Sent, not waited for: the agent reports a failure as a keeper event."""
-        self.cluster.tell(self.node, {"op": keys.KEEPER_CALL, "name": self.name, "msg": msg})
+        self.cluster.tell(self.node, m.KeeperCall(name=self.name, msg=msg))
 
     def events(self) -> list[dict[str, Any]]:
         return self.cluster.keeper_events(self.node)
@@ -75,21 +74,22 @@ class HostKeepers:
     to the controller in office (dropped while there is none: they are counters and disk parts,
     and a controller taking over asks again)."""
 
-    def __init__(self, send: Callable[[dict[str, Any]], bool]):
+    def __init__(self, send: Callable[[m.Report], bool]):
         self.send = send
         self.links: dict[str, Any] = {}  # keeper name -> its KeeperLink, once connected
         self.failed: dict[str, str] = {}  # keeper name -> why it could not be reached
-        self._jobs: "queue.Queue[tuple[str, dict[str, Any]] | None]" = queue.Queue()
+        self._jobs: "queue.Queue[m.KeeperOpen | m.KeeperCall | tuple[str, float] | None]" = \
+            queue.Queue()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="nonstop-keepers", daemon=True)
         self._thread.start()
 
     def started(self, name: str, deadline: float) -> None:
         """A keeper of this host was started: connect to it once it listens."""
-        self._jobs.put(("connect", {"name": name, "deadline": deadline}))
+        self._jobs.put((name, deadline))
 
-    def request(self, op: str, msg: dict[str, Any]) -> None:
-        self._jobs.put((op, msg))
+    def request(self, order: m.KeeperOpen | m.KeeperCall) -> None:
+        self._jobs.put(order)
 
     def gone(self, name: str) -> None:
         with self._lock:
@@ -110,7 +110,7 @@ class HostKeepers:
             links = list(self.links.values())
         evs = [ev for link in links for ev in link.events()]
         if evs:
-            self.send({"op": keys.KEEPER_EVENTS, "events": evs})
+            self.send(m.KeeperEvents(events=evs))
 
     def _serve(self) -> None:
         from ..state.wire import KeeperLink
@@ -119,11 +119,10 @@ class HostKeepers:
             job = self._jobs.get()
             if job is None:
                 return
-            op, msg = job
-            name = str(msg.get("name"))
-            if op == "connect":
+            if isinstance(job, tuple):  # a keeper started: connect to it
+                name, deadline = job
                 try:
-                    link = KeeperLink.open(name, float(msg["deadline"]))
+                    link = KeeperLink.open(name, deadline)
                 except (TimeoutError, OSError) as exc:
                     self.failed[name] = f"{type(exc).__name__}: {exc}"
                     continue
@@ -131,20 +130,19 @@ class HostKeepers:
                     self.links[name] = link
                 continue
             with self._lock:
-                link = self.links.get(name)
-            if op == keys.KEEPER_OPEN:
-                answer: dict[str, Any] = ({"tcp": link.tcp} if link is not None else
-                                          {"error": self.failed[name]} if name in self.failed else {})
+                link = self.links.get(job.name)
+            if isinstance(job, m.KeeperOpen):
+                answer = (m.Reply(id=job.id, tcp=link.tcp) if link is not None else
+                          m.Reply(id=job.id, error=self.failed.get(job.name)))
             elif link is None:
-                answer = {"error": f"keeper {name} is not connected"}
+                answer = m.Reply(id=job.id, error=f"keeper {job.name} is not connected")
             else:
                 try:
-                    answer = {"reply": link.call(msg.get("msg") or {})}
+                    answer = m.Reply(id=job.id, reply=link.call(job.msg))
                 except Exception as exc:  # noqa: BLE001 - said to the controller, which logs it
-                    answer = {"error": f"{type(exc).__name__}: {exc}"}
-            if msg.get("id") is not None:
-                self.send({"op": keys.REPLY, "id": msg.get("id"), **answer})
-            elif answer.get("error"):  # nobody waits for the answer: a report of the failure
-                self.send({"op": keys.KEEPER_EVENTS, "events": [{
-                    "ev": "keeper_error", "op": (msg.get("msg") or {}).get("op"),
-                    "error": answer["error"]}]})
+                    answer = m.Reply(id=job.id, error=f"{type(exc).__name__}: {exc}")
+            if job.id is not None:
+                self.send(answer)
+            elif answer.error:  # nobody waits for the answer: a report of the failure
+                self.send(m.KeeperEvents(events=[{"ev": "keeper_error", "op": job.msg.get("op"),
+                                                  "error": answer.error}]))

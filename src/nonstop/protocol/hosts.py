@@ -1,5 +1,5 @@
-"""What lives in etcd for one job, under ``/nonstop/<job id>/``, and the messages on the channel
-between the controller and the hosts' agents. Both sides read the names from here.
+"""What lives in etcd for one job, under ``/nonstop/<job id>/`` (the messages on the channel
+between the controller and the hosts' agents are in ``messages``).
 
 etcd holds membership and decisions, never the hot path: a host's record (under its lease), the
 job's settings, the elected controller (under its lease; its epoch is the key's create revision),
@@ -21,29 +21,6 @@ DONE = "done"  # the job's end: {"code", "diagnosis"}; a host that joins later l
 
 def host_key(host_id: str) -> str:
     return HOSTS + host_id
-
-
-# -- controller -> agent (every message carries the controller's epoch; a lower one is ignored) --
-HELLO = "hello"  # {epoch} -> the agent answers STATE
-SPAWN = "spawn"  # {wid, spare, mode, node, keeper}: keeper = the name of its node's memory
-SPAWN_KEEPER = "spawn_keeper"  # {wid, node, name, writer}: the host's node memory
-KEEPER_OPEN = "keeper_open"  # {id, name} -> REPLY {tcp} once the agent reaches it, or {error}
-KEEPER_CALL = "keeper_call"  # {id, name, msg} -> REPLY {reply} or {error}: a request to it
-SIGNAL = "signal"  # {wid, sig}
-SEND = "send"  # {wid, seq, msg}: a mailbox message
-ABORT = "abort"  # {gen, wids}
-END = "end"  # {code, grace_s}: end every process and leave with this code
-OPEN_STORE = "open_store"  # {gen, id}: a fresh store for a plain script's generation -> REPLY
-# -- agent -> controller ---------------------------------------------------------------------------
-STATE = "state"  # {host, workers: [{wid, pid, alive, code}], now}
-EXITS = "exits"  # {exits: [{wid, code}]}
-EVENTS = "events"  # {events: [...]}: the ranks' events, in order
-PROGRESS = "progress"  # {recs: {wid: record}, stopped: [wid]}
-OUTPUT = "output"  # {wid, line}: a line a process printed (log rules)
-KEEPER_EVENTS = "keeper_events"  # {events: [...]}: what the host's keeper reported
-HEALTH = "health"  # {results: [{check, ok, code, detail, seconds}]}: the host's health checks
-REFUSED = "refused"  # {why}: a command the agent will not carry out (a stale epoch)
-REPLY = "reply"  # {id, ...}: the answer to a request
 
 
 class _Record:

@@ -1,0 +1,259 @@
+"""The messages on the channel between the controller and the hosts' agents, typed.
+
+Each is a frozen dataclass; ``encode`` makes the JSON object a channel carries, ``decode`` reads one
+back and refuses (``BadMessage``) an unknown operation or a field of the wrong type, so a peer
+with the job's secret but another version of nonstop is told apart from a valid order. Orders
+(controller to agent) carry the controller's epoch (an agent refuses an older one) and, for a
+request, an id its ``Reply`` repeats; reports (agent to controller) carry the sender's clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, ClassVar, Union
+
+_BY_OP: dict[str, type[Message]] = {}
+
+
+class BadMessage(ValueError):
+    """A message that is not one of these, or not as it should be."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    op: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.op:
+            _BY_OP[cls.op] = cls
+
+
+# == controller -> agent ============================================================================
+@dataclasses.dataclass(frozen=True)
+class Order(Message):
+    epoch: int = 0  # the controller's (the leader key's create revision): fencing
+    id: int | None = None  # a request: the Reply says the same id
+
+
+@dataclasses.dataclass(frozen=True)
+class Hello(Order):
+    """The controller in office from now on: the agent answers with its State."""
+
+    op: ClassVar[str] = "hello"
+
+
+@dataclasses.dataclass(frozen=True)
+class Spawn(Order):
+    op: ClassVar[str] = "spawn"
+    wid: int = -1
+    spare: bool = False
+    mode: str | None = None  # a spare's: "script" | "import"
+    node: int = 0
+    keeper: str | None = None  # the name of its node's memory, if any
+
+
+@dataclasses.dataclass(frozen=True)
+class SpawnKeeper(Order):
+    """The host's node memory."""
+
+    op: ClassVar[str] = "spawn_keeper"
+    wid: int = -1
+    node: int = 0
+    name: str = ""
+    writer: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class KeeperOpen(Order):
+    """Reply {tcp} once the agent reaches its keeper, or {error}."""
+
+    op: ClassVar[str] = "keeper_open"
+    name: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class KeeperCall(Order):
+    """A request to the host's keeper: Reply {reply} or {error} (no id: nobody waits)."""
+
+    op: ClassVar[str] = "keeper_call"
+    name: str = ""
+    msg: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Signal(Order):
+    op: ClassVar[str] = "signal"
+    wid: int = -1
+    sig: int = 9
+
+
+@dataclasses.dataclass(frozen=True)
+class Send(Order):
+    """A mailbox message for one process (its seq-th)."""
+
+    op: ClassVar[str] = "send"
+    wid: int = -1
+    seq: int = 0
+    msg: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort(Order):
+    op: ClassVar[str] = "abort"
+    gen: int = 0
+    wids: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class End(Order):
+    """End every process and leave with this code."""
+
+    op: ClassVar[str] = "end"
+    code: int = 0
+    grace_s: float = 0.0
+    why: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenStore(Order):
+    """A fresh store for a plain script's generation: Reply {port}."""
+
+    op: ClassVar[str] = "open_store"
+    gen: int = 0
+
+
+# == agent -> controller ============================================================================
+@dataclasses.dataclass(frozen=True)
+class Report(Message):
+    now: float | None = None  # the sender's clock when it sent this (times move by the offset)
+
+
+@dataclasses.dataclass(frozen=True)
+class State(Report):
+    """What the host runs: the answer to Hello."""
+
+    op: ClassVar[str] = "state"
+    host: str = ""
+    incarnation: str = ""
+    workers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    takeover: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Exits(Report):
+    op: ClassVar[str] = "exits"
+    exits: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # {wid, code}
+
+
+@dataclasses.dataclass(frozen=True)
+class Events(Report):
+    """The ranks' events, in order (replay: already in the log of the controller before)."""
+
+    op: ClassVar[str] = "events"
+    events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    replay: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress(Report):
+    """The host's ranks' progress, aggregated (10 Hz)."""
+
+    op: ClassVar[str] = "progress"
+    recs: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # wid -> record
+    stopped: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Output(Report):
+    """A line a process printed (for the log rules)."""
+
+    op: ClassVar[str] = "output"
+    wid: int = -1
+    line: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Health(Report):
+    op: ClassVar[str] = "health"
+    results: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    nvml_status: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class KeeperEvents(Report):
+    """What the host's keeper reported."""
+
+    op: ClassVar[str] = "keeper_events"
+    events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused(Report):
+    """An order the agent will not carry out (a stale epoch): its sender is deposed."""
+
+    op: ClassVar[str] = "refused"
+    why: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Reply(Report):
+    op: ClassVar[str] = "reply"
+    id: int | None = None
+    port: int | None = None
+    tcp: str | None = None
+    reply: dict[str, Any] | None = None
+    error: str | None = None
+
+
+# == on the wire ====================================================================================
+def encode(msg: Message) -> dict[str, Any]:
+    return {"op": msg.op, **{f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}}
+
+
+def decode(raw: dict[str, Any]) -> Message:
+    cls = _BY_OP.get(raw.get("op"))  # type: ignore[arg-type]
+    if cls is None:
+        raise BadMessage(f"unknown operation {raw.get('op')!r}")
+    hints = _hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in raw:
+            value = raw[f.name]
+            if not _fits(value, hints[f.name]):
+                raise BadMessage(f"{cls.op}: {f.name}={value!r:.80} is not {hints[f.name]}")
+            kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return True
+    if origin in (Union, types.UnionType):
+        return any(_fits(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_fits(v, item) for v in value)
+    if origin is dict:
+        key, item = typing.get_args(hint)
+        return isinstance(value, dict) and all(_fits(k, key) and _fits(v, item)
+                                               for k, v in value.items())
+    return isinstance(value, hint)
