@@ -21,7 +21,8 @@ from typing import Any
 
 from . import inject, policy as policy_mod, protocol
 from .agent import loopback
-from .observe import incidents as metrics
+from .controller.phase import ENDING
+from .observe import incidents
 from .errors import UsageError
 
 
@@ -244,7 +245,7 @@ def run(cfg: RunConfig) -> int:
         log.write("interrupted", signal=exc.signum)
         controller.diagnosis = f"interrupted by {name}"
         code = 128 + exc.signum
-        if pol.state.emergency.on_signal and controller.phase not in ("finishing", "over"):
+        if pol.state.emergency.on_signal and controller.phase not in ENDING:
             display.info(f"interrupted by {name}: saving the newest snapshot, then ending every "
                          "process")
             for s in old:  # a second signal ends it at once
@@ -275,11 +276,11 @@ def report(controller: Any, log: Any, run_dir: Path, code: int, display: Any) ->
     t_exit = time.time()
     train_end = controller.t_train_end or t_exit
     ledger = controller.ledger
-    summary = metrics.summarize(ledger.incident_records(controller.incidents),
-                                train_end - controller.t_start,
-                                ledger.productive_s(controller.workers.values()),
-                                ledger.steps_reached(controller.max_step), code,
-                                continues=metrics.continuation(log.previous, ledger.resumed_step))
+    summary = incidents.summarize(ledger.incident_records(controller.incidents),
+                                  train_end - controller.t_start,
+                                  ledger.productive_s(controller.workers.values()),
+                                  ledger.steps_reached(controller.max_step), code,
+                                  continues=incidents.continuation(log.previous, ledger.resumed_step))
     # goodput stays per training time; the wall time is the whole run, its end's wait included
     summary["wall_s"] = round(t_exit - controller.t_start, 3)
     summary["finish_s"] = round(t_exit - train_end, 3)

@@ -19,6 +19,7 @@ from ..decide.ladder import Counters, Decision, Fault, Level
 from ..observe.incidents import Incident, restore_record
 from ..policy import Policy
 from .ledger import TrainingLedger
+from .phase import ACTIVE, ENDING, Phase
 from .recovery import Recovery
 from ..decide.liveness import Signals
 from ..state.service import NodeMemory
@@ -59,7 +60,7 @@ class Controller(Recovery):
         self.snap_stats: dict[str, Any] | None = None  # rank 0's snapshot numbers
         self.plan: dict[int, int] = {}  # rank -> wid, for self.gen
         self.gen = -1
-        self.phase = "starting"
+        self.phase = Phase.STARTING
         self.deadline = float("inf")
         self.counters = Counters()
         self.signals = Signals(policy)
@@ -93,8 +94,8 @@ class Controller(Recovery):
         if self.gen < 0:  # a new job (a controller taking over has adopted one: see adopt)
             self._start()
         while self.exit_code is None:
-            tick = (TICK_BUSY_S if self.phase == "tearing_down" else
-                    TICK_IDLE_S if self.phase == "running" else TICK_WAIT_S)
+            tick = (TICK_BUSY_S if self.phase is Phase.TEARING_DOWN else
+                    TICK_IDLE_S if self.phase is Phase.RUNNING else TICK_WAIT_S)
             exited = self.agent.poll(tick)
             self._read_events()
             for proc in exited:
@@ -150,7 +151,7 @@ class Controller(Recovery):
     def _refill_spares(self) -> None:
         """Warm spares: ``--spares`` spread over the nodes that hold ranks, and a full node's
         worth on each spare node (ready to take over a failed node)."""
-        if self.phase in ("finishing", "over"):
+        if self.phase in ENDING:
             return
         busy = sorted(set(self._node_of().values()) - self.counters.isolated)
         targets = {n: 0 for n in busy}
@@ -173,7 +174,7 @@ class Controller(Recovery):
         if w.spare:
             self._on_spare_exit(w, code)
             return
-        if self.phase == "finishing":
+        if self.phase is Phase.FINISHING:
             # a process nonstop ended (a hung rank, replaced) may exit after the others finished
             if code != 0 and not was_killed and self.diagnosis is None:
                 self.diagnosis = f"rank {w.rank} exited with code {code} after training completed"
@@ -191,15 +192,15 @@ class Controller(Recovery):
         """A node's memory is gone. With its ranks gone too, the node is lost (the next decision
         says so); otherwise a new, empty memory takes over and training goes on."""
         h = self.memory.on_exit(proc.wid, proc.returncode)
-        if h is None or h.killed or self.phase in ("finishing", "over"):
+        if h is None or h.killed or self.phase in ENDING:
             return
         self.display.info(f"node {h.node}: its memory (keeper) is gone (code {proc.returncode})")
 
     def _check_keepers(self, now: float) -> None:
-        if self.phase in ("finishing", "over"):
+        if self.phase in ENDING:
             return
         occupied = {w.node for w in self.workers.values() if not w.dead}
-        self.memory.revive(now, occupied, self.phase == "running" and self.incident is None,
+        self.memory.revive(now, occupied, self.phase is Phase.RUNNING and self.incident is None,
                            self._node_of(), self._usable_nodes())
 
     # == taking over a running job (across hosts) ===============================================
@@ -222,7 +223,7 @@ class Controller(Recovery):
         self.incident_base = int(j.get("incidents") or 0)  # incidents keep their numbers
         self.max_step = int(j.get("max_step") or 0)
         self.claimed = dict(j.get("claimed") or {})
-        self.phase = "rendezvous"  # until the replayed events show every rank in
+        self.phase = Phase.RENDEZVOUS  # until the replayed events show every rank in
         self._gen_t0 = time.time()
         self.deadline = self._gen_t0 + self.policy.timeouts.rendezvous_s
         self._warm = set()
@@ -240,7 +241,7 @@ class Controller(Recovery):
             w = self.workers[self.plan[rank]]
             self._fault(Fault("crash", rank=rank, node=w.node, message=(
                 f"rank {rank}'s process is gone (found by the controller taking over)")))
-        if not adoption.steady and not adoption.missing and self.phase == "rendezvous":
+        if not adoption.steady and not adoption.missing and self.phase is Phase.RENDEZVOUS:
             # every rank's process lives, not all in the newest generation: the one the
             # controller before was forming; it is formed again, from where they are
             self._fault(Fault("takeover", message=(
@@ -268,7 +269,7 @@ class Controller(Recovery):
         self.watchers.remove_node(node)
         self.log.write("node_lost", node=node, reason=why)
         self.memory.configure(self._node_of(), self._usable_nodes())  # replicas go elsewhere
-        if node in set(self._node_of().values()) and self.phase not in ("finishing", "over"):
+        if node in set(self._node_of().values()) and self.phase not in ENDING:
             self._fault(Fault("node_lost", node=node, message=f"node {node} is gone ({why})"))
         else:
             self.display.info(f"node {node} is gone ({why}): it held no rank")
@@ -295,7 +296,7 @@ class Controller(Recovery):
         return exit_fault(report, code, w.rank, before_any_step=first)
 
     def _on_spare_exit(self, w: Worker, code: int | None) -> None:
-        if self.phase in ("finishing", "over") or w.killed:
+        if self.phase in ENDING or w.killed:
             return
         self.table.spare_failures += 1
         report = w.exit_report
@@ -377,7 +378,7 @@ class Controller(Recovery):
                 self.final_persist = max(self.final_persist or 0, ev["final_persist"])
             w.step = ev.get("step", w.step)
             self.max_step = max(self.max_step, ev.get("step") or 0)
-            if self.phase == "running" and all(self.workers[x].done >= self.gen
+            if self.phase is Phase.RUNNING and all(self.workers[x].done >= self.gen
                                                for x in self.plan.values()):
                 if self.incident is not None:
                     self._close_incident(ev["t"], ev.get("step"))
@@ -390,12 +391,12 @@ class Controller(Recovery):
         w.entered_ev = ev
         w.joining = max(w.joining, self.gen)
         w.step, w.step_gen, w.t_step = ev.get("step", 0), self.gen, ev["t"]
-        if self.phase != "rendezvous":
+        if self.phase is not Phase.RENDEZVOUS:
             return
         ranks = [self.workers[x] for x in self.plan.values()]
         if not all(x.entered >= self.gen for x in ranks):
             return
-        self.phase = "running"
+        self.phase = Phase.RUNNING
         self._t_running = time.time()
         self.watchers.logs.start(self._t_running, self.plan.keys())
         self.deadline = float("inf")
@@ -438,7 +439,7 @@ class Controller(Recovery):
         self.ledger.first_step(stepless)
         self.signals.on_first_step(w, ev["t"], stepless=stepless)
         self.max_step = max(self.max_step, ev["step"])
-        if self.incident is None or self.phase != "running":
+        if self.incident is None or self.phase is not Phase.RUNNING:
             return
         ranks = [self.workers[x] for x in self.plan.values()]
         if all(x.first_gen == self.gen for x in ranks):
@@ -466,7 +467,7 @@ class Controller(Recovery):
                               traceback=ev.get("traceback")))
         elif reason == "no_state":
             self._fault(Fault("no_state", rank=w.rank, message=ev.get("error", "")))
-        elif self.phase in ("running", "rendezvous"):
+        elif self.phase in ACTIVE:
             self._fault(Fault("peer", rank=w.rank, message=ev.get("error", "")))
         if self.incident is not None and ev.get("t_pg") is not None:  # after any fault it raised
             self.incident.group_formed(ev["t_pg"])
@@ -474,7 +475,7 @@ class Controller(Recovery):
     # == deadlines ==============================================================================
     def _check(self, now: float) -> None:
         self.table.kill_due(now)
-        if self.phase == "tearing_down":
+        if self.phase is Phase.TEARING_DOWN:
             pending = self._pending_teardown()
             if not pending:
                 self._finish_teardown()
@@ -490,16 +491,16 @@ class Controller(Recovery):
                     self.log.write("fault", kind="teardown_timeout", code="TEARDOWN_TIMEOUT",
                                    rank=w.rank, node=w.node, domain="rank",
                                    attribution="infrastructure", gen=self.gen)
-        elif self.phase == "rendezvous":
+        elif self.phase is Phase.RENDEZVOUS:
             self._check_rendezvous(now)
         if self.incident is not None and self.incident.level_deadline is not None and \
-                now > self.incident.level_deadline and self.phase in ("running", "rendezvous"):
+                now > self.incident.level_deadline and self.phase in ACTIVE:
             level = self.incident.current_level
             self.incident.level_deadline = None
             self._fault(Fault("deadline", message=f"{level} did not recover within its deadline "
                                                   "(recover.levels)"))
             return
-        if self.phase == "running" and self.managed:
+        if self.phase is Phase.RUNNING and self.managed:
             if self._nan_deadline is not None:
                 if now > self._nan_deadline:  # not every rank saw it: the coarse way
                     self._nan_deadline = None
@@ -507,7 +508,7 @@ class Controller(Recovery):
                 return
             self._check_hang(now)
             self._act(self.watchers.tick(now))
-        elif self.phase == "finishing":
+        elif self.phase is Phase.FINISHING:
             ranks_alive = [self.workers[x] for x in self.plan.values() if not self.workers[x].dead]
             if not ranks_alive and self.memory.settled(self.final_persist):
                 self._end(0 if self.diagnosis is None else 1)
@@ -528,7 +529,7 @@ class Controller(Recovery):
         """A line a process printed: checked against the policy's log rules."""
         w = self.workers.get(wid)
         rank = None if w is None or w.spare else w.rank
-        self._act(self.watchers.line(rank, line, time.time(), self.phase in ("running", "rendezvous")))
+        self._act(self.watchers.line(rank, line, time.time(), self.phase in ACTIVE))
 
     def _check_hang(self, now: float) -> None:
         ranks = [self.workers[x] for x in self.plan.values()]
@@ -558,7 +559,7 @@ class Controller(Recovery):
 
     def _training_complete(self, t: float) -> None:
         self.t_train_end = t
-        self.phase = "finishing"
+        self.phase = Phase.FINISHING
         self.deadline = time.time() + self.policy.timeouts.finish_s
         self.log.write("training_complete", gen=self.gen, step=self.max_step)
         for f in self.ledger.unfired:

@@ -15,6 +15,7 @@ from .. import protocol
 from ..decide.ladder import Decision, Fault, JobView, Level
 from ..observe.incidents import Incident
 from .workers import Worker
+from .phase import ACTIVE, ENDING, Phase
 
 if TYPE_CHECKING:
     from .controller import Controller as _Base
@@ -41,7 +42,7 @@ class Recovery(_Base):
                                 "replacements": self.replacements[rank], "initial": initial,
                                 "claimed": self.claimed, **where,
                                 **self._local_ranks(rank, node_of)})
-        self.phase = "rendezvous"
+        self.phase = Phase.RENDEZVOUS
         usable = self._usable_nodes()
         for node in usable:  # a node that keeps working after losing its memory gets a new one
             h = self.memory.keepers.get(node)
@@ -67,12 +68,12 @@ class Recovery(_Base):
                 "group_rank": groups.index(host_of[rank])}
 
     def _begin_teardown(self) -> None:
-        if self.phase == "tearing_down":
+        if self.phase is Phase.TEARING_DOWN:
             return
         now = time.time()
         if self.incident is not None and self.incident.t_decide is None:
             self.incident.t_decide = now
-        self.phase = "tearing_down"
+        self.phase = Phase.TEARING_DOWN
         if self.managed:
             self.mail.abort(self.gen, list(self.plan.values()))
             self.deadline = now + self._teardown_allowance()
@@ -235,11 +236,11 @@ class Recovery(_Base):
 
     # == faults and incidents ====================================================================
     def _fault(self, fault: Fault, t_fault: float | None = None) -> None:
-        if self.phase in ("finishing", "over"):
+        if self.phase in ENDING:
             self.log.write("fault_ignored", fault=fault.describe(), phase=self.phase)
             return
         if self.incident is not None and self.incident.t_torn is not None and \
-                self.phase in ("running", "rendezvous"):
+                self.phase in ACTIVE:
             self._interrupt_attempt()
         self._open_incident(fault, t_fault)
         if fault.kind == "peer":  # a symptom: the cause is another rank's fault
@@ -255,13 +256,13 @@ class Recovery(_Base):
                        incident=self.incident.id, gen=self.gen)
         if fault.kind != "peer":
             self.display.info(f"fault: {_short(fault.describe())}")
-        if self.phase in ("running", "rendezvous"):
+        if self.phase in ACTIVE:
             self._begin_teardown()
 
     def _interrupt_attempt(self) -> None:
         """A fault while the incident's recovery was under way: that attempt ends here, in the
         phase it had reached, and the incident goes on with the next decision."""
-        if self.phase == "running":
+        if self.phase is Phase.RUNNING:
             phase = "first_step"
         elif all(self.workers[w].joining >= self.gen for w in self.plan.values()):
             phase = "rendezvous"  # refined into restore when the ranks say their group formed
@@ -360,7 +361,7 @@ class Recovery(_Base):
                               tick=lambda: self.agent.poll(0.02))
 
     def _end(self, code: int) -> None:
-        self.phase = "over"
+        self.phase = Phase.OVER
         if self.t_train_end is None:
             self.t_train_end = time.time()
         self.agent.end_all(self.policy.timeouts.terminate_grace_s if code == 0 else 0.0)

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..protocol import hosts as keys
 from ..protocol import messages as m
+from ..controller.phase import Phase
 from ..decide import takeover
 from .config import HostConfig
 from .journal import Journal
@@ -343,7 +344,7 @@ class Leader:
                     f"etcd at {','.join(f'{h}:{p}' for h, p in self.cfg.endpoints)} unreachable "
                     f"for {time.monotonic() - down:.0f} s (hosts.store_outage_s={outage:g}): no "
                     "host can be known alive or dead without it"))
-        if controller.gen != self._journal_gen and controller.phase != "starting":
+        if controller.gen != self._journal_gen and controller.phase is not Phase.STARTING:
             self._journal_gen = controller.gen
             self._pending = self._journal(controller)  # the newest wins
 
