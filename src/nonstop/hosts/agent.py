@@ -461,8 +461,8 @@ class HostAgent:
         if wid == CONTROLLER_WID:
             print(line, flush=True)
             return
-        m = self.meta.get(wid, {})
-        label = f"rank {m['rank']}" if m.get("rank") is not None and not m.get("spare") \
+        meta = self.meta.get(wid, {})
+        label = f"rank {meta['rank']}" if meta.get("rank") is not None and not meta.get("spare") \
             else f"spare {wid}"
         if not self.cfg.quiet:
             print(f"[{self.cfg.host_id} {label}] {line}", flush=True)
