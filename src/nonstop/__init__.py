@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 __all__ = ["State", "RNGState", "wrap", "Context", "step_seed", "reproducible", "__version__"]
 
 if TYPE_CHECKING:
-    from .runtime.state import RNGState, State
+    from .runtime.registered import RNGState, State
     from .ddp import reproducible
     from .runtime.context import Context, step_seed
     from .runtime.wrap import wrap
@@ -22,9 +22,9 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     if name in ("State", "RNGState"):
-        from .runtime import state
+        from .runtime import registered
 
-        return getattr(state, name)
+        return getattr(registered, name)
     if name == "wrap":
         from .runtime.wrap import wrap
 

@@ -22,7 +22,7 @@ from .ledger import TrainingLedger
 from .phase import ACTIVE, ENDING, Phase
 from .recovery import Recovery
 from ..decide.liveness import Signals
-from ..state.service import NodeMemory
+from ..state.service import Keepers
 from .watchers import Command, Watchers
 from .workers import DUMP_GRACE_S, Worker, WorkerTable
 
@@ -50,7 +50,7 @@ class Controller(Recovery):
         self.log = log
         self.display = display
         run_id = getattr(run_dir, "name", None) or "run"
-        self.memory = NodeMemory(policy, agent, log, display, run_id, agent.new_wid)
+        self.memory = Keepers(policy, agent, log, display, run_id, agent.new_wid)
         self.table = WorkerTable(agent, mail, log, "script" if managed else "import",
                                  keeper_of=self.memory.name)
         self.workers = self.table.workers

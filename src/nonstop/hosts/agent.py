@@ -112,7 +112,7 @@ class HostAgent:
                                self.run_dir, env, self._output)
             self.agent.keeper_host = cfg.addr  # replicas come in from other hosts
             self.agent.keeper_env = {SECRET_ENV: replica_secret(self.secret)}
-            self.keepers = HostKeepers(self._send)
+            self.keepers = HostKeepers(self._send).start()
             self.store = loopback.master_store(self.local_listener)
             self.store.set(protocol.JOB_KEY, protocol.dumps(self._job_settings()))
             self.mail = StoreMail()

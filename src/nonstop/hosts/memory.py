@@ -82,7 +82,10 @@ class HostKeepers:
             queue.Queue()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="nonstop-keepers", daemon=True)
+
+    def start(self) -> HostKeepers:
         self._thread.start()
+        return self
 
     def started(self, name: str, deadline: float) -> None:
         """A keeper of this host was started: connect to it once it listens."""

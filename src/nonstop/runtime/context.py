@@ -11,7 +11,7 @@ import math
 import time
 from typing import Any, Iterator
 
-from .state import State
+from .registered import State
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:

@@ -18,7 +18,7 @@ from typing import Any, Callable, TypeVar
 
 from .. import protocol
 from .context import Context
-from .state import NonFiniteGradients, State, _StepOnly
+from .registered import NonFiniteGradients, State, _StepOnly
 from .worker import is_collective_error
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -73,8 +73,6 @@ class Keeper:
         for sock, tag in ((self.listener, "listen"), (self.replication.tcp, "tcp"),
                           (self._wake_r, "wake")):
             self.sel.register(sock, selectors.EVENT_READ, tag)
-        threading.Thread(target=self.replication.sender, name="replicator", daemon=True).start()
-        threading.Thread(target=self.disk.stager, name="stager", daemon=True).start()
 
     # == plumbing ================================================================================
     def wake(self) -> None:
@@ -104,6 +102,8 @@ class Keeper:
                     self._drop(cid)
 
     def run(self) -> None:
+        threading.Thread(target=self.replication.sender, name="replicator", daemon=True).start()
+        threading.Thread(target=self.disk.stager, name="stager", daemon=True).start()
         if self.want_writer:
             self.disk.start_writer()
         while True:

@@ -34,8 +34,10 @@ class KeeperHandle:
     lost_at: float = 0.0
 
 
-class NodeMemory:
-    """Keepers, replication targets, disk checkpoints. Lives in the controller's loop."""
+class Keepers:
+    """The launcher's side of node memory (the ranks' side is ``memory.NodeMemory``): the
+    keepers, where each copies its ranks' snapshots, disk checkpoints, emergency saves. Lives in
+    the controller's loop."""
 
     def __init__(self, policy: Any, agent: Any, log: Any, display: Any, run_id: str,
                  new_wid: Callable[[], int]):
