@@ -125,8 +125,12 @@ def test_failed_health_check_moves_the_node_to_a_spare_node(tmp_path, reference)
     (f,) = [f for f in run.of("fault") if f["kind"] == "node_unhealthy"]
     assert f["node"] == 1
     (d,) = run.of("decision")
-    assert d["level"] == "node replacement" and d["replace"] == [2, 3] and d["isolate"] == [1]
-    assert {e["node"] for e in run.of("replace")} == {2}
+    assert d["level"] == "node replacement" and d["isolate"] == [1]
+    # node 1's ranks go to the spare node; a survivor that did not leave the aborted generation
+    # in time (on a loaded machine, now and then one stays in gloo) is replaced where it was
+    late = {f["rank"] for f in run.of("fault") if f["kind"] == "teardown_timeout"}
+    assert set(d["replace"]) == {2, 3} | late and late <= {0, 1}
+    assert {e["rank"]: e["node"] for e in run.of("replace") if e["rank"] in (2, 3)} == {2: 2, 3: 2}
     assert bitwise_equal(out, reference(4, *args))
 
 
