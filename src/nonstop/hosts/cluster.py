@@ -173,7 +173,8 @@ class Cluster:
 
     def spawn(self, wid: int, spare: bool, spare_mode: str | None = None, node: int = 0,
               keeper: str | None = None) -> RemoteProc:
-        proc = self._start(RemoteProc(wid, node, spare, self.run_dir / "logs" / f"worker-{wid}.log"),
+        log = self.run_dir / "logs" / f"worker-{wid}.log"
+        proc = self._start(RemoteProc(wid, node, spare, log),
                            m.Spawn(wid=wid, spare=spare, mode=spare_mode, node=node,
                                    keeper=keeper))
         for seq, msg in self._unsent.pop(wid, []):  # its assignment went out before it existed
@@ -182,7 +183,8 @@ class Cluster:
 
     def spawn_keeper(self, wid: int, node: int, name: str, writer: bool) -> RemoteProc:
         """The node memory of a host, started by its agent (which connects to it)."""
-        return self._start(RemoteProc(wid, node, False, self.run_dir / "logs" / f"keeper-n{node}.log"),
+        log = self.run_dir / "logs" / f"keeper-n{node}.log"
+        return self._start(RemoteProc(wid, node, False, log),
                            m.SpawnKeeper(wid=wid, node=node, name=name, writer=writer))
 
     def _start(self, proc: RemoteProc, order: m.Order) -> RemoteProc:
