@@ -9,7 +9,6 @@ no longer depends on the bucket layout.
 
 from __future__ import annotations
 
-import datetime
 from typing import Any
 
 
@@ -24,10 +23,10 @@ def _per_gradient_allreduce(process_group, bucket):  # no annotations: DDP inspe
     works = []
     for g in grads:
         if aborted():  # an operation posted on an aborted group may never be released
-            raise RuntimeError(ABORTED)
+            raise RuntimeError("gloo: the generation was aborted during the gradient reduction")
         works.append(dist.all_reduce(g, group=group, async_op=True))
     for w in works:
-        _wait(w, aborted)
+        w.wait()
     buffer = bucket.buffer()
     # gradients() are views into the buffer unless DDP had to copy them out
     for g, view in zip(grads, _views(buffer, grads)):
@@ -37,25 +36,6 @@ def _per_gradient_allreduce(process_group, bucket):  # no annotations: DDP inspe
     fut = torch.futures.Future()
     fut.set_result(buffer)
     return fut
-
-
-ABORTED = "gloo: the generation was aborted during the gradient reduction"
-_SLICE = datetime.timedelta(milliseconds=100)  # one wait, before the abort flag is looked at again
-
-
-def _wait(work: Any, aborted: Any) -> None:
-    """Wait for a posted reduction in short slices: one posted just as the generation was aborted
-    (after its sockets were shut down) may never be released, and the rank must still leave.
-    A slice that ends is not an error: the operation goes on (gloo's own timeout still applies)."""
-    while True:
-        try:
-            work.wait(_SLICE)
-            return
-        except RuntimeError as exc:
-            if "Operation timed out!" not in str(exc):
-                raise
-            if aborted():
-                raise RuntimeError(ABORTED) from None
 
 
 def _abort_flag():

@@ -576,15 +576,9 @@ class Controller(Recovery):
     def _read_progress(self) -> None:
         ranks = [self.workers[x] for x in self.plan.values()]
         for w, rec in self.table.read_progress(ranks):
-            if rec.get("gen") == self.gen and rec.get("step") is not None:
-                if w.step_gen != self.gen or rec["step"] >= (w.step or 0):
-                    w.step, w.step_gen, w.t_step = rec["step"], self.gen, rec["t"]
-                self.max_step = max(self.max_step, rec["step"])
-            loss = rec.get("loss")
-            w.loss = loss if isinstance(loss, (int, float)) else None
+            self.max_step = max(self.max_step, w.take_progress(rec, self.gen))
             if w.rank == 0 and rec.get("snap"):
                 self.snap_stats = rec["snap"]
-            w.busy = rec.get("busy", w.busy)
             self.signals.on_progress(w, rec, self.gen)
         tuned = self.signals.timeout_changed()
         if tuned is not None:
@@ -592,13 +586,7 @@ class Controller(Recovery):
                            first_step_s=round(self.signals.hang.first_step_timeout(), 3))
 
     def snapshot(self) -> dict[str, Any]:
-        ranks = []
-        for rank, wid in sorted(self.plan.items()):
-            w = self.workers[wid]
-            ranks.append({"rank": rank, "wid": wid, "step": w.step, "loss": w.loss,
-                          "alive": not w.dead})
-        return {"gen": self.gen, "phase": self.phase, "ranks": ranks,
-                "spares": len(self.table.spares()), "spares_ready": sum(w.ready for w in self.table.spares()),
+        return {"gen": self.gen, "phase": self.phase, **self.table.status(self.plan),
                 "incidents": len(self.incidents) + (self.incident is not None),
                 "max_step": self.max_step}
 

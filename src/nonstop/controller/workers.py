@@ -50,6 +50,17 @@ class Worker:
     retry_loss: Any = None
 
 
+    def take_progress(self, rec: dict[str, Any], gen: int) -> int:
+        """A progress record it published; returns the step it reports for ``gen`` (else 0)."""
+        step = rec.get("step") if rec.get("gen") == gen else None
+        if step is not None and (self.step_gen != gen or step >= (self.step or 0)):
+            self.step, self.step_gen, self.t_step = step, gen, rec["t"]
+        loss = rec.get("loss")
+        self.loss = loss if isinstance(loss, (int, float)) else None
+        self.busy = rec.get("busy", self.busy)
+        return step or 0
+
+
 class WorkerTable:
     def __init__(self, agent: Agent, mail: Any, log: EventLog, spare_mode: str,
                  keeper_of: Any = None):
@@ -73,6 +84,14 @@ class WorkerTable:
         self.log.write("spawn", wid=w.wid, pid=proc.pid, spare=w.spare, rank=w.rank, node=w.node,
                        mode=mode)
         return proc
+
+    def status(self, plan: dict[int, int]) -> dict[str, Any]:
+        """The ranks and spares as the live display shows them."""
+        spares = self.spares()
+        return {"ranks": [{"rank": r, "wid": wid, "step": self.workers[wid].step,
+                           "loss": self.workers[wid].loss, "alive": not self.workers[wid].dead}
+                          for r, wid in sorted(plan.items())],
+                "spares": len(spares), "spares_ready": sum(w.ready for w in spares)}
 
     def spares(self, node: int | None = None) -> list[Worker]:
         return [w for w in self.workers.values()

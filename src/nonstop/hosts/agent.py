@@ -36,7 +36,7 @@ from ..protocol import hosts as keys
 from ..protocol import messages as m
 from .config import HostConfig
 from .memory import HostKeepers, replica_secret
-from .netif import interface_of
+from .netif import bound_socket, bound_store, interface_of
 
 CONTROLLER_WID = -1  # the standby controller in the agent's process table
 PROGRESS_EVERY_S = 0.1
@@ -98,7 +98,7 @@ class HostAgent:
         # the host is counted as soon as it can be (before torch is imported, which takes a
         # second or more): a host that joins a full job learns it from the others at once
         self.listener = channel.Listener(cfg.addr, self.secret, on_refused=self._refused)
-        rdzv_sock = _bound_socket(cfg.addr)
+        rdzv_sock = bound_socket(cfg.addr)
         self.rdzv_port = rdzv_sock.getsockname()[1]
         self._register()
         self.agent: Agent | None = None
@@ -117,7 +117,7 @@ class HostAgent:
             self.store.set(protocol.JOB_KEY, protocol.dumps(self._job_settings()))
             self.mail = StoreMail()
             self.mail.attach(self.store)
-            self.rdzv = _bound_store(rdzv_sock)
+            self.rdzv = bound_store(rdzv_sock)
             threading.Thread(target=self._store_loop, name="nonstop-store", daemon=True).start()
             self._spawn_controller()
             return self._loop()
@@ -400,7 +400,7 @@ class HostAgent:
             case m.OpenStore(gen=gen):
                 # a plain script rendezvouses with unprefixed keys through MASTER_ADDR/PORT: each
                 # of its generations gets a store of its own, on this host's address only
-                store = _bound_store(_bound_socket(self.cfg.addr))
+                store = bound_store(bound_socket(self.cfg.addr))
                 self._gen_stores[gen] = store
                 for old in [g for g in self._gen_stores if g < gen - 1]:
                     del self._gen_stores[old]
@@ -577,29 +577,6 @@ class HostAgent:
     def _end_done(self) -> None:
         self.agent.end_all(0.0)
         self.code = int((self.done or {}).get("code", 1))
-
-
-def _bound_socket(addr: str) -> Any:
-    """A listening socket on the host's address only (torch's store would take every address)."""
-    import socket
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind((addr, 0))
-        sock.listen(1024)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def _bound_store(sock: Any) -> Any:
-    """The store the generations whose rank 0 is on this host form their groups on."""
-    from torch.distributed import TCPStore
-
-    addr, port = sock.getsockname()[:2]
-    return TCPStore(addr, port, is_master=True, wait_for_workers=False,
-                    master_listen_fd=sock.detach())
 
 
 def _endpoints(endpoints: list[tuple[str, int]]) -> str:

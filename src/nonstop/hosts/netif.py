@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import fcntl
 import socket
 import struct
@@ -32,3 +34,26 @@ def route_to(host: str, port: int) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, port))
         return s.getsockname()[0]
+
+
+def bound_socket(addr: str) -> Any:
+    """A listening socket on the host's address only (torch's store would take every address)."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((addr, 0))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def bound_store(sock: Any) -> Any:
+    """The store the generations whose rank 0 is on this host form their groups on."""
+    from torch.distributed import TCPStore
+
+    addr, port = sock.getsockname()[:2]
+    return TCPStore(addr, port, is_master=True, wait_for_workers=False,
+                    master_listen_fd=sock.detach())
