@@ -108,7 +108,9 @@ class Recovery(_Base):
         now = time.time()
         dead = {r for r, wid in self.plan.items() if self.workers[wid].dead}
         faults = self.round or [Fault("exit", message="a rank left its generation")]
-        for node in sorted({self.workers[wid].node for r, wid in self.plan.items() if r in dead}):
+        dead_nodes = sorted({self.workers[wid].node for r, wid in self.plan.items() if r in dead})
+        self.memory.confirm(dead_nodes)
+        for node in dead_nodes:
             h = self.memory.keepers.get(node)
             if h is not None and h.lost and not h.killed:  # its ranks and its memory: the node
                 faults = faults + [Fault("node_lost", node=node, message=(

@@ -62,6 +62,10 @@ class RemoteKeeperLink:
         """Sent, not waited for: the agent reports a failure as a keeper event."""
         self.cluster.tell(self.node, m.KeeperCall(name=self.name, msg=msg))
 
+    def answers(self, timeout_s: float) -> bool:
+        """A keeper on another host is known lost by its host's agent or its host's lease."""
+        return True
+
     def events(self) -> list[dict[str, Any]]:
         return self.cluster.keeper_events(self.node)
 

@@ -133,12 +133,27 @@ class Keepers:
         if node is None:
             return None
         h = self.keepers[node]
+        if not h.lost:  # not already found gone by ``confirm``
+            self._lost(h, code)
+        return h
+
+    def confirm(self, nodes: Iterable[int], timeout_s: float = 2.0) -> None:
+        """Ask the keepers of ``nodes`` whether they still answer. A keeper killed with its node's
+        ranks may still be freeing its memory when their exits are seen (a dying process holds
+        its sockets until then): one whose connection ends is lost now, not after the decision.
+        One that is only slow to answer is taken as alive."""
+        for node in nodes:
+            h = self.keepers.get(node)
+            if h is not None and not h.lost and h.link is not None \
+                    and not h.link.answers(timeout_s):
+                self._lost(h, None)
+
+    def _lost(self, h: KeeperHandle, code: int | None) -> None:
         h.lost, h.lost_at = True, time.time()
         if h.link is not None:
             h.link.close()
         h.link = None
-        self.log.write("node_memory_lost", node=node, code=code, killed=h.killed)
-        return h
+        self.log.write("node_memory_lost", node=h.node, code=code, killed=h.killed)
 
     def kill(self, node: int, reason: str) -> None:
         h = self.keepers.get(node)

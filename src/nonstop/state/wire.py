@@ -115,6 +115,27 @@ class KeeperLink:
     def tell(self, msg: dict[str, Any]) -> None:
         self.call(msg)  # a keeper of this host answers at once
 
+    def answers(self, timeout_s: float) -> bool:
+        """False once the keeper's connection has ended (it died); a slow answer counts as alive.
+        Asked on a connection of its own: a late answer must not become another request's."""
+        try:
+            probe = Client(self.client.name, timeout_s=timeout_s)
+        except TimeoutError:
+            return True
+        except OSError:
+            return False
+        try:
+            probe.call({"op": "ping"})
+        except TimeoutError:
+            return True
+        except (OSError, ConnectionError):
+            return False
+        except KeeperError:
+            return True
+        finally:
+            probe.close()
+        return True
+
     def events(self) -> list[dict[str, Any]]:
         """What the keeper reported since (never blocks)."""
         out: list[dict[str, Any]] = []
