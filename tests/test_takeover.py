@@ -1,6 +1,6 @@
 """What a controller taking office makes of the journal and of what the hosts report (pure)."""
 
-from nonstop.decide.takeover import Seen, adopt
+from nonstop.decide.takeover import Seen, adopt, faults
 
 
 def _rank(wid, rank, gen, node=0, alive=True):
@@ -50,3 +50,20 @@ def test_nothing_known_at_all():
     a = adopt(None, [], world=3)
     assert a.gen == 0 and a.missing == [0, 1, 2] and not a.steady
     assert set(a.plan) == {0, 1, 2} and all(w < 0 for w in a.plan.values())
+
+
+def test_what_the_new_controller_recovers_from():
+    steady = adopt({"gen": 3, "plan": {"0": 0, "1": 1}}, [_rank(0, 0, 3), _rank(1, 1, 3, node=1)],
+                   world=2)
+    assert faults(steady, set(), {0: 0, 1: 1}) == []  # trains on untouched
+    assert faults(steady, {2}, {0: 0, 1: 1}) == []  # a lost host that held no rank
+    (lost,) = faults(steady, {1}, {0: 0, 1: 1})
+    assert lost.kind == "node_lost" and lost.node == 1
+    missing = adopt({"gen": 2, "plan": {"0": 0, "1": 1}}, [_rank(0, 0, 2)], world=2)
+    (crash,) = faults(missing, set(), {0: 0, 1: 1})
+    assert crash.kind == "crash" and crash.rank == 1 and crash.node == 1
+    forming = adopt({"gen": 4, "plan": {"0": 0, "1": 1}},
+                    [_rank(0, 0, 4), _rank(1, 1, 4), _rank(9, 1, 5)], world=2)
+    assert [f.kind for f in faults(forming, set(), {0: 0, 1: 0})] == ["takeover"]
+    # a lost host is the cause: no second fault for the generation it interrupted
+    assert [f.kind for f in faults(forming, {0}, {0: 0, 1: 0})] == ["node_lost"]

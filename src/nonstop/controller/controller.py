@@ -1,8 +1,10 @@
-"""The controller: turns exits, reports and timeouts into generations, and measures each incident.
+"""The controller: the executor of the job's state machine (``machine.py``), and its measurements.
 
 One loop, top to bottom: wait for process exits and output (the agent), read the ranks' events from
-the store, check deadlines. A fault opens an incident and aborts the generation; once every
-surviving rank has left it, the ladder decides and the next generation is published.
+the mail, check deadlines. What it sees becomes an observation; the machine answers with the new
+state and commands (abort a generation, kill a process, carry out a decision, publish the next
+generation, give up), which are carried out here and in ``generations.py``. The incidents are
+measured in ``book.py``.
 """
 
 from __future__ import annotations
@@ -13,16 +15,18 @@ from typing import Any
 
 from .. import protocol
 from ..agent.agent import Agent, Proc
-from ..observe.events import EventLog
 from ..decide.faults import exit_fault
 from ..decide.ladder import Counters, Decision, Fault, Level
-from ..observe.incidents import Incident, restore_record
+from ..decide.liveness import Signals
+from ..observe.events import EventLog
+from ..observe.incidents import Incident
 from ..policy import Policy
+from ..state.service import Keepers
+from . import machine as mc
+from .book import IncidentBook
+from .generations import Generations
 from .ledger import TrainingLedger
 from .phase import ACTIVE, ENDING, Phase
-from .recovery import Recovery
-from ..decide.liveness import Signals
-from ..state.service import Keepers
 from .watchers import Command, Watchers
 from .workers import DUMP_GRACE_S, Worker, WorkerTable
 
@@ -32,15 +36,11 @@ TICK_IDLE_S = 0.05  # ...while it trains
 PROGRESS_EVERY_S = 0.1
 
 
-class Controller(Recovery):
+class Controller:
     def __init__(self, *, world: int, spares: int, policy: Policy, mail: Any, agent: Agent,
                  log: EventLog, display: Any, managed: bool, nodes: int = 1, spare_nodes: int = 0,
                  run_dir: Any = None):
         self.world = world
-        self.spares_target = spares
-        self.nodes = nodes  # nodes that hold ranks at the start
-        self.total_nodes = nodes + spare_nodes  # and the spare nodes after them
-        self.slots = world // nodes  # ranks per node
         self.run_dir = run_dir
         self.watchers = Watchers(policy, log, display)
         self.ledger = TrainingLedger(managed)
@@ -54,23 +54,18 @@ class Controller(Recovery):
         self.table = WorkerTable(agent, mail, log, "script" if managed else "import",
                                  keeper_of=self.memory.name)
         self.workers = self.table.workers
+        self.book = IncidentBook(log, display)
+        self.state = mc.JobState()
+        self.gens = Generations(world=world, spares=spares, nodes=nodes, spare_nodes=spare_nodes,
+                                policy=policy, mail=mail, table=self.table, memory=self.memory,
+                                watchers=self.watchers, log=log, display=display)
+        self.plan = self.gens.plan  # rank -> wid, for the current generation
         self.final_persist: int | None = None  # the last step's checkpoint, awaited at the end
-        self._sick_nodes: set[int] = set()  # nodes with a node-level fault in this incident
         self._failing = False  # the job is being given up (its state saved meanwhile)
         self.snap_stats: dict[str, Any] | None = None  # rank 0's snapshot numbers
-        self.plan: dict[int, int] = {}  # rank -> wid, for self.gen
-        self.gen = -1
-        self.phase = Phase.STARTING
-        self.deadline = float("inf")
-        self.counters = Counters()
         self.signals = Signals(policy)
         self._t_running = 0.0  # when the current generation formed on every rank
-        self._nan_deadline: float | None = None  # every rank must report its non-finite step by then
-        self.incident: Incident | None = None
-        self.incidents: list[Incident] = []
-        self.incident_base = 0  # incidents of the controllers before this one (across hosts)
-        self.round: list[Fault] = []
-        self.replacements = [0] * world
+        self._last_entered: dict[str, Any] = {}
         self.exit_code: int | None = None
         self.diagnosis: str | None = None
         self.traceback: str | None = None
@@ -78,16 +73,45 @@ class Controller(Recovery):
         self.t_start = time.time()
         self.t_train_end: float | None = None
         self._last_progress = 0.0
-        self._recent_injects: list[dict[str, Any]] = []
-        self.claimed: dict[str, int] = {}  # injected faults fired: index -> times
-        self._gen_t0 = 0.0
-        self._warm: set[int] = set()
         self.max_step = 0
 
+    # == what others read ========================================================================
     @property
     def managed(self) -> bool:
         """Whether the ranks run inside nonstop.wrap (a plain script cannot leave a collective)."""
         return self.ledger.managed
+
+    @property
+    def phase(self) -> Phase:
+        return self.state.phase
+
+    @property
+    def gen(self) -> int:
+        return self.state.gen
+
+    @property
+    def counters(self) -> Counters:
+        return self.state.counters
+
+    @property
+    def incident(self) -> Incident | None:
+        return self.book.open
+
+    @property
+    def incidents(self) -> list[Incident]:
+        return self.book.closed
+
+    @property
+    def replacements(self) -> list[int]:
+        return self.gens.replacements
+
+    @property
+    def claimed(self) -> dict[str, int]:
+        return self.gens.claimed
+
+    @property
+    def total_nodes(self) -> int:
+        return self.gens.total_nodes
 
     # == the loop ===============================================================================
     def run(self) -> int:
@@ -108,12 +132,39 @@ class Controller(Recovery):
             self._check(now)
             if self.exit_code is None:
                 # a node already faulted in the open incident is not reported again
-                self._act(self.watchers.poll_health(now, self._faulty_nodes(),
-                                                    set(self._node_of().values())))
+                self._act(self.watchers.poll_health(now, self.state.faulty_nodes,
+                                                    set(self.gens.node_of().values())))
             self.memory.poll()
             self._check_keepers(now)
         self.watchers.close()
         return self.exit_code
+
+    def _seen(self, now: float | None = None) -> mc.Seen:
+        """The job as the machine sees it now."""
+        now = time.time() if now is None else now
+        s = self.state
+        ranks = []
+        for rank, wid in sorted(self.plan.items()):
+            w = self.workers[wid]
+            forming = s.phase is Phase.RENDEZVOUS and not w.dead and w.joining >= s.gen > w.entered
+            ranks.append(mc.RankSeen(
+                rank=rank, wid=wid, node=w.node, dead=w.dead, joining=w.joining, entered=w.entered,
+                left=w.left, done=w.done, retry_step=w.retry_step, retry_loss=w.retry_loss,
+                warm=w.warm_gen == s.gen, stopped=forming and self.agent.stopped(wid),
+                own_code_s=w.same_s if w.hb and w.where == "python" else 0.0, loc=w.loc))
+        lost = frozenset(n for n, h in self.memory.keepers.items() if h.lost and not h.killed)
+        return mc.Seen(now=now, ranks=tuple(ranks), managed=self.managed,
+                       total_nodes=self.gens.total_nodes, slots=self.gens.slots, lost_memory=lost,
+                       slowest_step_s=self.signals.hang.slowest_step())
+
+    def _step(self, ob: mc.Observation) -> None:
+        """One observation through the machine; its commands carried out in order."""
+        self.state, commands = mc.step(self.state, ob, self.policy)
+        for c in commands:
+            getattr(self, "_do_" + type(c).__name__)(c)
+
+    def _fault(self, fault: Fault, t_fault: float | None = None) -> None:
+        self._step(mc.Faulted(self._seen(), fault, t_fault))
 
     def _act(self, commands: list[Command]) -> None:
         """Carry out what the watchers (health checks, log rules) found."""
@@ -132,36 +183,166 @@ class Controller(Recovery):
         if self.plan:
             return
         self.log.write("run_start", attempt=getattr(self.log, "attempt", 1),
-                       world=self.world, spares=self.spares_target,
+                       world=self.world, spares=self.gens.spares_target,
                        managed=self.managed, policy=self.policy.model_dump())
         self.memory.world = self.world
         self.memory.start(range(self.total_nodes))
-        for rank in range(self.world):
-            self.plan[rank] = self.table.new(spare=False, node=rank // self.slots).wid
-        for w in (self.workers[wid] for wid in self.plan.values()):
-            self.table.spawn(w)
+        self.gens.first_plan()
         self._refill_spares()
 
     def _start(self) -> None:
         self.watchers.start(range(self.total_nodes), getattr(self.agent, "health", None))
         self.prespawn()
-        self._publish(0, initial=True, level="start")
+        self._step(mc.Start(self._seen()))
 
-    # == workers and spares ====================================================================
-    def _refill_spares(self) -> None:
-        """Warm spares: ``--spares`` spread over the nodes that hold ranks, and a full node's
-        worth on each spare node (ready to take over a failed node)."""
-        if self.phase in ENDING:
+    # == commands ================================================================================
+    def _do_Raise(self, c: mc.Raise) -> None:
+        self.book.fault(c.fault, time.time(), self.gen, self.max_step, c.t_fault)
+
+    def _do_Ignore(self, c: mc.Ignore) -> None:
+        self.log.write("fault_ignored", fault=c.fault.describe(), phase=self.phase)
+
+    def _do_Interrupt(self, c: mc.Interrupt) -> None:
+        self.book.interrupt(time.time(), c.phase, self.gen)
+
+    def _do_Abort(self, c: mc.Abort) -> None:
+        inc = self.book.open
+        if inc is not None and inc.t_decide is None:
+            inc.t_decide = self.state.t_abort
+        if c.managed:
+            self.mail.abort(c.gen, list(self.plan.values()))
+        else:  # a plain script cannot leave a collective: end every rank process
+            for wid in self.plan.values():
+                self.workers[wid].killed = True  # its exit is ours, not a new fault
+                self.agent.signal(wid, signal.SIGTERM)
+        self.log.write("abort", gen=c.gen, managed=c.managed)
+
+    def _do_Kill(self, c: mc.Kill) -> None:
+        w = self.workers[c.wid]
+        self.table.kill(w, c.why, dump=c.dump)
+        if c.fault is not None:  # it overstayed the teardown
+            self.display.info(f"rank {w.rank} did not leave generation {self.gen} within "
+                              f"{c.late_s:.2f} s: killed; its stacks are in "
+                              f"{self.agent.procs[w.wid].log_path}")
+            self.book.log_fault(c.fault, self.gen)
+
+    def _do_Probe(self, c: mc.Probe) -> None:
+        self.memory.confirm(c.nodes)
+        self._step(mc.Tick(self._seen()))  # the decision, with what the memory said
+
+    def _do_Decide(self, c: mc.Decide) -> None:
+        d = c.decision
+        extra = {"step": c.step} if c.step is not None else {
+            "replace": sorted(d.replace), "isolate": sorted(d.isolate),
+            "passed_over": list(d.passed_over), "escalated_from": c.escalated_from}
+        self.log.write("decision", gen=c.gen, level=d.level.value, reason=d.reason, **extra,
+                       counters=self.counters.record())
+        inc = self.book.open
+        if inc is not None and c.step is None:
+            inc.t_torn = time.time()
+            inc.levels.append(d.level.value)
+
+    def _do_CarryOut(self, c: mc.CarryOut) -> None:
+        d = c.decision
+        for node in sorted(d.isolate):
+            self._isolate(node)
+        if d.level is Level.JOB_RESTART:
+            for wid in self.plan.values():
+                self.table.kill(self.workers[wid], "job restart")
+            if self.policy.state.emergency.on_job_restart:  # the memory survives; disk insures
+                self.memory.emergency("job restart", self.state.faulty_nodes | set(d.isolate),
+                                      self._shut_node, wait_s=None, tick=lambda: None)
+        isolated = self.counters.isolated
+        new = self.gens.move(d, c.placement, self.book.open, isolated)
+        self.gens.announce(d, c.gen)
+        self.gens.publish(c.gen, initial=d.level is Level.JOB_RESTART, level=d.level.value,
+                          isolated=isolated)
+        if self.book.open is not None:
+            self.book.open.gen_to = c.gen
+        for w in new:
+            self.table.spawn(w)
+        self._refill_spares()
+
+    def _do_Publish(self, c: mc.Publish) -> None:
+        self.gens.publish(c.gen, initial=c.initial, level=c.level,
+                          isolated=self.counters.isolated)
+
+    def _do_Formed(self, c: mc.Formed) -> None:
+        ev = self._last_entered
+        ranks = [self.workers[x] for x in self.plan.values()]
+        self._t_running = time.time()
+        self.watchers.logs.start(self._t_running, self.plan.keys())
+        if not ev.get("replay"):
+            self.book.restored(self.gen, [x.entered_ev for x in ranks], self.ledger)
+        inc = self.book.open
+        if inc is None:
             return
-        busy = sorted(set(self._node_of().values()) - self.counters.isolated)
-        targets = {n: 0 for n in busy}
-        for i in range(self.spares_target if busy else 0):
-            targets[busy[i % len(busy)]] += 1
-        for n in self._spare_node_ids():
-            targets[n] = self.slots
-        self.table.refill(targets, self.policy.rules.spare_failures)
+        evs = [x.entered_ev for x in ranks if x.entered_ev is not None]
+        self.book.formed(evs, ev.get("step"))
+        if ev.get("plain") or not self.ledger.progress_seen:
+            # no step or mark seen in this run (a plain script, or a function that shows
+            # progress only by its collectives): recovered once it runs again, steps lost unknown
+            self._close_incident(max(e["t"] for e in evs), None)
 
-    # == process exits ==========================================================================
+    def _do_RetryOpened(self, c: mc.RetryOpened) -> None:
+        self.book.retry_opened(c.step, time.time(), self.gen, self.max_step)
+
+    def _do_Retry(self, c: mc.Retry) -> None:
+        self.book.retried(c.decision, c.step, time.time())
+        self.display.info(f"{c.decision.level.value} (generation {self.gen}) [{c.decision.reason}]")
+        for wid in self.plan.values():
+            w = self.workers[wid]
+            w.retry_step, w.first_gen = None, -1  # the incident closes at the next step of all
+            self.table.send(w, {"type": protocol.RETRY, "skip": c.decision.skip})
+
+    def _do_Fail(self, c: mc.Fail) -> None:
+        self._fail(c.decision)
+
+    def _do_Finish(self, c: mc.Finish) -> None:
+        self.log.write("training_complete", gen=self.gen, step=self.max_step)
+        for f in self.ledger.unfired:
+            self.log.write("inject_unfired", fault=f, step=self.max_step)
+            self.display.warning(f"--inject {f} never fired: the run ended at step {self.max_step}")
+        for wid in self.plan.values():
+            w = self.workers[wid]
+            if not w.dead and self.managed:
+                self.table.send(w, {"type": protocol.COMPLETE})
+        for w in self.table.spares():
+            self.table.send(w, {"type": protocol.EXIT})
+
+    def _do_End(self, c: mc.End) -> None:
+        self._end(0 if self.diagnosis is None else 1)
+
+    def _do_Overdue(self, c: mc.Overdue) -> None:
+        finish_s = self.policy.timeouts.finish_s
+        alive = [self.workers[w] for w in c.wids]
+        self.diagnosis = self.diagnosis or (
+            f"rank(s) {', '.join(str(w.rank) for w in alive)} did not end {finish_s:g} s after "
+            "training completed (their stacks are in their logs)" if alive else
+            f"the checkpoint of the last step ({self.final_persist}) was not written "
+            f"{finish_s:g} s after training completed")
+        for w in alive:
+            self.agent.signal(w.wid, signal.SIGUSR1)
+        time.sleep(DUMP_GRACE_S)
+        self._end(1)
+
+    # == workers, spares, nodes ==================================================================
+    def _refill_spares(self) -> None:
+        if self.phase not in ENDING:
+            self.gens.refill_spares(self.counters.isolated)
+
+    def _isolate(self, node: int) -> None:
+        """Never place a rank or a spare on this node again in this job."""
+        self._step(mc.Isolate(self._seen(), node))
+        self.gens.isolate(node)
+
+    def _shut_node(self, node: int) -> None:
+        """A faulty node goes at once: its processes and its memory."""
+        for w in list(self.workers.values()):
+            if w.node == node and not w.dead:
+                self.table.kill(w, f"node {node} is faulty: shut down")
+        self.memory.kill(node, "faulty node shut down")
+
     def _on_exit(self, proc: Proc) -> None:
         if self.memory.node_of_wid(proc.wid) is not None:
             self._on_keeper_exit(proc)
@@ -201,7 +382,20 @@ class Controller(Recovery):
             return
         occupied = {w.node for w in self.workers.values() if not w.dead}
         self.memory.revive(now, occupied, self.phase is Phase.RUNNING and self.incident is None,
-                           self._node_of(), self._usable_nodes())
+                           self.gens.node_of(), self.state.usable_nodes(self.total_nodes))
+
+    def _exit_fault(self, w: Worker, code: int | None) -> Fault:
+        report = w.exit_report
+        if report is not None and report.get("import_error") and not report.get("assigned"):
+            self.gens.spares_wait(report)  # it ran the script without its rank: spares must not
+        first = self.max_step == 0 if self.managed else self.gen == 0
+        return exit_fault(report, code, w.rank, before_any_step=first)
+
+    def _on_spare_exit(self, w: Worker, code: int | None) -> None:
+        if self.phase in ENDING or w.killed:
+            return
+        self.gens.spare_lost(w, code)
+        self._refill_spares()
 
     # == taking over a running job (across hosts) ===============================================
     def adopt(self, adoption: Any, seen: list[Any], journal: dict[str, Any] | None,
@@ -216,42 +410,29 @@ class Controller(Recovery):
                        missing=adoption.missing, orphans=adoption.orphans,
                        spares=adoption.spares, journal_gen=j.get("gen"), lost=sorted(lost))
         self.workers.update(takeover.workers(adoption, seen, j))
-        self.plan = dict(adoption.plan)
-        self.gen = adoption.gen
-        self.replacements = list(j.get("replacements") or self.replacements)
-        self.counters = Counters.from_record(j.get("counters"), set(j.get("isolated") or []) | lost)
-        self.incident_base = int(j.get("incidents") or 0)  # incidents keep their numbers
+        self.gens.adopt(adoption.plan, j)
+        self.book.base = int(j.get("incidents") or 0)  # incidents keep their numbers
         self.max_step = int(j.get("max_step") or 0)
-        self.claimed = dict(j.get("claimed") or {})
-        self.phase = Phase.RENDEZVOUS  # until the replayed events show every rank in
-        self._gen_t0 = time.time()
-        self.deadline = self._gen_t0 + self.policy.timeouts.rendezvous_s
-        self._warm = set()
+        now = time.time()
+        # in rendezvous until the replayed events show every rank in
+        self.state = mc.JobState(
+            phase=Phase.RENDEZVOUS, gen=adoption.gen, t_gen=now,
+            deadline=now + self.policy.timeouts.rendezvous_s,
+            counters=Counters.from_record(j.get("counters"), set(j.get("isolated") or []) | lost))
         self.watchers.start(range(self.total_nodes), getattr(self.agent, "health", None))
         self.memory.world = self.world
         self.memory.adopt([(s.node, s.wid, s.keeper) for s in seen if s.keeper and s.alive])
         for wid in adoption.orphans:
             self.table.kill(self.workers[wid], "assigned by the controller before, not in the "
                                                "job's plan")
-        for node in sorted(lost & set(self._node_of().values())):
-            self._fault(Fault("node_lost", node=node, message=f"node {node} is gone (its lease "
-                                                              "expired while no controller was "
-                                                              "in office)"))
-        for rank in adoption.missing:
-            w = self.workers[self.plan[rank]]
-            self._fault(Fault("crash", rank=rank, node=w.node, message=(
-                f"rank {rank}'s process is gone (found by the controller taking over)")))
-        if not adoption.steady and not adoption.missing and self.phase is Phase.RENDEZVOUS:
-            # every rank's process lives, not all in the newest generation: the one the
-            # controller before was forming; it is formed again, from where they are
-            self._fault(Fault("takeover", message=(
-                f"generation {adoption.gen} was forming when the controller changed")))
+        for f in takeover.faults(adoption, lost, self.gens.node_of()):
+            self._fault(f)
         self._refill_spares()
 
     # == hosts joining and leaving (across hosts a node is a host) ===============================
     def node_joined(self, node: int) -> None:
         """A new host: a spare node from now on, warm, ready to take over a failed host's ranks."""
-        self.total_nodes = max(self.total_nodes, node + 1)
+        self.gens.total_nodes = max(self.gens.total_nodes, node + 1)
         self.watchers.start([node])
         try:
             self.memory.start([node])
@@ -265,60 +446,16 @@ class Controller(Recovery):
         """A host is gone (its lease expired): never used again; its ranks move."""
         if node in self.counters.isolated:
             return
-        self.counters.isolated.add(node)
+        self._step(mc.Isolate(self._seen(), node))
         self.watchers.remove_node(node)
         self.log.write("node_lost", node=node, reason=why)
-        self.memory.configure(self._node_of(), self._usable_nodes())  # replicas go elsewhere
-        if node in set(self._node_of().values()) and self.phase not in ENDING:
+        node_of = self.gens.node_of()
+        self.memory.configure(node_of, self.state.usable_nodes(self.total_nodes))  # replicas move
+        if node in set(node_of.values()) and self.phase not in ENDING:
             self._fault(Fault("node_lost", node=node, message=f"node {node} is gone ({why})"))
         else:
             self.display.info(f"node {node} is gone ({why}): it held no rank")
             self._refill_spares()
-
-    def _usable_nodes(self) -> list[int]:
-        return [n for n in range(self.total_nodes) if n not in self.counters.isolated]
-
-    def _shut_node(self, node: int) -> None:
-        """A faulty node goes at once: its processes and its memory."""
-        for w in list(self.workers.values()):
-            if w.node == node and not w.dead:
-                self.table.kill(w, f"node {node} is faulty: shut down")
-        self.memory.kill(node, "faulty node shut down")
-
-    def _faulty_nodes(self) -> set[int]:
-        return set(self.counters.isolated) | self._sick_nodes
-
-    def _exit_fault(self, w: Worker, code: int | None) -> Fault:
-        report = w.exit_report
-        if report is not None and report.get("import_error") and not report.get("assigned"):
-            self._spares_wait(report)  # it ran the script without its rank: spares must not
-        first = self.max_step == 0 if self.managed else self.gen == 0
-        return exit_fault(report, code, w.rank, before_any_step=first)
-
-    def _on_spare_exit(self, w: Worker, code: int | None) -> None:
-        if self.phase in ENDING or w.killed:
-            return
-        self.table.spare_failures += 1
-        report = w.exit_report
-        at_import = bool(report and report.get("import_error"))
-        if at_import:
-            self._spares_wait(report)
-        self.log.write("spare_lost", wid=w.wid, code=code, ready=w.ready, at_import=at_import,
-                       spare_failures=self.table.spare_failures)
-        if not at_import:
-            self.display.info(f"spare worker {w.wid} exited (code {code}); refilling the pool")
-        self._refill_spares()
-
-    def _spares_wait(self, report: dict[str, Any]) -> None:
-        """The script failed at import in a process that ran it without a rank (a warm spare): it
-        may need one there. From now on spares run it only once they hold a rank, so they cannot
-        fail that way again (no refill loop), and a rank's own failure at import stops the job."""
-        if self.table.spare_mode != "script":
-            return
-        self.table.spare_mode = "import"
-        self.log.write("spare_mode", mode="import", error=report.get("error"))
-        self.display.info("warm spares now wait for a rank before running the script: it failed "
-                          f"in a spare before reaching nonstop.wrap ({report.get('error')})")
 
     # == worker events ==========================================================================
     def _read_events(self) -> None:
@@ -345,7 +482,7 @@ class Controller(Recovery):
         elif kind == "joining":
             w.joining = max(w.joining, gen)
         elif kind == "inject":
-            self._recent_injects.append(ev)
+            self.book.injected(ev["t"])
             if ev.get("index") is not None:  # fired once in the job: never again (any host)
                 key = str(ev["index"])
                 self.claimed[key] = self.claimed.get(key, 0) + 1
@@ -367,7 +504,7 @@ class Controller(Recovery):
             self._on_left(w, ev)
         elif kind == "nan":
             w.retry_step, w.retry_loss = ev.get("step"), ev.get("output")
-            self._on_nan()
+            self._step(mc.RetryAsked(self._seen()))
         elif kind == "loss_rule":
             self._on_loss_rule(ev)
         elif kind == "done":
@@ -379,7 +516,7 @@ class Controller(Recovery):
             w.step = ev.get("step", w.step)
             self.max_step = max(self.max_step, ev.get("step") or 0)
             if self.phase is Phase.RUNNING and all(self.workers[x].done >= self.gen
-                                               for x in self.plan.values()):
+                                                   for x in self.plan.values()):
                 if self.incident is not None:
                     self._close_incident(ev["t"], ev.get("step"))
                 self._training_complete(ev["t"])
@@ -391,46 +528,8 @@ class Controller(Recovery):
         w.entered_ev = ev
         w.joining = max(w.joining, self.gen)
         w.step, w.step_gen, w.t_step = ev.get("step", 0), self.gen, ev["t"]
-        if self.phase is not Phase.RENDEZVOUS:
-            return
-        ranks = [self.workers[x] for x in self.plan.values()]
-        if not all(x.entered >= self.gen for x in ranks):
-            return
-        self.phase = Phase.RUNNING
-        self._t_running = time.time()
-        self.watchers.logs.start(self._t_running, self.plan.keys())
-        self.deadline = float("inf")
-        if not ev.get("replay"):
-            self._log_restore(ranks)
-        inc = self.incident
-        if inc is None:
-            return
-        evs = [x.entered_ev for x in ranks if x.entered_ev is not None]
-        inc.t_assigned = max(e.get("t_assigned", e["t"]) for e in evs)
-        inc.t_pg = max(e.get("t_pg", e["t"]) for e in evs)
-        inc.t_restored = max(e.get("t_restored", e["t"]) for e in evs)
-        inc.resume_step = ev.get("step")
-        if ev.get("plain") or not self.ledger.progress_seen:
-            # no step or mark seen in this run (a plain script, or a function that shows
-            # progress only by its collectives): recovered once it runs again, steps lost unknown
-            self._close_incident(max(e["t"] for e in evs), None)
-
-    def _log_restore(self, ranks: list[Worker]) -> None:
-        """Where every rank's state came from in this generation (and a resumed job says so)."""
-        evs = [x.entered_ev for x in ranks if x.entered_ev is not None and not x.entered_ev.get("plain")]
-        if not evs:
-            return
-        rec = restore_record(evs)
-        self.log.write("restore", gen=self.gen, **rec)
-        step, sources, skipped = rec["step"], rec["sources"], rec["skipped"]
-        for s in skipped:
-            self.display.info(f"rank {s.get('rank')}: {s.get('source')} copy of step "
-                              f"{s.get('step')} skipped: {s.get('why')}")
-        if self.gen == 0:
-            self.ledger.resumed_step = step or 0
-        if self.gen == 0 and step:
-            how = sorted(set(sources.values()))
-            self.display.info(f"resumed at step {step} (from {', '.join(how)})")
+        self._last_entered = ev
+        self._step(mc.Entered(self._seen()))
 
     def _on_first_step(self, w: Worker, ev: dict[str, Any]) -> None:
         w.step, w.step_gen, w.t_step = ev["step"], self.gen, ev["t"]
@@ -472,57 +571,25 @@ class Controller(Recovery):
         if self.incident is not None and ev.get("t_pg") is not None:  # after any fault it raised
             self.incident.group_formed(ev["t_pg"])
 
+    def _on_no_steps(self, ev: dict[str, Any]) -> None:
+        diagnosis, warning = self.ledger.no_steps(ev)
+        if diagnosis is not None and self.exit_code is None:
+            self._fail(Decision(Level.FAIL, reason="injected faults cannot fire", usage_error=True,
+                                diagnosis=diagnosis))
+        elif warning is not None:
+            self.display.warning(warning)
+
     # == deadlines ==============================================================================
     def _check(self, now: float) -> None:
         self.table.kill_due(now)
-        if self.phase is Phase.TEARING_DOWN:
-            pending = self._pending_teardown()
-            if not pending:
-                self._finish_teardown()
-            elif now > self.deadline:
-                for w in pending:
-                    self.table.kill(w, "did not leave the generation in time", dump=True)
-                    self.display.info(f"rank {w.rank} did not leave generation {self.gen} within "
-                                      f"{self.deadline - self.incident.t_decide:.2f} s: killed; its stacks "
-                                      f"are in {self.agent.procs[w.wid].log_path}")
-                    self.round.append(Fault("teardown_timeout", rank=w.rank,
-                                            message=f"still in generation {self.gen} after "
-                                                    f"{self.deadline - self.incident.t_decide:.2f} s"))
-                    self.log.write("fault", kind="teardown_timeout", code="TEARDOWN_TIMEOUT",
-                                   rank=w.rank, node=w.node, domain="rank",
-                                   attribution="infrastructure", gen=self.gen)
-        elif self.phase is Phase.RENDEZVOUS:
-            self._check_rendezvous(now)
-        if self.incident is not None and self.incident.level_deadline is not None and \
-                now > self.incident.level_deadline and self.phase in ACTIVE:
-            level = self.incident.current_level
-            self.incident.level_deadline = None
-            self._fault(Fault("deadline", message=f"{level} did not recover within its deadline "
-                                                  "(recover.levels)"))
+        if self.phase is Phase.FINISHING:
+            self._step(mc.Settled(self._seen(now), self.memory.settled(self.final_persist)))
             return
-        if self.phase is Phase.RUNNING and self.managed:
-            if self._nan_deadline is not None:
-                if now > self._nan_deadline:  # not every rank saw it: the coarse way
-                    self._nan_deadline = None
-                    self._fault(Fault("nan", message="not every rank reported the non-finite step"))
-                return
+        self._step(mc.Tick(self._seen(now)))
+        if self.exit_code is None and self.phase is Phase.RUNNING and self.managed \
+                and self.state.retry_deadline is None:
             self._check_hang(now)
             self._act(self.watchers.tick(now))
-        elif self.phase is Phase.FINISHING:
-            ranks_alive = [self.workers[x] for x in self.plan.values() if not self.workers[x].dead]
-            if not ranks_alive and self.memory.settled(self.final_persist):
-                self._end(0 if self.diagnosis is None else 1)
-            elif now > self.deadline:
-                self.diagnosis = self.diagnosis or (
-                    f"rank(s) {', '.join(str(w.rank) for w in ranks_alive)} did not end "
-                    f"{self.policy.timeouts.finish_s:g} s after training completed (their stacks "
-                    "are in their logs)" if ranks_alive else
-                    f"the checkpoint of the last step ({self.final_persist}) was not written "
-                    f"{self.policy.timeouts.finish_s:g} s after training completed")
-                for w in ranks_alive:
-                    self.agent.signal(w.wid, signal.SIGUSR1)
-                time.sleep(DUMP_GRACE_S)
-                self._end(1)
 
     # == outside the steps: log lines, hangs, stragglers ============================================
     def on_output(self, wid: int, line: str) -> None:
@@ -559,18 +626,56 @@ class Controller(Recovery):
 
     def _training_complete(self, t: float) -> None:
         self.t_train_end = t
-        self.phase = Phase.FINISHING
-        self.deadline = time.time() + self.policy.timeouts.finish_s
-        self.log.write("training_complete", gen=self.gen, step=self.max_step)
-        for f in self.ledger.unfired:
-            self.log.write("inject_unfired", fault=f, step=self.max_step)
-            self.display.warning(f"--inject {f} never fired: the run ended at step {self.max_step}")
+        self._step(mc.Completed(self._seen(), self.policy.timeouts.finish_s))
+
+    def _close_incident(self, t_first: float, resume_step: int | None) -> None:
+        if self.book.open is None:
+            return
+        self.book.close(t_first, resume_step, self.ledger.steps_known())
+        self._step(mc.Recovered(self._seen(), progressed=resume_step is not None))
+
+    # == the end =================================================================================
+    def give_up(self, reason: str, diagnosis: str) -> None:
+        """Stop the job with a diagnosis, for a cause found outside the loop (the launcher's)."""
+        self._fail(Decision(Level.FAIL, reason=reason, diagnosis=diagnosis))
+
+    def _fail(self, decision: Decision) -> None:
+        if self._failing:  # a second cause while saving the state for the first: one diagnosis
+            return
+        self._failing = True
+        self.diagnosis = decision.diagnosis or decision.reason
+        self.traceback = decision.traceback
+        self.usage_error = decision.usage_error
+        self.book.give_up()
+        self.log.write("give_up", diagnosis=self.diagnosis, usage_error=self.usage_error)
+        if not self.usage_error and self.policy.state.emergency.on_give_up:
+            self.emergency("give up")
+        if not self.usage_error:
+            from ..observe.hooks import on_give_up
+
+            on_give_up(self.policy.hooks.on_give_up, self.log, self.display, {
+                "diagnosis": self.diagnosis, "exit_code": 1, "run_dir": str(self.run_dir),
+                "generation": self.gen, "step": self.max_step,
+                "incidents": [i.to_record() for i in self.incidents], "traceback": self.traceback})
+        self._end(2 if self.usage_error else 1)
+
+    def emergency(self, reason: str) -> None:
+        """The memory is about to be lost: persist the newest snapshot, waiting up to the grace.
+        The ranks stop first: a step completed after the snapshot would be lost anyway, and the
+        node's CPU and memory bandwidth go to the save."""
         for wid in self.plan.values():
-            w = self.workers[wid]
-            if not w.dead and self.managed:
-                self.table.send(w, {"type": protocol.COMPLETE})
-        for w in self.table.spares():
-            self.table.send(w, {"type": protocol.EXIT})
+            self.table.kill(self.workers[wid], f"emergency checkpoint ({reason})")
+        self.memory.poll()
+        self.memory.emergency(reason, self.state.faulty_nodes, self._shut_node,
+                              wait_s=self.policy.state.emergency.grace_s,
+                              tick=lambda: self.agent.poll(0.02))
+
+    def _end(self, code: int) -> None:
+        self._step(mc.Over())
+        if self.t_train_end is None:
+            self.t_train_end = time.time()
+        self.agent.end_all(self.policy.timeouts.terminate_grace_s if code == 0 else 0.0)
+        self.exit_code = code
 
     # == progress ===============================================================================
     def _read_progress(self) -> None:
@@ -587,13 +692,4 @@ class Controller(Recovery):
 
     def snapshot(self) -> dict[str, Any]:
         return {"gen": self.gen, "phase": self.phase, **self.table.status(self.plan),
-                "incidents": len(self.incidents) + (self.incident is not None),
-                "max_step": self.max_step}
-
-    def _on_no_steps(self, ev: dict[str, Any]) -> None:
-        diagnosis, warning = self.ledger.no_steps(ev)
-        if diagnosis is not None and self.exit_code is None:
-            self._fail(Decision(Level.FAIL, reason="injected faults cannot fire", usage_error=True,
-                                diagnosis=diagnosis))
-        elif warning is not None:
-            self.display.warning(warning)
+                "incidents": self.book.count, "max_step": self.max_step}

@@ -48,6 +48,7 @@ class Worker:
     compute_s: float | None = None  # forward time per step, smoothed
     retry_step: int | None = None  # the step it asks to retry (non-finite gradients)
     retry_loss: Any = None
+    warm_gen: int = -1  # the generation it was already running for when published
 
 
     def take_progress(self, rec: dict[str, Any], gen: int) -> int:

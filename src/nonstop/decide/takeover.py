@@ -65,6 +65,25 @@ def adopt(journal: dict[str, Any] | None, seen: list[Seen], world: int) -> Adopt
                     orphans=sorted(orphans), steady=steady)
 
 
+def faults(adoption: Adoption, lost: set[int], node_of: dict[int, int]) -> list[Any]:
+    """What the controller taking office recovers from: the ranks' hosts lost while no controller
+    was in office, the ranks whose process is gone; else, a generation caught forming (every
+    rank's process lives, not all in the newest generation) is formed again, from where they
+    are. None: the job trains on untouched."""
+    from .faults import Fault
+
+    out = [Fault("node_lost", node=n, message=f"node {n} is gone (its lease expired while no "
+                                              "controller was in office)")
+           for n in sorted(lost & set(node_of.values()))]
+    out += [Fault("crash", rank=r, node=node_of.get(r), message=(
+        f"rank {r}'s process is gone (found by the controller taking over)"))
+        for r in adoption.missing]
+    if not out and not adoption.steady:
+        out.append(Fault("takeover", message=(
+            f"generation {adoption.gen} was forming when the controller changed")))
+    return out
+
+
 def workers(adoption: Adoption, seen: list[Seen], journal: dict[str, Any] | None) -> dict[int, Any]:
     """The controller's records of the job's processes: each one a host reports, as it reports
     it, and a dead record for each rank whose process is gone with its host (to be replaced)."""

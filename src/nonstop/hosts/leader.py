@@ -355,7 +355,7 @@ class Leader:
                          for n, link in controller.agent.links.items()},
                "isolated": sorted(controller.counters.isolated),
                "replacements": controller.replacements, "max_step": controller.max_step,
-               "node_of": {str(r): n for r, n in controller._node_of().items()},
+               "node_of": {str(r): n for r, n in controller.gens.node_of().items()},
                "claimed": controller.claimed, "next_wid": controller.agent._next_wid,
                "counters": controller.counters.record(),
                "incidents": len(controller.incidents) + (controller.incident is not None)}

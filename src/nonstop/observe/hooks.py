@@ -115,3 +115,13 @@ def _post(url: str, body: str, timeout_s: float) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - refused, DNS, timeout, TLS: all just "failed"
         return {"ok": False, "detail": _line(f"{type(exc).__name__}: {exc}"), "output": ""}
     return {"ok": status < 400, "detail": f"HTTP {status}", "output": _tail(data)}
+
+
+def on_give_up(hook: GiveUpHook, log: Any, display: Any, report: dict[str, Any]) -> None:
+    """The job gives up: run the policy's hook (if any), each action logged, a failure shown."""
+    if not (hook.command or hook.url):
+        return
+    for record in run_give_up_hook(hook, report):
+        log.write("hook", **record)
+        if not record["ok"]:
+            display.info(f"give-up hook {record['action']} failed: {record['detail']}")

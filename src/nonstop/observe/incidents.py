@@ -36,8 +36,6 @@ class Incident:
     closed: bool = False
     steps_known: bool = True  # False: the ranks do not iterate ctx.steps; what was lost is unknown
     outcome: str = "recovered"
-    current_level: str | None = None  # the level being tried now...
-    level_deadline: float | None = None  # ...and when it must have recovered by
     # A fault that strikes while the incident is being recovered ends that attempt: its time is
     # kept, by phase, and the next attempt starts at that moment (see ``interrupt``).
     t_round: float | None = None  # when the current attempt began (None: at t_fault)

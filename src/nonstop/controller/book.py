@@ -1,0 +1,143 @@
+"""The incidents as they are measured: the open one, those closed, and when each fault began.
+
+The state machine (``machine.py``) says when an incident opens, when its attempt is interrupted and
+when it recovers; this book keeps the times (``observe/incidents.py`` turns them into MTTR by
+phase and steps lost) and writes the records."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..decide.ladder import Fault
+from ..observe.incidents import Incident, restore_record
+
+INJECT_MEMORY_S = 30.0  # an injection reported this long before a fault is taken as its start
+
+
+def short(text: str, limit: int = 160) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+class IncidentBook:
+    def __init__(self, log: Any, display: Any):
+        self.log, self.display = log, display
+        self.open: Incident | None = None
+        self.closed: list[Incident] = []
+        self.base = 0  # incidents of the controllers before this one (across hosts)
+        self._injects: list[float] = []  # when recent injected faults fired
+
+    @property
+    def count(self) -> int:
+        return len(self.closed) + (self.open is not None)
+
+    def injected(self, t: float) -> None:
+        self._injects.append(t)
+
+    def begin(self, now: float, gen: int, max_step: int, t_fault: float | None = None) -> Incident:
+        """The open incident, opened now if there is none: it began at the injection we were
+        told of (else now), or at ``t_fault`` where the caller knows better (a hang: the last
+        progress)."""
+        if self.open is not None:
+            self._injects.clear()  # part of this incident: not the start of the next
+            return self.open
+        recent = [t for t in self._injects if now - t < INJECT_MEMORY_S]
+        self._injects.clear()
+        t0 = min(recent) if recent else now
+        if t_fault is not None:
+            t0 = min(t0, t_fault)
+        self.open = Incident(id=self.base + len(self.closed) + 1, t_fault=t0, t_detect=now,
+                             gen_from=gen, step_before=max_step)
+        return self.open
+
+    def fault(self, fault: Fault, now: float, gen: int, max_step: int,
+              t_fault: float | None = None) -> None:
+        """A fault taken in: logged, shown, added to the open incident (opened if need be)."""
+        inc = self.begin(now, gen, max_step, t_fault)
+        if fault.kind == "peer":  # a symptom: the cause is another rank's fault
+            inc.symptoms.append(short(fault.describe()))
+        else:
+            inc.faults.append(short(fault.describe()))
+        self.log_fault(fault, gen, incident=inc.id)
+        if fault.kind != "peer":
+            self.display.info(f"fault: {short(fault.describe())}")
+
+    def log_fault(self, fault: Fault, gen: int, incident: int | None = None) -> None:
+        self.log.write("fault", kind=fault.kind, code=fault.fault_code, rank=fault.rank,
+                       node=fault.node, domain=fault.domain.value, exit_code=fault.code,
+                       attribution=fault.attribution.value, message=fault.message[:500],
+                       incident=incident if incident is not None else
+                       (self.open.id if self.open else None), gen=gen)
+
+    def interrupt(self, now: float, phase: str, gen: int) -> None:
+        """A fault while the incident's recovery was under way: that attempt ends here, in the
+        phase it had reached, and the incident goes on with the next decision."""
+        if self.open is None:
+            return
+        self.open.interrupt(now, phase)
+        self.log.write("attempt_interrupted", incident=self.open.id, gen=gen, phase=phase,
+                       level=self.open.levels[-1] if self.open.levels else None)
+
+    def formed(self, evs: list[dict[str, Any]], resume_step: int | None) -> None:
+        """Every rank entered the new generation: when each phase ended on the latest rank."""
+        inc = self.open
+        inc.t_assigned = max(e.get("t_assigned", e["t"]) for e in evs)
+        inc.t_pg = max(e.get("t_pg", e["t"]) for e in evs)
+        inc.t_restored = max(e.get("t_restored", e["t"]) for e in evs)
+        inc.resume_step = resume_step
+
+    def retry_opened(self, step: int, now: float, gen: int, max_step: int) -> None:
+        """Non-finite gradients at ``step``: an incident (the ranks wait, nothing torn down)."""
+        f = Fault("nan", message=f"non-finite gradients at step {step}")
+        inc = self.begin(now, gen, max_step)
+        inc.faults.append(f.describe())
+        self.log_fault(f, gen, incident=inc.id)
+
+    def retried(self, decision: Any, step: int, now: float) -> None:
+        """The step is redone (or skipped) in place: every phase up to the first step is now."""
+        inc = self.open
+        inc.levels.append(decision.level.value)
+        inc.t_decide = inc.t_decide or now
+        inc.t_torn = inc.t_assigned = inc.t_pg = inc.t_restored = now
+        inc.resume_step = step + 1 if decision.skip else step
+        inc.step_before = max(inc.step_before, step)
+
+    def restored(self, gen: int, evs: list[dict[str, Any] | None], ledger: Any) -> None:
+        """Where every rank's state came from in generation ``gen`` (and a resumed job says so)."""
+        evs = [e for e in evs if e is not None and not e.get("plain")]
+        if not evs:
+            return
+        rec = restore_record(evs)
+        self.log.write("restore", gen=gen, **rec)
+        for s in rec["skipped"]:
+            self.display.info(f"rank {s.get('rank')}: {s.get('source')} copy of step "
+                              f"{s.get('step')} skipped: {s.get('why')}")
+        if gen == 0:
+            ledger.resumed_step = rec["step"] or 0
+            if rec["step"]:
+                how = sorted(set(rec["sources"].values()))
+                self.display.info(f"resumed at step {rec['step']} (from {', '.join(how)})")
+
+    def close(self, t_first: float, resume_step: int | None, steps_known: bool) -> None:
+        inc = self.open
+        if inc is None:
+            return
+        inc.t_first_step = t_first
+        if resume_step is not None:
+            inc.resume_step = resume_step
+        inc.steps_known = steps_known
+        inc.closed = True
+        self.closed.append(inc)
+        self.open = None
+        self.log.write("incident", **inc.to_record())
+        self.display.info(f"incident {inc.id} recovered in {inc.mttr:.3f} s "
+                          f"({', '.join(inc.levels)}), steps lost: "
+                          f"{'unknown' if inc.steps_lost is None else inc.steps_lost}")
+
+    def give_up(self) -> None:
+        if self.open is None:
+            return
+        self.open.outcome = "gave up"
+        self.closed.append(self.open)
+        self.log.write("incident", **self.open.to_record())
+        self.open = None

@@ -1,0 +1,164 @@
+"""The job's placement, carried out: which process holds each rank (the plan), the nodes, the warm
+spares, and each generation's assignments sent to its ranks.
+
+The state machine (``machine.py``) decides where ranks go; this is where that happens: spares are
+taken, processes started, nodes isolated, and every rank told its assignment."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import protocol
+from ..decide.ladder import Decision
+from ..observe.incidents import Incident
+from .workers import Worker, WorkerTable
+
+
+class Generations:
+    def __init__(self, *, world: int, spares: int, nodes: int, spare_nodes: int, policy: Any,
+                 mail: Any, table: WorkerTable, memory: Any, watchers: Any, log: Any,
+                 display: Any):
+        self.world = world
+        self.spares_target = spares
+        self.total_nodes = nodes + spare_nodes  # nodes that hold ranks at the start, then spares
+        self.slots = world // nodes  # ranks per node
+        self.policy, self.mail, self.table, self.memory = policy, mail, table, memory
+        self.watchers, self.log, self.display = watchers, log, display
+        self.workers = table.workers
+        self.plan: dict[int, int] = {}  # rank -> wid
+        self.replacements = [0] * world
+        self.claimed: dict[str, int] = {}  # injected faults fired: index -> times
+
+    def node_of(self) -> dict[int, int]:
+        return {r: self.workers[wid].node for r, wid in self.plan.items()}
+
+    def first_plan(self) -> None:
+        """The first generation's processes: ranks in order, ``slots`` per node."""
+        for rank in range(self.world):
+            self.plan[rank] = self.table.new(spare=False, node=rank // self.slots).wid
+        for w in (self.workers[wid] for wid in self.plan.values()):
+            self.table.spawn(w)
+
+    def adopt(self, plan: dict[int, int], journal: dict[str, Any]) -> None:
+        """The placement of a job another controller ran (its journal across hosts)."""
+        self.plan.clear()
+        self.plan.update(plan)
+        self.replacements = list(journal.get("replacements") or self.replacements)
+        self.claimed = dict(journal.get("claimed") or {})
+
+    def spare_nodes(self, isolated: set[int]) -> list[int]:
+        """Healthy nodes that hold no rank: they can take over a failed node's ranks."""
+        busy = set(self.node_of().values())
+        return [n for n in range(self.total_nodes) if n not in busy and n not in isolated]
+
+    # == generations =============================================================================
+    def publish(self, gen: int, initial: bool, level: str, isolated: set[int]) -> None:
+        """Send every rank its assignment for ``gen``; the nodes' memory follows the plan."""
+        node_of = self.node_of()
+        where = self.mail.generation_store(gen, node_of[0])
+        for rank, wid in sorted(self.plan.items()):
+            w = self.workers[wid]
+            w.rank = rank
+            self.table.send(w, {"type": protocol.ASSIGN, "gen": gen, "rank": rank,
+                                "world": self.world, "replacements": self.replacements[rank],
+                                "initial": initial, "claimed": self.claimed, **where,
+                                **self.local_ranks(rank, node_of)})
+            # processes already running (survivors, ready spares) join within milliseconds
+            if w.ready or w.entered >= 0:
+                w.warm_gen = gen
+        usable = [n for n in range(self.total_nodes) if n not in isolated]
+        for node in usable:  # a node that keeps working after losing its memory gets a new one
+            h = self.memory.keepers.get(node)
+            if h is not None and h.lost:
+                self.memory.restart(node)
+        self.memory.configure(node_of, usable)
+        self.log.write("generation", gen=gen, level=level,
+                       ranks={str(r): w for r, w in sorted(self.plan.items())})
+
+    def local_ranks(self, rank: int, node_of: dict[int, int]) -> dict[str, int]:
+        """torchrun's per-host view of a rank: LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK (the
+        index of its host among the hosts that hold ranks, in rank order). Nodes simulated on one
+        host are one host: a rank's LOCAL_RANK picks its device there."""
+        host_of = {r: self.mail.host_of(n) for r, n in node_of.items()}
+        local = sorted(r for r, h in host_of.items() if h == host_of[rank])
+        groups = list(dict.fromkeys(host_of[r] for r in sorted(host_of)))
+        return {"local_rank": local.index(rank), "local_world": len(local),
+                "group_rank": groups.index(host_of[rank])}
+
+    def move(self, decision: Decision, placement: dict[int, int], inc: Incident | None,
+             isolated: set[int]) -> list[Worker]:
+        """Each replaced rank to a process on its node (``placement``): a warm spare there (the
+        ranks moving to a spare node take only its spares: they stay together), else a new one.
+        Returns the workers still to be started."""
+        spare_nodes = set(self.spare_nodes(isolated))
+        new: list[Worker] = []
+        for rank in sorted(decision.replace):
+            old = self.workers[self.plan[rank]]
+            if not old.dead:  # a live process at fault (a level escalated): a fresh one instead
+                self.table.kill(old, f"rank {rank} moves to a new process")
+            node = placement[rank]
+            w = self.table.take_spare(node, only=node in spare_nodes)
+            if w is None:
+                w = self.table.new(spare=False, node=node)
+                new.append(w)
+            w.spare = False
+            self.plan[rank] = w.wid
+            self.replacements[rank] += 1
+            if inc is not None:
+                inc.replaced.append(rank)
+            self.log.write("replace", rank=rank, wid=w.wid, node=node, warm=w.ready,
+                           cold=w in new)
+        return new
+
+    def announce(self, decision: Decision, gen: int) -> None:
+        moved = ", ".join(f"rank {r} -> worker {self.plan[r]}"
+                          + (f" (node {self.workers[self.plan[r]].node})"
+                             if self.total_nodes > 1 else "")
+                          for r in sorted(decision.replace))
+        if decision.passed_over:
+            self.display.info("passed over: " + "; ".join(decision.passed_over))
+        self.display.info(f"{decision.level.value} (generation {gen})"
+                          + (f": {moved}" if moved else "") + f" [{decision.reason}]")
+
+    # == nodes and spares ========================================================================
+    def isolate(self, node: int) -> None:
+        """Never place a rank or a spare on this node again in this job: its processes end."""
+        for w in list(self.workers.values()):
+            if w.node == node and not w.dead:
+                self.table.kill(w, f"node {node} isolated")
+        self.watchers.remove_node(node)
+        self.log.write("isolate", node=node)
+        self.display.info(f"node {node} isolated: no rank will be placed there again")
+
+    def refill_spares(self, isolated: set[int]) -> None:
+        """Warm spares: ``--spares`` spread over the nodes that hold ranks, and a full node's
+        worth on each spare node (ready to take over a failed node)."""
+        busy = sorted(set(self.node_of().values()) - set(isolated))
+        targets = {n: 0 for n in busy}
+        for i in range(self.spares_target if busy else 0):
+            targets[busy[i % len(busy)]] += 1
+        for n in self.spare_nodes(isolated):
+            targets[n] = self.slots
+        self.table.refill(targets, self.policy.rules.spare_failures)
+
+    def spare_lost(self, w: Worker, code: int | None) -> None:
+        self.table.spare_failures += 1
+        report = w.exit_report
+        at_import = bool(report and report.get("import_error"))
+        if at_import:
+            self.spares_wait(report)
+        self.log.write("spare_lost", wid=w.wid, code=code, ready=w.ready, at_import=at_import,
+                       spare_failures=self.table.spare_failures)
+        if not at_import:
+            self.display.info(f"spare worker {w.wid} exited (code {code}); refilling the pool")
+
+    def spares_wait(self, report: dict[str, Any]) -> None:
+        """The script failed at import in a process that ran it without a rank (a warm spare): it
+        may need one there. From now on spares run it only once they hold a rank, so they cannot
+        fail that way again (no refill loop), and a rank's own failure at import stops the job."""
+        if self.table.spare_mode != "script":
+            return
+        self.table.spare_mode = "import"
+        self.log.write("spare_mode", mode="import", error=report.get("error"))
+        self.display.info("warm spares now wait for a rank before running the script: it failed "
+                          f"in a spare before reaching nonstop.wrap ({report.get('error')})")

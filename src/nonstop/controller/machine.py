@@ -1,0 +1,565 @@
+"""The controller's decisions over time, as a pure state machine.
+
+``step(state, observation, policy) -> (state, commands)``: the job's control state (its phase and
+generation, the deadline of that phase, the faults of the current round, the budgets spent) and one
+observation go in; the new state and what to carry out come out. Nothing here reads a clock, a
+process or a socket: an observation carries the time and what the controller saw of its ranks, so
+every transition and every deadline is unit-tested on a fake clock (tests/test_machine.py).
+
+The controller (``controller.py``) is the executor: it turns exits, events and ticks into
+observations, and commands into signals, messages and processes. What outlives a controller is
+in the journal across hosts (``hosts/leader.py``): the generation, the plan and the counters.
+
+The phases of a generation::
+
+    STARTING -> RENDEZVOUS -> RUNNING -> FINISHING -> OVER
+                   ^   |        |
+                   |   v        v
+                   +-- TEARING_DOWN   (a fault: survivors leave; then the ladder decides)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Union
+
+from ..decide import ladder
+from ..decide.ladder import Counters, Decision, Fault, JobView, Level
+from .phase import ACTIVE, ENDING, Phase
+
+# == what the controller saw ======================================================================
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSeen:
+    """One rank's process as the controller knows it (generations are the newest it reached)."""
+
+    rank: int
+    wid: int
+    node: int
+    dead: bool = False
+    joining: int = -1  # started to join
+    entered: int = -1  # entered the training function (its group formed, its state restored)
+    left: int = -1
+    done: int = -1
+    retry_step: int | None = None  # waits to redo this step (non-finite gradients)
+    retry_loss: Any = None
+    warm: bool = False  # already running when its generation was published
+    stopped: bool = False  # the kernel says it is stopped (asked only while a group forms)
+    own_code_s: float = 0.0  # how long its main thread has stayed at one place of its own code
+    loc: str = ""  # ...that place
+
+
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """The job at one moment: the time, the ranks of the plan, the nodes."""
+
+    now: float
+    ranks: tuple[RankSeen, ...] = ()
+    managed: bool = True  # the ranks run inside nonstop.wrap (they can leave a collective)
+    total_nodes: int = 1
+    slots: int = 1  # ranks per node
+    lost_memory: frozenset[int] = frozenset()  # nodes whose memory died, not ended by nonstop
+    slowest_step_s: float = 0.0
+
+    @property
+    def node_of(self) -> dict[int, int]:
+        return {r.rank: r.node for r in self.ranks}
+
+
+# observations: one of these, with what was seen
+@dataclasses.dataclass(frozen=True)
+class Tick:
+    seen: Seen
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """The first generation is published (its processes are started)."""
+    seen: Seen
+
+
+@dataclasses.dataclass(frozen=True)
+class Faulted:
+    """A fault found outside the machine: an exit, a report, a detector, a lost host."""
+    seen: Seen
+    fault: Fault
+    t_fault: float | None = None  # when it began, where known better than now (a hang)
+
+
+@dataclasses.dataclass(frozen=True)
+class Entered:
+    """A rank entered the training function of the current generation."""
+    seen: Seen
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryAsked:
+    """A rank skipped its optimizer step (non-finite gradients) and waits."""
+    seen: Seen
+
+
+@dataclasses.dataclass(frozen=True)
+class Isolate:
+    """A node that holds no rank failed (a health check, its host lost): never used again."""
+    seen: Seen
+    node: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Recovered:
+    """Every rank stepped again: the open incident is closed (``progressed``: steps were seen)."""
+    seen: Seen
+    progressed: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Completed:
+    """Every rank finished training."""
+    seen: Seen
+    finish_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Settled:
+    """While finishing: whether every rank ended and the last checkpoint is written."""
+    seen: Seen
+    settled: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Over:
+    """The exit code is known."""
+
+
+Observation = Union[Tick, Start, Faulted, Entered, RetryAsked, Isolate, Recovered, Completed,
+                    Settled, Over]
+
+# == what to carry out ==========================================================================
+
+
+@dataclasses.dataclass(frozen=True)
+class Raise:
+    """A fault taken in: open the incident (or add to it), log it, show it."""
+    fault: Fault
+    t_fault: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Ignore:
+    """A fault after training ended: logged, nothing else."""
+    fault: Fault
+
+
+@dataclasses.dataclass(frozen=True)
+class Interrupt:
+    """The open incident's recovery attempt ends here, in ``phase``."""
+    phase: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort:
+    """The survivors leave generation ``gen`` (managed); a plain script's ranks are ended."""
+    gen: int
+    managed: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Kill:
+    """End a rank's process; with ``dump`` its stacks are written first. ``fault``: the fault it
+    is ended for, logged with the kill (``late_s``: how long it was given)."""
+    wid: int
+    why: str
+    dump: bool = False
+    fault: Fault | None = None
+    late_s: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """Ask the memory of these nodes whether it still answers (before the decision)."""
+    nodes: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decide:
+    """The ladder's decision about generation ``gen``, to log; ``escalated_from``: the level
+    that did not work; ``step``: the step a retry is about."""
+    decision: Decision
+    gen: int
+    escalated_from: str | None = None
+    step: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CarryOut:
+    """Move ranks as decided (``placement``: rank -> node), start the processes needed and
+    publish generation ``gen``."""
+    decision: Decision
+    placement: dict[int, int]
+    gen: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Publish:
+    """Send every rank its assignment for ``gen``."""
+    gen: int
+    initial: bool
+    level: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Formed:
+    """Every rank entered generation ``gen``: it trains."""
+    gen: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryOpened:
+    """Non-finite gradients: an incident opens, the ranks wait for the decision."""
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Retry:
+    """Every rank waits at ``step``: redo (or skip) it in place."""
+    decision: Decision
+    step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Fail:
+    """Give up: the diagnosis, the emergency save, the hook, the end."""
+    decision: Decision
+
+
+@dataclasses.dataclass(frozen=True)
+class Finish:
+    """Training completed: the ranks are told, the spares sent away."""
+
+
+@dataclasses.dataclass(frozen=True)
+class End:
+    """Everything ended and settled: the job is over."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Overdue:
+    """Ranks (``wids``) still alive, or the last checkpoint unwritten, past the finish deadline."""
+    wids: tuple[int, ...]
+
+
+Command = Union[Raise, Ignore, Interrupt, Abort, Kill, Probe, Decide, CarryOut, Publish, Formed,
+                RetryOpened, Retry, Fail, Finish, End, Overdue]
+
+# == the state ====================================================================================
+
+
+@dataclasses.dataclass(frozen=True)
+class JobState:
+    phase: Phase = Phase.STARTING
+    gen: int = -1
+    deadline: float = math.inf  # of the current phase
+    t_gen: float = 0.0  # when the generation was published
+    t_abort: float = 0.0  # when its survivors were told to leave
+    round: tuple[Fault, ...] = ()  # faults since the last decision
+    counters: Counters = dataclasses.field(default_factory=Counters)
+    incident: bool = False  # an incident is open
+    attempt: bool = False  # ...and a decision for it is carried out (an attempt under way)
+    level: str | None = None  # the level that attempt tries
+    level_deadline: float | None = None  # ...and by when it must have recovered
+    retry_deadline: float | None = None  # every rank must report its non-finite step by then
+    sick: frozenset[int] = frozenset()  # nodes with a node-level fault in the open incident
+    probed: bool = False  # the dead ranks' memory was asked, for this teardown
+
+    @property
+    def faulty_nodes(self) -> set[int]:
+        return set(self.counters.isolated) | set(self.sick)
+
+    def usable_nodes(self, total_nodes: int) -> list[int]:
+        return [n for n in range(total_nodes) if n not in self.counters.isolated]
+
+
+def _with(s: JobState, **kw: Any) -> JobState:
+    return dataclasses.replace(s, **kw)
+
+
+# == the transitions ============================================================================
+
+def step(s: JobState, ob: Observation, policy: Any) -> tuple[JobState, list[Command]]:
+    """The new state and what to carry out, for one observation."""
+    if isinstance(ob, Tick):
+        return _tick(s, ob.seen, policy)
+    if isinstance(ob, Faulted):
+        return fault(s, ob.fault, ob.seen, policy, ob.t_fault)
+    if isinstance(ob, Start):
+        return _publish(s, ob.seen, policy, 0), [Publish(0, initial=True, level="start")]
+    if isinstance(ob, Entered):
+        return _entered(s, ob.seen)
+    if isinstance(ob, RetryAsked):
+        return _retry(s, ob.seen, policy)
+    if isinstance(ob, Isolate):
+        return _with(s, counters=dataclasses.replace(
+            s.counters, isolated=set(s.counters.isolated) | {ob.node})), []
+    if isinstance(ob, Recovered):
+        counters = ladder.progressed(s.counters) if ob.progressed else s.counters
+        return _with(s, incident=False, attempt=False, level=None, level_deadline=None,
+                     sick=frozenset(), counters=counters), []
+    if isinstance(ob, Completed):
+        return _with(s, phase=Phase.FINISHING, deadline=ob.seen.now + ob.finish_s), [Finish()]
+    if isinstance(ob, Settled):
+        return _settle(s, ob.seen, ob.settled)
+    if isinstance(ob, Over):
+        return _with(s, phase=Phase.OVER, deadline=math.inf), []
+    raise TypeError(f"not an observation: {ob!r}")
+
+
+def fault(s: JobState, f: Fault, seen: Seen, policy: Any, t_fault: float | None = None
+          ) -> tuple[JobState, list[Command]]:
+    """A fault: it joins the current round; in an active phase the generation is aborted."""
+    if s.phase in ENDING:
+        return s, [Ignore(f)]
+    cmds: list[Command] = []
+    if s.incident and s.attempt and s.phase in ACTIVE:
+        cmds.append(Interrupt(_attempt_phase(s, seen)))
+        s = _with(s, attempt=False)
+    cmds.append(Raise(f, t_fault))
+    sick = s.sick | {f.node} if f.domain.value == "node" and f.node is not None else s.sick
+    s = _with(s, incident=True, round=s.round + (f,), sick=frozenset(sick))
+    if s.phase in ACTIVE:
+        s, more = _abort(s, seen, policy)
+        cmds += more
+    return s, cmds
+
+
+def _attempt_phase(s: JobState, seen: Seen) -> str:
+    """How far the interrupted attempt had come."""
+    if s.phase is Phase.RUNNING:
+        return "first_step"
+    if all(r.joining >= s.gen for r in seen.ranks):
+        return "rendezvous"  # refined into restore when the ranks say their group formed
+    return "replace"
+
+
+def _abort(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]]:
+    now = seen.now
+    if seen.managed:
+        deadline = now + teardown_allowance(s.round, seen.slowest_step_s, policy)
+    else:  # a plain script cannot leave a collective: its ranks are ended
+        deadline = now + policy.timeouts.terminate_grace_s
+    return (_with(s, phase=Phase.TEARING_DOWN, deadline=deadline, t_abort=now, probed=False),
+            [Abort(s.gen, seen.managed)])
+
+
+def teardown_allowance(faults: tuple[Fault, ...], slowest_step_s: float, policy: Any) -> float:
+    """How long survivors get to leave. In a hang the survivors are already blocked in a
+    collective and leave within milliseconds; after a crash one may be mid-step and only notices
+    at its next collective."""
+    base = policy.timeouts.teardown_s
+    if any(f.kind == "hang" for f in faults):
+        return base
+    return base + 2 * slowest_step_s
+
+
+def pending_teardown(s: JobState, seen: Seen) -> list[RankSeen]:
+    """The ranks still to leave the aborted generation."""
+    out = []
+    for r in seen.ranks:
+        if r.dead or r.left >= s.gen or r.done >= s.gen or r.retry_step is not None:
+            continue
+        if seen.managed and r.joining < s.gen:
+            continue  # never joined: it will take the newest assignment
+        out.append(r)
+    return out
+
+
+def _tick(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]]:
+    cmds: list[Command] = []
+    if s.phase is Phase.TEARING_DOWN:
+        pending = pending_teardown(s, seen)
+        if not pending:
+            return _after_teardown(s, seen, policy)
+        if seen.now > s.deadline:
+            late = s.deadline - s.t_abort
+            faults = []
+            for r in pending:
+                f = Fault("teardown_timeout", rank=r.rank, node=r.node,
+                          message=f"still in generation {s.gen} after {late:.2f} s")
+                faults.append(f)
+                cmds.append(Kill(r.wid, "did not leave the generation in time", dump=True,
+                                 fault=f, late_s=late))
+            s = _with(s, round=s.round + tuple(faults), deadline=math.inf)
+        return s, cmds
+    if s.phase is Phase.RENDEZVOUS:
+        s, cmds = _check_rendezvous(s, seen, policy)
+        if cmds:
+            return s, cmds
+    if s.incident and s.level_deadline is not None and seen.now > s.level_deadline \
+            and s.phase in ACTIVE:
+        level = s.level
+        s = _with(s, level_deadline=None)
+        return fault(s, Fault("deadline", message=f"{level} did not recover within its deadline "
+                                                  "(recover.levels)"), seen, policy)
+    if s.phase is Phase.RUNNING and s.retry_deadline is not None and seen.now > s.retry_deadline:
+        s = _with(s, retry_deadline=None)  # not every rank saw it: the coarse way
+        return fault(s, Fault("nan", message="not every rank reported the non-finite step"),
+                     seen, policy)
+    return s, cmds
+
+
+def _after_teardown(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]]:
+    """Every survivor left: the dead ranks' memory is asked once, then the ladder decides."""
+    dead = {r.rank for r in seen.ranks if r.dead}
+    dead_nodes = tuple(sorted({r.node for r in seen.ranks if r.dead}))
+    if dead_nodes and not s.probed:
+        return _with(s, probed=True), [Probe(dead_nodes)]
+    now = seen.now
+    faults = list(s.round) or [Fault("exit", message="a rank left its generation")]
+    sick = set(s.sick)
+    for node in dead_nodes:
+        if node in seen.lost_memory:  # its ranks and its memory: the node
+            faults.append(Fault("node_lost", node=node, message=(
+                f"node {node}'s ranks and its memory (keeper) are gone")))
+            sick.add(node)
+    escalate = None
+    if s.incident and s.level and any(f.kind in ("deadline", "rendezvous_timeout") for f in faults):
+        escalate = Level(s.level)  # that level did not work: go coarser
+    counters = ladder.quiet(s.counters, now, policy)
+    decision = ladder.decide(faults, dead, view(s, seen), policy, counters, now,
+                             escalate_from=escalate)
+    counters = ladder.charge(decision, faults, counters, now)
+    s = _with(s, round=(), counters=counters, sick=frozenset(sick), attempt=True,
+              deadline=math.inf)
+    cmds: list[Command] = [Decide(decision, s.gen, escalate.value if escalate else None)]
+    if decision.level is Level.FAIL:
+        return s, cmds + [Fail(decision)]
+    gen = s.gen + 1
+    placement = place(decision, seen, s.counters.isolated)
+    level_deadline = now + ladder.level_policy(policy, decision.level).deadline_s
+    s = _publish(s, seen, policy, gen)
+    s = _with(s, level=decision.level.value, level_deadline=level_deadline)
+    return s, cmds + [CarryOut(decision, placement, gen)]
+
+
+def _publish(s: JobState, seen: Seen, policy: Any, gen: int) -> JobState:
+    return _with(s, phase=Phase.RENDEZVOUS, gen=gen, t_gen=seen.now,
+                 deadline=seen.now + policy.timeouts.rendezvous_s)
+
+
+def spare_nodes(node_of: dict[int, int], total_nodes: int, isolated: set[int]) -> list[int]:
+    """Healthy nodes that hold no rank: they can take over a failed node's ranks."""
+    busy = set(node_of.values())
+    return [n for n in range(total_nodes) if n not in busy and n not in isolated]
+
+
+def view(s: JobState, seen: Seen) -> JobView:
+    healthy = s.usable_nodes(seen.total_nodes)
+    node_of = seen.node_of
+    return JobView(world=len(seen.ranks), managed=seen.managed, node_of=node_of,
+                   spare_nodes=len(spare_nodes(node_of, seen.total_nodes, s.counters.isolated)),
+                   capacity=len(healthy) * seen.slots, slots=seen.slots)
+
+
+def place(decision: Decision, seen: Seen, isolated: set[int]) -> dict[int, int]:
+    """The node each replaced rank goes to: its own node for a rank replacement, a spare node
+    for a node replacement, the healthy nodes in order for a job restart. ``isolated`` includes
+    the nodes the decision isolates."""
+    node_of = seen.node_of
+    if decision.level is Level.REPLACE_RANK:
+        return {r: node_of[r] for r in decision.replace}
+    if decision.level is Level.REPLACE_NODE:
+        # the ranks of a node given up go to a spare node, together; a rank that died on a
+        # healthy node meanwhile is replaced where it was
+        spares = iter(spare_nodes(node_of, seen.total_nodes, isolated))
+        moved: dict[int, int] = {}
+        out = {}
+        for r in sorted(decision.replace):
+            old = node_of[r]
+            if old not in decision.isolate:
+                out[r] = old
+                continue
+            if old not in moved:
+                moved[old] = next(spares)
+            out[r] = moved[old]
+        return out
+    healthy = [n for n in range(seen.total_nodes) if n not in isolated]
+    return {r: healthy[i // seen.slots] for i, r in enumerate(sorted(decision.replace))}
+
+
+def _entered(s: JobState, seen: Seen) -> tuple[JobState, list[Command]]:
+    if s.phase is not Phase.RENDEZVOUS or not all(r.entered >= s.gen for r in seen.ranks):
+        return s, []
+    return _with(s, phase=Phase.RUNNING, deadline=math.inf), [Formed(s.gen)]
+
+
+def _check_rendezvous(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]]:
+    """Ranks that joined and cannot finish forming the group (stopped, or stuck in their own
+    code: the others wait on them in the group's set-up, which nothing else ends before the
+    rendezvous timeout); ranks that did not join in time."""
+    t = policy.timeouts
+    stuck = [r for r in seen.ranks if not r.dead and r.joining >= s.gen and r.entered < s.gen
+             and (r.stopped or r.own_code_s > t.join_s)]
+    if stuck:
+        whys = {r.wid: "frozen (the process is stopped)" if r.stopped else
+                f"stuck for {r.own_code_s:.1f} s at {r.loc or '?'}" for r in stuck}
+        cmds: list[Command] = [Kill(r.wid, f"hung while forming generation {s.gen}: {whys[r.wid]}",
+                                    dump=True) for r in stuck]
+        f = Fault("hang", rank=stuck[0].rank, message="; ".join(
+            f"rank {r.rank} {whys[r.wid]}" for r in stuck) + f" (forming generation {s.gen})")
+        s, more = fault(s, f, seen, policy)
+        return s, cmds + more
+    if seen.now > s.deadline:  # the generation did not form at all
+        culprits = [r for r in seen.ranks if r.joining < s.gen] or \
+                   [r for r in seen.ranks if r.entered < s.gen]
+        why, limit = "did not join the generation in time", t.rendezvous_s
+    elif seen.now > s.t_gen + t.join_s:  # a process that was already running should be quick
+        culprits = [r for r in seen.ranks if r.warm and r.joining < s.gen]
+        why, limit = "did not start to join the generation in time", t.join_s
+    else:
+        return s, []
+    culprits = [r for r in culprits if not r.dead]
+    if not culprits:
+        return s, []
+    cmds = [Kill(r.wid, why, dump=True) for r in culprits]
+    s, more = fault(s, Fault("rendezvous_timeout", rank=culprits[0].rank, message=(
+        f"rank(s) {', '.join(str(r.rank) for r in culprits)} {why} "
+        f"({limit:g} s, generation {s.gen})")), seen, policy)
+    return s, cmds + more
+
+
+def _retry(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]]:
+    """Non-finite gradients: every rank skipped its optimizer step and waits. Once all have said
+    so for the same step, redo (or skip) it in place: no teardown, nothing lost."""
+    waiting = [r for r in seen.ranks if r.retry_step is not None]
+    cmds: list[Command] = []
+    if not waiting:
+        return s, cmds
+    if not s.incident:
+        cmds.append(RetryOpened(waiting[0].retry_step))
+        s = _with(s, incident=True, retry_deadline=seen.now + policy.levels.step_retry.deadline_s)
+    if len(waiting) < len(seen.ranks):
+        return s, cmds
+    steps = {r.retry_step for r in waiting}
+    if len(steps) > 1:  # they disagree: the coarse way
+        s, more = fault(s, Fault("nan", message=(
+            f"non-finite gradients at different steps {sorted(steps)}")), seen, policy)
+        return s, cmds + more
+    at = steps.pop()
+    decision = ladder.decide_nan(at, {r.rank: r.retry_loss for r in waiting}, policy, s.counters)
+    s = _with(s, counters=ladder.charge(decision, [], s.counters, seen.now), retry_deadline=None)
+    cmds.append(Decide(decision, s.gen, step=at))
+    if decision.level is Level.FAIL:
+        return s, cmds + [Fail(decision)]
+    return _with(s, attempt=True, level=decision.level.value), cmds + [Retry(decision, at)]
+
+
+def _settle(s: JobState, seen: Seen, settled: bool) -> tuple[JobState, list[Command]]:
+    if s.phase is not Phase.FINISHING:
+        return s, []
+    alive = tuple(r.wid for r in seen.ranks if not r.dead)
+    if not alive and settled:
+        return s, [End()]
+    if seen.now > s.deadline:
+        return _with(s, deadline=math.inf), [Overdue(alive)]
+    return s, []

@@ -1,0 +1,278 @@
+"""The controller's state machine on a fake clock: every phase, deadline and decision, with no
+process, no socket and no sleep (the clock is the ``now`` of each observation)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from nonstop.controller import machine as mc
+from nonstop.controller.phase import Phase
+from nonstop.decide.faults import Fault
+from nonstop.decide.ladder import Counters, Level
+from nonstop.policy import Policy
+
+P = Policy()
+T = P.timeouts
+
+
+def ranks(gen, *changes, n=4, slots=2):
+    """``n`` ranks in generation ``gen`` (joined and entered), ``slots`` per node; ``changes``:
+    dicts of rank -> the fields that differ."""
+    out = []
+    for r in range(n):
+        kw = dict(rank=r, wid=100 + r, node=r // slots, joining=gen, entered=gen)
+        for ch in changes:
+            kw.update(ch.get(r, {}))
+        out.append(mc.RankSeen(**kw))
+    return tuple(out)
+
+
+def seen(now, rs, nodes=3, slots=2, **kw):
+    return mc.Seen(now=now, ranks=rs, total_nodes=nodes, slots=slots, **kw)
+
+
+def running(gen=0, now=10.0):
+    """A job that trains in generation ``gen``."""
+    s, cmds = mc.step(mc.JobState(), mc.Start(seen(now, ranks(-1))), P)
+    assert cmds == [mc.Publish(0, initial=True, level="start")]
+    assert s.phase is Phase.RENDEZVOUS and s.deadline == now + T.rendezvous_s
+    s = dataclasses.replace(s, gen=gen)
+    s, cmds = mc.step(s, mc.Entered(seen(now + 1, ranks(gen))), P)
+    assert cmds == [mc.Formed(gen)] and s.phase is Phase.RUNNING
+    return s
+
+
+def kinds(cmds):
+    return [type(c).__name__ for c in cmds]
+
+
+def crash(s, now, rank=1):
+    """Rank ``rank`` dies: the fault, then the survivors leave, the memory is probed, the
+    decision. Returns the state and the commands of each of those steps."""
+    rs = ranks(s.gen, {rank: {"dead": True}})
+    s, c1 = mc.step(s, mc.Faulted(seen(now, rs), Fault("crash", rank=rank, code=-9)), P)
+    left = ranks(s.gen, {rank: {"dead": True}},
+                 {r: {"left": s.gen} for r in range(4) if r != rank})
+    s, c2 = mc.step(s, mc.Tick(seen(now + 0.01, left)), P)
+    s, c3 = mc.step(s, mc.Tick(seen(now + 0.02, left)), P)
+    return s, c1, c2, c3
+
+
+def test_a_generation_forms_only_once_every_rank_entered():
+    s, _ = mc.step(mc.JobState(), mc.Start(seen(0.0, ranks(-1))), P)
+    s, cmds = mc.step(s, mc.Entered(seen(1.0, ranks(0, {3: {"entered": -1}}))), P)
+    assert cmds == [] and s.phase is Phase.RENDEZVOUS
+    s, cmds = mc.step(s, mc.Entered(seen(1.1, ranks(0))), P)
+    assert cmds == [mc.Formed(0)] and s.phase is Phase.RUNNING and s.deadline == float("inf")
+
+
+def test_a_crash_aborts_then_the_memory_is_asked_then_the_rank_is_replaced_in_place():
+    s = running()
+    slow = 0.4
+    rs = ranks(0, {1: {"dead": True}})
+    s, cmds = mc.step(s, mc.Faulted(seen(20.0, rs, slowest_step_s=slow),
+                                    Fault("crash", rank=1, code=-9)), P)
+    assert kinds(cmds) == ["Raise", "Abort"] and cmds[1] == mc.Abort(0, managed=True)
+    assert s.phase is Phase.TEARING_DOWN and s.incident
+    assert s.deadline == 20.0 + T.teardown_s + 2 * slow  # a survivor may be mid-step
+    # a survivor still in the generation: nothing yet
+    s2, cmds = mc.step(s, mc.Tick(seen(20.1, rs)), P)
+    assert cmds == [] and s2 == s
+    left = ranks(0, {1: {"dead": True}, 0: {"left": 0}, 2: {"left": 0}, 3: {"left": 0}})
+    s, cmds = mc.step(s, mc.Tick(seen(20.2, left)), P)
+    assert cmds == [mc.Probe((0,))] and s.phase is Phase.TEARING_DOWN
+    s, cmds = mc.step(s, mc.Tick(seen(20.21, left)), P)
+    assert kinds(cmds) == ["Decide", "CarryOut"]
+    decide, carry = cmds
+    assert decide.decision.level is Level.REPLACE_RANK and decide.gen == 0
+    assert carry.placement == {1: 0} and carry.gen == 1
+    assert s.phase is Phase.RENDEZVOUS and s.gen == 1 and s.round == ()
+    assert s.deadline == 20.21 + T.rendezvous_s and s.attempt
+    assert s.level == "rank replacement"
+    assert s.level_deadline == 20.21 + P.levels.rank_replacement.deadline_s
+    assert s.counters.used(Level.REPLACE_RANK) == 1
+
+
+def test_a_hang_gives_the_survivors_only_the_base_teardown_time():
+    s = running()
+    s, _ = mc.step(s, mc.Faulted(seen(5.0, ranks(0), slowest_step_s=3.0),
+                                 Fault("hang", message="no step")), P)
+    assert s.deadline == 5.0 + T.teardown_s
+
+
+def test_a_survivor_that_does_not_leave_in_time_is_killed_with_its_stacks():
+    s = running()
+    rs = ranks(0, {1: {"dead": True}})
+    s, _ = mc.step(s, mc.Faulted(seen(5.0, rs), Fault("crash", rank=1, code=-9)), P)
+    s, cmds = mc.step(s, mc.Tick(seen(s.deadline - 0.001, rs)), P)
+    assert cmds == []
+    s, cmds = mc.step(s, mc.Tick(seen(s.deadline + 0.001, rs)), P)
+    assert [(c.wid, c.dump) for c in cmds] == [(100, True), (102, True), (103, True)]
+    assert all(c.fault.kind == "teardown_timeout" for c in cmds)
+    assert [f.kind for f in s.round] == ["crash"] + ["teardown_timeout"] * 3
+
+
+def test_a_node_whose_ranks_and_memory_died_is_replaced_on_a_spare_node():
+    s = running()
+    dead = {0: {"dead": True}, 1: {"dead": True}}
+    rs = ranks(0, dead)
+    s, _ = mc.step(s, mc.Faulted(seen(5.0, rs), Fault("crash", rank=0, code=-9)), P)
+    left = ranks(0, dead, {2: {"left": 0}, 3: {"left": 0}})
+    s, cmds = mc.step(s, mc.Tick(seen(5.1, left)), P)
+    assert cmds == [mc.Probe((0,))]
+    s, cmds = mc.step(s, mc.Tick(seen(5.2, left, lost_memory=frozenset({0}))), P)
+    decide, carry = cmds
+    assert decide.decision.level is Level.REPLACE_NODE and decide.decision.isolate == {0}
+    assert carry.placement == {0: 2, 1: 2}  # node 2: the spare node
+    assert 0 in s.counters.isolated and s.faulty_nodes == {0}
+
+
+def test_without_the_memory_lost_the_same_deaths_are_rank_replacements():
+    s = running()
+    dead = {0: {"dead": True}, 1: {"dead": True}}
+    s, _ = mc.step(s, mc.Faulted(seen(5.0, ranks(0, dead)),
+                                 Fault("crash", rank=0, code=-9)), P)
+    left = ranks(0, dead, {2: {"left": 0}, 3: {"left": 0}})
+    s, _ = mc.step(s, mc.Tick(seen(5.1, left)), P)
+    s, (decide, carry) = mc.step(s, mc.Tick(seen(5.2, left)), P)
+    assert decide.decision.level is Level.REPLACE_RANK and carry.placement == {0: 0, 1: 0}
+
+
+def test_a_rank_that_does_not_join_in_time_escalates_the_level():
+    s, *_ = crash(running(), 5.0)
+    assert s.phase is Phase.RENDEZVOUS and s.gen == 1
+    slow = ranks(1, {1: {"joining": 0, "entered": -1}})
+    s2, cmds = mc.step(s, mc.Tick(seen(s.deadline - 0.01, slow)), P)
+    assert cmds == []
+    s, cmds = mc.step(s, mc.Tick(seen(s.deadline + 0.01, slow)), P)
+    assert kinds(cmds) == ["Kill", "Interrupt", "Raise", "Abort"]  # the attempt ends there
+    assert cmds[0].wid == 101 and cmds[2].fault.kind == "rendezvous_timeout"
+    dead = ranks(1, {1: {"dead": True, "joining": 0}}, {r: {"left": 1} for r in (0, 2, 3)})
+    s, _ = mc.step(s, mc.Tick(seen(s.deadline, dead)), P)
+    s, cmds = mc.step(s, mc.Tick(seen(s.deadline, dead)), P)
+    assert cmds[0].escalated_from == "rank replacement"
+    assert cmds[0].decision.level is not Level.REPLACE_RANK
+
+
+def test_a_warm_process_gets_join_s_and_a_stopped_one_is_a_hang():
+    s, *_ = crash(running(), 5.0)
+    t0 = s.t_gen
+    # rank 2 was running when the generation was published: it must start joining quickly
+    late = ranks(1, {r: {"joining": 0, "entered": 0, "warm": True} for r in (0, 2, 3)})
+    s2, cmds = mc.step(s, mc.Tick(seen(t0 + T.join_s - 0.01, late)), P)
+    assert cmds == []
+    s2, cmds = mc.step(s, mc.Tick(seen(t0 + T.join_s + 0.01, late)), P)
+    assert [c.wid for c in cmds if isinstance(c, mc.Kill)] == [100, 102, 103]
+    # a rank that joined and is stopped by the kernel holds the others in the group's set-up
+    frozen = ranks(1, {2: {"entered": 0, "stopped": True}})
+    s3, cmds = mc.step(s, mc.Tick(seen(t0 + 0.1, frozen)), P)
+    assert kinds(cmds) == ["Kill", "Interrupt", "Raise", "Abort"]
+    assert cmds[1].phase == "rendezvous" and cmds[2].fault.kind == "hang"
+    assert "frozen" in cmds[2].fault.message
+    stuck = ranks(1, {2: {"entered": 0, "own_code_s": T.join_s + 1, "loc": "x.py:3"}})
+    _, cmds = mc.step(s, mc.Tick(seen(t0 + 0.1, stuck)), P)
+    assert "x.py:3" in cmds[0].why
+
+
+def test_a_fault_in_a_recovery_interrupts_that_attempt_in_its_phase():
+    s, *_ = crash(running(), 5.0)
+    not_joined = ranks(1, {1: {"joining": 0, "entered": -1, "dead": True}})
+    _, cmds = mc.step(s, mc.Faulted(seen(5.5, not_joined), Fault("crash", rank=1)), P)
+    assert cmds[0] == mc.Interrupt("replace")
+    s2, _ = mc.step(s, mc.Entered(seen(5.5, ranks(1))), P)
+    _, cmds = mc.step(s2, mc.Faulted(seen(5.6, ranks(1)), Fault("crash", rank=3)), P)
+    assert cmds[0] == mc.Interrupt("first_step")
+    # once recovered, a fault opens a new incident: no interruption
+    s3, _ = mc.step(s2, mc.Recovered(seen(5.7, ranks(1))), P)
+    assert not s3.incident and s3.level_deadline is None
+    _, cmds = mc.step(s3, mc.Faulted(seen(5.8, ranks(1)), Fault("crash", rank=3)), P)
+    assert kinds(cmds) == ["Raise", "Abort"]
+
+
+def test_a_level_that_does_not_recover_within_its_deadline_is_a_fault():
+    s, *_ = crash(running(), 5.0)
+    s, _ = mc.step(s, mc.Entered(seen(5.5, ranks(1))), P)
+    s2, cmds = mc.step(s, mc.Tick(seen(s.level_deadline - 0.01, ranks(1))), P)
+    assert cmds == []
+    s, cmds = mc.step(s, mc.Tick(seen(s.level_deadline + 0.01, ranks(1))), P)
+    assert kinds(cmds) == ["Interrupt", "Raise", "Abort"]
+    assert cmds[1].fault.kind == "deadline" and "rank replacement" in cmds[1].fault.message
+    assert s.level_deadline is None
+
+
+def test_non_finite_gradients_retry_in_place_or_fall_back():
+    s = running()
+    one = ranks(0, {0: {"retry_step": 7, "retry_loss": "nan"}})
+    s, cmds = mc.step(s, mc.RetryAsked(seen(3.0, one)), P)
+    assert cmds == [mc.RetryOpened(7)] and s.incident
+    assert s.retry_deadline == 3.0 + P.levels.step_retry.deadline_s
+    every = ranks(0, {r: {"retry_step": 7, "retry_loss": 1.0} for r in range(4)})
+    s2, cmds = mc.step(s, mc.RetryAsked(seen(3.1, every)), P)
+    assert kinds(cmds) == ["Decide", "Retry"] and cmds[1].step == 7
+    assert s2.retry_deadline is None and s2.phase is Phase.RUNNING
+    assert s2.counters.nan_in_a_row == 1
+    split = ranks(0, {r: {"retry_step": 7 + (r == 3)} for r in range(4)})
+    _, cmds = mc.step(s, mc.RetryAsked(seen(3.1, split)), P)
+    assert cmds[0].fault.kind == "nan" and "different steps" in cmds[0].fault.message
+    # not every rank said so in time: the coarse way
+    _, cmds = mc.step(s, mc.Tick(seen(s.retry_deadline + 0.01, one)), P)
+    assert kinds(cmds) == ["Raise", "Abort"] and cmds[0].fault.kind == "nan"
+
+
+def test_a_plain_script_is_ended_whole():
+    s = running()
+    rs = ranks(0, {0: {"dead": True}})
+    s, cmds = mc.step(s, mc.Faulted(seen(2.0, rs, managed=False), Fault("crash", rank=0)), P)
+    assert cmds[1] == mc.Abort(0, managed=False)
+    assert s.deadline == 2.0 + T.terminate_grace_s
+
+
+def test_a_budget_spent_gives_up():
+    s = dataclasses.replace(running(), counters=Counters(hangs_in_a_row=P.rules.hang_restarts))
+    s, _ = mc.step(s, mc.Faulted(seen(2.0, ranks(0)), Fault("hang", message="no step")), P)
+    left = ranks(0, {r: {"left": 0} for r in range(4)})
+    s, cmds = mc.step(s, mc.Tick(seen(2.1, left)), P)
+    assert kinds(cmds) == ["Decide", "Fail"] and cmds[1].decision.level is Level.FAIL
+    assert s.gen == 0  # nothing published
+
+
+def test_the_end_waits_for_the_ranks_and_the_last_checkpoint_then_has_a_deadline():
+    s = running()
+    s, cmds = mc.step(s, mc.Completed(seen(50.0, ranks(0)), finish_s=5.0), P)
+    assert cmds == [mc.Finish()] and s.phase is Phase.FINISHING
+    _, cmds = mc.step(s, mc.Faulted(seen(50.1, ranks(0)), Fault("crash", rank=1)), P)
+    assert kinds(cmds) == ["Ignore"]
+    gone = ranks(0, {r: {"dead": True} for r in range(4)})
+    _, cmds = mc.step(s, mc.Settled(seen(51.0, gone), settled=False), P)
+    assert cmds == []
+    _, cmds = mc.step(s, mc.Settled(seen(51.0, gone), settled=True), P)
+    assert cmds == [mc.End()]
+    s, cmds = mc.step(s, mc.Settled(seen(55.1, ranks(0, {0: {"dead": True}})), False), P)
+    assert cmds == [mc.Overdue((101, 102, 103))]
+    _, cmds = mc.step(s, mc.Settled(seen(56.0, ranks(0)), False), P)
+    assert cmds == []  # once
+    s, _ = mc.step(s, mc.Over(), P)
+    assert s.phase is Phase.OVER
+
+
+def test_recovery_with_steps_seen_starts_the_in_a_row_counters_over():
+    s = dataclasses.replace(running(), incident=True, counters=Counters(hangs_in_a_row=2))
+    s2, _ = mc.step(s, mc.Recovered(seen(1.0, ranks(0)), progressed=True), P)
+    assert s2.counters.hangs_in_a_row == 0
+    s3, _ = mc.step(s, mc.Recovered(seen(1.0, ranks(0)), progressed=False), P)
+    assert s3.counters.hangs_in_a_row == 2
+
+
+def test_an_isolated_node_is_never_a_place_for_ranks():
+    s = running()
+    s, cmds = mc.step(s, mc.Isolate(seen(1.0, ranks(0)), node=2), P)
+    assert cmds == [] and s.counters.isolated == {2}
+    assert s.usable_nodes(3) == [0, 1]
+    # node 0's memory and ranks die: no spare node is left, the ranks stay where they can
+    dead = {0: {"dead": True}, 1: {"dead": True}}
+    s, _ = mc.step(s, mc.Faulted(seen(5.0, ranks(0, dead)), Fault("crash", rank=0)), P)
+    left = ranks(0, dead, {2: {"left": 0}, 3: {"left": 0}})
+    s, _ = mc.step(s, mc.Tick(seen(5.1, left)), P)
+    s, cmds = mc.step(s, mc.Tick(seen(5.2, left, lost_memory=frozenset({0}))), P)
+    placed = [c for c in cmds if isinstance(c, mc.CarryOut)]
+    assert all(n != 2 for c in placed for n in c.placement.values())
