@@ -472,48 +472,35 @@ class Controller:
                     "joining", "snapshot_interval", "snapshot_failed", "no_steps") \
                 and not ev.get("replay"):  # a replayed one is in the log of the controller before
             self.log.write(f"rank_{kind}", **{k: v for k, v in ev.items() if k != "type"})
-        if kind == "ready":
-            w.ready = True
-            if w.spare:
-                self.table.spare_failures = 0
+        about_gen = kind in ("entered", "first_step", "left", "nan", "loss_rule", "done")
+        if about_gen and (gen != self.gen or self.plan.get(ev.get("rank", -1)) != w.wid):
+            return  # about an older generation
+        w.take_event(ev)
+        if kind == "ready" and w.spare:
+            self.table.spare_failures = 0
         elif kind == "wrapped":
-            w.wrapped = True
             self.ledger.managed = True
-        elif kind == "joining":
-            w.joining = max(w.joining, gen)
         elif kind == "inject":
-            self.book.injected(ev["t"])
-            if ev.get("index") is not None:  # fired once in the job: never again (any host)
-                key = str(ev["index"])
-                self.claimed[key] = self.claimed.get(key, 0) + 1
-            if ev.get("kind") == "node_crash":  # the rest of the node dies with it
-                for x in self.workers.values():
-                    if x.node == w.node and not x.dead:
-                        self.agent.signal(x.wid)
-        elif kind == "exit":
-            w.exit_report = ev
+            self._on_inject(w, ev)
         elif kind == "no_steps":
             self._on_no_steps(ev)
-        elif gen != self.gen or self.plan.get(ev.get("rank", -1)) != w.wid:
-            return  # about an older generation
         elif kind == "entered":
-            self._on_entered(w, ev)
+            if ev.get("sharded") is not None:
+                self.memory.sharded = bool(ev["sharded"])
+            self._last_entered = ev
+            self._step(mc.Entered(self._seen()))
         elif kind == "first_step":
             self._on_first_step(w, ev)
         elif kind == "left":
             self._on_left(w, ev)
         elif kind == "nan":
-            w.retry_step, w.retry_loss = ev.get("step"), ev.get("output")
             self._step(mc.RetryAsked(self._seen()))
         elif kind == "loss_rule":
             self._on_loss_rule(ev)
         elif kind == "done":
-            w.done = gen
-            w.busy = ev.get("busy", w.busy)
             self.ledger.done(ev)
             if ev.get("final_persist") is not None:
                 self.final_persist = max(self.final_persist or 0, ev["final_persist"])
-            w.step = ev.get("step", w.step)
             self.max_step = max(self.max_step, ev.get("step") or 0)
             if self.phase is Phase.RUNNING and all(self.workers[x].done >= self.gen
                                                    for x in self.plan.values()):
@@ -521,19 +508,17 @@ class Controller:
                     self._close_incident(ev["t"], ev.get("step"))
                 self._training_complete(ev["t"])
 
-    def _on_entered(self, w: Worker, ev: dict[str, Any]) -> None:
-        if ev.get("sharded") is not None:
-            self.memory.sharded = bool(ev["sharded"])
-        w.entered = self.gen
-        w.entered_ev = ev
-        w.joining = max(w.joining, self.gen)
-        w.step, w.step_gen, w.t_step = ev.get("step", 0), self.gen, ev["t"]
-        self._last_entered = ev
-        self._step(mc.Entered(self._seen()))
+    def _on_inject(self, w: Worker, ev: dict[str, Any]) -> None:
+        self.book.injected(ev["t"])
+        if ev.get("index") is not None:  # fired once in the job: never again (any host)
+            key = str(ev["index"])
+            self.claimed[key] = self.claimed.get(key, 0) + 1
+        if ev.get("kind") == "node_crash":  # the rest of the node dies with it
+            for x in self.workers.values():
+                if x.node == w.node and not x.dead:
+                    self.agent.signal(x.wid)
 
     def _on_first_step(self, w: Worker, ev: dict[str, Any]) -> None:
-        w.step, w.step_gen, w.t_step = ev["step"], self.gen, ev["t"]
-        w.first_gen, w.t_first = self.gen, ev["t"]
         stepless = ev.get("steps") is False  # its marks are its steps (no ctx.steps)
         self.ledger.first_step(stepless)
         self.signals.on_first_step(w, ev["t"], stepless=stepless)
@@ -556,7 +541,6 @@ class Controller:
             self._fail(Decision(Level.FAIL, reason="loss rule", diagnosis=text))
 
     def _on_left(self, w: Worker, ev: dict[str, Any]) -> None:
-        w.left = self.gen
         self.max_step = max(self.max_step, ev.get("step") or 0)
         if self.incident is not None:
             self.incident.step_before = max(self.incident.step_before, ev.get("step") or 0)

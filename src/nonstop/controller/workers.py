@@ -51,6 +51,32 @@ class Worker:
     warm_gen: int = -1  # the generation it was already running for when published
 
 
+    def take_event(self, ev: dict[str, Any]) -> None:
+        """What its own event says of it: the record only (what it means for the job is the
+        controller's). Events about a generation are taken only for its current one."""
+        kind, gen = ev["type"], ev.get("gen")
+        if kind == "ready":
+            self.ready = True
+        elif kind == "wrapped":
+            self.wrapped = True
+        elif kind == "joining":
+            self.joining = max(self.joining, gen)
+        elif kind == "exit":
+            self.exit_report = ev
+        elif kind == "entered":
+            self.entered, self.entered_ev, self.joining = gen, ev, max(self.joining, gen)
+            self.step, self.step_gen, self.t_step = ev.get("step", 0), gen, ev["t"]
+        elif kind == "first_step":
+            self.step, self.step_gen, self.t_step = ev["step"], gen, ev["t"]
+            self.first_gen, self.t_first = gen, ev["t"]
+        elif kind == "left":
+            self.left = gen
+        elif kind == "nan":
+            self.retry_step, self.retry_loss = ev.get("step"), ev.get("output")
+        elif kind == "done":
+            self.done, self.busy = gen, ev.get("busy", self.busy)
+            self.step = ev.get("step", self.step)
+
     def take_progress(self, rec: dict[str, Any], gen: int) -> int:
         """A progress record it published; returns the step it reports for ``gen`` (else 0)."""
         step = rec.get("step") if rec.get("gen") == gen else None

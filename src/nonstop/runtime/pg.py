@@ -13,6 +13,7 @@ import gc
 import os
 import socket
 import struct
+import sys
 import threading
 import time
 from typing import Callable, Iterator
@@ -86,6 +87,10 @@ def with_cpu_backend(backend: str) -> str:
     through NCCL. Anything else (``gloo``, an explicit ``device:backend`` list) is kept as given."""
     return "cpu:gloo,cuda:nccl" if backend.strip().lower() == "nccl" else backend
 
+
+DRAIN_OPS = 2  # gloo's worker threads per group (torch's default)
+DRAIN_S = 0.5  # how long a kept group may take to drain before it is kept for good
+_UNDRAINED: list = []  # groups that did not drain: destroying them could hang the process
 
 SWEEP_EVERY_S = 0.02  # an aborted group still forming: how often its new sockets are shut...
 SWEEP_LIMIT_S = 10.0  # ...and for how long at most
@@ -233,5 +238,38 @@ class GenerationGroup:
         return time.monotonic() - t0
 
     def release(self) -> None:
-        """Destroy the group object kept by ``close`` (its workers are idle by now)."""
-        self._kept = None
+        """Destroy the group object kept by ``close``.
+
+        Its destruction, holding the GIL, waits for its work queue to empty and joins its worker
+        threads; a worker still finishing an operation of the aborted generation may need the GIL
+        to free a tensor, and would wait for it forever. So the group is drained first, with the
+        GIL released: its sockets are shut (any operation on them fails at once), one no-op is
+        posted per worker thread and each is waited for. A group that does not drain within
+        ``DRAIN_S`` is kept for the life of the process, said once on stderr, rather than hang
+        the rank."""
+        kept, self._kept = self._kept, None
+        if kept is None:
+            return
+        import torch
+
+        if self._group_fds:
+            shutdown_sockets(self._group_fds)
+        probes = [torch.zeros(1) for _ in range(DRAIN_OPS)]  # alive until the group is gone
+        deadline = time.monotonic() + DRAIN_S
+        drained = True
+        try:
+            works = [kept.allreduce([p]) for p in probes]
+        except Exception:  # noqa: BLE001 - a backend that refuses at once holds nothing
+            works = []
+        for work in works:
+            left = max(0.001, deadline - time.monotonic())
+            try:
+                work.wait(datetime.timedelta(seconds=left))
+            except Exception:  # noqa: BLE001 - failing is the expected outcome: sockets shut
+                pass
+            drained = drained and work.is_completed()
+        if not drained:
+            _UNDRAINED.append(kept)
+            print(f"nonstop: the group of generation {self.gen} did not drain within "
+                  f"{DRAIN_S:g} s; kept, not destroyed", file=sys.stderr, flush=True)
+        del kept, works, probes
