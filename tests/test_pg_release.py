@@ -1,0 +1,53 @@
+"""A kept group of an ended generation is destroyed without ever hanging its rank: drained first
+(real gloo, two real processes), or kept for good when it cannot drain in time."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import torch.distributed as dist
+
+from conftest import ROOT
+
+SCRIPT = ROOT / "tests" / "scripts" / "kept_group.py"
+
+
+def _run(mode: str) -> list[str]:
+    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(r), str(store.port), mode],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    out = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=60)
+            assert p.returncode == 0, stderr[-2000:]
+            out.append(stdout + stderr)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    return out
+
+
+def _released(text: str) -> tuple[float, int]:
+    m = re.search(r"released ([\d.]+) undrained (\d+)", text)
+    assert m, text
+    return float(m.group(1)), int(m.group(2))
+
+
+def test_a_kept_group_is_drained_then_destroyed_at_once():
+    for text in _run("drain"):
+        seconds, undrained = _released(text)
+        assert seconds < 0.4 and undrained == 0, text
+
+
+def test_a_group_that_cannot_drain_is_kept_and_the_rank_goes_on():
+    rank0, rank1 = _run("stuck")
+    seconds, undrained = _released(rank0)
+    assert 0.4 <= seconds < 2.0 and undrained == 1, rank0
+    assert "did not drain" in rank0
+    assert "released" not in rank1
