@@ -83,3 +83,22 @@ def test_orders_carry_the_epoch_and_reports_the_senders_clock():
     order = dataclasses.replace(m.Abort(gen=1), epoch=9)
     assert m.encode(order)["epoch"] == 9
     assert m.decode({"op": "end", "grace_s": 1}) == m.End(grace_s=1)  # an int is a float
+
+
+def test_mailbox_messages_round_trip_and_refuse_what_they_do_not_know():
+    from nonstop import protocol
+
+    msgs = [protocol.Assign(gen=3, rank=1, world=4, replacements=2, initial=True,
+                            claimed={"0": 1}, local_rank=1, local_world=2, group_rank=0,
+                            master_addr="10.0.0.1", pg_addr="10.0.0.1", pg_port=29400),
+            protocol.Complete(), protocol.Exit(), protocol.Retry(skip=True)]
+    for msg in msgs:
+        rec = json.loads(json.dumps(protocol.mail_record(msg)))
+        assert rec["type"] == msg.type and protocol.mail_from(rec) == msg
+    for bad, why in [({"type": "reboot"}, "unknown mailbox message"),
+                     ({"gen": 1}, "unknown mailbox message"),
+                     ({"type": "retry", "skip": True, "rm": "-rf"}, "unknown fields")]:
+        with pytest.raises(ValueError, match=why):
+            protocol.mail_from(bad)
+    with pytest.raises(ValueError, match="rank"):  # fields it must have are missing
+        protocol.mail_from({"type": "assign", "gen": 1})

@@ -293,7 +293,7 @@ class Controller:
         for wid in self.plan.values():
             w = self.workers[wid]
             w.retry_step, w.first_gen = None, -1  # the incident closes at the next step of all
-            self.table.send(w, {"type": protocol.RETRY, "skip": c.decision.skip})
+            self.table.send(w, protocol.Retry(skip=c.decision.skip))
 
     def _do_Fail(self, c: mc.Fail) -> None:
         self._fail(c.decision)
@@ -306,9 +306,9 @@ class Controller:
         for wid in self.plan.values():
             w = self.workers[wid]
             if not w.dead and self.managed:
-                self.table.send(w, {"type": protocol.COMPLETE})
+                self.table.send(w, protocol.Complete())
         for w in self.table.spares():
-            self.table.send(w, {"type": protocol.EXIT})
+            self.table.send(w, protocol.Exit())
 
     def _do_End(self, c: mc.End) -> None:
         self._end(0 if self.diagnosis is None else 1)

@@ -59,10 +59,10 @@ class Generations:
         for rank, wid in sorted(self.plan.items()):
             w = self.workers[wid]
             w.rank = rank
-            self.table.send(w, {"type": protocol.ASSIGN, "gen": gen, "rank": rank,
-                                "world": self.world, "replacements": self.replacements[rank],
-                                "initial": initial, "claimed": self.claimed, **where,
-                                **self.local_ranks(rank, node_of)})
+            self.table.send(w, protocol.Assign(
+                gen=gen, rank=rank, world=self.world, replacements=self.replacements[rank],
+                initial=initial, claimed=dict(self.claimed), **where,
+                **self.local_ranks(rank, node_of)))
             # processes already running (survivors, ready spares) join within milliseconds
             if w.ready or w.entered >= 0:
                 w.warm_gen = gen

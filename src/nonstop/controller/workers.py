@@ -8,6 +8,7 @@ import signal
 import time
 from typing import Any, Iterator
 
+from .. import protocol
 from ..agent.agent import Agent, Proc
 from ..observe.events import EventLog
 
@@ -141,8 +142,8 @@ class WorkerTable:
                         key=lambda w: (not w.ready, w.wid))
         return others[0] if others else None
 
-    def send(self, w: Worker, msg: dict[str, Any]) -> None:
-        self.mail.send(w.wid, w.seq, msg)
+    def send(self, w: Worker, msg: protocol.Mail) -> None:
+        self.mail.send(w.wid, w.seq, protocol.mail_record(msg))
         w.seq += 1
 
     def kill(self, w: Worker, why: str, dump: bool = False) -> None:

@@ -390,9 +390,15 @@ class HostAgent:
             case m.Signal(wid=wid, sig=sig):
                 self.agent.signal(wid, sig)
             case m.Send(wid=wid, seq=seq, msg=body):
+                try:
+                    mail = protocol.mail_from(body)
+                except ValueError as exc:  # from a newer controller, say
+                    print(f"nonstop: mailbox message for worker {wid} refused: {exc}",
+                          file=sys.stderr, flush=True)
+                    return
                 meta = self.meta.setdefault(wid, {})
-                if body.get("type") == protocol.ASSIGN:
-                    meta.update(rank=body.get("rank"), gen=body.get("gen"), spare=False)
+                if isinstance(mail, protocol.Assign):
+                    meta.update(rank=mail.rank, gen=mail.gen, spare=False)
                 meta["seq"] = seq + 1  # a controller taking over goes on from here
                 self.mail.send(wid, seq, body)
             case m.Abort(gen=gen, wids=wids):

@@ -6,8 +6,9 @@ that both sides agree by construction. Every key a generation writes is under ``
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Any
+from typing import Any, ClassVar, Union
 
 # -- environment variables (one prefix) ---------------------------------------------------------
 ENV_STORE = "NONSTOP_STORE"  # host:port of the coordination store
@@ -58,16 +59,81 @@ def inject_key(index: int) -> str:
     return f"inj/{index}"
 
 
-# -- messages -----------------------------------------------------------------------------------
-# controller -> worker (mailbox): {"type": "assign", "gen", "rank", "world", "replacements", "port"?}
-#                                 {"type": "complete"}   training finished on every rank
-#                                 {"type": "exit"}       leave now (spares at the end of a job)
-#                                 {"type": "retry", "skip"}  redo (or skip) a step, same generation
-# worker -> controller (events):  hello, ready, wrapped, entered, first_step, left, done, inject, exit
+# -- messages: controller -> worker (its mailbox) -------------------------------------------------
+# Typed here, written to the mailbox as ``mail_record`` (JSON), read back by ``mail_from``: a
+# message of an unknown type, or with a field this side does not know, is refused.
+# worker -> controller (events): JSON records with a "type" (hello, ready, wrapped, joining,
+# entered, first_step, left, done, nan, loss_rule, inject, exit, no_steps...), see runtime/.
 ASSIGN = "assign"
 COMPLETE = "complete"
 EXIT = "exit"
 RETRY = "retry"  # re-enter the same generation and redo (or skip) the step
+
+
+@dataclasses.dataclass(frozen=True)
+class Assign:
+    """A rank's assignment for one generation, with the torchrun view of where it runs."""
+
+    gen: int
+    rank: int
+    world: int
+    replacements: int = 0  # times this rank was replaced
+    initial: bool = False  # the job (re)starts: no rank holds state to agree on
+    claimed: dict[str, int] = dataclasses.field(default_factory=dict)  # faults fired: index -> n
+    local_rank: int | None = None  # None: the rank (one host)
+    local_world: int | None = None  # None: the world
+    group_rank: int = 0  # the index of its host among the hosts that hold ranks
+    port: int | None = None  # MASTER_PORT: the store a plain script's group forms on
+    master_addr: str | None = None  # across hosts: MASTER_ADDR (the host of rank 0)
+    pg_addr: str | None = None  # across hosts: the store the group of nonstop.wrap forms on
+    pg_port: int | None = None
+    type: ClassVar[str] = ASSIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class Complete:
+    """Training finished on every rank: return from the training function."""
+
+    type: ClassVar[str] = COMPLETE
+
+
+@dataclasses.dataclass(frozen=True)
+class Exit:
+    """Leave now (a spare at the end of a job, a process no longer needed)."""
+
+    type: ClassVar[str] = EXIT
+
+
+@dataclasses.dataclass(frozen=True)
+class Retry:
+    """Redo the step in the same generation (``skip``: skip its batch instead)."""
+
+    skip: bool = False
+    type: ClassVar[str] = RETRY
+
+
+Mail = Union[Assign, Complete, Exit, Retry]
+_MAIL: dict[str, type] = {ASSIGN: Assign, COMPLETE: Complete, EXIT: Exit, RETRY: Retry}
+
+
+def mail_record(msg: Mail) -> dict[str, Any]:
+    """The JSON record of a mailbox message."""
+    return {"type": msg.type, **dataclasses.asdict(msg)}
+
+
+def mail_from(rec: dict[str, Any]) -> Mail:
+    """The message a mailbox record holds; ValueError for one this side does not know."""
+    kind = _MAIL.get(rec.get("type"))  # type: ignore[arg-type]
+    if kind is None:
+        raise ValueError(f"unknown mailbox message {rec.get('type')!r}")
+    fields = {f.name for f in dataclasses.fields(kind)}
+    unknown = sorted(set(rec) - fields - {"type"})
+    if unknown:
+        raise ValueError(f"mailbox message {rec['type']!r} with unknown fields {unknown}")
+    try:
+        return kind(**{k: v for k, v in rec.items() if k != "type"})
+    except TypeError as exc:  # a field it must have is missing
+        raise ValueError(f"mailbox message {rec['type']!r}: {exc}") from None
 
 
 def dumps(obj: dict[str, Any]) -> bytes:

@@ -104,15 +104,21 @@ def main() -> None:
         # is started): waiting costs nothing, and the script runs with its rank in the
         # environment, so a failure at import is the script's whatever it reads at top level.
         msg = rt.wait_message()
-    if msg is not None and msg["type"] == protocol.EXIT:
+    if isinstance(msg, protocol.Exit):
         os._exit(0)
     if rt.assignment is not None:
         rt.apply_env(rt.assignment)
         if not uses_nonstop:
             rt.assignment_consumed = True
-            rt.emit("entered", gen=rt.assignment["gen"], rank=rt.assignment["rank"], plain=True,
+            rt.emit("entered", gen=rt.assignment.gen, rank=rt.assignment.rank, plain=True,
                     step=None, t_assigned=time.time())
     run_script(rt, script, args)
+
+
+def _assigned_to(rt: Any) -> dict[str, Any]:
+    """The generation and rank of the process's assignment (None: a spare that had none)."""
+    a = rt.assignment
+    return {"gen": a.gen if a else None, "rank": a.rank if a else None}
 
 
 def watch_group_init() -> None:
@@ -186,14 +192,14 @@ def run_script(rt: Any, script: str, args: list[str]) -> None:
             error, _ = _describe(exc, script)
             rt.emit("exit", code=code, error=error, traceback=None, import_error=True,
                     assigned=assigned, collective=False,
-                    gen=(rt.assignment or {}).get("gen"), rank=(rt.assignment or {}).get("rank"))
+                    **_assigned_to(rt))
         _end(code or 0)
     except BaseException as exc:  # noqa: BLE001 - report the user's error to the launcher, once
         error, text = _describe(exc, script)
         at_import = _before_training(rt)
         rt.emit("exit", code=1, error=error, traceback=text, import_error=at_import,
                 assigned=assigned, collective=not at_import and worker.is_collective_error(exc),
-                gen=(rt.assignment or {}).get("gen"), rank=(rt.assignment or {}).get("rank"))
+                **_assigned_to(rt))
         _end(1)
     _end(0, kept)
 

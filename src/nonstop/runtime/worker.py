@@ -54,7 +54,7 @@ class WorkerRuntime:
         self._local = threading.local()
         self.job: dict[str, Any] = protocol.loads(self.store.get(protocol.JOB_KEY))
         self._seq = 0  # next mailbox message to read
-        self.assignment: dict[str, Any] | None = None  # the newest assign message
+        self.assignment: protocol.Assign | None = None  # the newest assignment
         self.assignment_consumed = False  # whether a generation was entered with it
         self.entries = 0  # times this process entered the training function
         self.ever_entered = False
@@ -105,20 +105,21 @@ class WorkerRuntime:
         store.set(protocol.event_key(slot), protocol.dumps(fields))
 
     # -- mailbox --------------------------------------------------------------------------------
-    def poll_message(self) -> dict[str, Any] | None:
+    def poll_message(self) -> protocol.Mail | None:
         """The newest unread message if one is waiting (older unread ones are superseded)."""
         store = self.store
         msg = None
         while store.check([protocol.mailbox_key(self.worker_id, self._seq)]):
-            msg = protocol.loads(store.get(protocol.mailbox_key(self.worker_id, self._seq)))
+            msg = protocol.mail_from(protocol.loads(
+                store.get(protocol.mailbox_key(self.worker_id, self._seq))))
             self._seq += 1
-        if msg is not None and msg["type"] == protocol.ASSIGN:
+        if isinstance(msg, protocol.Assign):
             self.assignment, self.assignment_consumed = msg, False
-            if msg.get("claimed"):
-                self._adopt_claims(msg["claimed"])
+            if msg.claimed:
+                self._adopt_claims(msg.claimed)
         return msg
 
-    def wait_message(self) -> dict[str, Any]:
+    def wait_message(self) -> protocol.Mail:
         """Block until the controller sends the next message (the launcher kills us if it dies)."""
         while True:
             key = protocol.mailbox_key(self.worker_id, self._seq)
@@ -139,11 +140,11 @@ class WorkerRuntime:
         self._local.store = None
         time.sleep(0.05)
 
-    def next_assignment(self) -> dict[str, Any]:
+    def next_assignment(self) -> protocol.Mail:
         """The assignment to enter next: an unconsumed one, else the next message."""
         if self.assignment is not None and not self.assignment_consumed:
             newer = self.poll_message()
-            if newer is None or newer["type"] == protocol.ASSIGN:
+            if newer is None or isinstance(newer, protocol.Assign):
                 return self.assignment
             return newer
         return self.wait_message()
@@ -198,9 +199,9 @@ class WorkerRuntime:
         return self.store.add(protocol.inject_key(index), 1) <= fault.times
 
     def _announce_fault(self, fault: inject.FaultSpec, step: int, index: int | None = None) -> None:
-        a = self.assignment or {}
+        gen = self.assignment.gen if self.assignment is not None else None
         self.emit("inject", fault=fault.describe(), kind=fault.kind, rank=fault.rank, step=step,
-                  gen=a.get("gen"), pid=os.getpid(), index=index)
+                  gen=gen, pid=os.getpid(), index=index)
 
     def _adopt_claims(self, claimed: dict[str, int]) -> None:
         """Faults already fired elsewhere in the job (another host's store counted them): count
@@ -211,28 +212,30 @@ class WorkerRuntime:
             if have < times:
                 store.add(protocol.inject_key(int(index)), times - have)
 
-    def group_store(self, msg: dict[str, Any]) -> tuple[str, int]:
+    def group_store(self, msg: protocol.Assign) -> tuple[str, int]:
         """Where a generation's group forms: the store named in its assignment (across hosts, a
         store on the host of its rank 0), else this host's store."""
-        if msg.get("pg_addr"):
-            return msg["pg_addr"], int(msg["pg_port"])
+        if msg.pg_addr:
+            return msg.pg_addr, int(msg.pg_port or 0)
         return self.host, self.port
 
     # -- environment ----------------------------------------------------------------------------
-    def apply_env(self, msg: dict[str, Any]) -> None:
+    def apply_env(self, msg: protocol.Assign) -> None:
         """Export the torchrun environment of an assignment so scripts that read it see the truth."""
         env = os.environ
-        rank, world = str(msg["rank"]), str(msg["world"])
-        group = str(msg.get("group_rank", 0))
+        rank, world = str(msg.rank), str(msg.world)
+        group = str(msg.group_rank)
+        local_rank = rank if msg.local_rank is None else str(msg.local_rank)
+        local_world = world if msg.local_world is None else str(msg.local_world)
         env.update({
-            "RANK": rank, "LOCAL_RANK": str(msg.get("local_rank", rank)), "WORLD_SIZE": world,
-            "LOCAL_WORLD_SIZE": str(msg.get("local_world", world)), "GROUP_RANK": group,
+            "RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": world,
+            "LOCAL_WORLD_SIZE": local_world, "GROUP_RANK": group,
             "NODE_RANK": group, "ROLE_RANK": rank, "ROLE_WORLD_SIZE": world, "ROLE_NAME": "default",
-            "MASTER_ADDR": msg.get("master_addr") or self.host,
-            "MASTER_PORT": str(msg.get("port") or self.port),
-            "TORCHELASTIC_RESTART_COUNT": str(msg["gen"]), "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "MASTER_ADDR": msg.master_addr or self.host,
+            "MASTER_PORT": str(msg.port or self.port),
+            "TORCHELASTIC_RESTART_COUNT": str(msg.gen), "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_RUN_ID": str(self.job.get("run_id", "nonstop")),
-            protocol.ENV_GENERATION: str(msg["gen"]),
+            protocol.ENV_GENERATION: str(msg.gen),
             protocol.ENV_ENTRIES: str(self.entries),
-            protocol.ENV_REPLACEMENTS: str(msg.get("replacements", 0)),
+            protocol.ENV_REPLACEMENTS: str(msg.replacements),
         })

@@ -90,17 +90,17 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
             if rt.node_memory is not None and state is not None:  # a warm spare
                 rt.node_memory.prepare(until=lambda: rt.assignment is not None)
         msg = rt.next_assignment()
-        if msg["type"] == protocol.EXIT:
+        if isinstance(msg, protocol.Exit):
             _retire()
-        if msg["type"] != protocol.ASSIGN:
+        if not isinstance(msg, protocol.Assign):
             continue
         rt.assignment_consumed = True
-        gen, rank, world = msg["gen"], msg["rank"], msg["world"]
+        gen, rank, world = msg.gen, msg.rank, msg.world
         rt.rank = rank
         rt.apply_env(msg)
         rt.injector.in_recovery("assigned", rank, gen)
         t_assigned = time.time()
-        has_state = rt.ever_entered or bool(msg.get("initial"))
+        has_state = rt.ever_entered or msg.initial
         if state is None:  # nothing registered: nothing to agree on, every entry starts over
             tracked.step, tracked.dirty, has_state = 0, False, True
         group = GenerationGroup(*rt.group_store(msg), gen, rank, world, backend,
@@ -141,7 +141,7 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
                 steps=rt.monitor.steps_seen,
                 final_persist=rt.snapshots.final_persist if rt.snapshots is not None else None)
         verdict = rt.wait_message()
-        if verdict["type"] == protocol.COMPLETE:
+        if isinstance(verdict, protocol.Complete):
             rt.monitor.end()
             rt.release_closed_groups()
             return result
@@ -150,7 +150,7 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
         rt.closed_groups.append(group)
         rt.emit("left", gen=gen, rank=rank, reason="reassigned", step=tracked.step,
                 dirty=tracked.dirty, t_caught=time.time())
-        if verdict["type"] == protocol.EXIT:
+        if isinstance(verdict, protocol.Exit):
             _retire()
 
 
@@ -174,13 +174,13 @@ def _report_retry(rt: Any, tracked: State, gen: int, rank: int, retry: "_Retry")
     retry message, or None when called off (a new assignment is then waiting)."""
     rt.emit("nan", gen=gen, rank=rank, step=retry.step, output=retry.loss)
     verdict = rt.wait_message()
-    if verdict["type"] == protocol.EXIT:
+    if isinstance(verdict, protocol.Exit):
         _retire()
-    if verdict["type"] != protocol.RETRY:
+    if not isinstance(verdict, protocol.Retry):
         return None
     tracked.zero_grads()
     tracked.dirty = False
-    if verdict.get("skip"):
+    if verdict.skip:
         tracked.step = retry.step + 1  # the batch is skipped: the data order moves on
     return verdict
 
@@ -204,7 +204,7 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
     ``rejoin``: re-enter a generation already joined, to retry a step."""
     from ..state.restore import NoConsistentState
 
-    gen, rank, world = msg["gen"], msg["rank"], msg["world"]
+    gen, rank, world = msg.gen, msg.rank, msg.world
     phase = "train" if rejoin else "rendezvous"
     t_pg: float | None = None
     try:
@@ -267,7 +267,7 @@ def _context(rt: Any, tracked: State, msg: dict[str, Any], resumed: Any) -> Cont
         from ..policy import LossRule
 
         rules = LossRules(LossRule(**r) for r in rules)
-    return Context(msg["rank"], msg["world"], msg["gen"], rt.entries, msg.get("replacements", 0),
+    return Context(msg.rank, msg.world, msg.gen, rt.entries, msg.replacements,
                    tracked, rt, resumed, loss_rules=rules)
 
 
