@@ -2,7 +2,8 @@
 
 The public API is small: ``State`` (what survives a restart), ``wrap`` (make a training function
 restartable in-process), ``Context`` (what the function sees of its generation), ``step_seed``,
-``reproducible`` and ``RNGState`` (the random generators, as state to register).
+``reproducible``, ``RNGState`` (the random generators, as state to register) and
+``GlobalBatchSampler`` (each step's samples, the same whatever the world size).
 Importing nonstop does not import torch.
 """
 
@@ -11,12 +12,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["State", "RNGState", "wrap", "Context", "step_seed", "reproducible", "__version__"]
+__all__ = ["State", "RNGState", "wrap", "Context", "step_seed", "reproducible",
+           "GlobalBatchSampler", "__version__"]
 
 if TYPE_CHECKING:
     from .runtime.registered import RNGState, State
     from .ddp import reproducible
     from .runtime.context import Context, step_seed
+    from .runtime.sampler import GlobalBatchSampler
     from .runtime.wrap import wrap
 
 
@@ -37,4 +40,8 @@ def __getattr__(name: str) -> Any:
         from .ddp import reproducible
 
         return reproducible
+    if name == "GlobalBatchSampler":
+        from .runtime.sampler import GlobalBatchSampler
+
+        return GlobalBatchSampler
     raise AttributeError(f"module 'nonstop' has no attribute {name!r}")
