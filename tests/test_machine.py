@@ -276,3 +276,30 @@ def test_an_isolated_node_is_never_a_place_for_ranks():
     s, cmds = mc.step(s, mc.Tick(seen(5.2, left, lost_memory=frozenset({0}))), P)
     placed = [c for c in cmds if isinstance(c, mc.CarryOut)]
     assert all(n != 2 for c in placed for n in c.placement.values())
+
+
+def test_placement_for_each_level():
+    # ranks 0-3 on nodes 0-1, node 2 a spare node
+    s = seen(0.0, ranks(0))
+    rank = ladder_decision(Level.REPLACE_RANK, replace={1, 3})
+    assert mc.place(rank, s, set()) == {1: 0, 3: 1}  # where they were
+    # node 0 given up: its ranks go to the spare node together; rank 3 (died on a healthy node
+    # meanwhile) stays on its node
+    node = ladder_decision(Level.REPLACE_NODE, replace={0, 1, 3}, isolate={0})
+    assert mc.place(node, s, {0}) == {0: 2, 1: 2, 3: 1}
+    # a job restart fills the healthy nodes in order
+    job = ladder_decision(Level.JOB_RESTART, replace={0, 1, 2, 3})
+    assert mc.place(job, s, {1}) == {0: 0, 1: 0, 2: 2, 3: 2}
+
+
+def test_the_view_counts_spare_nodes_and_capacity_without_isolated_nodes():
+    s = dataclasses.replace(running(), counters=Counters(isolated={2}))
+    v = mc.view(s, seen(0.0, ranks(0), nodes=4))
+    assert v.world == 4 and v.spare_nodes == 1 and v.capacity == 6 and v.slots == 2
+    assert mc.spare_nodes(v.node_of, 4, {2}) == [3]
+
+
+def ladder_decision(level, replace=(), isolate=()):
+    from nonstop.decide.ladder import Decision
+
+    return Decision(level, replace=frozenset(replace), isolate=frozenset(isolate))
