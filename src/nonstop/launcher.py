@@ -243,7 +243,7 @@ def run(cfg: RunConfig) -> int:
         display.stop()
         name = signal.Signals(exc.signum).name
         log.write("interrupted", signal=exc.signum)
-        controller.diagnosis = f"interrupted by {name}"
+        controller.outcome.diagnosis = f"interrupted by {name}"
         code = 128 + exc.signum
         if pol.state.emergency.on_signal and controller.phase not in ENDING:
             display.info(f"interrupted by {name}: saving the newest snapshot, then ending every "
@@ -257,9 +257,9 @@ def run(cfg: RunConfig) -> int:
         else:
             display.info(f"interrupted by {name}: ending every process")
     except CheckpointsFailing as exc:  # state.checkpoint.on_failure: fail
-        if controller.exit_code is None:  # not already ending (giving up for another reason)
+        if controller.outcome.exit_code is None:  # not already ending (for another reason)
             controller.give_up("checkpoints failing", str(exc))
-        code = controller.exit_code if controller.exit_code is not None else 1
+        code = controller.outcome.exit_code if controller.outcome.exit_code is not None else 1
     finally:
         display.stop()
         for s, h in old.items():
@@ -274,7 +274,7 @@ def run(cfg: RunConfig) -> int:
 def report(controller: Any, log: Any, run_dir: Path, code: int, display: Any) -> dict[str, Any]:
     """The run's summary: into the event log, summary.json and the console."""
     t_exit = time.time()
-    train_end = controller.t_train_end or t_exit
+    train_end = controller.outcome.t_train_end or t_exit
     ledger = controller.ledger
     summary = incidents.summarize(ledger.incident_records(controller.incidents),
                                   train_end - controller.t_start,
@@ -285,16 +285,16 @@ def report(controller: Any, log: Any, run_dir: Path, code: int, display: Any) ->
     summary["wall_s"] = round(t_exit - controller.t_start, 3)
     summary["finish_s"] = round(t_exit - train_end, 3)
     summary["run_dir"] = str(run_dir)
-    summary["diagnosis"] = controller.diagnosis
+    summary["diagnosis"] = controller.outcome.diagnosis
     summary["state"] = dict(controller.memory.summary(), snapshot=controller.snap_stats)
     log.write("run_end", **{k: v for k, v in summary.items() if k != "incident_list"})
     log.close()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    if not controller.usage_error:
+    if not controller.outcome.usage_error:
         display.summary(summary)
-    if controller.traceback:
-        sys.stderr.write(controller.traceback if controller.traceback.endswith("\n")
-                         else controller.traceback + "\n")
-    if code != 0 and controller.diagnosis:
-        display.error(controller.diagnosis)
+    tb = controller.outcome.traceback
+    if tb:
+        sys.stderr.write(tb if tb.endswith("\n") else tb + "\n")
+    if code != 0 and controller.outcome.diagnosis:
+        display.error(controller.outcome.diagnosis)
     return summary

@@ -17,18 +17,18 @@ from .. import protocol
 from ..agent.agent import Agent, Proc
 from ..decide.faults import exit_fault
 from ..decide.ladder import Counters, Decision, Fault, Level
-from ..decide.liveness import Signals
 from ..observe.events import EventLog
 from ..observe.incidents import Incident
 from ..policy import Policy
 from ..state.service import Keepers
 from . import machine as mc
 from .book import IncidentBook
+from .ending import Outcome
 from .generations import Generations
 from .ledger import TrainingLedger
 from .phase import ACTIVE, ENDING, Phase
 from .watchers import Command, Watchers
-from .workers import DUMP_GRACE_S, Worker, WorkerTable
+from .workers import Worker, WorkerTable
 
 TICK_BUSY_S = 0.002  # loop period while survivors leave a failed generation
 TICK_WAIT_S = 0.02  # ...while a generation forms
@@ -41,7 +41,6 @@ class Controller:
                  log: EventLog, display: Any, managed: bool, nodes: int = 1, spare_nodes: int = 0,
                  run_dir: Any = None):
         self.world = world
-        self.run_dir = run_dir
         self.watchers = Watchers(policy, log, display)
         self.ledger = TrainingLedger(managed)
         self.policy = policy
@@ -61,17 +60,13 @@ class Controller:
                                 watchers=self.watchers, log=log, display=display)
         self.plan = self.gens.plan  # rank -> wid, for the current generation
         self.final_persist: int | None = None  # the last step's checkpoint, awaited at the end
-        self._failing = False  # the job is being given up (its state saved meanwhile)
         self.snap_stats: dict[str, Any] | None = None  # rank 0's snapshot numbers
-        self.signals = Signals(policy)
         self._t_running = 0.0  # when the current generation formed on every rank
         self._last_entered: dict[str, Any] = {}
-        self.exit_code: int | None = None
-        self.diagnosis: str | None = None
-        self.traceback: str | None = None
-        self.usage_error = False
+        self.outcome = Outcome(policy=policy, log=log, display=display, agent=agent,
+                               table=self.table, memory=self.memory, book=self.book,
+                               run_dir=run_dir)
         self.t_start = time.time()
-        self.t_train_end: float | None = None
         self._last_progress = 0.0
         self.max_step = 0
 
@@ -102,14 +97,6 @@ class Controller:
         return self.book.closed
 
     @property
-    def replacements(self) -> list[int]:
-        return self.gens.replacements
-
-    @property
-    def claimed(self) -> dict[str, int]:
-        return self.gens.claimed
-
-    @property
     def total_nodes(self) -> int:
         return self.gens.total_nodes
 
@@ -117,7 +104,7 @@ class Controller:
     def run(self) -> int:
         if self.gen < 0:  # a new job (a controller taking over has adopted one: see adopt)
             self._start()
-        while self.exit_code is None:
+        while self.outcome.exit_code is None:
             tick = (TICK_BUSY_S if self.phase is Phase.TEARING_DOWN else
                     TICK_IDLE_S if self.phase is Phase.RUNNING else TICK_WAIT_S)
             exited = self.agent.poll(tick)
@@ -130,14 +117,14 @@ class Controller:
                 self._read_progress()
                 self.display.status(self.snapshot())
             self._check(now)
-            if self.exit_code is None:
+            if self.outcome.exit_code is None:
                 # a node already faulted in the open incident is not reported again
                 self._act(self.watchers.poll_health(now, self.state.faulty_nodes,
                                                     set(self.gens.node_of().values())))
             self.memory.poll()
             self._check_keepers(now)
         self.watchers.close()
-        return self.exit_code
+        return self.outcome.exit_code
 
     def _seen(self, now: float | None = None) -> mc.Seen:
         """The job as the machine sees it now."""
@@ -155,7 +142,7 @@ class Controller:
         lost = frozenset(n for n, h in self.memory.keepers.items() if h.lost and not h.killed)
         return mc.Seen(now=now, ranks=tuple(ranks), managed=self.managed,
                        total_nodes=self.gens.total_nodes, slots=self.gens.slots, lost_memory=lost,
-                       slowest_step_s=self.signals.hang.slowest_step())
+                       slowest_step_s=self.watchers.signals.hang.slowest_step())
 
     def _step(self, ob: mc.Observation) -> None:
         """One observation through the machine; its commands carried out in order."""
@@ -172,8 +159,15 @@ class Controller:
             if c.action == "isolate":  # a node that holds no rank: just stop using it
                 self._isolate(c.node)
                 self._refill_spares()
-            elif c.action == "straggler":
-                self._straggler(c.fault)
+            elif c.action == "hang":
+                # the ranks holding the job up are ended at once: no need to wait for them to
+                # fail to leave; the others, in a collective, leave when the generation aborts
+                for wid, why in c.culprits.items():
+                    self.table.kill(self.workers[wid], f"hung: {why}")
+                self._fault(c.fault, t_fault=c.t_fault)
+            elif c.action == "replace":  # a straggler
+                self.table.kill(self.workers[self.plan[c.fault.rank]], "straggler", dump=True)
+                self._fault(c.fault)
             else:
                 self._fault(c.fault)
 
@@ -256,7 +250,7 @@ class Controller:
         new = self.gens.move(d, c.placement, self.book.open, isolated)
         self.gens.announce(d, c.gen)
         self.gens.publish(c.gen, initial=d.level is Level.JOB_RESTART, level=d.level.value,
-                          isolated=isolated)
+                          usable=self.state.usable_nodes(self.total_nodes))
         if self.book.open is not None:
             self.book.open.gen_to = c.gen
         for w in new:
@@ -265,11 +259,11 @@ class Controller:
 
     def _do_Publish(self, c: mc.Publish) -> None:
         self.gens.publish(c.gen, initial=c.initial, level=c.level,
-                          isolated=self.counters.isolated)
+                          usable=self.state.usable_nodes(self.total_nodes))
 
     def _do_Formed(self, c: mc.Formed) -> None:
         ev = self._last_entered
-        ranks = [self.workers[x] for x in self.plan.values()]
+        ranks = self._ranks()
         self._t_running = time.time()
         self.watchers.logs.start(self._t_running, self.plan.keys())
         if not ev.get("replay"):
@@ -299,31 +293,14 @@ class Controller:
         self._fail(c.decision)
 
     def _do_Finish(self, c: mc.Finish) -> None:
-        self.log.write("training_complete", gen=self.gen, step=self.max_step)
-        for f in self.ledger.unfired:
-            self.log.write("inject_unfired", fault=f, step=self.max_step)
-            self.display.warning(f"--inject {f} never fired: the run ended at step {self.max_step}")
-        for wid in self.plan.values():
-            w = self.workers[wid]
-            if not w.dead and self.managed:
-                self.table.send(w, protocol.Complete())
-        for w in self.table.spares():
-            self.table.send(w, protocol.Exit())
+        self.outcome.finish(self.gen, self.max_step, self._ranks(), self.managed,
+                            self.ledger.unfired)
 
     def _do_End(self, c: mc.End) -> None:
-        self._end(0 if self.diagnosis is None else 1)
+        self._end(0 if self.outcome.diagnosis is None else 1)
 
     def _do_Overdue(self, c: mc.Overdue) -> None:
-        finish_s = self.policy.timeouts.finish_s
-        alive = [self.workers[w] for w in c.wids]
-        self.diagnosis = self.diagnosis or (
-            f"rank(s) {', '.join(str(w.rank) for w in alive)} did not end {finish_s:g} s after "
-            "training completed (their stacks are in their logs)" if alive else
-            f"the checkpoint of the last step ({self.final_persist}) was not written "
-            f"{finish_s:g} s after training completed")
-        for w in alive:
-            self.agent.signal(w.wid, signal.SIGUSR1)
-        time.sleep(DUMP_GRACE_S)
+        self.outcome.overdue([self.workers[w] for w in c.wids], self.final_persist)
         self._end(1)
 
     # == workers, spares, nodes ==================================================================
@@ -357,8 +334,9 @@ class Controller:
             return
         if self.phase is Phase.FINISHING:
             # a process nonstop ended (a hung rank, replaced) may exit after the others finished
-            if code != 0 and not was_killed and self.diagnosis is None:
-                self.diagnosis = f"rank {w.rank} exited with code {code} after training completed"
+            if code != 0 and not was_killed and self.outcome.diagnosis is None:
+                self.outcome.diagnosis = (f"rank {w.rank} exited with code {code} after "
+                                          "training completed")
             return
         if was_killed or w.rank is None or self.plan.get(w.rank) != w.wid:
             return  # an exit we caused or expected
@@ -409,8 +387,7 @@ class Controller:
         self.log.write("takeover", gen=adoption.gen, steady=adoption.steady,
                        missing=adoption.missing, orphans=adoption.orphans,
                        spares=adoption.spares, journal_gen=j.get("gen"), lost=sorted(lost))
-        self.workers.update(takeover.workers(adoption, seen, j))
-        self.gens.adopt(adoption.plan, j)
+        self.gens.adopt(adoption, seen, j)
         self.book.base = int(j.get("incidents") or 0)  # incidents keep their numbers
         self.max_step = int(j.get("max_step") or 0)
         now = time.time()
@@ -422,9 +399,6 @@ class Controller:
         self.watchers.start(range(self.total_nodes), getattr(self.agent, "health", None))
         self.memory.world = self.world
         self.memory.adopt([(s.node, s.wid, s.keeper) for s in seen if s.keeper and s.alive])
-        for wid in adoption.orphans:
-            self.table.kill(self.workers[wid], "assigned by the controller before, not in the "
-                                               "job's plan")
         for f in takeover.faults(adoption, lost, self.gens.node_of()):
             self._fault(f)
         self._refill_spares()
@@ -432,14 +406,7 @@ class Controller:
     # == hosts joining and leaving (across hosts a node is a host) ===============================
     def node_joined(self, node: int) -> None:
         """A new host: a spare node from now on, warm, ready to take over a failed host's ranks."""
-        self.gens.total_nodes = max(self.gens.total_nodes, node + 1)
-        self.watchers.start([node])
-        try:
-            self.memory.start([node])
-        except RuntimeError as exc:  # its memory did not start: it holds no snapshots
-            self.log.write("keeper_error", node=node, op="start", error=str(exc))
-        self.log.write("node_joined", node=node)
-        self.display.info(f"node {node} joined: a spare node")
+        self.gens.node_joined(node)
         self._refill_spares()
 
     def node_lost(self, node: int, why: str) -> None:
@@ -447,11 +414,8 @@ class Controller:
         if node in self.counters.isolated:
             return
         self._step(mc.Isolate(self._seen(), node))
-        self.watchers.remove_node(node)
-        self.log.write("node_lost", node=node, reason=why)
-        node_of = self.gens.node_of()
-        self.memory.configure(node_of, self.state.usable_nodes(self.total_nodes))  # replicas move
-        if node in set(node_of.values()) and self.phase not in ENDING:
+        held = self.gens.node_lost(node, why, self.state.usable_nodes(self.total_nodes))
+        if held and self.phase not in ENDING:
             self._fault(Fault("node_lost", node=node, message=f"node {node} is gone ({why})"))
         else:
             self.display.info(f"node {node} is gone ({why}): it held no rank")
@@ -512,7 +476,7 @@ class Controller:
         self.book.injected(ev["t"])
         if ev.get("index") is not None:  # fired once in the job: never again (any host)
             key = str(ev["index"])
-            self.claimed[key] = self.claimed.get(key, 0) + 1
+            self.gens.claimed[key] = self.gens.claimed.get(key, 0) + 1
         if ev.get("kind") == "node_crash":  # the rest of the node dies with it
             for x in self.workers.values():
                 if x.node == w.node and not x.dead:
@@ -521,11 +485,11 @@ class Controller:
     def _on_first_step(self, w: Worker, ev: dict[str, Any]) -> None:
         stepless = ev.get("steps") is False  # its marks are its steps (no ctx.steps)
         self.ledger.first_step(stepless)
-        self.signals.on_first_step(w, ev["t"], stepless=stepless)
+        self.watchers.signals.on_first_step(w, ev["t"], stepless=stepless)
         self.max_step = max(self.max_step, ev["step"])
         if self.incident is None or self.phase is not Phase.RUNNING:
             return
-        ranks = [self.workers[x] for x in self.plan.values()]
+        ranks = self._ranks()
         if all(x.first_gen == self.gen for x in ranks):
             self._close_incident(max(x.t_first for x in ranks), self.incident.resume_step)
 
@@ -557,7 +521,7 @@ class Controller:
 
     def _on_no_steps(self, ev: dict[str, Any]) -> None:
         diagnosis, warning = self.ledger.no_steps(ev)
-        if diagnosis is not None and self.exit_code is None:
+        if diagnosis is not None and self.outcome.exit_code is None:
             self._fail(Decision(Level.FAIL, reason="injected faults cannot fire", usage_error=True,
                                 diagnosis=diagnosis))
         elif warning is not None:
@@ -570,46 +534,20 @@ class Controller:
             self._step(mc.Settled(self._seen(now), self.memory.settled(self.final_persist)))
             return
         self._step(mc.Tick(self._seen(now)))
-        if self.exit_code is None and self.phase is Phase.RUNNING and self.managed \
+        if self.outcome.exit_code is None and self.phase is Phase.RUNNING and self.managed \
                 and self.state.retry_deadline is None:
-            self._check_hang(now)
-            self._act(self.watchers.tick(now))
+            self._act(self.watchers.steps(self._ranks(), self.gen, self._t_running, now)
+                      + self.watchers.tick(now))
 
-    # == outside the steps: log lines, hangs, stragglers ============================================
+    # == log lines, the end of training, recovery ===============================================
     def on_output(self, wid: int, line: str) -> None:
         """A line a process printed: checked against the policy's log rules."""
         w = self.workers.get(wid)
         rank = None if w is None or w.spare else w.rank
         self._act(self.watchers.line(rank, line, time.time(), self.phase in ACTIVE))
 
-    def _check_hang(self, now: float) -> None:
-        ranks = [self.workers[x] for x in self.plan.values()]
-        fault, culprits = self.signals.check_hang(ranks, self.gen, self._t_running, now)
-        if fault is not None:
-            # the ranks holding the job up are ended at once: no need to wait for them to fail
-            # to leave; the others, waiting in a collective, leave when the generation is aborted
-            for wid, why in culprits.items():
-                self.table.kill(self.workers[wid], f"hung: {why}")
-            self.log.write("hang_detected", timeout_s=round(self.signals.last_limit, 3),
-                           frozen={str(self.workers[w].rank): why for w, why in culprits.items()},
-                           where=fault.traceback, last_progress=self.signals.last_progress)
-            # the hang began after the stalled ranks' last progress, not when it was noticed
-            self._fault(fault, t_fault=self.signals.last_progress)
-            return
-        for f in self.signals.check_stragglers(ranks, now):
-            self._straggler(f)
-
-    def _straggler(self, fault: Fault) -> None:
-        action = self.policy.detect.straggler.action
-        self.log.write("straggler", rank=fault.rank, message=fault.message, action=action)
-        self.display.info(f"straggler: rank {fault.rank}: {fault.message}"
-                          + (" - replacing it" if action == "replace" else ""))
-        if action == "replace":
-            self.table.kill(self.workers[self.plan[fault.rank]], "straggler", dump=True)
-            self._fault(fault)
-
     def _training_complete(self, t: float) -> None:
-        self.t_train_end = t
+        self.outcome.t_train_end = t
         self._step(mc.Completed(self._seen(), self.policy.timeouts.finish_s))
 
     def _close_incident(self, t_first: float, resume_step: int | None) -> None:
@@ -624,55 +562,34 @@ class Controller:
         self._fail(Decision(Level.FAIL, reason=reason, diagnosis=diagnosis))
 
     def _fail(self, decision: Decision) -> None:
-        if self._failing:  # a second cause while saving the state for the first: one diagnosis
-            return
-        self._failing = True
-        self.diagnosis = decision.diagnosis or decision.reason
-        self.traceback = decision.traceback
-        self.usage_error = decision.usage_error
-        self.book.give_up()
-        self.log.write("give_up", diagnosis=self.diagnosis, usage_error=self.usage_error)
-        if not self.usage_error and self.policy.state.emergency.on_give_up:
-            self.emergency("give up")
-        if not self.usage_error:
-            from ..observe.hooks import on_give_up
-
-            on_give_up(self.policy.hooks.on_give_up, self.log, self.display, {
-                "diagnosis": self.diagnosis, "exit_code": 1, "run_dir": str(self.run_dir),
-                "generation": self.gen, "step": self.max_step,
-                "incidents": [i.to_record() for i in self.incidents], "traceback": self.traceback})
-        self._end(2 if self.usage_error else 1)
+        code = self.outcome.give_up(decision, self.gen, self.max_step, self._ranks(),
+                                    self.state.faulty_nodes, self._shut_node)
+        if code is not None:
+            self._end(code)
 
     def emergency(self, reason: str) -> None:
-        """The memory is about to be lost: persist the newest snapshot, waiting up to the grace.
-        The ranks stop first: a step completed after the snapshot would be lost anyway, and the
-        node's CPU and memory bandwidth go to the save."""
-        for wid in self.plan.values():
-            self.table.kill(self.workers[wid], f"emergency checkpoint ({reason})")
-        self.memory.poll()
-        self.memory.emergency(reason, self.state.faulty_nodes, self._shut_node,
-                              wait_s=self.policy.state.emergency.grace_s,
-                              tick=lambda: self.agent.poll(0.02))
+        """The memory is about to be lost (a signal to the launcher): save the newest state."""
+        self.outcome.emergency(reason, self._ranks(), self.state.faulty_nodes, self._shut_node)
 
     def _end(self, code: int) -> None:
         self._step(mc.Over())
-        if self.t_train_end is None:
-            self.t_train_end = time.time()
-        self.agent.end_all(self.policy.timeouts.terminate_grace_s if code == 0 else 0.0)
-        self.exit_code = code
+        self.outcome.ended(code)
+
+    def _ranks(self) -> list[Worker]:
+        return [self.workers[wid] for wid in self.plan.values()]
 
     # == progress ===============================================================================
     def _read_progress(self) -> None:
-        ranks = [self.workers[x] for x in self.plan.values()]
+        ranks = self._ranks()
         for w, rec in self.table.read_progress(ranks):
             self.max_step = max(self.max_step, w.take_progress(rec, self.gen))
             if w.rank == 0 and rec.get("snap"):
                 self.snap_stats = rec["snap"]
-            self.signals.on_progress(w, rec, self.gen)
-        tuned = self.signals.timeout_changed()
+            self.watchers.signals.on_progress(w, rec, self.gen)
+        tuned = self.watchers.signals.timeout_changed()
         if tuned is not None:
             self.log.write("hang_timeout", timeout_s=round(tuned, 3),
-                           first_step_s=round(self.signals.hang.first_step_timeout(), 3))
+                           first_step_s=round(self.watchers.signals.hang.first_step_timeout(), 3))
 
     def snapshot(self) -> dict[str, Any]:
         return {"gen": self.gen, "phase": self.phase, **self.table.status(self.plan),

@@ -11,6 +11,7 @@ from typing import Any
 from .. import protocol
 from ..decide.ladder import Decision
 from ..observe.incidents import Incident
+from . import machine
 from .workers import Worker, WorkerTable
 
 
@@ -39,20 +40,45 @@ class Generations:
         for w in (self.workers[wid] for wid in self.plan.values()):
             self.table.spawn(w)
 
-    def adopt(self, plan: dict[int, int], journal: dict[str, Any]) -> None:
-        """The placement of a job another controller ran (its journal across hosts)."""
+    def adopt(self, adoption: Any, seen: list[Any], journal: dict[str, Any]) -> None:
+        """The placement of a job another controller ran, as its hosts report it and its journal
+        across hosts says; the processes the plan no longer names are ended."""
+        from ..decide import takeover
+
+        self.workers.update(takeover.workers(adoption, seen, journal))
         self.plan.clear()
-        self.plan.update(plan)
+        self.plan.update(adoption.plan)
         self.replacements = list(journal.get("replacements") or self.replacements)
         self.claimed = dict(journal.get("claimed") or {})
+        for wid in adoption.orphans:
+            self.table.kill(self.workers[wid], "assigned by the controller before, not in the "
+                                               "job's plan")
 
     def spare_nodes(self, isolated: set[int]) -> list[int]:
         """Healthy nodes that hold no rank: they can take over a failed node's ranks."""
-        busy = set(self.node_of().values())
-        return [n for n in range(self.total_nodes) if n not in busy and n not in isolated]
+        return machine.spare_nodes(self.node_of(), self.total_nodes, isolated)
+
+    def node_joined(self, node: int) -> None:
+        """A new host: a spare node from now on, its health checked and its memory started."""
+        self.total_nodes = max(self.total_nodes, node + 1)
+        self.watchers.start([node])
+        try:
+            self.memory.start([node])
+        except RuntimeError as exc:  # its memory did not start: it holds no snapshots
+            self.log.write("keeper_error", node=node, op="start", error=str(exc))
+        self.log.write("node_joined", node=node)
+        self.display.info(f"node {node} joined: a spare node")
+
+    def node_lost(self, node: int, why: str, usable: list[int]) -> bool:
+        """A host gone: no more checks there, replicas go elsewhere. Whether it held ranks."""
+        self.watchers.remove_node(node)
+        self.log.write("node_lost", node=node, reason=why)
+        node_of = self.node_of()
+        self.memory.configure(node_of, usable)
+        return node in set(node_of.values())
 
     # == generations =============================================================================
-    def publish(self, gen: int, initial: bool, level: str, isolated: set[int]) -> None:
+    def publish(self, gen: int, initial: bool, level: str, usable: list[int]) -> None:
         """Send every rank its assignment for ``gen``; the nodes' memory follows the plan."""
         node_of = self.node_of()
         where = self.mail.generation_store(gen, node_of[0])
@@ -66,7 +92,6 @@ class Generations:
             # processes already running (survivors, ready spares) join within milliseconds
             if w.ready or w.entered >= 0:
                 w.warm_gen = gen
-        usable = [n for n in range(self.total_nodes) if n not in isolated]
         for node in usable:  # a node that keeps working after losing its memory gets a new one
             h = self.memory.keepers.get(node)
             if h is not None and h.lost:

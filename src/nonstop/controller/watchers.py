@@ -1,6 +1,7 @@
-"""What nonstop sees of a job besides its steps: the nodes' health checks and the policy's log
-rules. Each observation becomes a command for the controller (raise a fault, handle a slow rank,
-stop using a spare node); the watchers themselves change nothing in the job.
+"""What nonstop sees of a job's liveness: hangs and stragglers (from the ranks' progress), the
+nodes' health checks and the policy's log rules. Each observation becomes a command for the
+controller (raise a fault, end hung ranks, replace a slow rank, stop using a spare node); the
+watchers themselves change nothing in the job.
 """
 
 from __future__ import annotations
@@ -9,16 +10,20 @@ import dataclasses
 from typing import Any, Iterable
 
 from ..decide.ladder import Fault
+from ..decide.liveness import Signals
 from ..decide.logrules import LogWatch
 from ..policy import Policy
 
 
 @dataclasses.dataclass(frozen=True)
 class Command:
-    action: str  # "fault": raise it; "straggler": a slow rank (the policy says what to do);
-    #              "isolate": a node that holds no rank failed a check: stop using it
+    action: str  # "fault": raise it; "hang": end ``culprits`` (wid -> why), then raise it, as of
+    #              ``t_fault``; "replace": a straggler the policy replaces; "isolate": a node
+    #              that holds no rank failed a check: stop using it
     fault: Fault | None = None
     node: int | None = None
+    culprits: dict[int, str] | None = None
+    t_fault: float | None = None
 
 
 class Watchers:
@@ -28,6 +33,7 @@ class Watchers:
         self.display = display
         self.logs = LogWatch(policy.detect.log_rules)
         self.health: Any = None  # the node health checks, once started
+        self.signals = Signals(policy)  # hangs and stragglers, from the ranks' progress
 
     def start(self, nodes: Iterable[int], source: Any = None) -> None:
         """Health checks for ``nodes``: run here (one host), or by each host's agent and
@@ -69,6 +75,26 @@ class Watchers:
             out.append(Command("fault", Fault("node_unhealthy", node=r.node, tag=code, message=message)))
         return out
 
+    def steps(self, ranks: list[Any], gen: int, t_running: float, now: float) -> list[Command]:
+        """A hang, else the stragglers, among the ranks of generation ``gen`` (while it trains).
+        A hang began after the stalled ranks' last progress, not when it was noticed."""
+        fault, culprits = self.signals.check_hang(ranks, gen, t_running, now)
+        if fault is not None:
+            rank_of = {w.wid: w.rank for w in ranks}
+            self.log.write("hang_detected", timeout_s=round(self.signals.last_limit, 3),
+                           frozen={str(rank_of[w]): why for w, why in culprits.items()},
+                           where=fault.traceback, last_progress=self.signals.last_progress)
+            return [Command("hang", fault, culprits=culprits, t_fault=self.signals.last_progress)]
+        return [c for f in self.signals.check_stragglers(ranks, now) for c in self.straggler(f)]
+
+    def straggler(self, fault: Fault) -> list[Command]:
+        """A slow rank: reported; replaced if the policy says so."""
+        action = self.policy.detect.straggler.action
+        self.log.write("straggler", rank=fault.rank, message=fault.message, action=action)
+        self.display.info(f"straggler: rank {fault.rank}: {fault.message}"
+                          + (" - replacing it" if action == "replace" else ""))
+        return [Command("replace", fault)] if action == "replace" else []
+
     def line(self, rank: int | None, text: str, now: float, forming_or_running: bool) -> list[Command]:
         """A line a process printed (``rank`` None: not a rank's)."""
         if not self.logs.active:
@@ -86,8 +112,8 @@ class Watchers:
             self.display.info(m.message)
             return []
         if m.action == "slow":
-            return [] if m.rank is None else [
-                Command("straggler", Fault("straggler", rank=m.rank, message=m.message))]
+            return [] if m.rank is None else \
+                self.straggler(Fault("straggler", rank=m.rank, message=m.message))
         if m.action == "hang":
             return [Command("fault", Fault("hang", message=m.message))]
         if m.rank is not None or forming_or_running:

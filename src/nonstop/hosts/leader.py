@@ -205,16 +205,16 @@ class Leader:
             text = traceback.format_exc()
             sys.stderr.write(text)
             # a standby would take office and meet the same state: the job ends here, saying why
-            controller.diagnosis = ("the controller failed (a bug in nonstop; please report it "
-                                    f"with {self.run_dir}/logs/controller.log): "
-                                    f"{text.strip().splitlines()[-1]}")
+            controller.outcome.diagnosis = (
+                "the controller failed (a bug in nonstop; please report it with "
+                f"{self.run_dir}/logs/controller.log): {text.strip().splitlines()[-1]}")
             code = 1
             try:
                 controller.agent.end_all(0.0)
             except Exception:  # noqa: BLE001
                 pass
         report(controller, log, self.run_dir, code, display)
-        self._finish(code, controller.diagnosis)
+        self._finish(code, controller.outcome.diagnosis)
         cluster.end_hosts(code)
         time.sleep(0.2)  # the END frames leave before the process does
         cluster.close()
@@ -339,7 +339,7 @@ class Leader:
         down = self.office.down_since
         if down is not None:
             outage = controller.policy.hosts.store_outage_s
-            if time.monotonic() - down > outage and controller.exit_code is None:
+            if time.monotonic() - down > outage and controller.outcome.exit_code is None:
                 controller.give_up("etcd unreachable", (
                     f"etcd at {','.join(f'{h}:{p}' for h, p in self.cfg.endpoints)} unreachable "
                     f"for {time.monotonic() - down:.0f} s (hosts.store_outage_s={outage:g}): no "
@@ -354,9 +354,9 @@ class Leader:
                "nodes": {str(n): {"host": link.rec.host_id, "incarnation": link.rec.incarnation}
                          for n, link in controller.agent.links.items()},
                "isolated": sorted(controller.counters.isolated),
-               "replacements": controller.replacements, "max_step": controller.max_step,
+               "replacements": controller.gens.replacements, "max_step": controller.max_step,
                "node_of": {str(r): n for r, n in controller.gens.node_of().items()},
-               "claimed": controller.claimed, "next_wid": controller.agent._next_wid,
+               "claimed": controller.gens.claimed, "next_wid": controller.agent._next_wid,
                "counters": controller.counters.record(),
                "incidents": len(controller.incidents) + (controller.incident is not None)}
         return json.dumps(rec, separators=(",", ":"))
