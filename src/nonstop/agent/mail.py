@@ -32,10 +32,13 @@ class StoreMail:
     def send(self, wid: int, seq: int, msg: dict[str, Any]) -> None:
         self.store.set(protocol.mailbox_key(wid, seq), protocol.dumps(msg))
 
-    def abort(self, gen: int, wids: list[int]) -> None:
+    def abort(self, gen: int, wids: list[int], regroup: bool = False) -> None:
+        """Tell the ranks to leave generation ``gen``: at once, or (``regroup``) at their next
+        step boundary."""
         keys = [protocol.abort_key(gen, wid) for wid in wids]
         if keys:
-            self.store.multi_set(keys, [protocol.ABORT] * len(keys))
+            value = protocol.REGROUP if regroup else protocol.ABORT
+            self.store.multi_set(keys, [value] * len(keys))
 
     def events(self) -> Iterator[dict[str, Any]]:
         """The workers' new events, in the order they took their slots."""

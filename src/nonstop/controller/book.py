@@ -26,6 +26,7 @@ class IncidentBook:
         self.closed: list[Incident] = []
         self.base = 0  # incidents of the controllers before this one (across hosts)
         self._injects: list[float] = []  # when recent injected faults fired
+        self._regroup: dict[str, Any] | None = None  # a scale-out under way
 
     @property
     def count(self) -> int:
@@ -41,6 +42,7 @@ class IncidentBook:
         if self.open is not None:
             self._injects.clear()  # part of this incident: not the start of the next
             return self.open
+        self._regroup = None  # a scale-out a fault cut short is not measured as one
         recent = [t for t in self._injects if now - t < INJECT_MEMORY_S]
         self._injects.clear()
         t0 = min(recent) if recent else now
@@ -141,3 +143,21 @@ class IncidentBook:
         self.closed.append(self.open)
         self.log.write("incident", **self.open.to_record())
         self.open = None
+
+    # == scale-out: not an incident, but a pause worth measuring ==================================
+    def regrouped(self, t: float, gen: int, world: int, max_step: int) -> None:
+        """The ranks of ``gen`` were asked to leave at a step boundary, to grow the world."""
+        self._regroup = {"t": t, "gen": gen, "world": world, "step": max_step}
+        self.log.write("regroup", gen=gen, world=world, step=max_step)
+
+    def grown(self, t_first: float, gen: int, world: int) -> None:
+        """Every rank of ``gen`` completed a step: a scale-out that led here is over."""
+        r = self._regroup
+        if r is None or gen <= r["gen"]:
+            return
+        self._regroup = None
+        pause = t_first - r["t"]
+        self.log.write("scale_out_done", gen=gen, world_from=r["world"], world=world,
+                       pause_s=round(pause, 4), step=r["step"])
+        self.display.info(f"grew from {r['world']} to {world} ranks (generation {gen}): training "
+                          f"paused {pause:.3f} s")

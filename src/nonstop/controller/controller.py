@@ -142,7 +142,8 @@ class Controller:
         lost = frozenset(n for n, h in self.memory.keepers.items() if h.lost and not h.killed)
         return mc.Seen(now=now, ranks=tuple(ranks), managed=self.managed,
                        total_nodes=self.gens.total_nodes, slots=self.gens.slots, lost_memory=lost,
-                       slowest_step_s=self.watchers.signals.hang.slowest_step())
+                       slowest_step_s=self.watchers.signals.hang.slowest_step(),
+                       target_world=self.gens.target, ready_spares=self.gens.ready_spares())
 
     def _step(self, ob: mc.Observation) -> None:
         """One observation through the machine; its commands carried out in order."""
@@ -247,7 +248,10 @@ class Controller:
                 self.memory.emergency("job restart", self.state.faulty_nodes | set(d.isolate),
                                       self._shut_node, wait_s=None, tick=lambda: None)
         isolated = self.counters.isolated
-        new = self.gens.move(d, c.placement, self.book.open, isolated)
+        if d.level in (Level.SCALE_IN, Level.SCALE_OUT):
+            new = self.gens.resize(d, c.placement, isolated)
+        else:
+            new = self.gens.move(d, c.placement, self.book.open, isolated)
         self.gens.announce(d, c.gen)
         self.gens.publish(c.gen, initial=d.level is Level.JOB_RESTART, level=d.level.value,
                           usable=self.state.usable_nodes(self.total_nodes))
@@ -256,6 +260,10 @@ class Controller:
         for w in new:
             self.table.spawn(w)
         self._refill_spares()
+
+    def _do_Regroup(self, c: mc.Regroup) -> None:
+        self.mail.abort(c.gen, list(self.plan.values()), regroup=True)
+        self.book.regrouped(time.time(), c.gen, len(self.plan), self.max_step)
 
     def _do_Publish(self, c: mc.Publish) -> None:
         self.gens.publish(c.gen, initial=c.initial, level=c.level,
@@ -487,9 +495,13 @@ class Controller:
         self.ledger.first_step(stepless)
         self.watchers.signals.on_first_step(w, ev["t"], stepless=stepless)
         self.max_step = max(self.max_step, ev["step"])
-        if self.incident is None or self.phase is not Phase.RUNNING:
+        if self.phase is not Phase.RUNNING:
             return
         ranks = self._ranks()
+        if self.incident is None:
+            if all(x.first_gen == self.gen for x in ranks):
+                self.book.grown(max(x.t_first for x in ranks), self.gen, len(ranks))
+            return
         if all(x.first_gen == self.gen for x in ranks):
             self._close_incident(max(x.t_first for x in ranks), self.incident.resume_step)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import protocol
-from ..decide.ladder import Decision
+from ..decide.ladder import Decision, Level
 from ..observe.incidents import Incident
 from . import machine
 from .workers import Worker, WorkerTable
@@ -19,7 +19,8 @@ class Generations:
     def __init__(self, *, world: int, spares: int, nodes: int, spare_nodes: int, policy: Any,
                  mail: Any, table: WorkerTable, memory: Any, watchers: Any, log: Any,
                  display: Any):
-        self.world = world
+        self.world = world  # ranks now (fewer than target after a scale-in)
+        self.target = world  # ranks the job was started with
         self.spares_target = spares
         self.total_nodes = nodes + spare_nodes  # nodes that hold ranks at the start, then spares
         self.slots = world // nodes  # ranks per node
@@ -82,11 +83,13 @@ class Generations:
         """Send every rank its assignment for ``gen``; the nodes' memory follows the plan."""
         node_of = self.node_of()
         where = self.mail.generation_store(gen, node_of[0])
+        self.world = self.memory.world = len(self.plan)
         for rank, wid in sorted(self.plan.items()):
             w = self.workers[wid]
             w.rank = rank
             self.table.send(w, protocol.Assign(
-                gen=gen, rank=rank, world=self.world, replacements=self.replacements[rank],
+                gen=gen, rank=rank, world=self.world, full_world=self.target,
+                replacements=self.replacements[rank],
                 initial=initial, claimed=dict(self.claimed), **where,
                 **self.local_ranks(rank, node_of)))
             # processes already running (survivors, ready spares) join within milliseconds
@@ -135,6 +138,47 @@ class Generations:
                            cold=w in new)
         return new
 
+    def resize(self, decision: Decision, placement: dict[int, int], isolated: set[int]
+               ) -> list[Worker]:
+        """Scale-in: the dropped ranks leave the plan (a live process among them stays, as a
+        warm spare) and the others are numbered again in order. Scale-out: the new ranks
+        (``placement``) take the ready spares on their nodes. Returns workers still to start."""
+        new: list[Worker] = []
+        if decision.level is Level.SCALE_IN:
+            keep = [r for r in sorted(self.plan) if r not in decision.drop]
+            for r in sorted(decision.drop):
+                w = self.workers[self.plan[r]]
+                if not w.dead and w.node not in isolated:  # it goes on waiting, as a spare
+                    w.spare, w.ready, w.rank = True, True, None
+                else:
+                    self.table.kill(w, f"rank {r} dropped by a scale-in")
+            moved = {r: self.plan[r] for r in keep}
+            self.replacements = [self.replacements[r] for r in keep]
+            self.plan.clear()
+            self.plan.update({i: moved[r] for i, r in enumerate(keep)})
+            self.log.write("scale_in", dropped=sorted(decision.drop), world=len(keep),
+                           target=self.target, renumbered={str(r): i for i, r in enumerate(keep)})
+            return new
+        for rank, node in sorted(placement.items()):
+            w = self.table.take_spare(node, only=True)
+            if w is None:
+                w = self.table.new(spare=False, node=node)
+                new.append(w)
+            w.spare = False
+            self.plan[rank] = w.wid
+            self.replacements.append(0)
+        self.log.write("scale_out", added=sorted(placement), world=len(self.plan),
+                       target=self.target, ranks={str(r): self.plan[r] for r in sorted(placement)})
+        return new
+
+    def ready_spares(self) -> dict[int, int]:
+        """Warm spares ready now, per node."""
+        out: dict[int, int] = {}
+        for w in self.table.spares():
+            if w.ready:
+                out[w.node] = out.get(w.node, 0) + 1
+        return out
+
     def announce(self, decision: Decision, gen: int) -> None:
         moved = ", ".join(f"rank {r} -> worker {self.plan[r]}"
                           + (f" (node {self.workers[self.plan[r]].node})"
@@ -158,10 +202,15 @@ class Generations:
     def refill_spares(self, isolated: set[int]) -> None:
         """Warm spares: ``--spares`` spread over the nodes that hold ranks, and a full node's
         worth on each spare node (ready to take over a failed node)."""
-        busy = sorted(set(self.node_of().values()) - set(isolated))
+        node_of = self.node_of()
+        busy = sorted(set(node_of.values()) - set(isolated))
         targets = {n: 0 for n in busy}
         for i in range(self.spares_target if busy else 0):
             targets[busy[i % len(busy)]] += 1
+        for n in busy:  # after a scale-in: a process for each place left, to grow back
+            held = sum(1 for x in node_of.values() if x == n)
+            if len(node_of) < self.target:
+                targets[n] += max(self.slots - held, 0)
         for n in self.spare_nodes(isolated):
             targets[n] = self.slots
         self.table.refill(targets, self.policy.rules.spare_failures)

@@ -24,7 +24,7 @@ import dataclasses
 import math
 from typing import Any, Union
 
-from ..decide import ladder
+from ..decide import elastic, ladder
 from ..decide.ladder import Counters, Decision, Fault, JobView, Level
 from .phase import ACTIVE, ENDING, Phase
 
@@ -62,6 +62,12 @@ class Seen:
     slots: int = 1  # ranks per node
     lost_memory: frozenset[int] = frozenset()  # nodes whose memory died, not ended by nonstop
     slowest_step_s: float = 0.0
+    target_world: int = 0  # the world the job was started with (0: the ranks seen)
+    ready_spares: dict[int, int] = dataclasses.field(default_factory=dict)  # node -> warm, ready
+
+    @property
+    def target(self) -> int:
+        return self.target_world or len(self.ranks)
 
     @property
     def node_of(self) -> dict[int, int]:
@@ -202,6 +208,13 @@ class CarryOut:
 
 
 @dataclasses.dataclass(frozen=True)
+class Regroup:
+    """Capacity came back: the ranks of ``gen`` leave it at their next step boundary (no fault),
+    so that a larger generation can form."""
+    gen: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Publish:
     """Send every rank its assignment for ``gen``."""
     gen: int
@@ -250,8 +263,8 @@ class Overdue:
     wids: tuple[int, ...]
 
 
-Command = Union[Raise, Ignore, Interrupt, Abort, Kill, Probe, Decide, CarryOut, Publish, Formed,
-                RetryOpened, Retry, Fail, Finish, End, Overdue]
+Command = Union[Raise, Ignore, Interrupt, Abort, Kill, Probe, Decide, CarryOut, Regroup, Publish,
+                Formed, RetryOpened, Retry, Fail, Finish, End, Overdue]
 
 # == the state ====================================================================================
 
@@ -272,6 +285,9 @@ class JobState:
     retry_deadline: float | None = None  # every rank must report its non-finite step by then
     sick: frozenset[int] = frozenset()  # nodes with a node-level fault in the open incident
     probed: bool = False  # the dead ranks' memory was asked, for this teardown
+    regroup: bool = False  # the ranks leave at a step boundary to grow the world (no fault)...
+    forced: bool = False  # ...and, too slow to, were told to leave at once
+    degraded_since: float | None = None  # trains with fewer ranks than it started with, since
 
     @property
     def faulty_nodes(self) -> set[int]:
@@ -380,6 +396,10 @@ def _tick(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]
         pending = pending_teardown(s, seen)
         if not pending:
             return _after_teardown(s, seen, policy)
+        if seen.now > s.deadline and s.regroup and not s.forced:
+            # not at a step boundary in time (a loop without ctx.steps, a long step): now
+            return (_with(s, forced=True, deadline=seen.now + policy.timeouts.teardown_s),
+                    [Abort(s.gen, seen.managed)])
         if seen.now > s.deadline:
             late = s.deadline - s.t_abort
             faults = []
@@ -405,13 +425,28 @@ def _tick(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]
         s = _with(s, retry_deadline=None)  # not every rank saw it: the coarse way
         return fault(s, Fault("nan", message="not every rank reported the non-finite step"),
                      seen, policy)
+    if s.phase is Phase.RUNNING and not s.incident and s.retry_deadline is None and seen.managed \
+            and elastic.due(s.degraded_since, seen.now, policy) and _growth(s, seen, policy):
+        deadline = seen.now + policy.timeouts.teardown_s + 3 * seen.slowest_step_s
+        return (_with(s, phase=Phase.TEARING_DOWN, deadline=deadline, t_abort=seen.now,
+                      probed=False, regroup=True, forced=False), [Regroup(s.gen)])
     return s, cmds
+
+
+def _growth(s: JobState, seen: Seen, policy: Any) -> dict[int, int]:
+    """The ranks a larger world would add now, and their nodes (empty: none)."""
+    nodes = elastic.room(seen.node_of, seen.total_nodes, seen.slots, s.counters.isolated,
+                         seen.ready_spares)
+    return elastic.grow(len(seen.ranks), seen.target, nodes, policy)
 
 
 def _after_teardown(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]]:
     """Every survivor left: the dead ranks' memory is asked once, then the ladder decides."""
     dead = {r.rank for r in seen.ranks if r.dead}
     dead_nodes = tuple(sorted({r.node for r in seen.ranks if r.dead}))
+    if s.regroup and not s.round and not dead:  # every rank left at a step boundary: grow
+        return _grow(_with(s, regroup=False, forced=False), seen, policy)
+    s = _with(s, regroup=False, forced=False)
     if dead_nodes and not s.probed:
         return _with(s, probed=True), [Probe(dead_nodes)]
     now = seen.now
@@ -439,7 +474,23 @@ def _after_teardown(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, lis
     level_deadline = now + ladder.level_policy(policy, decision.level).deadline_s
     s = _publish(s, seen, policy, gen)
     s = _with(s, level=decision.level.value, level_deadline=level_deadline)
+    if decision.level is Level.SCALE_IN:
+        s = _with(s, degraded_since=s.degraded_since or now)
     return s, cmds + [CarryOut(decision, placement, gen)]
+
+
+def _grow(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]]:
+    """The ranks left for a larger world: the ready spares join as new ranks."""
+    placement = _growth(s, seen, policy)
+    if not placement:  # the spares went meanwhile: the same world forms again
+        placement = {}
+    world = len(seen.ranks) + len(placement)
+    decision = Decision(Level.SCALE_OUT, reason=f"{len(placement)} rank(s) ready: {len(seen.ranks)} "
+                        f"-> {world} of {seen.target}")
+    gen = s.gen + 1
+    s = _with(_publish(s, seen, policy, gen), level=None, level_deadline=None,
+              degraded_since=s.degraded_since if world < seen.target else None)
+    return s, [Decide(decision, s.gen - 1), CarryOut(decision, placement, gen)]
 
 
 def _publish(s: JobState, seen: Seen, policy: Any, gen: int) -> JobState:
@@ -458,7 +509,8 @@ def view(s: JobState, seen: Seen) -> JobView:
     node_of = seen.node_of
     return JobView(world=len(seen.ranks), managed=seen.managed, node_of=node_of,
                    spare_nodes=len(spare_nodes(node_of, seen.total_nodes, s.counters.isolated)),
-                   capacity=len(healthy) * seen.slots, slots=seen.slots)
+                   capacity=len(healthy) * seen.slots, slots=seen.slots,
+                   ready_spares=dict(seen.ready_spares))
 
 
 def place(decision: Decision, seen: Seen, isolated: set[int]) -> dict[int, int]:
@@ -466,6 +518,8 @@ def place(decision: Decision, seen: Seen, isolated: set[int]) -> dict[int, int]:
     for a node replacement, the healthy nodes in order for a job restart. ``isolated`` includes
     the nodes the decision isolates."""
     node_of = seen.node_of
+    if decision.level is Level.SCALE_IN:
+        return {}  # no rank moves: the others go on without the dropped ones
     if decision.level is Level.REPLACE_RANK:
         return {r: node_of[r] for r in decision.replace}
     if decision.level is Level.REPLACE_NODE:

@@ -29,6 +29,7 @@ class Level(str, enum.Enum):
     SCALE_IN = "scale-in"
     JOB_RESTART = "job restart"
     FAIL = "fail"
+    SCALE_OUT = "scale-out"  # not a rung: capacity came back, the world grows (no fault)
 
 
 LADDER = [Level.STEP_RETRY, Level.IN_PROCESS, Level.REPLACE_RANK, Level.REPLACE_NODE,
@@ -99,6 +100,7 @@ class JobView:
     spare_nodes: int = 0  # healthy nodes with no rank on them, able to take a node's ranks
     capacity: int | None = None  # ranks the healthy nodes can hold (None: enough)
     slots: int = 0  # ranks one node holds (0: unknown)
+    ready_spares: dict[int, int] = dataclasses.field(default_factory=dict)  # node -> warm, ready
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +113,7 @@ class Decision:
     traceback: str | None = None  # for FAIL on a user error: shown once
     usage_error: bool = False  # FAIL caused by bad input (exit code 2)
     skip: bool = False  # STEP_RETRY: skip the batch instead of redoing it
+    drop: frozenset[int] = frozenset()  # SCALE_IN: ranks the smaller world goes on without
     passed_over: tuple[str, ...] = ()  # finer levels that could not take it, and why
 
 
@@ -202,6 +205,10 @@ def decide(faults: list[Fault], dead: set[int], view: JobView, policy: Policy,
             if not replace:
                 passed.append(f"{level.value}: no rank at fault")
                 continue
+            if _prefer_shrink(replace, view, policy, counters, sick_nodes):
+                passed.append(f"{level.value}: no warm spare ready (scale_in.when: "
+                              "no_warm_spare)")
+                continue
         if level is Level.REPLACE_NODE:
             nodes = sick_nodes or {view.node_of[r] for r in set(dead) | at_fault if r in view.node_of}
             if not nodes:
@@ -213,8 +220,11 @@ def decide(faults: list[Fault], dead: set[int], view: JobView, policy: Policy,
             replace = {r for r, n in view.node_of.items() if n in nodes} | set(dead)
             isolate = isolate | nodes
         if level is Level.SCALE_IN:
-            passed.append(f"{level.value}: not available yet")
-            continue
+            drop, why_not = shrink(set(dead) | at_fault, sick_nodes, view, policy)
+            if why_not:
+                passed.append(f"{level.value}: {why_not}")
+                continue
+            isolate = isolate | sick_nodes
         if level is Level.JOB_RESTART:
             replace = set(range(view.world))
             # the nodes this decision isolates are gone too
@@ -241,10 +251,51 @@ def decide(faults: list[Fault], dead: set[int], view: JobView, policy: Policy,
             continue
         reason = "; ".join(f.describe() for f in faults if f.kind != "peer") or _last(faults)
         return Decision(level, replace=frozenset(replace), isolate=frozenset(isolate),
-                        reason=reason, passed_over=tuple(passed))
+                        reason=reason, passed_over=tuple(passed),
+                        drop=frozenset(drop) if level is Level.SCALE_IN else frozenset())
     return _fail("no level left", f"no recovery level left ({'; '.join(passed)}); last: "
                  f"{_last(faults)}", traceback=user[0].traceback if user else None,
                  passed_over=tuple(passed))
+
+
+def shrink(lost: set[int], sick_nodes: set[int], view: JobView, policy: Policy
+           ) -> tuple[set[int], str | None]:
+    """The ranks a scale-in goes on without, or why it cannot: the lost ranks (across nodes,
+    every rank of their nodes: the world shrinks by whole nodes), and then the highest ranks
+    until the world is an allowed size. (drop, None) or (set(), why not)."""
+    cfg = policy.levels.scale_in
+    nodes = sick_nodes | {view.node_of[r] for r in lost if r in view.node_of}
+    if len(set(view.node_of.values())) > 1:  # host granularity
+        drop = {r for r, n in view.node_of.items() if n in nodes} | set(lost)
+    else:
+        drop = set(lost) | {r for r, n in view.node_of.items() if n in sick_nodes}
+    if not drop:
+        return set(), "no rank lost"
+    left = view.world - len(drop)
+    allowed = left - left % cfg.multiple_of
+    keep = sorted(r for r in range(view.world) if r not in drop)
+    drop |= set(keep[allowed:])  # the highest ranks go too: the world stays an allowed size
+    if allowed < max(cfg.min_world, 1):
+        size = f"{allowed} rank(s)" + (f" (a multiple of {cfg.multiple_of})"
+                                       if cfg.multiple_of > 1 else "")
+        return set(), f"{size} would be left, below the minimum of {cfg.min_world} (scale_in.min_world)"
+    return drop, None
+
+
+def _prefer_shrink(replace: set[int], view: JobView, policy: Policy, counters: Counters,
+                   sick_nodes: set[int]) -> bool:
+    """Whether a scale-in goes first instead of starting new processes for ``replace``: the
+    policy says so when no warm spare is ready for them, and a scale-in can be done."""
+    cfg = policy.levels.scale_in
+    if cfg.when != "no_warm_spare" or not cfg.enabled or counters.used(Level.SCALE_IN) >= cfg.budget:
+        return False
+    need: dict[int, int] = {}
+    for r in replace:
+        node = view.node_of.get(r, 0)
+        need[node] = need.get(node, 0) + 1
+    if all(view.ready_spares.get(n, 0) >= k for n, k in need.items()):
+        return False
+    return shrink(replace, sick_nodes, view, policy)[1] is None
 
 
 def _last(faults: list[Fault]) -> str:

@@ -401,8 +401,8 @@ class HostAgent:
                     meta.update(rank=mail.rank, gen=mail.gen, spare=False)
                 meta["seq"] = seq + 1  # a controller taking over goes on from here
                 self.mail.send(wid, seq, body)
-            case m.Abort(gen=gen, wids=wids):
-                self.mail.abort(gen, [w for w in wids if w in self.agent.procs])
+            case m.Abort(gen=gen, wids=wids, regroup=regroup):
+                self.mail.abort(gen, [w for w in wids if w in self.agent.procs], regroup)
             case m.OpenStore(gen=gen):
                 # a plain script rendezvouses with unprefixed keys through MASTER_ADDR/PORT: each
                 # of its generations gets a store of its own, on this host's address only

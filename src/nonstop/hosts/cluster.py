@@ -334,14 +334,14 @@ class Cluster:
         else:  # a process about to be started: its mailbox is written once its host starts it
             self._unsent.setdefault(wid, []).append((seq, msg))
 
-    def abort(self, gen: int, wids: list[int]) -> None:
+    def abort(self, gen: int, wids: list[int], regroup: bool = False) -> None:
         by_node: dict[int, list[int]] = {}
         for wid in wids:
             p = self.procs.get(wid)
             if p is not None:
                 by_node.setdefault(p.node, []).append(wid)
         for node, mine in by_node.items():
-            self._to(node, m.Abort(gen=gen, wids=mine))
+            self._to(node, m.Abort(gen=gen, wids=mine, regroup=regroup))
 
     def events(self) -> Iterator[dict[str, Any]]:
         evs, self._events = self._events, []

@@ -119,12 +119,30 @@ class Level(_Strict):
     deadline_s: float = Field(120.0, gt=0)
 
 
+class ScaleIn(Level):
+    """Training on with fewer data-parallel ranks when a lost place cannot be refilled, and
+    growing back once capacity returns (docs/elastic.md)."""
+
+    budget: int = Field(20, ge=0)
+    deadline_s: float = Field(300.0, gt=0)
+    # no_capacity: only when nothing can take the lost place (a host lost with no spare host, a
+    # node given up with no spare node); no_warm_spare: also when no warm spare is ready, instead
+    # of stopping the job while a new process starts (it starts meanwhile, to grow back)
+    when: Literal["no_capacity", "no_warm_spare"] = "no_capacity"
+    min_world: int = Field(1, ge=1)  # the fewest ranks the job trains with; below it, no scale-in
+    multiple_of: int = Field(1, ge=1)  # allowed world sizes (the model-parallel group size)
+    grow_after_s: float = Field(0.0, ge=0, le=604800.0)  # degraded this long before growing back
+    # keep: the global batch stays the same (ctx.share tells each rank its part); scale_lr: each
+    # rank keeps its batch, ctx.lr_scale is world / full world for the script's learning rate
+    batch: Literal["keep", "scale_lr"] = "keep"
+
+
 class Levels(_Strict):
     step_retry: Level = Level(budget=20, deadline_s=60.0)
     in_process: Level = Level(budget=50, deadline_s=60.0)
     rank_replacement: Level = Level(budget=50, deadline_s=180.0)
     node_replacement: Level = Level(budget=5, deadline_s=300.0)
-    scale_in: Level = Level(enabled=False, budget=3, deadline_s=300.0)
+    scale_in: ScaleIn = ScaleIn()
     job_restart: Level = Level(budget=3, deadline_s=900.0)
 
 

@@ -48,6 +48,7 @@ def abort_key(gen: int, worker_id: int) -> str:
 
 
 ABORT = b"abort"
+REGROUP = b"regroup"  # leave the generation at the next step boundary (it grows)
 SELF_WAKE = b"self"
 
 
@@ -77,6 +78,7 @@ class Assign:
     gen: int
     rank: int
     world: int
+    full_world: int = 0  # the world the job was started with (0: the same as world)
     replacements: int = 0  # times this rank was replaced
     initial: bool = False  # the job (re)starts: no rank holds state to agree on
     claimed: dict[str, int] = dataclasses.field(default_factory=dict)  # faults fired: index -> n

@@ -105,6 +105,7 @@ class Abort(Order):
     op: ClassVar[str] = "abort"
     gen: int = 0
     wids: list[int] = dataclasses.field(default_factory=list)
+    regroup: bool = False  # at the next step boundary, to grow the world
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,9 +24,14 @@ class Context:
 
     def __init__(self, rank: int, world_size: int, generation: int, entries: int,
                  replacements: int, state: State, runtime: Any = None, resumed: Any = None,
-                 loss_rules: Any = None):
+                 loss_rules: Any = None, full_world_size: int | None = None,
+                 scale_lr: bool = False):
         self.rank = rank
         self.world_size = world_size
+        # the world the job was started with: larger than world_size after a scale-in
+        self.full_world_size = full_world_size or world_size
+        # scale_in.batch: scale_lr - multiply the learning rate by this (1.0 at full size)
+        self.lr_scale = world_size / self.full_world_size if scale_lr else 1.0
         self.local_rank = rank
         self.generation = generation
         self.entries = entries  # times this process has entered the training function (1 = first)
@@ -37,6 +42,18 @@ class Context:
         self._first_done = False
         self._loss: Any = None
         self._loss_rules = loss_rules
+
+    def share(self, global_batch: int) -> range:
+        """This rank's part of a global batch of ``global_batch`` samples, as positions in it:
+        contiguous, sizes differing by at most one, whatever the world size (the same split
+        ``GlobalBatchSampler`` makes). With ``reduction="sum"`` losses, multiply by
+        ``ctx.world_size / global_batch`` before backward: the averaged gradient is then the
+        global batch's mean, as in the run at full size."""
+        if not isinstance(global_batch, int) or global_batch < 1:
+            raise ValueError(f"ctx.share: global_batch must be a positive int, not {global_batch!r}")
+        q, r = divmod(global_batch, self.world_size)
+        begin = self.rank * q + min(self.rank, r)
+        return range(begin, begin + q + (self.rank < r))
 
     @property
     def step(self) -> int:
@@ -80,6 +97,10 @@ class Context:
                     if not self._first_done:
                         self._first_done = True
                         rt.release_closed_groups()  # the previous generation's group, now idle
+                    if rt.monitor.regroup_due() and state.step < total:  # the world grows: leave here, between steps
+                        from .registered import Regroup
+
+                        raise Regroup(self.generation)
             if rt is not None and state.step >= total:
                 rt.steps_done(state, self.rank, self.world_size, self.generation)
         finally:

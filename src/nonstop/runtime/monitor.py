@@ -35,6 +35,7 @@ class Monitor:
         self._gen: int | None = None
         self._group: "GenerationGroup | None" = None
         self._aborted: set[int] = set()
+        self.regroup: int | None = None  # the generation to leave at the next step boundary
         self._changed = threading.Event()
         # progress, written by the main thread
         self._progress: dict[str, Any] | None = None
@@ -113,6 +114,8 @@ class Monitor:
                 if "timeout" not in str(exc).lower():
                     self._rt.reconnect(exc)
                 continue
+            if value == protocol.REGROUP:
+                value = self._await_abort(gen, key)
             with self._lock:
                 if self._gen != gen or value != protocol.ABORT:
                     continue
@@ -120,6 +123,25 @@ class Monitor:
                 group = self._group
             if group is not None:
                 group.abort()
+
+    REGROUP_POLL_S = 0.01
+
+    def _await_abort(self, gen: int, key: str) -> bytes | None:
+        """Asked to leave ``gen`` at the next step boundary: the training loop does (see
+        ``regroup_due``); should the controller find that too slow, the key turns to abort."""
+        self.regroup = gen
+        while True:
+            with self._lock:
+                if self._gen != gen:
+                    return None
+            value = self._rt.store.get(key)
+            if value != protocol.REGROUP:
+                return value
+            time.sleep(self.REGROUP_POLL_S)
+
+    def regroup_due(self) -> bool:
+        """Whether this rank should leave its generation now, at a step boundary (cheap)."""
+        return self.regroup is not None and self.regroup == self._gen
 
     # -- progress -----------------------------------------------------------------------------
     def record_step(self, gen: int, rank: int, step: int, busy: float, step_s: float,

@@ -23,6 +23,16 @@ class NonFiniteGradients(BaseException):
         self.step = step
 
 
+class Regroup(BaseException):
+    """Raised at a step boundary when the controller asked the ranks to leave their generation
+    (the world grows): not a failure, nothing is lost. A BaseException, like
+    ``NonFiniteGradients``, so that the script's ``except Exception`` lets it through."""
+
+    def __init__(self, gen: int):
+        super().__init__(f"generation {gen} ends at a step boundary: the world grows")
+        self.gen = gen
+
+
 class State:
     """Objects that don't depend on the process group, kept across generations.
 

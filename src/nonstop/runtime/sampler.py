@@ -80,7 +80,7 @@ class GlobalBatchSampler:
         q, r = divmod(self.global_batch, world)
         begin = rank * q + min(rank, r)
         self.position = max(self.position, step + 1)
-        return self.global_indices(step)[begin:begin + q + (rank < r)]
+        return self.global_indices(step)[begin:begin + q + (rank < r)]  # as ctx.share
 
     def for_rank(self, ctx: Any, start: int | None = None) -> Iterator[list[int]]:
         """This rank's shares from ``start`` (default: the step the job resumes at), one list

@@ -18,7 +18,7 @@ from typing import Any, Callable, TypeVar
 
 from .. import protocol
 from .context import Context
-from .registered import NonFiniteGradients, State, _StepOnly
+from .registered import NonFiniteGradients, Regroup, State, _StepOnly
 from .worker import is_collective_error
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -241,7 +241,9 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
     except BaseException as exc:  # noqa: BLE001 - every failure leads to the next generation
         t_caught = time.time()
         group.abort()  # first: release the peers blocked on us
-        if rt.monitor.aborted(gen):
+        if isinstance(exc, Regroup):
+            reason = "regroup"  # the peers still in a step leave as this group ends
+        elif rt.monitor.aborted(gen):
             reason = "abort"
         elif isinstance(exc, NoConsistentState):
             reason = "no_state"
@@ -267,8 +269,10 @@ def _context(rt: Any, tracked: State, msg: dict[str, Any], resumed: Any) -> Cont
         from ..policy import LossRule
 
         rules = LossRules(LossRule(**r) for r in rules)
+    scale = rt.job.get("policy", {}).get("recover", {}).get("levels", {}).get("scale_in", {})
     return Context(msg.rank, msg.world, msg.gen, rt.entries, msg.replacements,
-                   tracked, rt, resumed, loss_rules=rules)
+                   tracked, rt, resumed, loss_rules=rules, full_world_size=msg.full_world,
+                   scale_lr=scale.get("batch") == "scale_lr")
 
 
 def _release_frames(exc: BaseException | None) -> None:
