@@ -150,14 +150,21 @@ class IncidentBook:
         self._regroup = {"t": t, "gen": gen, "world": world, "step": max_step}
         self.log.write("regroup", gen=gen, world=world, step=max_step)
 
+    def left_to_grow(self, t: float, step: int) -> None:
+        """A rank left at a step boundary to grow the world: training paused from the first."""
+        r = self._regroup
+        if r is not None and (r.get("t_left") is None or t < r["t_left"]):
+            r.update(t_left=t, step=step)
+
     def grown(self, t_first: float, gen: int, world: int) -> None:
         """Every rank of ``gen`` completed a step: a scale-out that led here is over."""
         r = self._regroup
         if r is None or gen <= r["gen"]:
             return
         self._regroup = None
-        pause = t_first - r["t"]
+        pause = t_first - (r.get("t_left") or r["t"])
         self.log.write("scale_out_done", gen=gen, world_from=r["world"], world=world,
-                       pause_s=round(pause, 4), step=r["step"])
+                       pause_s=round(pause, 4), step=r["step"],
+                       to_boundary_s=round((r.get("t_left") or r["t"]) - r["t"], 4))
         self.display.info(f"grew from {r['world']} to {world} ranks (generation {gen}): training "
                           f"paused {pause:.3f} s")

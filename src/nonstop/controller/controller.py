@@ -521,7 +521,9 @@ class Controller:
         if self.incident is not None:
             self.incident.step_before = max(self.incident.step_before, ev.get("step") or 0)
         reason = ev.get("reason")
-        if reason == "exception":
+        if reason == "regroup":
+            self.book.left_to_grow(ev.get("t_caught") or ev["t"], ev.get("step") or 0)
+        elif reason == "exception":
             self._fault(Fault("exception", rank=w.rank, message=ev.get("error", ""),
                               traceback=ev.get("traceback")))
         elif reason == "no_state":

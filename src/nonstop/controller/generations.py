@@ -11,7 +11,7 @@ from typing import Any
 from .. import protocol
 from ..decide.ladder import Decision, Level
 from ..observe.incidents import Incident
-from . import machine
+from .placement import spare_nodes
 from .workers import Worker, WorkerTable
 
 
@@ -57,7 +57,7 @@ class Generations:
 
     def spare_nodes(self, isolated: set[int]) -> list[int]:
         """Healthy nodes that hold no rank: they can take over a failed node's ranks."""
-        return machine.spare_nodes(self.node_of(), self.total_nodes, isolated)
+        return spare_nodes(self.node_of(), self.total_nodes, isolated)
 
     def node_joined(self, node: int) -> None:
         """A new host: a spare node from now on, its health checked and its memory started."""

@@ -25,8 +25,9 @@ import math
 from typing import Any, Union
 
 from ..decide import elastic, ladder
-from ..decide.ladder import Counters, Decision, Fault, JobView, Level
+from ..decide.ladder import Counters, Decision, Fault, Level
 from .phase import ACTIVE, ENDING, Phase
+from .placement import place, spare_nodes, view  # noqa: F401 - spare_nodes: for callers
 
 # == what the controller saw ======================================================================
 
@@ -496,49 +497,6 @@ def _grow(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]
 def _publish(s: JobState, seen: Seen, policy: Any, gen: int) -> JobState:
     return _with(s, phase=Phase.RENDEZVOUS, gen=gen, t_gen=seen.now,
                  deadline=seen.now + policy.timeouts.rendezvous_s)
-
-
-def spare_nodes(node_of: dict[int, int], total_nodes: int, isolated: set[int]) -> list[int]:
-    """Healthy nodes that hold no rank: they can take over a failed node's ranks."""
-    busy = set(node_of.values())
-    return [n for n in range(total_nodes) if n not in busy and n not in isolated]
-
-
-def view(s: JobState, seen: Seen) -> JobView:
-    healthy = s.usable_nodes(seen.total_nodes)
-    node_of = seen.node_of
-    return JobView(world=len(seen.ranks), managed=seen.managed, node_of=node_of,
-                   spare_nodes=len(spare_nodes(node_of, seen.total_nodes, s.counters.isolated)),
-                   capacity=len(healthy) * seen.slots, slots=seen.slots,
-                   ready_spares=dict(seen.ready_spares))
-
-
-def place(decision: Decision, seen: Seen, isolated: set[int]) -> dict[int, int]:
-    """The node each replaced rank goes to: its own node for a rank replacement, a spare node
-    for a node replacement, the healthy nodes in order for a job restart. ``isolated`` includes
-    the nodes the decision isolates."""
-    node_of = seen.node_of
-    if decision.level is Level.SCALE_IN:
-        return {}  # no rank moves: the others go on without the dropped ones
-    if decision.level is Level.REPLACE_RANK:
-        return {r: node_of[r] for r in decision.replace}
-    if decision.level is Level.REPLACE_NODE:
-        # the ranks of a node given up go to a spare node, together; a rank that died on a
-        # healthy node meanwhile is replaced where it was
-        spares = iter(spare_nodes(node_of, seen.total_nodes, isolated))
-        moved: dict[int, int] = {}
-        out = {}
-        for r in sorted(decision.replace):
-            old = node_of[r]
-            if old not in decision.isolate:
-                out[r] = old
-                continue
-            if old not in moved:
-                moved[old] = next(spares)
-            out[r] = moved[old]
-        return out
-    healthy = [n for n in range(seen.total_nodes) if n not in isolated]
-    return {r: healthy[i // seen.slots] for i, r in enumerate(sorted(decision.replace))}
 
 
 def _entered(s: JobState, seen: Seen) -> tuple[JobState, list[Command]]:

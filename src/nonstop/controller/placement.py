@@ -1,0 +1,54 @@
+"""Where ranks go: the job's placement as the ladder sees it, and the node each moved rank goes
+to for the level decided. Pure functions of what the controller saw (``machine.Seen``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..decide.ladder import Decision, JobView, Level
+
+if TYPE_CHECKING:
+    from .machine import JobState, Seen
+
+
+def spare_nodes(node_of: dict[int, int], total_nodes: int, isolated: set[int]) -> list[int]:
+    """Healthy nodes that hold no rank: they can take over a failed node's ranks."""
+    busy = set(node_of.values())
+    return [n for n in range(total_nodes) if n not in busy and n not in isolated]
+
+
+def view(s: "JobState", seen: "Seen") -> JobView:
+    healthy = s.usable_nodes(seen.total_nodes)
+    node_of = seen.node_of
+    return JobView(world=len(seen.ranks), managed=seen.managed, node_of=node_of,
+                   spare_nodes=len(spare_nodes(node_of, seen.total_nodes, s.counters.isolated)),
+                   capacity=len(healthy) * seen.slots, slots=seen.slots,
+                   ready_spares=dict(seen.ready_spares))
+
+
+def place(decision: Decision, seen: "Seen", isolated: set[int]) -> dict[int, int]:
+    """The node each replaced rank goes to: its own node for a rank replacement, a spare node
+    for a node replacement, the healthy nodes in order for a job restart. ``isolated`` includes
+    the nodes the decision isolates."""
+    node_of = seen.node_of
+    if decision.level is Level.SCALE_IN:
+        return {}  # no rank moves: the others go on without the dropped ones
+    if decision.level is Level.REPLACE_RANK:
+        return {r: node_of[r] for r in decision.replace}
+    if decision.level is Level.REPLACE_NODE:
+        # the ranks of a node given up go to a spare node, together; a rank that died on a
+        # healthy node meanwhile is replaced where it was
+        spares = iter(spare_nodes(node_of, seen.total_nodes, isolated))
+        moved: dict[int, int] = {}
+        out = {}
+        for r in sorted(decision.replace):
+            old = node_of[r]
+            if old not in decision.isolate:
+                out[r] = old
+                continue
+            if old not in moved:
+                moved[old] = next(spares)
+            out[r] = moved[old]
+        return out
+    healthy = [n for n in range(seen.total_nodes) if n not in isolated]
+    return {r: healthy[i // seen.slots] for i, r in enumerate(sorted(decision.replace))}

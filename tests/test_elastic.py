@@ -1,0 +1,172 @@
+"""Scale-in and scale-out as pure decisions: which ranks a smaller world goes on without, when
+the ladder prefers it, when and onto which spares the world grows back, and the state machine's
+regroup at a step boundary, on a fake clock."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from nonstop.controller import machine as mc
+from nonstop.controller.phase import Phase
+from nonstop.decide import elastic, ladder
+from nonstop.decide.faults import Fault
+from nonstop.decide.ladder import Counters, JobView, Level
+from nonstop.policy import Policy
+
+P = Policy()
+ONE_HOST = JobView(world=4, node_of={r: 0 for r in range(4)}, spare_nodes=0, slots=4)
+TWO_HOSTS = JobView(world=4, node_of={0: 0, 1: 0, 2: 1, 3: 1}, spare_nodes=0, capacity=4,
+                    slots=2)
+
+
+def pol(**scale_in):
+    return P.with_overrides(**{f"recover.levels.scale_in.{k}": v for k, v in scale_in.items()})
+
+
+def decide(faults, dead, view=ONE_HOST, policy=P, counters=None):
+    return ladder.decide(list(faults), set(dead), view, policy, counters or Counters(), 100.0)
+
+
+CRASH1 = Fault("crash", rank=1, code=-9)
+
+
+# == the ladder ==================================================================================
+def test_one_host_replaces_a_crashed_rank_unless_told_to_prefer_a_scale_in():
+    assert decide([CRASH1], {1}).level is Level.REPLACE_RANK  # no_capacity: a process can start
+    d = decide([CRASH1], {1}, policy=pol(when="no_warm_spare"))
+    assert d.level is Level.SCALE_IN and d.drop == {1} and d.replace == frozenset()
+    assert any("no warm spare ready" in p for p in d.passed_over)
+    warm = dataclasses.replace(ONE_HOST, ready_spares={0: 1})
+    assert decide([CRASH1], {1}, view=warm, policy=pol(when="no_warm_spare")).level \
+        is Level.REPLACE_RANK
+
+
+def test_across_nodes_a_lost_node_shrinks_the_world_by_the_whole_node():
+    lost = Fault("node_lost", node=1, message="host gone")
+    d = decide([lost], {2, 3}, view=TWO_HOSTS)
+    assert d.level is Level.SCALE_IN and d.drop == {2, 3} and 1 in d.isolate
+    assert any("node replacement: no spare node" in p for p in d.passed_over)
+    # a crashed rank on a healthy node takes its node's other rank with it (host granularity)
+    d = decide([Fault("crash", rank=2, code=-9)], {2}, view=TWO_HOSTS,
+               policy=pol(when="no_warm_spare"))
+    assert d.level is Level.SCALE_IN and d.drop == {2, 3} and not d.isolate
+
+
+def test_the_world_stays_a_multiple_of_the_model_parallel_size():
+    view = dataclasses.replace(ONE_HOST, world=6, node_of={r: 0 for r in range(6)})
+    d = decide([CRASH1], {1}, view=view, policy=pol(when="no_warm_spare", multiple_of=2))
+    assert d.level is Level.SCALE_IN and d.drop == {1, 5}  # 4 left: the highest healthy rank goes
+
+
+def test_below_the_minimum_the_ladder_goes_on_and_says_why():
+    p = pol(when="no_warm_spare", min_world=3)
+    view = dataclasses.replace(ONE_HOST, world=3, node_of={r: 0 for r in range(3)})
+    d = decide([CRASH1], {1}, view=view, policy=p)
+    assert d.level is Level.REPLACE_RANK  # a scale-in is not possible: a new process it is
+    no_more = p.with_overrides(**{"recover.levels.rank_replacement.enabled": False,
+                                  "recover.levels.job_restart.enabled": False})
+    d = decide([CRASH1], {1}, view=view, policy=no_more)
+    assert d.level is Level.FAIL
+    assert "scale-in: 2 rank(s) would be left, below the minimum of 3" in d.diagnosis
+
+
+def test_a_spent_scale_in_budget_falls_back_to_a_new_process():
+    p = pol(when="no_warm_spare", budget=1)
+    c = ladder.charge(decide([CRASH1], {1}, policy=p), [CRASH1], Counters())
+    assert c.used(Level.SCALE_IN) == 1
+    assert decide([CRASH1], {1}, policy=p, counters=c).level is Level.REPLACE_RANK
+
+
+# == growing back ================================================================================
+def test_room_counts_free_places_and_whole_spare_nodes_only():
+    node_of = {0: 0, 1: 0, 2: 0}  # node 0 holds 3 of its 4 places
+    assert elastic.room(node_of, 1, 4, set(), {0: 2}) == [0]
+    # node 1 holds no rank: it joins with a full node's worth of ready spares, or not at all
+    assert elastic.room({0: 0, 1: 0}, 2, 2, set(), {1: 1}) == []
+    assert elastic.room({0: 0, 1: 0}, 3, 2, {1}, {1: 2, 2: 2}) == [2, 2]
+
+
+def test_grow_fills_up_to_the_target_in_allowed_sizes():
+    assert elastic.grow(3, 4, [0, 0], P) == {3: 0}
+    assert elastic.grow(2, 6, [1, 1, 2, 2], pol(multiple_of=2)) == {2: 1, 3: 1, 4: 2, 5: 2}
+    assert elastic.grow(2, 6, [1], pol(multiple_of=2)) == {}  # 3 is not allowed
+    assert elastic.grow(4, 4, [0], P) == {}
+    assert elastic.due(10.0, 12.0, pol(grow_after_s=2.0))
+    assert not elastic.due(10.0, 11.9, pol(grow_after_s=2.0)) and not elastic.due(None, 99.0, P)
+
+
+# == the state machine ===========================================================================
+def rank_seen(n, gen, **kw):
+    return tuple(mc.RankSeen(rank=r, wid=100 + r, node=0, joining=gen, entered=gen, **kw)
+                 for r in range(n))
+
+
+def degraded(now=50.0, p=P):
+    """Generation 1 trains with 3 of 4 ranks since ``now``."""
+    s = mc.JobState(phase=Phase.RUNNING, gen=1, degraded_since=now)
+    return s, lambda t, rs, ready=None: mc.Seen(now=t, ranks=rs, total_nodes=1, slots=4,
+                                                  target_world=4, ready_spares=ready or {},
+                                                  slowest_step_s=0.1)
+
+
+def test_a_scale_in_marks_the_job_degraded():
+    s = mc.JobState(phase=Phase.RUNNING, gen=0)
+    rs = rank_seen(4, 0)
+    dead = tuple(dataclasses.replace(r, dead=True) if r.rank == 1 else r for r in rs)
+    see = lambda t, x: mc.Seen(now=t, ranks=x, total_nodes=1, slots=4)  # noqa: E731
+    p = pol(when="no_warm_spare")
+    s, _ = mc.step(s, mc.Faulted(see(10.0, dead), CRASH1), p)
+    left = tuple(dataclasses.replace(r, left=0) if not r.dead else r for r in dead)
+    s, cmds = mc.step(s, mc.Tick(see(10.1, left)), p)
+    assert kinds(cmds) == ["Probe"]
+    s, cmds = mc.step(s, mc.Tick(see(10.2, left)), p)
+    assert kinds(cmds) == ["Decide", "CarryOut"] and cmds[1].decision.level is Level.SCALE_IN
+    assert cmds[1].placement == {} and s.degraded_since == 10.2 and s.gen == 1
+
+
+def test_grow_waits_for_its_time_and_a_ready_spare_then_regroups_at_a_step_boundary():
+    p = pol(grow_after_s=5.0)
+    s, see = degraded(50.0, p)
+    rs = rank_seen(3, 1)
+    assert mc.step(s, mc.Tick(see(60.0, rs)), p)[1] == []  # no spare ready
+    assert mc.step(s, mc.Tick(see(54.0, rs, {0: 1})), p)[1] == []  # too early
+    s, cmds = mc.step(s, mc.Tick(see(55.0, rs, {0: 1})), p)
+    assert cmds == [mc.Regroup(1)] and s.phase is Phase.TEARING_DOWN and s.regroup
+    assert not s.incident  # growing is no fault
+    assert s.deadline == 55.0 + p.timeouts.teardown_s + 3 * 0.1
+    left = tuple(dataclasses.replace(r, left=1) for r in rs)
+    s, cmds = mc.step(s, mc.Tick(see(55.2, left, {0: 1})), p)
+    assert kinds(cmds) == ["Decide", "CarryOut"]
+    assert cmds[1].decision.level is Level.SCALE_OUT and cmds[1].placement == {3: 0}
+    assert s.gen == 2 and s.phase is Phase.RENDEZVOUS and s.degraded_since is None
+    assert not s.regroup and s.level is None  # a growth that fails is a fault like any other
+
+
+def test_ranks_too_slow_to_reach_a_step_boundary_are_told_to_leave_at_once():
+    s, see = degraded(0.0)
+    rs = rank_seen(3, 1)
+    s, cmds = mc.step(s, mc.Tick(see(1.0, rs, {0: 1})), P)
+    assert cmds == [mc.Regroup(1)]
+    s, cmds = mc.step(s, mc.Tick(see(s.deadline + 0.01, rs, {0: 1})), P)
+    assert cmds == [mc.Abort(1, managed=True)] and s.forced and s.phase is Phase.TEARING_DOWN
+    s, cmds = mc.step(s, mc.Tick(see(s.deadline + 0.01, rs, {0: 1})), P)
+    assert kinds(cmds) == ["Kill"] * 3  # and then as after any fault
+
+
+def test_a_fault_during_the_regroup_is_recovered_as_a_fault():
+    s, see = degraded(0.0, pol(when="no_warm_spare"))
+    p = pol(when="no_warm_spare")
+    rs = rank_seen(3, 1)
+    s, _ = mc.step(s, mc.Tick(see(1.0, rs, {0: 1})), p)
+    dead = tuple(dataclasses.replace(r, dead=True) if r.rank == 2 else
+                 dataclasses.replace(r, left=1) for r in rs)
+    s, cmds = mc.step(s, mc.Faulted(see(1.1, dead, {0: 1}), Fault("crash", rank=2, code=-9)), p)
+    assert kinds(cmds) == ["Raise"] and s.incident  # already leaving: no second abort
+    s, cmds = mc.step(s, mc.Tick(see(1.2, dead, {0: 1})), p)
+    assert kinds(cmds) == ["Probe"] and not s.regroup
+    s, cmds = mc.step(s, mc.Tick(see(1.3, dead, {0: 1})), p)
+    assert cmds[1].decision.level is Level.REPLACE_RANK  # the ready spare takes rank 2
+
+
+def kinds(cmds):
+    return [type(c).__name__ for c in cmds]
