@@ -158,3 +158,41 @@ def test_a_lost_node_with_no_spare_node_shrinks_by_the_whole_node(tmp_path):
     assert segments(worlds) == [[4, 0, 10], [2, 10, 120]]
     full = elastic(tmp_path, "fault-free", world=4, steps=120, sleep_ms=0)[1]
     assert max_rel_diff(full, out) < TOLERANCE
+
+
+def test_in_and_out_ten_times_leaks_no_process_group_or_memory(tmp_path):
+    """Ten times: rank 1 is killed, the world shrinks, the process started for its place grows
+    it back. The rank that stays (rank 0) holds as many sockets, threads and as much memory after
+    the tenth growth as after the first; every process started is ended."""
+    # (ten SIGKILLs on one node would otherwise make it failing hardware: rules.isolate)
+    pol = policy_file(tmp_path, "recover:\n  levels:\n    scale_in:\n      when: no_warm_spare\n"
+                                "rules:\n  isolate:\n    times: 100\n")
+    d = tmp_path / "cycles"
+    proc = start(d, "--nproc=2", "--spares=0", "--policy", pol, str(ELASTIC), "--steps",
+                 "1000000", "--sleep-ms", "5", "--global-batch", str(BATCH))
+    t0 = __import__("time").time()
+    try:
+        for i in range(1, 11):
+            # the world is whole again (at first: it trains)
+            wait_for_event(d, lambda e, i=i: (e["type"] == "scale_out_done"
+                                              and e["gen"] == 2 * (i - 1))
+                           or (i == 1 and e["type"] == "rank_first_step"), timeout=90)
+            events = [json.loads(x) for x in (d / "events.jsonl").read_text().splitlines()]
+            gen = [e for e in events if e["type"] == "generation"][-1]
+            wid = gen["ranks"]["1"]
+            (spawn,) = [e for e in events if e["type"] == "spawn" and e["wid"] == wid]
+            os.kill(spawn["pid"], signal.SIGKILL)
+        wait_for_event(d, lambda e: e["type"] == "scale_out_done" and e["gen"] == 20, timeout=90)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+    run = finish(proc, d, t0, timeout=60)
+    assert run.code == 128 + signal.SIGTERM
+    levels = [x["level"] for x in run.of("decision")]
+    assert levels == ["scale-in", "scale-out"] * 10
+    assert len(run.of("spawn")) == 2 + 10  # one new process per cycle, nothing more
+    entered = [e for e in run.of("rank_entered") if e["wid"] == run.of("generation")[0]["ranks"]["0"]]
+    assert len(entered) == 21
+    first, last = entered[2], entered[-1]
+    assert last["fds"] <= first["fds"] + 2, (first["fds"], last["fds"])
+    assert last["threads"] <= first["threads"] + 2, (first["threads"], last["threads"])
+    assert last["rss_mb"] <= first["rss_mb"] + 40, (first["rss_mb"], last["rss_mb"])

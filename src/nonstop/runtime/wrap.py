@@ -227,7 +227,8 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
                 nbytes=resumed.nbytes, restore_s=round(resumed.seconds, 6),
                 restore_phases=resumed.phases,
                 sharded=tracked.sharded, t_assigned=t_assigned, t_pg=t_pg, t_restored=t_restored,
-                fds=len(os.listdir("/proc/self/fd")), threads=len(os.listdir("/proc/self/task")))
+                fds=len(os.listdir("/proc/self/fd")), threads=len(os.listdir("/proc/self/task")),
+                rss_mb=_rss_mb())
         ctx = _context(rt, tracked, msg, resumed)
         phase = "train"
         return fn(ctx, *args, **kwargs)
@@ -273,6 +274,12 @@ def _context(rt: Any, tracked: State, msg: dict[str, Any], resumed: Any) -> Cont
     return Context(msg.rank, msg.world, msg.gen, rt.entries, msg.replacements,
                    tracked, rt, resumed, loss_rules=rules, full_world_size=msg.full_world,
                    scale_lr=scale.get("batch") == "scale_lr")
+
+
+def _rss_mb() -> float:
+    """This process's resident memory, in MiB (what the leak tests watch across generations)."""
+    with open("/proc/self/statm") as f:
+        return round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
 
 
 def _release_frames(exc: BaseException | None) -> None:
