@@ -19,19 +19,17 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
-import torch
 
 from conftest import (EXAMPLES, bitwise_equal, finish, policy_file, run_nonstop, start,
                       wait_for_event)
-from nonstop import GlobalBatchSampler
+from elastic_oracle import BATCH, SAMPLES, TOLERANCE, check_samples, max_rel_diff, segments
 
 pytestmark = pytest.mark.integration
 
 ELASTIC = EXAMPLES / "train_elastic.py"
-BATCH, SAMPLES = 48, 1024
-TOLERANCE = 1e-5
 
 
 def elastic(tmp_path, name, *flags, steps=200, sleep_ms=20, world=3, timeout=240, ok=True):
@@ -44,50 +42,6 @@ def elastic(tmp_path, name, *flags, steps=200, sleep_ms=20, world=3, timeout=240
     if ok:
         assert run.code == 0, run.stdout[-4000:] + run.stderr[-4000:]
     return run, out
-
-
-def committed(samples_dir):
-    """step -> the entries of the generation that completed it last (a step redone after a
-    failure supersedes its earlier attempt)."""
-    by_step: dict[int, dict[int, list[dict]]] = {}
-    for name in os.listdir(samples_dir):
-        for line in (samples_dir / name).read_text().splitlines():
-            e = json.loads(line)
-            by_step.setdefault(e["step"], {}).setdefault(e["gen"], []).append(e)
-    return {s: gens[max(gens)] for s, gens in by_step.items()}
-
-
-def check_samples(samples_dir, steps):
-    """Every step trained on exactly its global batch of the fault-free stream, split over the
-    ranks of its world; returns step -> world size."""
-    stream = GlobalBatchSampler(SAMPLES, global_batch=BATCH, seed=0)
-    done = committed(samples_dir)
-    assert sorted(done) == list(range(steps))  # every optimizer step, once
-    worlds = {}
-    for s, entries in done.items():
-        entries = sorted(entries, key=lambda e: e["rank"])
-        world = entries[0]["world"]
-        assert [e["rank"] for e in entries] == list(range(world)), (s, entries)
-        ids = [i for e in entries for i in e["ids"]]
-        assert ids == stream.global_indices(s), f"step {s} trained on other samples"
-        worlds[s] = world
-    return worlds
-
-
-def max_rel_diff(a, b):
-    x, y = torch.load(a), torch.load(b)
-    return max(((x[k] - y[k]).abs().max() / x[k].abs().max()).item() for k in x)
-
-
-def segments(worlds):
-    """[(world, first step, end step)] of a run's world sizes by step."""
-    out = []
-    for s in sorted(worlds):
-        if out and out[-1][0] == worlds[s]:
-            out[-1][2] = s + 1
-        else:
-            out.append([worlds[s], s, s + 1])
-    return out
 
 
 def replay(tmp_path, worlds):
@@ -170,7 +124,7 @@ def test_in_and_out_ten_times_leaks_no_process_group_or_memory(tmp_path):
     d = tmp_path / "cycles"
     proc = start(d, "--nproc=2", "--spares=0", "--policy", pol, str(ELASTIC), "--steps",
                  "1000000", "--sleep-ms", "5", "--global-batch", str(BATCH))
-    t0 = __import__("time").time()
+    t0 = time.time()
     try:
         for i in range(1, 11):
             # the world is whole again (at first: it trains)

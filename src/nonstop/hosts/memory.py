@@ -63,8 +63,11 @@ class RemoteKeeperLink:
         self.cluster.tell(self.node, m.KeeperCall(name=self.name, msg=msg))
 
     def answers(self, timeout_s: float) -> bool:
-        """A keeper on another host is known lost by its host's agent or its host's lease."""
-        return True
+        """Whether the keeper answers through its host's agent within ``timeout_s``: a host cut
+        off (its ranks silent, its lease not yet expired) does not, and its node is lost now."""
+        reply = self.cluster.request(self.node, m.KeeperCall(name=self.name, msg={"op": "list"}),
+                                     timeout_s=timeout_s)
+        return reply is not None and not reply.error
 
     def events(self) -> list[dict[str, Any]]:
         return self.cluster.keeper_events(self.node)

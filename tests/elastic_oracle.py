@@ -1,0 +1,58 @@
+"""The oracle of elastic runs (see test_scale.py): the samples each step trained on, the world
+size of each step, and how far two sets of final parameters are apart."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from nonstop import GlobalBatchSampler
+
+BATCH, SAMPLES = 48, 1024  # train_elastic.py's --global-batch and --samples in the tests
+TOLERANCE = 1e-5  # relative, final parameters against the fault-free run at full size
+
+
+def committed(samples_dir):
+    """step -> the entries of the generation that completed it last (a step redone after a
+    failure supersedes its earlier attempt)."""
+    by_step: dict[int, dict[int, list[dict]]] = {}
+    for name in os.listdir(samples_dir):
+        for line in (samples_dir / name).read_text().splitlines():
+            e = json.loads(line)
+            by_step.setdefault(e["step"], {}).setdefault(e["gen"], []).append(e)
+    return {s: gens[max(gens)] for s, gens in by_step.items()}
+
+
+def check_samples(samples_dir, steps):
+    """Every step trained on exactly its global batch of the fault-free stream, split over the
+    ranks of its world; returns step -> world size."""
+    stream = GlobalBatchSampler(SAMPLES, global_batch=BATCH, seed=0)
+    done = committed(samples_dir)
+    assert sorted(done) == list(range(steps))  # every optimizer step, once
+    worlds = {}
+    for s, entries in done.items():
+        entries = sorted(entries, key=lambda e: e["rank"])
+        world = entries[0]["world"]
+        assert [e["rank"] for e in entries] == list(range(world)), (s, entries)
+        ids = [i for e in entries for i in e["ids"]]
+        assert ids == stream.global_indices(s), f"step {s} trained on other samples"
+        worlds[s] = world
+    return worlds
+
+
+def max_rel_diff(a, b):
+    x, y = torch.load(a), torch.load(b)
+    return max(((x[k] - y[k]).abs().max() / x[k].abs().max()).item() for k in x)
+
+
+def segments(worlds):
+    """[(world, first step, end step)] of a run's world sizes by step."""
+    out = []
+    for s in sorted(worlds):
+        if out and out[-1][0] == worlds[s]:
+            out[-1][2] = s + 1
+        else:
+            out.append([worlds[s], s, s + 1])
+    return out

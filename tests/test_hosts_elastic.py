@@ -1,0 +1,58 @@
+"""Elastic across test hosts: a host lost with no spare host shrinks the world by that host; the
+host, healed, joins again and the world grows back onto it. Checked with the elastic oracle
+(elastic_oracle.py) against the fault-free run at full size."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import EXAMPLES, policy_file, run_nonstop
+from elastic_oracle import BATCH, SAMPLES, TOLERANCE, check_samples, max_rel_diff, segments
+from test_hosts import _victim, job  # noqa: F401 - the fixture
+
+from nonstop import netns
+
+pytestmark = pytest.mark.integration
+
+ok, why = netns.available()
+if not ok:
+    pytest.skip(f"test hosts unavailable: {why}", allow_module_level=True)
+
+ELASTIC = EXAMPLES / "train_elastic.py"
+STEPS = 400
+
+
+def test_a_host_partitioned_with_no_spare_host_shrinks_the_world_then_it_grows_back(job, tmp_path):
+    j = job(2)
+    samples = tmp_path / "samples"
+    for i in range(2):
+        j.start(i, "--nnodes", "2", "--nproc-per-node", "2", script=str(ELASTIC),
+                script_args=["--steps", str(STEPS), "--sleep-ms", "25", "--log-samples",
+                             str(samples), "--global-batch", str(BATCH), "--samples",
+                             str(SAMPLES), "--save", str(j.base / f"final{i}.pt")])
+    j.wait_output("step 50 ", 90)
+    victim, node = _victim(j)
+    j.hosts[victim].cut()  # no packets either way: its lease expires
+    j.wait_output("fenced", 30, hosts=[victim])
+    j.hosts[victim].heal()  # it joins again, as a new host
+    codes = j.wait(180)
+    assert set(codes.values()) == {0}, "\n".join(j.output(i)[-3000:] for i in codes)
+    assert [e["level"] for e in j.of("decision")] == ["scale-in", "scale-out"]
+    (shrunk,) = j.of("scale_in")
+    assert shrunk["world"] == 2 and len(shrunk["dropped"]) == 2
+    # given up as soon as its memory did not answer either, before its lease expired
+    assert [e["node"] for e in j.of("isolate")] == [node]
+    (joined,) = j.of("node_joined")
+    (grown,) = j.of("scale_out")
+    assert grown["world"] == 4 and set(grown["ranks"]) == {"2", "3"}
+    spawns = {e["wid"]: e["node"] for e in j.of("spawn")}
+    assert {spawns[w] for w in grown["ranks"].values()} == {joined["node"]}  # onto the new host
+    worlds = check_samples(samples, STEPS)
+    assert [w for w, _, _ in segments(worlds)] == [4, 2, 4]
+    saved = [p for p in (j.base / f"final{i}.pt" for i in range(2)) if p.exists()]
+    assert len(saved) == 1
+    ref = tmp_path / "ref"
+    run = run_nonstop(ref / "run", "--nproc=4", str(ELASTIC), "--steps", str(STEPS),
+                      "--global-batch", str(BATCH), "--samples", str(SAMPLES),
+                      "--save", str(ref / "final.pt"))
+    assert run.code == 0, run.stderr[-3000:]
+    assert max_rel_diff(ref / "final.pt", saved[0]) < TOLERANCE
