@@ -41,6 +41,7 @@ def test_a_host_partitioned_with_no_spare_host_shrinks_the_world_then_it_grows_b
     assert shrunk["world"] == 2 and len(shrunk["dropped"]) == 2
     # given up as soon as its memory did not answer either, before its lease expired
     assert [e["node"] for e in j.of("isolate")] == [node]
+    assert [e["node"] for e in j.of("node_lost")] == [node]
     (joined,) = j.of("node_joined")
     (grown,) = j.of("scale_out")
     assert grown["world"] == 4 and set(grown["ranks"]) == {"2", "3"}

@@ -101,10 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--run-dir", metavar="DIR")
 
     bench = sub.add_parser("bench", help="measure recovery against peers")
-    bench.add_argument("scenario", choices=["crash", "hang", "state", "second", "hosts"])
+    bench.add_argument("scenario", choices=["crash", "hang", "state", "second", "hosts", "elastic"])
     bench.add_argument("--ranks", type=int, help="rank processes (default 4; state: 2)")
-    bench.add_argument("--repeat", type=int, help="runs of each system (default 5; hosts: 3)")
-    bench.add_argument("--steps", type=int, help="steps of each run (default 100; hosts: 200)")
+    bench.add_argument("--repeat", type=int,
+                       help="runs of each system (default 5; hosts, elastic: 3)")
+    bench.add_argument("--steps", type=int,
+                       help="steps of each run (default 100; hosts: 200; elastic: 300)")
     bench.add_argument("--kill-step", type=int,
                        help="the step of the fault (default 50; hosts: 50)")
     bench.add_argument("--systems", help="comma-separated subset to run (default: all)")
@@ -134,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "controller_kill,etcd_restart (default: all)")
     bench.add_argument("--sleep-ms", type=float, metavar="MS",
                        help="hosts: sleep per step, a stand-in for accelerator work (default 15)")
+    bench.add_argument("--grow-after", type=float, default=1.0, metavar="S",
+                       help="elastic: seconds the job runs degraded before it grows back "
+                            "(scale_in.grow_after_s; default 1)")
     bench.add_argument("--json", action="store_true", help="print the result as JSON, last on stdout")
     bench.add_argument("--out", metavar="DIR", help="keep the runs here (default: a temporary dir)")
 
@@ -167,17 +172,19 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_demo(steps=args.steps, run_dir=args.run_dir)
         if args.command == "bench":
-            from .bench import crash, hang, hosts, second, state
+            from .bench import crash, elastic, hang, hosts, second, state
 
             module = {"crash": crash, "hang": hang, "state": state, "second": second,
-                      "hosts": hosts}[args.scenario]
+                      "hosts": hosts, "elastic": elastic}[args.scenario]
             if args.scenario == "hosts":  # its own defaults (steps, fault step: the driver's)
                 if args.repeat is None:
                     args.repeat = 3
             else:
                 if args.ranks is None:
                     args.ranks = 2 if args.scenario == "state" else 4
-                for name, default in (("repeat", 5), ("steps", 100), ("kill_step", 50)):
+                elastic_run = args.scenario == "elastic"
+                for name, default in (("repeat", 3 if elastic_run else 5),
+                                      ("steps", 300 if elastic_run else 100), ("kill_step", 50)):
                     if getattr(args, name) is None:
                         setattr(args, name, default)
             if args.systems is None:

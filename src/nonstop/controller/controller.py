@@ -143,7 +143,8 @@ class Controller:
         return mc.Seen(now=now, ranks=tuple(ranks), managed=self.managed,
                        total_nodes=self.gens.total_nodes, slots=self.gens.slots, lost_memory=lost,
                        slowest_step_s=self.watchers.signals.hang.slowest_step(),
-                       target_world=self.gens.target, ready_spares=self.gens.ready_spares())
+                       target_world=self.gens.target, ready_spares=self.gens.ready_spares(),
+                       sharded=bool(self.memory.sharded))
 
     def _step(self, ob: mc.Observation) -> None:
         """One observation through the machine; its commands carried out in order."""
@@ -419,7 +420,8 @@ class Controller:
 
     def node_lost(self, node: int, why: str) -> None:
         """A host is gone (its lease expired): never used again; its ranks move."""
-        if node in self.counters.isolated:
+        if node in self.counters.isolated:  # given up already (its memory stopped answering)
+            self.log.write("node_lost", node=node, reason=why, isolated=True)
             return
         self._step(mc.Isolate(self._seen(), node))
         held = self.gens.node_lost(node, why, self.state.usable_nodes(self.total_nodes))

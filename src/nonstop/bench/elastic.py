@@ -1,0 +1,203 @@
+"""``nonstop bench elastic``: a rank lost with no spare; the world shrinks, then grows back.
+
+4 ranks (``--ranks``), no spare; rank ``ranks // 2`` is killed at step 50 (``--kill-step``). The
+process nonstop starts for its place is taken in once ready and the job has run degraded for
+``--grow-after`` seconds (the "spare made available" moment). Systems, each on the same job
+(``bench/elastic_job.py``: one global batch per step from one seeded sample stream):
+
+- ``nonstop-scale-in``: ``scale_in.when: no_warm_spare``: the survivors go on as a smaller world
+  at once, in-process, and grow back at a step boundary;
+- ``nonstop-job-restart``: the same loss with rank replacement and scale-in turned off: every
+  rank process is started again and the state comes back from the nodes' memory;
+- ``torchrun``: ``--max-restarts 3``, a checkpoint every 20 steps (on one host it cannot shrink:
+  the whole node's workers restart).
+
+Measured: MTTR (kill -> a step completed by every process of the next generation), the scale-out
+pause (the first rank leaving for the larger world -> a step completed by every rank of it), steps
+lost, whether every step trained on exactly its global batch of the stream (each sample of an
+epoch once, in order), and the final parameters' largest relative difference from the fault-free
+run at full size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from . import common
+
+SYSTEMS = ("nonstop-scale-in", "nonstop-job-restart", "torchrun")
+JOB = Path(__file__).resolve().parent / "elastic_job.py"
+TIMEOUT_S = 300.0
+SAMPLES, BATCH = 4096, 64
+
+
+def _policy(out: Path, system: str, grow_after_s: float) -> Path:
+    p = out / "policy.yaml"
+    if system == "nonstop-scale-in":
+        p.write_text("recover:\n  levels:\n    scale_in:\n      when: no_warm_spare\n"
+                     f"      grow_after_s: {grow_after_s}\n")
+    else:
+        p.write_text("recover:\n  levels:\n    rank_replacement: {enabled: false}\n"
+                     "    scale_in: {enabled: false}\n")
+    return p
+
+
+def run_once(system: str, ranks: int, steps: int, kill_step: int, grow_after_s: float,
+             out: Path) -> dict[str, Any]:
+    common.fresh(out)
+    victim = ranks // 2
+    job = [str(JOB), "--steps", str(steps), "--out", str(out), "--samples", str(SAMPLES),
+           "--global-batch", str(BATCH)]
+    if system == "torchrun":
+        cmd = common.torchrun_cmd(ranks, *job, "--mode", "torchrun", "--ckpt-every", "20",
+                                  "--kill-rank", str(victim), "--kill-step", str(kill_step))
+    elif system == "reference":
+        cmd = common.nonstop_cmd(f"--nproc={ranks}", f"--run-dir={out / 'run'}", *job,
+                                 "--mode", "nonstop")
+    else:
+        cmd = common.nonstop_cmd(f"--nproc={ranks}", "--spares=0", f"--run-dir={out / 'run'}",
+                                 f"--policy={_policy(out, system, grow_after_s)}",
+                                 f"--inject=crash:rank={victim},step={kill_step}", *job,
+                                 "--mode", "nonstop")
+    code = common.run_child(cmd, out / "output.log", TIMEOUT_S)
+    result: dict[str, Any] = {"system": system, "exit_code": code}
+    if system == "reference":
+        return result
+    if system == "torchrun":
+        kill = out / "kill.txt"
+        t_kill = float(kill.read_text()) if kill.exists() else None
+    else:
+        t_kill = common.inject_time(out / "run")
+    result.update(recovery(read_steps(out), t_kill))
+    pauses = [e["pause_s"] for e in common.events(out / "run") if e["type"] == "scale_out_done"]
+    result["scale_out_pause_s"] = pauses[0] if pauses else None
+    result.update(check_samples(out, steps))
+    return result
+
+
+def read_steps(out: Path) -> dict[str, list[tuple[int, float, int]]]:
+    """process -> [(steps done, time, generation)]."""
+    found: dict[str, list[tuple[int, float, int]]] = {}
+    for f in sorted(out.glob("steps-p*.txt")):
+        rows = []
+        for line in f.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 4:
+                rows.append((int(parts[0]), float(parts[1]), int(parts[2])))
+        found[f.stem] = rows
+    return found
+
+
+def recovery(steps: dict[str, list[tuple[int, float, int]]], t_kill: float | None
+             ) -> dict[str, Any]:
+    """MTTR: the kill -> every process that trains in the next generation completed a step in
+    it; steps lost: steps done before the kill minus the step the job resumed from."""
+    if t_kill is None:
+        return {"mttr_s": None, "lost_steps": None}
+    killed = max((g for rows in steps.values() for _, t, g in rows if t < t_kill), default=0)
+    done = max((s for rows in steps.values() for s, t, g in rows if g <= killed), default=0)
+    after = [min((t, s) for s, t, g in rows if g == killed + 1)
+             for rows in steps.values() if any(g == killed + 1 for _, _, g in rows)]
+    if not after:
+        return {"mttr_s": None, "lost_steps": None}
+    return {"mttr_s": round(max(t for t, _ in after) - t_kill, 4),
+            "lost_steps": max(0, done - min(s - 1 for _, s in after))}
+
+
+def check_samples(out: Path, steps: int) -> dict[str, bool]:
+    """Whether the steps that count (each step's newest generation) are exactly 0..steps-1, each
+    trained on exactly its global batch of the stream (every sample of an epoch once, in order)
+    and on a global batch of the same size."""
+    from ..runtime.sampler import GlobalBatchSampler
+
+    by_step: dict[int, dict[int, list[dict[str, Any]]]] = {}
+    for f in out.glob("samples-p*.jsonl"):
+        for line in f.read_text().splitlines():
+            try:
+                e = json.loads(line)
+            except json.JSONDecodeError:  # cut short by a killed process
+                continue
+            by_step.setdefault(e["step"], {}).setdefault(e["gen"], []).append(e)
+    stream = GlobalBatchSampler(SAMPLES, global_batch=BATCH, seed=0)
+    once = sorted(by_step) == list(range(steps))
+    constant = once
+    for s, gens in by_step.items():
+        entries = sorted(gens[max(gens)], key=lambda e: e["rank"])
+        ids = [i for e in entries for i in e["ids"]]
+        constant = constant and len(ids) == BATCH
+        once = once and [e["rank"] for e in entries] == list(range(entries[0]["world"])) \
+            and ids == stream.global_indices(s)
+    return {"samples_exactly_once": once, "global_batch_constant": constant}
+
+
+def max_rel_diff(a: Path, b: Path) -> float | None:
+    import torch
+
+    if not a.exists() or not b.exists():
+        return None
+    x, y = torch.load(a), torch.load(b)
+    return max(((x[k] - y[k]).abs().max() / x[k].abs().max()).item() for k in x)
+
+
+def main(args: argparse.Namespace) -> int:
+    systems, base, say = common.setup(args, SYSTEMS)
+    say(f"bench elastic: {args.ranks} ranks, no spare, {args.steps} steps, rank "
+        f"{args.ranks // 2} killed at step {args.kill_step}, grow back after "
+        f"{args.grow_after:g} s, {args.repeat} repeats; runs in {base}")
+    ref = common.reference_weights(
+        run_once("reference", args.ranks, args.steps, args.kill_step, 0, base / "reference"),
+        base / "reference", say)
+    if ref is None:
+        return 1
+    results = []
+    for system in systems:
+        runs = []
+        for i in range(args.repeat):
+            out = base / system / f"run{i}"
+            r = run_once(system, args.ranks, args.steps, args.kill_step, args.grow_after, out)
+            r["final_params_max_rel_diff"] = max_rel_diff(ref, out / "final.pt")
+            r["params_match_reference"] = r["exit_code"] == 0 and common.params_equal(
+                ref, out / "final.pt")
+            runs.append(r)
+            say(f"  {system:20s} run {i + 1}/{args.repeat}: exit {r['exit_code']}, MTTR "
+                f"{r['mttr_s']} s, scale-out pause {r['scale_out_pause_s']} s, steps lost "
+                f"{r['lost_steps']}, samples once {r['samples_exactly_once']}, params rel diff "
+                f"{r['final_params_max_rel_diff']}")
+        agg = common.aggregate(system, runs, extra=("scale_out_pause_s",))
+        agg["samples_exactly_once"] = all(r["samples_exactly_once"] for r in runs)
+        agg["global_batch_constant"] = all(r["global_batch_constant"] for r in runs)
+        diffs = [r["final_params_max_rel_diff"] for r in runs]
+        agg["final_params_max_rel_diff"] = None if None in diffs else max(diffs)
+        results.append(agg)
+    summary = {"scenario": "elastic", "ranks": args.ranks, "repeat": args.repeat,
+               "steps": args.steps, "kill_step": args.kill_step, "grow_after_s": args.grow_after,
+               "date": common.now_stamp(), "results": results}
+    by = {r["system"]: r for r in results}
+    if "torchrun" in by and "nonstop-scale-in" in by:
+        a, b = by["torchrun"]["mttr_s"]["median"], by["nonstop-scale-in"]["mttr_s"]["median"]
+        summary["torchrun_over_scale_in"] = round(a / b, 1) if a and b else None
+    say(table(summary))
+    if not args.out:
+        shutil.rmtree(base, ignore_errors=True)
+    common.emit(summary, args.json)
+    return 0
+
+
+def table(summary: dict[str, Any]) -> str:
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    lines = ["| system | MTTR median s | scale-out pause median s | steps lost (max) | samples "
+             "exactly once | global batch constant | params max rel diff |",
+             "|---|---|---|---|---|---|---|"]
+    for r in summary["results"]:
+        pause = (r.get("scale_out_pause_s") or {}).get("median")
+        diff = r["final_params_max_rel_diff"]
+        lines.append(f"| {r['system']} | {fmt(r['mttr_s']['median'])} | {fmt(pause)} | "
+                     f"{r['lost_steps']['max']} | {r['samples_exactly_once']} | "
+                     f"{r['global_batch_constant']} | {'-' if diff is None else f'{diff:.2e}'} |")
+    if summary.get("torchrun_over_scale_in"):
+        lines.append(f"\ntorchrun / nonstop-scale-in MTTR ratio: {summary['torchrun_over_scale_in']}")
+    return "\n".join(lines)

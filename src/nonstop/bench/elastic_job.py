@@ -1,0 +1,125 @@
+"""The job of ``nonstop bench elastic``: data-parallel training on one global batch per step, the
+same for every system, whatever the world size.
+
+Each step trains on the next ``--global-batch`` samples of one seeded stream
+(``nonstop.GlobalBatchSampler``), split over the ranks of the current world; each rank's summed
+loss is weighted by ``world / global_batch`` so that the averaged gradient is the global batch's
+mean. Every process appends, per completed step, ``<steps done> <time> <generation> <world>`` to
+``steps-p<pid>.txt`` and the sample ids it trained on to ``samples-p<pid>.jsonl``.
+
+``--mode torchrun`` is a careful torchrun user's loop: a checkpoint (model, optimizer, step: the
+data position) every ``--ckpt-every`` steps, resumed on restart, a fresh store prefix per restart.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import nonstop
+
+p = argparse.ArgumentParser()
+p.add_argument("--mode", choices=["nonstop", "torchrun"], required=True)
+p.add_argument("--steps", type=int, default=300)
+p.add_argument("--out", required=True)
+p.add_argument("--samples", type=int, default=4096)
+p.add_argument("--global-batch", type=int, default=64)
+p.add_argument("--hidden", type=int, default=256)
+p.add_argument("--sleep-ms", type=float, default=20.0)
+p.add_argument("--ckpt-every", type=int, default=20)
+p.add_argument("--kill-rank", type=int, default=-1, help="torchrun mode: SIGKILL this rank...")
+p.add_argument("--kill-step", type=int, default=-1, help="...at the start of this step, first attempt")
+args = p.parse_args()
+
+torch.manual_seed(0)
+x_all = torch.randn(args.samples, 32, generator=torch.Generator().manual_seed(1))
+y_all = x_all.sum(dim=1, keepdim=True).sin()
+model = torch.nn.Sequential(torch.nn.Linear(32, args.hidden), torch.nn.Tanh(),
+                            torch.nn.Linear(args.hidden, args.hidden), torch.nn.Tanh(),
+                            torch.nn.Linear(args.hidden, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+sampler = nonstop.GlobalBatchSampler(args.samples, global_batch=args.global_batch, seed=0)
+pid = os.getpid()
+steps_log = open(os.path.join(args.out, f"steps-p{pid}.txt"), "a")
+samples_log = open(os.path.join(args.out, f"samples-p{pid}.jsonl"), "a")
+
+
+def one_step(ddp, step, rank, world, gen):
+    ids = sampler.share(step, rank, world)
+    optimizer.zero_grad()
+    if ids:
+        idx = torch.tensor(ids)
+        loss = F.mse_loss(ddp(x_all[idx]), y_all[idx], reduction="sum") * world / args.global_batch
+    else:
+        loss = ddp(x_all[:1]).sum() * 0.0
+    loss.backward()
+    optimizer.step()
+    if args.sleep_ms:
+        time.sleep(args.sleep_ms / 1000)  # stand-in for accelerator work
+    steps_log.write(f"{step + 1} {time.time():.6f} {gen} {world}\n")
+    steps_log.flush()
+    samples_log.write(json.dumps({"step": step, "gen": gen, "rank": rank, "world": world,
+                                  "ids": ids}) + "\n")
+    samples_log.flush()
+
+
+def save_final(rank):
+    if rank == 0:
+        torch.save({k: v.clone() for k, v in model.state_dict().items()},
+                   os.path.join(args.out, "final.pt"))
+
+
+def run_nonstop():
+    state = nonstop.State(model=model, optimizer=optimizer, sampler=sampler)
+
+    @nonstop.wrap(state)
+    def train(ctx):
+        ddp = nonstop.reproducible(DDP(model))
+        for step in ctx.steps(args.steps):
+            one_step(ddp, step, ctx.rank, ctx.world_size, ctx.generation)
+        return ctx.rank
+
+    save_final(train())
+
+
+def run_torchrun():
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, wait_for_workers=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", store),
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=1800))
+    ckpt = os.path.join(args.out, "ckpt.pt")
+    start = 0
+    if os.path.exists(ckpt):
+        saved = torch.load(ckpt)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        start = saved["step"]
+    ddp = nonstop.reproducible(DDP(model))
+    for step in range(start, args.steps):
+        if attempt == 0 and rank == args.kill_rank and step == args.kill_step:
+            with open(os.path.join(args.out, "kill.txt"), "w") as k:
+                k.write(f"{time.time():.6f}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+        one_step(ddp, step, rank, world, attempt)
+        if rank == 0 and (step + 1) % args.ckpt_every == 0:
+            tmp = ckpt + ".tmp"
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "step": step + 1}, tmp)
+            os.replace(tmp, ckpt)
+    save_final(rank)
+    dist.destroy_process_group()
+
+
+if args.mode == "nonstop":
+    run_nonstop()
+else:
+    run_torchrun()
