@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from nonstop.controller import machine as mc
 from nonstop.controller.phase import Phase
 from nonstop.decide import elastic, ladder
@@ -178,3 +180,31 @@ def test_a_fault_during_the_regroup_is_recovered_as_a_fault():
 
 def kinds(cmds):
     return [type(c).__name__ for c in cmds]
+
+
+def test_nnodes_min_max_sets_the_smallest_world():
+    from nonstop.hosts.config import with_min_hosts
+
+    assert with_min_hosts(P, 2, 4, 8).levels.scale_in.min_world == 16
+    assert with_min_hosts(pol(min_world=24), 2, 4, 8).levels.scale_in.min_world == 24
+    assert with_min_hosts(P, 4, 4, 8) is P  # --nnodes N: the policy as it is
+
+
+def test_the_context_splits_the_global_batch_for_any_world():
+    from nonstop.runtime.context import Context
+    from nonstop.runtime.registered import _StepOnly
+
+    def ctx(rank, world, full=4, scale_lr=False):
+        return Context(rank, world, 0, 1, 0, _StepOnly(), full_world_size=full, scale_lr=scale_lr)
+
+    for world in (1, 3, 4, 7):
+        shares = [ctx(r, world).share(64) for r in range(world)]
+        assert [i for s in shares for i in s] == list(range(64))  # contiguous, all, once
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    assert ctx(0, 3).share(64) == range(0, 22) and ctx(2, 3).share(64) == range(43, 64)
+    assert ctx(0, 3).micro_batches(64, 16) == [range(0, 16), range(16, 22)]
+    assert ctx(3, 4).micro_batches(64, 16) == [range(48, 64)]
+    assert ctx(0, 3).full_world_size == 4 and ctx(0, 3).lr_scale == 1.0
+    assert ctx(0, 3, scale_lr=True).lr_scale == 0.75
+    with pytest.raises(ValueError):
+        ctx(0, 3).share(0)

@@ -78,3 +78,25 @@ def test_a_plain_dataloader_reads_this_ranks_shares_from_the_step_it_resumes_at(
     loader = DataLoader(_Ids(), batch_sampler=s.for_rank(ctx))
     got = [b.tolist() for _, b in zip(range(4), loader)]
     assert got == [s.share(step, 1, 3) for step in range(6, 10)]
+
+
+def test_a_stateful_dataloader_resumes_at_the_same_share():
+    """torchdata's StatefulDataLoader over the sampler's shares: its state, saved after three
+    batches and loaded into a new loader, goes on with the fourth share."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    import torch
+    from torch.utils.data import TensorDataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    class Ctx:
+        rank, world_size, step = 1, 3, 5
+
+    data = TensorDataset(torch.arange(100))
+    sampler = GlobalBatchSampler(100, 12, seed=0)
+    loader = StatefulDataLoader(data, batch_sampler=sampler.for_rank(Ctx))
+    it = iter(loader)
+    got = [next(it)[0].tolist() for _ in range(3)]
+    assert got == [sampler.share(s, 1, 3) for s in (5, 6, 7)]
+    again = StatefulDataLoader(data, batch_sampler=sampler.for_rank(Ctx))
+    again.load_state_dict(loader.state_dict())
+    assert next(iter(again))[0].tolist() == sampler.share(8, 1, 3)

@@ -82,6 +82,15 @@ def _nnodes(text: str | None) -> tuple[int, int]:
     return n_min, n_max
 
 
+def with_min_hosts(pol: Any, n_min: int, n_max: int, per_node: int) -> Any:
+    """The policy with ``--nnodes MIN:MAX``'s minimum: a scale-in never leaves fewer than MIN
+    hosts' ranks (the policy's own ``scale_in.min_world`` where that is higher)."""
+    if n_min >= n_max:
+        return pol
+    least = max(pol.levels.scale_in.min_world, n_min * per_node)
+    return pol.with_overrides(**{"recover.levels.scale_in.min_world": least})
+
+
 def run_host(cfg: Any) -> int:
     """``nonstop run`` on one host of many: check everything, then run the host's agent."""
     import socket
@@ -117,6 +126,7 @@ def run_host(cfg: Any) -> int:
     per_node = cfg.nproc_per_node or cfg.nproc
     run_cfg = dataclasses.replace(cfg, nproc=per_node * n_max, nodes=n_max)
     pol, faults, uses_nonstop = launcher.prepare(run_cfg)
+    pol = with_min_hosts(pol, n_min, n_max, per_node)
     try:
         secret = load_secret(cfg.secret_file)
     except ValueError as exc:

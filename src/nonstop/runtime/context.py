@@ -55,6 +55,18 @@ class Context:
         begin = self.rank * q + min(self.rank, r)
         return range(begin, begin + q + (self.rank < r))
 
+    def micro_batches(self, global_batch: int, micro_batch: int) -> list[range]:
+        """This rank's share of a global batch cut into micro-batches of at most ``micro_batch``
+        samples, for gradient accumulation: a rank that runs one at full size may run two after
+        a scale-in, and the optimizer still steps once per step on the same global batch. Run
+        all but the last under ``ddp.no_sync()``, so that every rank reduces once per step."""
+        if not isinstance(micro_batch, int) or micro_batch < 1:
+            raise ValueError(f"ctx.micro_batches: micro_batch must be a positive int, not "
+                             f"{micro_batch!r}")
+        share = self.share(global_batch)
+        return [range(i, min(i + micro_batch, share.stop))
+                for i in range(share.start, share.stop, micro_batch)]
+
     @property
     def step(self) -> int:
         """Steps completed (the index of the step running now, inside ``steps()``)."""
