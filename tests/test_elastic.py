@@ -80,6 +80,18 @@ def test_sharded_state_is_not_scaled_in():
         in d.passed_over
 
 
+def test_by_default_only_a_lost_place_shrinks_the_world():
+    p = P.with_overrides(**{"recover.levels.rank_replacement.enabled": False})
+    d = decide([CRASH1], {1}, policy=p)
+    assert d.level is Level.JOB_RESTART  # the place is there: not a capacity loss
+    assert "scale-in: the lost place can be refilled (scale_in.when: no_capacity)" in d.passed_over
+    spare_node = dataclasses.replace(TWO_HOSTS, spare_nodes=1)
+    off = P.with_overrides(**{"recover.levels.node_replacement.enabled": False})
+    d = decide([Fault("node_lost", node=1, message="gone")], {2, 3}, view=spare_node, policy=off)
+    assert d.level is not Level.SCALE_IN  # a spare node is there, though not to be used
+    assert "scale-in: the lost place can be refilled (scale_in.when: no_capacity)" in d.passed_over
+
+
 def test_a_spent_scale_in_budget_falls_back_to_a_new_process():
     p = pol(when="no_warm_spare", budget=1)
     c = ladder.charge(decide([CRASH1], {1}, policy=p), [CRASH1], Counters())

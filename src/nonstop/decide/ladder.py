@@ -221,6 +221,11 @@ def decide(faults: list[Fault], dead: set[int], view: JobView, policy: Policy,
             replace = {r for r, n in view.node_of.items() if n in nodes} | set(dead)
             isolate = isolate | nodes
         if level is Level.SCALE_IN:
+            lost_capacity = bool(sick_nodes) and view.spare_nodes < len(sick_nodes)
+            if policy.levels.scale_in.when == "no_capacity" and not lost_capacity:
+                passed.append(f"{level.value}: the lost place can be refilled "
+                              "(scale_in.when: no_capacity)")
+                continue
             drop, why_not = shrink(set(dead) | at_fault, sick_nodes, view, policy)
             if why_not:
                 passed.append(f"{level.value}: {why_not}")
