@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 
@@ -27,9 +28,12 @@ from conftest import (EXAMPLES, bitwise_equal, finish, policy_file, run_nonstop,
                       wait_for_event)
 from elastic_oracle import BATCH, SAMPLES, TOLERANCE, check_samples, max_rel_diff, segments
 
+from nonstop.state.checkpoint import step_dir_name
+
 pytestmark = pytest.mark.integration
 
 ELASTIC = EXAMPLES / "train_elastic.py"
+STEPS = 200  # at 20 ms a step: the process started for the lost place is ready well before the end
 
 
 def elastic(tmp_path, name, *flags, steps=200, sleep_ms=20, world=3, timeout=240, ok=True):
@@ -44,25 +48,27 @@ def elastic(tmp_path, name, *flags, steps=200, sleep_ms=20, world=3, timeout=240
     return run, out
 
 
-def replay(tmp_path, worlds):
+def replay(tmp_path, worlds, first_ck):
     """The fault-free run with the same world sizes at the same steps: one nonstop run per
-    stretch, each resuming from the previous one's checkpoint on disk."""
+    stretch after the first, each resuming from the previous one's checkpoint on disk; the first
+    stretch is the full-size fault-free run's, whose checkpoint at its end is ``first_ck``."""
     ck = tmp_path / "replay-ck"
+    ck.mkdir()
+    shutil.copytree(first_ck, ck / first_ck.name)
     pol = tmp_path / "replay.yaml"
     pol.write_text(f"state:\n  checkpoint:\n    dir: {ck}\n    every_steps: 100000\n")
     out = None
-    for i, (world, first, end) in enumerate(segments(worlds)):
+    for i, (world, first, end) in enumerate(segments(worlds)[1:]):
         run, out = elastic(tmp_path, f"replay{i}", "--policy", str(pol), steps=end, sleep_ms=0,
                            world=world)
-        if first:
-            assert f"resumed at step {first} (from disk)" in run.stdout + run.stderr
+        assert f"resumed at step {first} (from disk)" in run.stdout + run.stderr
     return out
 
 
 def test_a_crash_with_no_warm_spare_shrinks_then_grows_back(tmp_path):
     pol = policy_file(tmp_path, "recover:\n  levels:\n    scale_in:\n      when: no_warm_spare\n")
     run, out = elastic(tmp_path, "elastic", "--spares=0", "--policy", pol,
-                       "--inject=crash:rank=1,step=15", steps=300)
+                       "--inject=crash:rank=1,step=15", steps=STEPS)
     assert [d["level"] for d in run.of("decision")] == ["scale-in", "scale-out"]
     (shrunk,) = run.of("scale_in")
     assert shrunk["dropped"] == [1] and shrunk["world"] == 2 and shrunk["target"] == 3
@@ -74,14 +80,18 @@ def test_a_crash_with_no_warm_spare_shrinks_then_grows_back(tmp_path):
     left = [e for e in run.of("rank_left") if e.get("reason") == "regroup"]
     assert left and all(not e["dirty"] for e in left)
 
-    worlds = check_samples(tmp_path / "elastic" / "samples", 300)
+    worlds = check_samples(tmp_path / "elastic" / "samples", STEPS)
     grow_step = min(s for s in worlds if s > 15 and worlds[s] == 3)
     assert [(w, a, b) for w, a, b in segments(worlds)] == [(3, 0, 15), (2, 15, grow_step),
-                                                           (3, grow_step, 300)]
-    full = elastic(tmp_path, "fault-free", sleep_ms=0, steps=300)[1]
+                                                           (3, grow_step, STEPS)]
+    # the fault-free run at full size, with a checkpoint where the world shrank
+    ck = tmp_path / "full-ck"
+    keep = policy_file(tmp_path, f"state:\n  checkpoint:\n    dir: {ck}\n    every_steps: 15\n"
+                                 "    keep: 100\n")
+    full = elastic(tmp_path, "fault-free", "--policy", keep, sleep_ms=0, steps=STEPS)[1]
     assert max_rel_diff(full, out) < TOLERANCE
     assert not bitwise_equal(full, out)  # the world did change: the oracle is not vacuous
-    assert bitwise_equal(replay(tmp_path, worlds), out)
+    assert bitwise_equal(replay(tmp_path, worlds, ck / step_dir_name(15)), out)
 
 
 def test_shrinks_to_the_minimum_then_fails_below_it_with_a_diagnosis(tmp_path):
