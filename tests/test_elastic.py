@@ -72,14 +72,6 @@ def test_below_the_minimum_the_ladder_goes_on_and_says_why():
     assert "scale-in: 2 rank(s) would be left, below the minimum of 3" in d.diagnosis
 
 
-def test_sharded_state_is_not_scaled_in():
-    sharded = dataclasses.replace(TWO_HOSTS, sharded=True)
-    d = decide([Fault("node_lost", node=1, message="host gone")], {2, 3}, view=sharded)
-    assert d.level is Level.JOB_RESTART
-    assert "scale-in: sharded state is not redistributed over another world size yet" \
-        in d.passed_over
-
-
 def test_by_default_only_a_lost_place_shrinks_the_world():
     p = P.with_overrides(**{"recover.levels.rank_replacement.enabled": False})
     d = decide([CRASH1], {1}, policy=p)

@@ -36,10 +36,12 @@ ELASTIC = EXAMPLES / "train_elastic.py"
 STEPS = 200  # at 20 ms a step: the process started for the lost place is ready well before the end
 
 
-def elastic(tmp_path, name, *flags, steps=200, sleep_ms=20, world=3, timeout=240, ok=True):
+def elastic(tmp_path, name, *flags, steps=200, sleep_ms=20, world=3, timeout=240, ok=True,
+            script_args=()):
     d = tmp_path / name
     out = d / "final.pt"
-    run = run_nonstop(d / "run", f"--nproc={world}", *flags, str(ELASTIC), "--steps", str(steps),
+    run = run_nonstop(d / "run", f"--nproc={world}", *flags, str(ELASTIC), *script_args,
+                      "--steps", str(steps),
                       "--sleep-ms", str(sleep_ms), "--log-samples", str(d / "samples"),
                       "--global-batch", str(BATCH), "--samples", str(SAMPLES), "--save", str(out),
                       timeout=timeout)
@@ -111,29 +113,55 @@ def test_shrinks_to_the_minimum_then_fails_below_it_with_a_diagnosis(tmp_path):
     assert "Traceback" not in text
 
 
-def test_a_lost_node_with_no_spare_node_shrinks_by_the_whole_node(tmp_path):
-    run, out = elastic(tmp_path, "node", "--nodes=2", "--spares=0",
-                       "--inject=node_crash:rank=2,step=10", world=4, steps=120, sleep_ms=10)
+def test_a_lost_node_with_no_spare_node_shrinks_by_the_whole_node_sharded_state_too(tmp_path):
+    """ZeRO-1 (Adam's state sharded over the ranks): the lost node's shards come from their
+    replicas on the other node, every rank merges all four and keeps what it owns among two; and
+    a job restarted from disk at another world size merges the checkpoint's parts the same way."""
+    sharded = ("--sharded", "--optim", "adam")
+    run, out = elastic(tmp_path, "node", "--nodes=2", "--spares=0", "--snapshot-every=1",
+                       "--inject=node_crash:rank=2,step=10", script_args=sharded, world=4,
+                       steps=120, sleep_ms=10)
     assert [d["level"] for d in run.of("decision")] == ["scale-in"]
     (shrunk,) = run.of("scale_in")
     assert shrunk["dropped"] == [2, 3] and shrunk["world"] == 2
     assert [e["node"] for e in run.of("isolate")] == [1]
+    entered = [e for e in run.of("rank_entered") if e["gen"] == 1]
+    # the survivors' own shards live, the lost node's from their replicas (or older snapshots)
+    assert len(entered) == 2 and {e["source"] for e in entered} <= {
+        "live+buddy, resharded", "memory+buddy, resharded"}
     worlds = check_samples(tmp_path / "node" / "samples", 120)
-    assert segments(worlds) == [[4, 0, 10], [2, 10, 120]]
-    full = elastic(tmp_path, "fault-free", world=4, steps=120, sleep_ms=0)[1]
+    (small,) = [s for w, s, _ in segments(worlds) if w == 2]
+    assert 8 <= small <= 10  # the replicas of the newest snapshots may not all have been made
+    assert segments(worlds) == [[4, 0, small], [2, small, 120]]
+    ck = tmp_path / "full-ck"
+    every = policy_file(tmp_path, f"state:\n  checkpoint:\n    dir: {ck}\n    every_steps: 1\n"
+                                  "    keep: 1000\n")
+    full = elastic(tmp_path, "fault-free", "--policy", every, script_args=sharded, world=4,
+                   steps=120, sleep_ms=0)[1]
     assert max_rel_diff(full, out) < TOLERANCE
+    # the same world sizes at the same steps, from disk: bit for bit
+    again = tmp_path / "replay-ck"
+    again.mkdir()
+    shutil.copytree(ck / step_dir_name(small), again / step_dir_name(small))
+    pol = policy_file(tmp_path, f"state:\n  checkpoint:\n    dir: {again}\n")
+    run2, out2 = elastic(tmp_path, "replay", "--policy", pol, script_args=sharded, world=2,
+                         steps=120, sleep_ms=0)
+    assert f"resumed at step {small} (from disk, resharded)" in run2.stdout + run2.stderr
+    assert bitwise_equal(out2, out)
 
 
 def test_in_and_out_ten_times_leaks_no_process_group_or_memory(tmp_path):
     """Ten times: rank 1 is killed, the world shrinks, the process started for its place grows
-    it back. The rank that stays (rank 0) holds as many sockets, threads and as much memory after
-    the tenth growth as after the first; every process started is ended."""
+    it back (ZeRO-1 state: resharded each time). The rank that stays (rank 0) holds as many
+    sockets, threads and as much memory after the tenth growth as after the first; every process
+    started is ended."""
     # (ten SIGKILLs on one node would otherwise make it failing hardware: rules.isolate)
     pol = policy_file(tmp_path, "recover:\n  levels:\n    scale_in:\n      when: no_warm_spare\n"
                                 "rules:\n  isolate:\n    times: 100\n")
     d = tmp_path / "cycles"
     proc = start(d, "--nproc=2", "--spares=0", "--policy", pol, str(ELASTIC), "--steps",
-                 "1000000", "--sleep-ms", "5", "--global-batch", str(BATCH))
+                 "1000000", "--sleep-ms", "5", "--global-batch", str(BATCH), "--sharded",
+                 "--optim", "adam")  # and every shard merged, twenty times
     t0 = time.time()
     try:
         for i in range(1, 11):

@@ -143,8 +143,7 @@ class Controller:
         return mc.Seen(now=now, ranks=tuple(ranks), managed=self.managed,
                        total_nodes=self.gens.total_nodes, slots=self.gens.slots, lost_memory=lost,
                        slowest_step_s=self.watchers.signals.hang.slowest_step(),
-                       target_world=self.gens.target, ready_spares=self.gens.ready_spares(),
-                       sharded=bool(self.memory.sharded))
+                       target_world=self.gens.target, ready_spares=self.gens.ready_spares())
 
     def _step(self, ob: mc.Observation) -> None:
         """One observation through the machine; its commands carried out in order."""
@@ -500,6 +499,8 @@ class Controller:
         if self.phase is not Phase.RUNNING:
             return
         ranks = self._ranks()
+        if all(x.first_gen == self.gen for x in ranks):  # sharded state now has this size
+            self.gens.trained_world = len(ranks)
         if self.incident is None:
             if all(x.first_gen == self.gen for x in ranks):
                 self.book.grown(max(x.t_first for x in ranks), self.gen, len(ranks))

@@ -15,12 +15,17 @@ from .placement import spare_nodes
 from .workers import Worker, WorkerTable
 
 
+WORLDS_KEPT = 64  # generations whose world size each assignment carries (snapshots' sizes)
+
+
 class Generations:
     def __init__(self, *, world: int, spares: int, nodes: int, spare_nodes: int, policy: Any,
                  mail: Any, table: WorkerTable, memory: Any, watchers: Any, log: Any,
                  display: Any):
         self.world = world  # ranks now (fewer than target after a scale-in)
         self.target = world  # ranks the job was started with
+        self.trained_world = world  # the newest generation in which every rank stepped: its size
+        self.worlds: dict[int, int] = {}  # generation -> world size (the recent ones)
         self.spares_target = spares
         self.total_nodes = nodes + spare_nodes  # nodes that hold ranks at the start, then spares
         self.slots = world // nodes  # ranks per node
@@ -84,11 +89,15 @@ class Generations:
         node_of = self.node_of()
         where = self.mail.generation_store(gen, node_of[0])
         self.world = self.memory.world = len(self.plan)
+        self.worlds[gen] = self.world
+        self.worlds = {g: w for g, w in self.worlds.items() if g > gen - WORLDS_KEPT}
         for rank, wid in sorted(self.plan.items()):
             w = self.workers[wid]
             w.rank = rank
             self.table.send(w, protocol.Assign(
                 gen=gen, rank=rank, world=self.world, full_world=self.target,
+                reshard_from=self.trained_world if self.trained_world != self.world else 0,
+                worlds={str(g): w for g, w in self.worlds.items()},
                 replacements=self.replacements[rank],
                 initial=initial, claimed=dict(self.claimed), **where,
                 **self.local_ranks(rank, node_of)))

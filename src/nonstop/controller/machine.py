@@ -65,7 +65,6 @@ class Seen:
     slowest_step_s: float = 0.0
     target_world: int = 0  # the world the job was started with (0: the ranks seen)
     ready_spares: dict[int, int] = dataclasses.field(default_factory=dict)  # node -> warm, ready
-    sharded: bool = False  # the ranks' state is sharded (each rank's its own)
 
     @property
     def target(self) -> int:

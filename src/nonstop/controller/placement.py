@@ -23,7 +23,7 @@ def view(s: "JobState", seen: "Seen") -> JobView:
     return JobView(world=len(seen.ranks), managed=seen.managed, node_of=node_of,
                    spare_nodes=len(spare_nodes(node_of, seen.total_nodes, s.counters.isolated)),
                    capacity=len(healthy) * seen.slots, slots=seen.slots,
-                   ready_spares=dict(seen.ready_spares), sharded=seen.sharded)
+                   ready_spares=dict(seen.ready_spares))
 
 
 def place(decision: Decision, seen: "Seen", isolated: set[int]) -> dict[int, int]:

@@ -101,7 +101,6 @@ class JobView:
     capacity: int | None = None  # ranks the healthy nodes can hold (None: enough)
     slots: int = 0  # ranks one node holds (0: unknown)
     ready_spares: dict[int, int] = dataclasses.field(default_factory=dict)  # node -> warm, ready
-    sharded: bool = False  # each rank's state is its own (State(sharded=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,8 +269,6 @@ def shrink(lost: set[int], sick_nodes: set[int], view: JobView, policy: Policy
     every rank of their nodes: the world shrinks by whole nodes), and then the highest ranks
     until the world is an allowed size. (drop, None) or (set(), why not)."""
     cfg = policy.levels.scale_in
-    if view.sharded:
-        return set(), "sharded state is not redistributed over another world size yet"
     nodes = sick_nodes | {view.node_of[r] for r in lost if r in view.node_of}
     if len(set(view.node_of.values())) > 1:  # host granularity
         drop = {r for r, n in view.node_of.items() if n in nodes} | set(lost)

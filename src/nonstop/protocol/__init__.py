@@ -79,6 +79,8 @@ class Assign:
     rank: int
     world: int
     full_world: int = 0  # the world the job was started with (0: the same as world)
+    reshard_from: int = 0  # sharded state was last trained at this other world size (0: same)
+    worlds: dict[str, int] = dataclasses.field(default_factory=dict)  # recent gen -> world size
     replacements: int = 0  # times this rank was replaced
     initial: bool = False  # the job (re)starts: no rank holds state to agree on
     claimed: dict[str, int] = dataclasses.field(default_factory=dict)  # faults fired: index -> n

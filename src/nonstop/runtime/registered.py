@@ -88,6 +88,7 @@ class State:
         self._t_forward = 0.0
         self._poison = False
         self._last_output: Any = None
+        self._prune: set[int] = set()  # optimizers to keep only this rank's shard of, at next step
 
     # -- hooks (cheap: they run at every step) ------------------------------------------------
     def _before_forward(self, module: Any, args: Any) -> None:
@@ -120,6 +121,20 @@ class State:
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.check_finite and not _grads_finite(optimizer):
             raise NonFiniteGradients(self.step)
+        if id(optimizer) in self._prune:  # after a reshard: this rank's parameters only
+            self._prune.discard(id(optimizer))
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        optimizer.state.pop(p, None)
+
+    def prune_unowned(self) -> None:
+        """After sharded state was merged from every shard (another world size): at each
+        optimizer's next step, drop the state of the parameters that get no gradient on this rank
+        (another rank owns them now)."""
+        import torch
+
+        self._prune = {id(o) for o in self._objects.values() if isinstance(o, torch.optim.Optimizer)}
 
     def _optimizer_stepped(self, *_: Any) -> None:
         self.dirty = True

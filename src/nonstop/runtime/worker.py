@@ -59,6 +59,7 @@ class WorkerRuntime:
         self.entries = 0  # times this process entered the training function
         self.ever_entered = False
         self.rank = 0  # the rank of the newest assignment
+        self.held: tuple[int, int] | None = None  # (rank, world) of the last generation entered
         self.last_loss: Any = None  # the last loss reported by the training function
         self.wrapped = False
         self.busy = 0.0  # seconds spent inside completed steps, over this process's life
@@ -156,21 +157,38 @@ class WorkerRuntime:
             group.release()
 
     # -- state: restore at entry, snapshots after steps ------------------------------------------
-    def restore(self, state: Any, rank: int, world: int, gen: int, has_state: bool) -> Any:
-        """Bring this rank to the step every rank agrees on, from the cheapest source."""
+    def restore(self, state: Any, rank: int, world: int, gen: int, has_state: bool,
+                reshard_from: int = 0, initial: bool = False,
+                worlds: dict[int, int] | None = None) -> Any:
+        """Bring this rank to the step every rank agrees on, from the cheapest source; sharded
+        state last trained at another world size is merged from every old shard."""
+        from ..state import reshard
         from ..state.restore import Where, restore
 
         snaps = self.snapshots if self.registered else None
         root = snaps.root if snaps is not None else None
         where = Where(memory=self.node_memory if snaps is not None else None,
-                      checkpoint_root=root, sharded=state.sharded)
-        resumed = restore(state, rank, world, has_state, where,
-                          snaps.schedule() if snaps is not None else None,
-                          agreed=lambda: self.injector.in_recovery("restore", rank, gen))
+                      checkpoint_root=root, sharded=state.sharded, world=world)
+        schedule = snaps.schedule() if snaps is not None else None
+        old_world = reshard_from if state.sharded else 0
+        if state.sharded and initial and not old_world:  # a new job: its checkpoint's size
+            old_world = reshard.disk_world(root, world)
+        resharded = bool(old_world) and old_world != world
+        if resharded:
+            held = self.held
+            live = (held[0], state.step, held[1]) if (has_state and not state.dirty
+                                                      and held is not None) else None
+            resumed = reshard.reshard(state, rank, world, worlds or {}, live, where, schedule,
+                                      prefer=old_world)
+        else:
+            resumed = restore(state, rank, world, has_state, where, schedule,
+                              agreed=lambda: self.injector.in_recovery("restore", rank, gen))
+        self.held = (rank, world)
         if snaps is not None:
             snaps.adopt(resumed.agreed["schedules"], resumed.step, resumed.agreed["disk"])
-            if state.sharded and resumed.step == 0 and snaps.last_step != 0:
-                # the starting shard, so that a failure before the first snapshot can roll back
+            if resharded or (state.sharded and resumed.step == 0 and snaps.last_step != 0):
+                # the shards of this world (after a reshard: every rank's alike until its first
+                # step), so that a failure before the next snapshot can roll back to them
                 snaps.take(state, rank, world, gen)
         return resumed
 

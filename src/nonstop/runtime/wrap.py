@@ -216,7 +216,8 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
         group.open(joined_store=lambda: rt.injector.in_recovery("rendezvous", rank, gen))
         t_pg = time.time()
         phase = "restore"
-        resumed = rt.restore(tracked, rank, world, gen, has_state)
+        resumed = rt.restore(tracked, rank, world, gen, has_state, msg.reshard_from, msg.initial,
+                             {int(g): w for g, w in msg.worlds.items()})
         t_restored = time.time()
         rt.entries += 1
         rt.ever_entered = True

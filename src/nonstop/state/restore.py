@@ -49,6 +49,7 @@ class Where:
     memory: mem.NodeMemory | None = None
     checkpoint_root: Path | None = None
     sharded: bool = False
+    world: int = 0  # sharded: a copy taken at another world size is no copy of this rank's shard
 
 
 def _offer(state: Any, rank: int, has_state: bool, where: Where) -> tuple[Offer, dict[str, Any]]:
@@ -75,6 +76,8 @@ def _offer(state: Any, rank: int, has_state: bool, where: Where) -> tuple[Offer,
                 manifest = checkpoint.read_manifest(where.checkpoint_root, step)
             except checkpoint.CorruptCheckpoint:
                 continue
+            if where.sharded and where.world and manifest.get("world") != where.world:
+                continue  # another world's shards: only a reshard reads them
             if checkpoint.part_rank_for(manifest, rank) is not None:
                 disk.append(step)
     return Offer(live, memory, replicas, tuple(disk)), problems
@@ -259,16 +262,21 @@ def _receive(a: planning.Action, state: Any, where: Where) -> int:
     checksum = struct.unpack("<Q", struct.pack("<q", signed))[0]
     if checksum and _checksum(meta, data) != checksum:
         raise _Bad(f"the {a.source} copy from rank {a.holder} fails its checksum")
-    state.load_state_dict(_unpack(meta, data, f"the {a.source} copy from rank {a.holder}"))
+    state.load_state_dict(_unpack(meta, data, f"the {a.source} copy from rank {a.holder}", where))
     return data_len
 
 
-def _unpack(meta: bytes, data: Any, what: str) -> dict[str, Any]:
-    """The state dict of a copy (JSON skeleton + bytes); one that does not parse is a bad source."""
+def _unpack(meta: bytes, data: Any, what: str, where: Where | None = None) -> dict[str, Any]:
+    """The state dict of a copy (JSON skeleton + bytes); one that does not parse is a bad source,
+    and so is a sharded copy taken at another world size (its shard is another)."""
     try:
-        return packing.unpack(meta, data)
+        sd, info = packing.unpack_with_info(meta, data)
     except packing.BadMeta as exc:
         raise _Bad(f"{what}: {exc}") from None
+    if where is not None and where.sharded and where.world and info.get("world") not in (
+            None, where.world):
+        raise _Bad(f"{what} is a shard of a {info.get('world')}-rank world, not of {where.world}")
+    return sd
 
 
 def _private(sd: dict[str, Any], state: Any, where: Where) -> dict[str, Any]:
@@ -303,7 +311,7 @@ def _load_local(source: str, step: int, state: Any, rank: int, where: Where) -> 
                 if not slot.verify(info):
                     raise _Bad(f"the {source} snapshot of step {step} fails its checksum")
                 meta, data = slot.read(info)
-                sd = _unpack(meta, data, f"the {source} snapshot of step {step}")
+                sd = _unpack(meta, data, f"the {source} snapshot of step {step}", where)
                 state.load_state_dict(_private(sd, state, where))
                 return info.data_len
         except (OSError, ConnectionError, AttributeError) as exc:
