@@ -152,9 +152,10 @@ def test_sigterm_saves_the_newest_snapshot_and_the_job_resumes_from_it(tmp_path,
 
 
 def test_emergency_save_on_give_up_skips_the_faulty_node(tmp_path, reference):
-    # node 1 fails its health check and there is nowhere to move its rank: nonstop gives up. Its
-    # rank's shard is also held on node 0 (the replica), so node 1 saves nothing and goes at once;
-    # node 0 writes both parts, and a new run resumes from them.
+    # node 1 fails its health check and there is nowhere to move its rank (and no going on
+    # without it: scale-in is off): nonstop gives up. Its rank's shard is also held on node 0
+    # (the replica), so node 1 saves nothing and goes at once; node 0 writes both parts, and a
+    # new run resumes from them.
     flag = tmp_path / "node1-broken"
     pol = policy_file(tmp_path, f"""
 detect:
@@ -164,6 +165,8 @@ detect:
       every_s: 0.2
 recover:
   levels:
+    scale_in:
+      enabled: false
     job_restart:
       enabled: false
 """)
