@@ -80,6 +80,7 @@ def test_a_plain_dataloader_reads_this_ranks_shares_from_the_step_it_resumes_at(
     assert got == [s.share(step, 1, 3) for step in range(6, 10)]
 
 
+@pytest.mark.filterwarnings("ignore:.set_vital. is deprecated")
 def test_a_stateful_dataloader_resumes_at_the_same_share():
     """torchdata's StatefulDataLoader over the sampler's shares: its state, saved after three
     batches and loaded into a new loader, goes on with the fourth share."""

@@ -125,8 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default 100)")
     bench.add_argument("--phases", default="snapshot,restore,restart",
                        help="state: which measurements (default all: snapshot,restore,restart)")
-    bench.add_argument("--hosts", type=int, default=3, metavar="H",
-                       help="hosts: test hosts that hold ranks (default 3)")
+    bench.add_argument("--hosts", type=int, metavar="H",
+                       help="hosts: test hosts that hold ranks (default 3); elastic: run across "
+                            "H test hosts instead of one host")
     bench.add_argument("--ranks-per-host", type=int, default=2, metavar="P",
                        help="hosts: ranks on each host (default 2)")
     bench.add_argument("--spare-hosts", type=int, default=1, metavar="S",
@@ -179,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.scenario == "hosts":  # its own defaults (steps, fault step: the driver's)
                 if args.repeat is None:
                     args.repeat = 3
+                if args.hosts is None:
+                    args.hosts = 3
             else:
                 if args.ranks is None:
                     args.ranks = 2 if args.scenario == "state" else 4

@@ -12,6 +12,11 @@ process nonstop starts for its place is taken in once ready and the job has run 
 - ``torchrun``: ``--max-restarts 3``, a checkpoint every 20 steps (on one host it cannot shrink:
   the whole node's workers restart).
 
+``--hosts H``: the same job across H test hosts x ``--ranks-per-host`` ranks with no spare host
+(``nonstop-scale-in`` only): at step 50 a host that does not hold the controller is killed
+whole and the world shrinks by its ranks; at step 100 ``nonstop run`` is started on a new test
+host, which joins, and the world grows back onto it.
+
 Measured: MTTR (kill -> a step completed by every process of the next generation), the scale-out
 pause (the first rank leaving for the larger world -> a step completed by every rank of it), steps
 lost, whether every step trained on exactly its global batch of the stream (each sample of an
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +38,8 @@ from . import common
 SYSTEMS = ("nonstop-scale-in", "nonstop-job-restart", "torchrun")
 JOB = Path(__file__).resolve().parent / "elastic_job.py"
 TIMEOUT_S = 300.0
+HOST_START_S = 120.0  # start-up across test hosts: etcd, the hosts, the ranks' imports
+GROW_AFTER_STEPS = 50  # --hosts: the new host is started this many steps after the kill
 SAMPLES, BATCH = 4096, 64
 
 
@@ -77,6 +85,60 @@ def run_once(system: str, ranks: int, steps: int, kill_step: int, grow_after_s: 
     result["scale_out_pause_s"] = pauses[0] if pauses else None
     result.update(check_samples(out, steps))
     return result
+
+
+def hosts_once(a: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """nonstop across ``a.hosts`` test hosts with no spare host: one killed, a new one joins."""
+    from .hostjob import HostJob
+    from .hosts import _host_index, _wait_etcd
+    from ..protocol import hosts as keys
+
+    common.fresh(out)
+    h, p = a.hosts, a.ranks_per_host
+    pol = _policy(out, "nonstop-scale-in", a.grow_after)
+    flags = ["--nnodes", str(h), "--nproc-per-node", str(p), "--spares", "0", "--policy", str(pol)]
+    job = ["--mode", "nonstop", "--steps", str(a.steps), "--out", str(out), "--samples",
+           str(SAMPLES), "--global-batch", str(BATCH)]
+    r: dict[str, Any] = {"system": "nonstop-scale-in", "exit_code": None, "mttr_s": None,
+                         "lost_steps": None, "scale_out_pause_s": None, "error": None}
+    with HostJob(out / "job", hosts=h + 1, etcd_members=1, tag="nse") as j:
+        try:
+            j.start(0, *flags, script=str(JOB), script_args=job)
+            _wait_etcd(j, "a controller in office", lambda e: e.leader(keys.LEADER) is not None,
+                       HOST_START_S)
+            for i in range(1, h):
+                j.start(i, *flags, script=str(JOB), script_args=job)
+            _wait_steps(out, a.kill_step, HOST_START_S)
+            leader = j.of("leader")[0]
+            order = list(leader["hosts"])  # node -> host, in the order they joined
+            victim = next(x for x in reversed(order) if x != leader["host"])
+            t_kill = time.time()
+            j.kill_host(_host_index(victim))
+            _wait_steps(out, a.kill_step + GROW_AFTER_STEPS, TIMEOUT_S)
+            j.start(h, *flags, script=str(JOB), script_args=job)  # a new host joins the job
+            codes = j.wait(TIMEOUT_S)
+            r["exit_codes"] = {f"host{i}": c for i, c in codes.items()}
+            ok = all(c == 0 for i, c in codes.items() if f"host{i}" != victim)
+            r["exit_code"] = 0 if ok else 1
+            r["victim_host"] = victim
+            r.update(recovery(read_steps(out), t_kill))
+            pauses = [e["pause_s"] for e in j.events() if e.get("type") == "scale_out_done"]
+            r["scale_out_pause_s"] = pauses[0] if pauses else None
+            r["levels"] = [e["level"] for e in j.events() if e.get("type") == "decision"]
+        except Exception as exc:  # noqa: BLE001 - one run failed: say why, go on with the next
+            r["error"] = f"{type(exc).__name__}: {exc}"
+            r["exit_code"] = 1
+    r.update(check_samples(out, a.steps))
+    return r
+
+
+def _wait_steps(out: Path, step: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(s >= step for rows in read_steps(out).values() for s, _, _ in rows):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"step {step} not reached within {timeout_s:g} s")
 
 
 def read_steps(out: Path) -> dict[str, list[tuple[int, float, int]]]:
@@ -125,12 +187,24 @@ def check_samples(out: Path, steps: int) -> dict[str, bool]:
     stream = GlobalBatchSampler(SAMPLES, global_batch=BATCH, seed=0)
     once = sorted(by_step) == list(range(steps))
     constant = once
+    last_of = {}  # generation -> its last step (where a rank killed after it stepped may not log)
     for s, gens in by_step.items():
-        entries = sorted(gens[max(gens)], key=lambda e: e["rank"])
-        ids = [i for e in entries for i in e["ids"]]
-        constant = constant and len(ids) == BATCH
-        once = once and [e["rank"] for e in entries] == list(range(entries[0]["world"])) \
-            and ids == stream.global_indices(s)
+        for g in gens:
+            last_of[g] = max(last_of.get(g, -1), s)
+    newest = max(last_of, default=0)
+    for s, gens in by_step.items():
+        g = max(gens)
+        entries = sorted(gens[g], key=lambda e: e["rank"])
+        world = entries[0]["world"]
+        ranks = [e["rank"] for e in entries]
+        whole = ranks == list(range(world))
+        # each rank's samples its share of the stream's global batch, each rank once; every rank
+        # logged, except at the last step of a generation a fault ended (a host killed after
+        # its ranks stepped, before they wrote)
+        once = once and len(set(ranks)) == len(ranks) and all(
+            e["world"] == world and e["ids"] == stream.share(s, e["rank"], world) for e in entries)
+        once = once and (whole or (s == last_of[g] and g != newest))
+        constant = constant and (not whole or sum(len(e["ids"]) for e in entries) == BATCH)
     return {"samples_exactly_once": once, "global_batch_constant": constant}
 
 
@@ -144,10 +218,30 @@ def max_rel_diff(a: Path, b: Path) -> float | None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from ..errors import UsageError
+
+    across = args.hosts is not None
+    if across:
+        from ..netns import available
+
+        ok, why = available()
+        if args.hosts < 2 or args.ranks_per_host < 1:
+            raise UsageError("--hosts must be at least 2 and --ranks-per-host at least 1")
+        if not ok:
+            raise UsageError(f"bench elastic --hosts needs test hosts (network namespaces): {why}")
+        args.ranks = args.hosts * args.ranks_per_host  # the reference's world
+        args.systems = "nonstop-scale-in"  # torchrun across hosts: bench hosts
+        if args.kill_step + GROW_AFTER_STEPS >= args.steps:
+            raise UsageError(f"--steps must leave room for the new host: more than kill step + "
+                             f"{GROW_AFTER_STEPS}")
     systems, base, say = common.setup(args, SYSTEMS)
-    say(f"bench elastic: {args.ranks} ranks, no spare, {args.steps} steps, rank "
-        f"{args.ranks // 2} killed at step {args.kill_step}, grow back after "
-        f"{args.grow_after:g} s, {args.repeat} repeats; runs in {base}")
+    where = (f"{args.hosts} test hosts x {args.ranks_per_host} ranks, no spare host, a host "
+             f"killed at step {args.kill_step}, a new host at step "
+             f"{args.kill_step + GROW_AFTER_STEPS}" if across else
+             f"{args.ranks} ranks, no spare, rank {args.ranks // 2} killed at step "
+             f"{args.kill_step}")
+    say(f"bench elastic: {where}, {args.steps} steps, grow back after {args.grow_after:g} s, "
+        f"{args.repeat} repeats; runs in {base}")
     ref = common.reference_weights(
         run_once("reference", args.ranks, args.steps, args.kill_step, 0, base / "reference"),
         base / "reference", say)
@@ -158,7 +252,8 @@ def main(args: argparse.Namespace) -> int:
         runs = []
         for i in range(args.repeat):
             out = base / system / f"run{i}"
-            r = run_once(system, args.ranks, args.steps, args.kill_step, args.grow_after, out)
+            r = (hosts_once(args, out) if across else
+                 run_once(system, args.ranks, args.steps, args.kill_step, args.grow_after, out))
             r["final_params_max_rel_diff"] = max_rel_diff(ref, out / "final.pt")
             r["params_match_reference"] = r["exit_code"] == 0 and common.params_equal(
                 ref, out / "final.pt")
@@ -173,7 +268,7 @@ def main(args: argparse.Namespace) -> int:
         diffs = [r["final_params_max_rel_diff"] for r in runs]
         agg["final_params_max_rel_diff"] = None if None in diffs else max(diffs)
         results.append(agg)
-    summary = {"scenario": "elastic", "ranks": args.ranks, "repeat": args.repeat,
+    summary = {"scenario": "elastic", "ranks": args.ranks, "hosts": args.hosts, "repeat": args.repeat,
                "steps": args.steps, "kill_step": args.kill_step, "grow_after_s": args.grow_after,
                "date": common.now_stamp(), "results": results}
     by = {r["system"]: r for r in results}

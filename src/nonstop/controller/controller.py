@@ -246,7 +246,7 @@ class Controller:
                 self.table.kill(self.workers[wid], "job restart")
             if self.policy.state.emergency.on_job_restart:  # the memory survives; disk insures
                 self.memory.emergency("job restart", self.state.faulty_nodes | set(d.isolate),
-                                      self._shut_node, wait_s=None, tick=lambda: None)
+                                      self.gens.shut_node, wait_s=None, tick=lambda: None)
         isolated = self.counters.isolated
         if d.level in (Level.SCALE_IN, Level.SCALE_OUT):
             new = self.gens.resize(d, c.placement, isolated)
@@ -320,13 +320,6 @@ class Controller:
         """Never place a rank or a spare on this node again in this job."""
         self._step(mc.Isolate(self._seen(), node))
         self.gens.isolate(node)
-
-    def _shut_node(self, node: int) -> None:
-        """A faulty node goes at once: its processes and its memory."""
-        for w in list(self.workers.values()):
-            if w.node == node and not w.dead:
-                self.table.kill(w, f"node {node} is faulty: shut down")
-        self.memory.kill(node, "faulty node shut down")
 
     def _on_exit(self, proc: Proc) -> None:
         if self.memory.node_of_wid(proc.wid) is not None:
@@ -403,7 +396,8 @@ class Controller:
         self.state = mc.JobState(
             phase=Phase.RENDEZVOUS, gen=adoption.gen, t_gen=now,
             deadline=now + self.policy.timeouts.rendezvous_s,
-            counters=Counters.from_record(j.get("counters"), set(j.get("isolated") or []) | lost))
+            counters=Counters.from_record(j.get("counters"), set(j.get("isolated") or []) | lost),
+            degraded_since=now if len(self.plan) < self.gens.target else None)
         self.watchers.start(range(self.total_nodes), getattr(self.agent, "health", None))
         self.memory.world = self.world
         self.memory.adopt([(s.node, s.wid, s.keeper) for s in seen if s.keeper and s.alive])
@@ -509,11 +503,7 @@ class Controller:
             self._close_incident(max(x.t_first for x in ranks), self.incident.resume_step)
 
     def _on_loss_rule(self, ev: dict[str, Any]) -> None:
-        text = (f"loss rule '{ev.get('rule')}' on rank {ev.get('rank')} at step {ev.get('step')} "
-                f"(loss {ev.get('loss')})")
-        self.log.write("loss_rule_fired", **{k: v for k, v in ev.items() if k != "type"})
-        self.display.info(text)
-        action = ev.get("action")
+        text, action = self.watchers.loss_rule_fired(ev)
         if action == "restart":
             self._fault(Fault("loss_rule", rank=ev.get("rank"), message=text))
         elif action == "fail":
@@ -580,13 +570,13 @@ class Controller:
 
     def _fail(self, decision: Decision) -> None:
         code = self.outcome.give_up(decision, self.gen, self.max_step, self._ranks(),
-                                    self.state.faulty_nodes, self._shut_node)
+                                    self.state.faulty_nodes, self.gens.shut_node)
         if code is not None:
             self._end(code)
 
     def emergency(self, reason: str) -> None:
         """The memory is about to be lost (a signal to the launcher): save the newest state."""
-        self.outcome.emergency(reason, self._ranks(), self.state.faulty_nodes, self._shut_node)
+        self.outcome.emergency(reason, self._ranks(), self.state.faulty_nodes, self.gens.shut_node)
 
     def _end(self, code: int) -> None:
         self._step(mc.Over())

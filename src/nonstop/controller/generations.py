@@ -55,7 +55,10 @@ class Generations:
         self.plan.clear()
         self.plan.update(adoption.plan)
         self.replacements = list(journal.get("replacements") or self.replacements)
+        self.replacements += [0] * (len(self.plan) - len(self.replacements))
         self.claimed = dict(journal.get("claimed") or {})
+        self.worlds = {int(g): int(w) for g, w in (journal.get("worlds") or {}).items()}
+        self.trained_world = int(journal.get("trained_world") or self.trained_world)
         for wid in adoption.orphans:
             self.table.kill(self.workers[wid], "assigned by the controller before, not in the "
                                                "job's plan")
@@ -207,6 +210,13 @@ class Generations:
         self.watchers.remove_node(node)
         self.log.write("isolate", node=node)
         self.display.info(f"node {node} isolated: no rank will be placed there again")
+
+    def shut_node(self, node: int) -> None:
+        """A faulty node goes at once: its processes and its memory."""
+        for w in list(self.workers.values()):
+            if w.node == node and not w.dead:
+                self.table.kill(w, f"node {node} is faulty: shut down")
+        self.memory.kill(node, "faulty node shut down")
 
     def refill_spares(self, isolated: set[int]) -> None:
         """Warm spares: ``--spares`` spread over the nodes that hold ranks, and a full node's

@@ -482,9 +482,7 @@ def _after_teardown(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, lis
 
 def _grow(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]]:
     """The ranks left for a larger world: the ready spares join as new ranks."""
-    placement = _growth(s, seen, policy)
-    if not placement:  # the spares went meanwhile: the same world forms again
-        placement = {}
+    placement = _growth(s, seen, policy)  # empty if the spares went meanwhile: the same world
     world = len(seen.ranks) + len(placement)
     decision = Decision(Level.SCALE_OUT, reason=f"{len(placement)} rank(s) ready: {len(seen.ranks)} "
                         f"-> {world} of {seen.target}")

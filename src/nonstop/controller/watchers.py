@@ -35,6 +35,14 @@ class Watchers:
         self.health: Any = None  # the node health checks, once started
         self.signals = Signals(policy)  # hangs and stragglers, from the ranks' progress
 
+    def loss_rule_fired(self, ev: dict[str, Any]) -> tuple[str, str | None]:
+        """A loss rule a rank reported: logged and shown; (what to say, its action)."""
+        text = (f"loss rule '{ev.get('rule')}' on rank {ev.get('rank')} at step {ev.get('step')} "
+                f"(loss {ev.get('loss')})")
+        self.log.write("loss_rule_fired", **{k: v for k, v in ev.items() if k != "type"})
+        self.display.info(text)
+        return text, ev.get("action")
+
     def start(self, nodes: Iterable[int], source: Any = None) -> None:
         """Health checks for ``nodes``: run here (one host), or by each host's agent and
         reported (``source``: the same interface as HealthMonitor)."""

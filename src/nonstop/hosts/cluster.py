@@ -49,6 +49,7 @@ class HostLink:
     rec: keys.HostRecord
     ch: Any = None
     lost: bool = False
+    unreachable: bool = False  # our channel to it broke and connecting again failed
     offset: float = 0.0  # our clock minus the host's, from its newest message
     stopped: set[int] = dataclasses.field(default_factory=set)
     state: m.State | None = None  # its answer to our hello
@@ -118,8 +119,9 @@ class Cluster:
                 time.sleep(RECONNECT_S)  # the agent may be fine: our link was not
                 try:
                     self._connect(link, timeout_s=2.0)
+                    link.unreachable = False
                 except Exception:  # noqa: BLE001 - etcd decides whether the host is lost
-                    pass
+                    link.unreachable = True
                 continue
             try:
                 report = m.decode(msg)
@@ -371,7 +373,11 @@ class Cluster:
         self._to(node, order)
 
     def request(self, node: int, order: m.Order, timeout_s: float = 5.0) -> m.Reply | None:
-        """Ask one host and wait for its answer (None: no answer in time)."""
+        """Ask one host and wait for its answer (None: no answer in time, or none to come: the
+        host cannot be connected to)."""
+        link = self.links.get(node)
+        if link is None or link.lost or link.unreachable:
+            return None
         self._req += 1
         rid = self._req
         waiter = threading.Event()

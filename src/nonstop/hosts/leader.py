@@ -187,7 +187,8 @@ class Leader:
         self.controller = controller
         if journal is not None:
             seen = self._collect(cluster, lost, timeout_s=cfg.lease_ttl_s + 3.0)
-            adoption = takeover.adopt(journal, seen, world)
+            # a job that shrank goes on at its size (it grows back from there)
+            adoption = takeover.adopt(journal, seen, len(journal.get("plan") or {}) or world)
             display.info(f"controller on {cfg.host_id} (epoch {self.epoch}) takes over at "
                          f"generation {adoption.gen}"
                          + ("" if adoption.steady else f"; rank(s) {adoption.missing} to recover"))
@@ -357,6 +358,8 @@ class Leader:
                "replacements": controller.gens.replacements, "max_step": controller.max_step,
                "node_of": {str(r): n for r, n in controller.gens.node_of().items()},
                "claimed": controller.gens.claimed, "next_wid": controller.agent._next_wid,
+               "worlds": {str(g): w for g, w in controller.gens.worlds.items()},
+               "trained_world": controller.gens.trained_world,
                "counters": controller.counters.record(),
                "incidents": len(controller.incidents) + (controller.incident is not None)}
         return json.dumps(rec, separators=(",", ":"))
