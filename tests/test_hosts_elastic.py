@@ -1,6 +1,7 @@
 """Elastic across test hosts: a host lost with no spare host shrinks the world by that host; the
-host, healed, joins again and the world grows back onto it. Checked with the elastic oracle
-(elastic_oracle.py) against the fault-free run at full size."""
+host, healed, joins again and the world grows back onto it; then a rank crashes with no warm spare
+and its host's ranks leave the world until processes there are ready again. Checked with the
+elastic oracle (elastic_oracle.py) against the fault-free run at full size."""
 
 from __future__ import annotations
 
@@ -18,14 +19,17 @@ if not ok:
     pytest.skip(f"test hosts unavailable: {why}", allow_module_level=True)
 
 ELASTIC = EXAMPLES / "train_elastic.py"
-STEPS = 400
+STEPS = 600  # the crash at step 400; ~4 s for the new process, at ~30 ms a step
 
 
-def test_a_host_partitioned_with_no_spare_host_shrinks_the_world_then_it_grows_back(job, tmp_path):
+def test_a_host_lost_then_a_rank_crashed_with_no_spare_the_world_shrinks_and_grows_back(job,
+                                                                                       tmp_path):
     j = job(2)
     samples = tmp_path / "samples"
+    pol = policy_file(tmp_path, "recover:\n  levels:\n    scale_in: {when: no_warm_spare}\n")
     for i in range(2):
-        j.start(i, "--nnodes", "2", "--nproc-per-node", "2", script=str(ELASTIC),
+        j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--policy", pol,
+                "--inject", "crash:rank=3,step=400", script=str(ELASTIC),
                 script_args=["--steps", str(STEPS), "--sleep-ms", "25", "--log-samples",
                              str(samples), "--global-batch", str(BATCH), "--samples",
                              str(SAMPLES), "--save", str(j.base / f"final{i}.pt")])
@@ -36,19 +40,24 @@ def test_a_host_partitioned_with_no_spare_host_shrinks_the_world_then_it_grows_b
     j.hosts[victim].heal()  # it joins again, as a new host
     codes = j.wait(180)
     assert set(codes.values()) == {0}, "\n".join(j.output(i)[-3000:] for i in codes)
-    assert [e["level"] for e in j.of("decision")] == ["scale-in", "scale-out"]
-    (shrunk,) = j.of("scale_in")
+    assert [e["level"] for e in j.of("decision")] == ["scale-in", "scale-out"] * 2
+    shrunk, crashed = j.of("scale_in")
     assert shrunk["world"] == 2 and len(shrunk["dropped"]) == 2
     # given up as soon as its memory did not answer either, before its lease expired
     assert [e["node"] for e in j.of("isolate")] == [node]
     assert [e["node"] for e in j.of("node_lost")] == [node]
     (joined,) = j.of("node_joined")
-    (grown,) = j.of("scale_out")
+    grown, regrown = j.of("scale_out")
     assert grown["world"] == 4 and set(grown["ranks"]) == {"2", "3"}
     spawns = {e["wid"]: e["node"] for e in j.of("spawn")}
     assert {spawns[w] for w in grown["ranks"].values()} == {joined["node"]}  # onto the new host
+    # the crash: its host's two ranks leave (host granularity); the healthy one waits as a spare
+    # with the new process started for the crashed one, and both come back together
+    assert crashed["dropped"] == [2, 3] and crashed["world"] == 2
+    assert regrown["world"] == 4
+    assert {spawns[w] for w in regrown["ranks"].values()} == {joined["node"]}
     worlds = check_samples(samples, STEPS)
-    assert [w for w, _, _ in segments(worlds)] == [4, 2, 4]
+    assert [w for w, _, _ in segments(worlds)] == [4, 2, 4, 2, 4]
     saved = [p for p in (j.base / f"final{i}.pt" for i in range(2)) if p.exists()]
     assert len(saved) == 1
     ref = tmp_path / "ref"

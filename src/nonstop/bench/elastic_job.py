@@ -12,10 +12,8 @@ data position) every ``--ckpt-every`` steps, resumed on restart, a fresh store p
 """
 
 import argparse
-import datetime
 import json
 import os
-import signal
 import time
 
 import torch
@@ -90,31 +88,17 @@ def run_nonstop():
 
 
 def run_torchrun():
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, wait_for_workers=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", store),
-                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=1800))
+    from nonstop.bench import torchrun_side as tr
+
+    attempt, rank, world = tr.join_group(1800.0)
     ckpt = os.path.join(args.out, "ckpt.pt")
-    start = 0
-    if os.path.exists(ckpt):
-        saved = torch.load(ckpt)
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        start = saved["step"]
     ddp = nonstop.reproducible(DDP(model))
-    for step in range(start, args.steps):
+    for step in range(tr.resume(ckpt, model, optimizer), args.steps):
         if attempt == 0 and rank == args.kill_rank and step == args.kill_step:
-            with open(os.path.join(args.out, "kill.txt"), "w") as k:
-                k.write(f"{time.time():.6f}\n")
-            os.kill(os.getpid(), signal.SIGKILL)
+            tr.kill_self(args.out)
         one_step(ddp, step, rank, world, attempt)
         if rank == 0 and (step + 1) % args.ckpt_every == 0:
-            tmp = ckpt + ".tmp"
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "step": step + 1}, tmp)
-            os.replace(tmp, ckpt)
+            tr.save(ckpt, model, optimizer, step + 1)
     save_final(rank)
     dist.destroy_process_group()
 

@@ -14,9 +14,7 @@ that every rank owns about as many numbers), which alone updates it and then bro
 """
 
 import argparse
-import datetime
 import os
-import signal
 import time
 
 import torch
@@ -118,34 +116,19 @@ def run_nonstop():
 
 
 def run_torchrun():
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, wait_for_workers=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", store),
-                            rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=args.collective_timeout))
+    from nonstop.bench import torchrun_side as tr
+
+    attempt, rank, world = tr.join_group(args.collective_timeout)
     ckpt = os.path.join(args.out, "ckpt.pt")
-    start = 0
-    if os.path.exists(ckpt):
-        saved = torch.load(ckpt)
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        start = saved["step"]
     ddp = nonstop.reproducible(DDP(model))
     with open(os.path.join(args.out, f"steps-r{rank}.txt"), "a") as fh:
-        for step in range(start, args.steps):
+        for step in range(tr.resume(ckpt, model, optimizer), args.steps):
             if attempt == 0 and rank == args.kill_rank and step == args.kill_step:
-                with open(os.path.join(args.out, "kill.txt"), "w") as k:
-                    k.write(f"{time.time():.6f}\n")
-                os.kill(os.getpid(), getattr(signal, args.kill_signal))
+                tr.kill_self(args.out, args.kill_signal)
             one_step(ddp, step, rank)
             log_step(fh, step + 1, attempt)
             if rank == 0 and (step + 1) % args.ckpt_every == 0:
-                tmp = ckpt + ".tmp"
-                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                            "step": step + 1}, tmp)
-                os.replace(tmp, ckpt)
+                tr.save(ckpt, model, optimizer, step + 1)
     save_final(rank)
     dist.destroy_process_group()
 

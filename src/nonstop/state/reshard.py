@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from . import memory as mem
 from . import packing
 from .plan import NoConsistentState
+from .restore import RestoreResult, _all_gather_json, _Bad, verified
 
 MAX_ATTEMPTS = 4
 _SOURCES = ("live", "memory", "buddy", "disk")  # cheapest first
@@ -110,8 +111,6 @@ def reshard(state: Any, rank: int, world: int, worlds: dict[int, int],
     """Collective over the default group: every rank ends holding the merged shards of one step.
     ``live``: (old rank, step, world) of the clean shard this process holds, if any; ``worlds``:
     the world size of each recent generation (its snapshots')."""
-    from .restore import RestoreResult, _all_gather_json
-
     t0 = time.monotonic()
     listing = None
     if where.memory is not None:
@@ -152,11 +151,11 @@ def reshard(state: Any, rank: int, world: int, worlds: dict[int, int],
                                  "merge": round(time.monotonic() - t_moved, 6)})
 
 
-def disk_world(root: Any, world: int) -> int:
-    """The world size of the newest complete sharded checkpoint under ``root`` when it is not
-    ``world`` (a job started again at another size), else 0."""
+def _sharded_checkpoints(root: Any) -> Iterator[tuple[int, int, dict[str, Any]]]:
+    """(step, world size, manifest) of the complete sharded checkpoints under ``root``, newest
+    first."""
     if root is None:
-        return 0
+        return
     from . import checkpoint
 
     for step in checkpoint.complete_steps(root):
@@ -164,26 +163,22 @@ def disk_world(root: Any, world: int) -> int:
             manifest = checkpoint.read_manifest(root, step)
         except checkpoint.CorruptCheckpoint:
             continue
-        size = manifest.get("world")
-        return size if manifest.get("sharded") and isinstance(size, int) and size != world else 0
+        if manifest.get("sharded") and isinstance(manifest.get("world"), int):
+            yield step, manifest["world"], manifest
+
+
+def disk_world(root: Any, world: int) -> int:
+    """The world size of the newest complete sharded checkpoint under ``root`` when it is not
+    ``world`` (a job started again at another size), else 0."""
+    for _, size, _ in _sharded_checkpoints(root):
+        return size if size != world else 0
     return 0
 
 
 def _disk_parts(root: Any) -> dict[int, dict[int, list[int]]]:
     """world -> part -> steps of the complete sharded checkpoints under ``root``."""
     out: dict[int, dict[int, list[int]]] = {}
-    if root is None:
-        return out
-    from . import checkpoint
-
-    for step in checkpoint.complete_steps(root):
-        try:
-            manifest = checkpoint.read_manifest(root, step)
-        except checkpoint.CorruptCheckpoint:
-            continue
-        size = manifest.get("world")
-        if not manifest.get("sharded") or not isinstance(size, int):
-            continue
+    for step, size, manifest in _sharded_checkpoints(root):
         for part in manifest["parts"]:
             out.setdefault(size, {}).setdefault(int(part), []).append(step)
     return out
@@ -225,10 +220,6 @@ def _exchange(state: Any, rank: int, step: int, old_world: int, sources: list[So
     return shards, nbytes, failed
 
 
-class _Bad(Exception):
-    """A copy of a shard that cannot be used (missing, checksum, another world or step)."""
-
-
 def _read(state: Any, src: Source, step: int, old_world: int, where: Any) -> tuple[bytes, Any]:
     """The packed shard from this rank's source, private to this rank (not a view of a slot)."""
     if src.kind == "live":
@@ -237,17 +228,8 @@ def _read(state: Any, src: Source, step: int, old_world: int, where: Any) -> tup
         return meta, data.clone()
     if src.kind in ("memory", "buddy"):
         holder = mem.own(src.shard) if src.kind == "memory" else mem.replica(src.shard)
-        try:
-            with where.memory.lease(holder, step) as found:
-                if found is None:
-                    raise _Bad(f"{holder} has no snapshot of step {step}")
-                info, slot = found
-                if not slot.verify(info):
-                    raise _Bad(f"{holder}'s snapshot of step {step} fails its checksum")
-                meta, data = slot.read(info)
-                meta, data = bytes(meta), data.clone()
-        except (OSError, ConnectionError, AttributeError) as exc:
-            raise _Bad(f"node memory: {type(exc).__name__}: {exc}") from None
+        with verified(where, holder, step, src.kind) as (_, meta, data):
+            meta, data = bytes(meta), data.clone()
     else:
         from . import checkpoint
 

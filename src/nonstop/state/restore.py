@@ -12,12 +12,13 @@ Nothing received from another rank is unpickled: offers and outcomes travel as J
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import struct
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from . import memory as mem
 from . import packing, plan as planning
@@ -300,22 +301,30 @@ def _checksum(meta: bytes, data: Any) -> int:
     return h.intdigest()
 
 
+@contextlib.contextmanager
+def verified(where: Where, holder: str, step: int, what: str) -> Iterator[tuple[Any, bytes, Any]]:
+    """``holder``'s snapshot of ``step`` in this node's memory, checked against its checksum:
+    (info, meta, data), leased (not overwritten) while the block runs. Raises ``_Bad``."""
+    try:
+        with where.memory.lease(holder, step) as found:  # type: ignore[union-attr]
+            if found is None:
+                raise _Bad(f"{holder} has no snapshot of step {step}")
+            info, slot = found
+            if not slot.verify(info):
+                raise _Bad(f"the {what} snapshot of step {step} fails its checksum")
+            meta, data = slot.read(info)
+            yield info, meta, data
+    except (OSError, ConnectionError, AttributeError) as exc:
+        raise _Bad(f"node memory: {type(exc).__name__}: {exc}") from None
+
+
 def _load_local(source: str, step: int, state: Any, rank: int, where: Where) -> int:
     if source in ("memory", "buddy"):  # own snapshot, or its replica held on this node
         holder = mem.own(rank) if source == "memory" else mem.replica(rank)
-        try:
-            with where.memory.lease(holder, step) as found:  # type: ignore[union-attr]
-                if found is None:
-                    raise _Bad(f"{holder} has no snapshot of step {step}")
-                info, slot = found
-                if not slot.verify(info):
-                    raise _Bad(f"the {source} snapshot of step {step} fails its checksum")
-                meta, data = slot.read(info)
-                sd = _unpack(meta, data, f"the {source} snapshot of step {step}", where)
-                state.load_state_dict(_private(sd, state, where))
-                return info.data_len
-        except (OSError, ConnectionError, AttributeError) as exc:
-            raise _Bad(f"node memory: {type(exc).__name__}: {exc}") from None
+        with verified(where, holder, step, source) as (info, meta, data):
+            sd = _unpack(meta, data, f"the {source} snapshot of step {step}", where)
+            state.load_state_dict(_private(sd, state, where))
+            return info.data_len
     from . import checkpoint
 
     root = where.checkpoint_root
