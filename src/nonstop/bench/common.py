@@ -201,6 +201,24 @@ def table(summary: dict[str, Any], extra: tuple[str, ...] = ()) -> str:
     return "\n".join(lines)
 
 
+def mttr_ratio(results: list[dict[str, Any]], slower: str, faster: str) -> float | None:
+    """``slower``'s median MTTR over ``faster``'s, when both ran and recovered."""
+    by = {r["system"]: r for r in results}
+    if slower not in by or faster not in by:
+        return None
+    a, b = by[slower]["mttr_s"]["median"], by[faster]["mttr_s"]["median"]
+    return round(a / b, 1) if a and b else None
+
+
+def conclude(summary: dict[str, Any], text: str, base: Path, args: Any, say: Any) -> int:
+    """A bench's end: its table said, its runs removed unless kept (``--out``), its JSON last."""
+    say(text)
+    if not args.out:
+        shutil.rmtree(base, ignore_errors=True)
+    emit(summary, args.json)
+    return 0
+
+
 def emit(result: dict[str, Any], as_json: bool) -> None:
     if as_json:
         sys.stdout.write(json.dumps(result) + "\n")

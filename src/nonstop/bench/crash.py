@@ -7,7 +7,6 @@ Systems, each on the same job (bench/job.py): nonstop with a warm spare, nonstop
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -63,15 +62,10 @@ def main(args: argparse.Namespace) -> int:
         results.append(common.aggregate(system, runs))
     summary = {"scenario": "crash", "ranks": args.ranks, "repeat": args.repeat, "steps": args.steps,
                "kill_step": args.kill_step, "date": common.now_stamp(), "results": results}
-    by = {r["system"]: r for r in results}
-    if "torchrun" in by and "nonstop-spare" in by:
-        a, b = by["torchrun"]["mttr_s"]["median"], by["nonstop-spare"]["mttr_s"]["median"]
-        summary["torchrun_over_nonstop_spare"] = round(a / b, 1) if a and b else None
-    say(table(summary))
-    if not args.out:
-        shutil.rmtree(base, ignore_errors=True)
-    common.emit(summary, args.json)
-    return 0
+    ratio = common.mttr_ratio(results, "torchrun", "nonstop-spare")
+    if ratio is not None or "torchrun" in systems and "nonstop-spare" in systems:
+        summary["torchrun_over_nonstop_spare"] = ratio
+    return common.conclude(summary, table(summary), base, args, say)
 
 
 def table(summary: dict[str, Any]) -> str:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -271,15 +270,10 @@ def main(args: argparse.Namespace) -> int:
     summary = {"scenario": "elastic", "ranks": args.ranks, "hosts": args.hosts, "repeat": args.repeat,
                "steps": args.steps, "kill_step": args.kill_step, "grow_after_s": args.grow_after,
                "date": common.now_stamp(), "results": results}
-    by = {r["system"]: r for r in results}
-    if "torchrun" in by and "nonstop-scale-in" in by:
-        a, b = by["torchrun"]["mttr_s"]["median"], by["nonstop-scale-in"]["mttr_s"]["median"]
-        summary["torchrun_over_scale_in"] = round(a / b, 1) if a and b else None
-    say(table(summary))
-    if not args.out:
-        shutil.rmtree(base, ignore_errors=True)
-    common.emit(summary, args.json)
-    return 0
+    ratio = common.mttr_ratio(results, "torchrun", "nonstop-scale-in")
+    if ratio is not None or "torchrun" in systems and "nonstop-scale-in" in systems:
+        summary["torchrun_over_scale_in"] = ratio
+    return common.conclude(summary, table(summary), base, args, say)
 
 
 def table(summary: dict[str, Any]) -> str:
