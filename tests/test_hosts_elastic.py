@@ -6,7 +6,9 @@ elastic oracle (elastic_oracle.py) against the fault-free run at full size."""
 from __future__ import annotations
 
 import pytest
-from conftest import EXAMPLES, policy_file, run_nonstop
+import time
+
+from conftest import EXAMPLES, finish, policy_file, start
 from elastic_oracle import BATCH, SAMPLES, TOLERANCE, check_samples, max_rel_diff, segments
 from test_hosts import _victim, job  # noqa: F401 - the fixture
 
@@ -24,6 +26,12 @@ STEPS = 600  # the crash at step 400; ~4 s for the new process, at ~30 ms a step
 
 def test_a_host_lost_then_a_rank_crashed_with_no_spare_the_world_shrinks_and_grows_back(job,
                                                                                        tmp_path):
+    # the fault-free run at full size, on one host, meanwhile (the job mostly waits)
+    ref = tmp_path / "ref"
+    t0 = time.time()
+    reference = start(ref / "run", "--nproc=4", str(ELASTIC), "--steps", str(STEPS),
+                      "--global-batch", str(BATCH), "--samples", str(SAMPLES),
+                      "--save", str(ref / "final.pt"))
     j = job(2)
     samples = tmp_path / "samples"
     pol = policy_file(tmp_path, "recover:\n  levels:\n    scale_in: {when: no_warm_spare}\n")
@@ -60,9 +68,6 @@ def test_a_host_lost_then_a_rank_crashed_with_no_spare_the_world_shrinks_and_gro
     assert [w for w, _, _ in segments(worlds)] == [4, 2, 4, 2, 4]
     saved = [p for p in (j.base / f"final{i}.pt" for i in range(2)) if p.exists()]
     assert len(saved) == 1
-    ref = tmp_path / "ref"
-    run = run_nonstop(ref / "run", "--nproc=4", str(ELASTIC), "--steps", str(STEPS),
-                      "--global-batch", str(BATCH), "--samples", str(SAMPLES),
-                      "--save", str(ref / "final.pt"))
+    run = finish(reference, ref / "run", t0)
     assert run.code == 0, run.stderr[-3000:]
     assert max_rel_diff(ref / "final.pt", saved[0]) < TOLERANCE

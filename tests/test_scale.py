@@ -188,3 +188,23 @@ def test_in_and_out_ten_times_leaks_no_process_group_or_memory(tmp_path):
     assert last["fds"] <= first["fds"] + 2, (first["fds"], last["fds"])
     assert last["threads"] <= first["threads"] + 2, (first["threads"], last["threads"])
     assert last["rss_mb"] <= first["rss_mb"] + 40, (first["rss_mb"], last["rss_mb"])
+
+
+def test_a_rank_lost_while_the_world_grows_shrinks_it_again_then_it_grows(tmp_path):
+    """The process taken in by a scale-out dies while the larger world restores its state
+    (generation 2): that generation is given up like any other, the world goes on at its size
+    and grows back onto the next process ready. Nothing is lost and every sample is seen once."""
+    pol = policy_file(tmp_path, "recover:\n  levels:\n    scale_in:\n      when: no_warm_spare\n")
+    run, out = elastic(tmp_path, "grow", "--spares=0", "--policy", pol,
+                       "--inject=crash:rank=1,step=10;crash:rank=1,at=restore,gen=2",
+                       world=2, steps=STEPS + 100, sleep_ms=20)
+    assert [d["level"] for d in run.of("decision")] == ["scale-in", "scale-out", "scale-in",
+                                                       "scale-out"]
+    assert [e["gen"] for e in run.of("scale_out_done")] == [4]  # generation 2 never stepped
+    incidents = run.summary["incident_list"]
+    assert [i["levels"] for i in incidents] == [["scale-in"], ["scale-in"]]
+    assert all(i["steps_lost"] == 0 for i in incidents)
+    worlds = check_samples(tmp_path / "grow" / "samples", STEPS + 100)
+    assert [w for w, _, _ in segments(worlds)] == [2, 1, 2]
+    full = elastic(tmp_path, "fault-free", world=2, steps=STEPS + 100, sleep_ms=0)[1]
+    assert max_rel_diff(full, out) < TOLERANCE

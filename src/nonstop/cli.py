@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hosts: spare hosts (default 1)")
     bench.add_argument("--cases", metavar="LIST",
                        help="hosts: comma-separated subset of rank_crash,host_loss,partition,"
-                            "controller_kill,etcd_restart (default: all)")
+                            "controller_kill,etcd_restart (default: all); elastic --hosts: "
+                            "rank_crash (default) or host_loss")
     bench.add_argument("--sleep-ms", type=float, metavar="MS",
                        help="hosts: sleep per step, a stand-in for accelerator work (default 15)")
     bench.add_argument("--grow-after", type=float, default=1.0, metavar="S",

@@ -13,9 +13,11 @@ process nonstop starts for its place is taken in once ready and the job has run 
   the whole node's workers restart).
 
 ``--hosts H``: the same job across H test hosts x ``--ranks-per-host`` ranks with no spare host
-(``nonstop-scale-in`` only): at step 50 a host that does not hold the controller is killed
-whole and the world shrinks by its ranks; at step 100 ``nonstop run`` is started on a new test
-host, which joins, and the world grows back onto it.
+(``nonstop-scale-in`` only). ``--cases rank_crash`` (the default): the last rank is killed at
+step 50; its host's ranks leave the world (it shrinks by whole hosts) and come back once the
+process started for it is ready. ``--cases host_loss``: at step 50 a host that does not hold the
+controller is killed whole and the world shrinks by its ranks; at step 100 ``nonstop run`` is
+started on a new test host, which joins, and the world grows back onto it.
 
 Measured: MTTR (kill -> a step completed by every process of the next generation), the scale-out
 pause (the first rank leaving for the larger world -> a step completed by every rank of it), steps
@@ -86,8 +88,10 @@ def run_once(system: str, ranks: int, steps: int, kill_step: int, grow_after_s: 
     return result
 
 
-def hosts_once(a: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """nonstop across ``a.hosts`` test hosts with no spare host: one killed, a new one joins."""
+def hosts_once(a: argparse.Namespace, case: str, out: Path) -> dict[str, Any]:
+    """nonstop across ``a.hosts`` test hosts with no spare host. ``rank_crash``: the last rank
+    is killed (its host's ranks leave the world, and come back once a new process there is
+    ready); ``host_loss``: a host is killed whole, and a new host joins later."""
     from .hostjob import HostJob
     from .hosts import _host_index, _wait_etcd
     from ..protocol import hosts as keys
@@ -96,10 +100,13 @@ def hosts_once(a: argparse.Namespace, out: Path) -> dict[str, Any]:
     h, p = a.hosts, a.ranks_per_host
     pol = _policy(out, "nonstop-scale-in", a.grow_after)
     flags = ["--nnodes", str(h), "--nproc-per-node", str(p), "--spares", "0", "--policy", str(pol)]
+    if case == "rank_crash":
+        flags += ["--inject", f"crash:rank={h * p - 1},step={a.kill_step}"]
     job = ["--mode", "nonstop", "--steps", str(a.steps), "--out", str(out), "--samples",
            str(SAMPLES), "--global-batch", str(BATCH)]
-    r: dict[str, Any] = {"system": "nonstop-scale-in", "exit_code": None, "mttr_s": None,
-                         "lost_steps": None, "scale_out_pause_s": None, "error": None}
+    r: dict[str, Any] = {"system": "nonstop-scale-in", "case": case, "exit_code": None,
+                         "mttr_s": None, "lost_steps": None, "scale_out_pause_s": None,
+                         "error": None}
     with HostJob(out / "job", hosts=h + 1, etcd_members=1, tag="nse") as j:
         try:
             j.start(0, *flags, script=str(JOB), script_args=job)
@@ -108,14 +115,18 @@ def hosts_once(a: argparse.Namespace, out: Path) -> dict[str, Any]:
             for i in range(1, h):
                 j.start(i, *flags, script=str(JOB), script_args=job)
             _wait_steps(out, a.kill_step, HOST_START_S)
-            leader = j.of("leader")[0]
-            order = list(leader["hosts"])  # node -> host, in the order they joined
-            victim = next(x for x in reversed(order) if x != leader["host"])
-            t_kill = time.time()
-            j.kill_host(_host_index(victim))
-            _wait_steps(out, a.kill_step + GROW_AFTER_STEPS, TIMEOUT_S)
-            j.start(h, *flags, script=str(JOB), script_args=job)  # a new host joins the job
+            victim = None
+            if case == "host_loss":
+                leader = j.of("leader")[0]
+                order = list(leader["hosts"])  # node -> host, in the order they joined
+                victim = next(x for x in reversed(order) if x != leader["host"])
+                t_kill = time.time()
+                j.kill_host(_host_index(victim))
+                _wait_steps(out, a.kill_step + GROW_AFTER_STEPS, TIMEOUT_S)
+                j.start(h, *flags, script=str(JOB), script_args=job)  # a new host joins the job
             codes = j.wait(TIMEOUT_S)
+            if case == "rank_crash":
+                t_kill = next(e["t"] for e in j.events() if e.get("type") == "rank_inject")
             r["exit_codes"] = {f"host{i}": c for i, c in codes.items()}
             ok = all(c == 0 for i, c in codes.items() if f"host{i}" != victim)
             r["exit_code"] = 0 if ok else 1
@@ -220,6 +231,7 @@ def main(args: argparse.Namespace) -> int:
     from ..errors import UsageError
 
     across = args.hosts is not None
+    case = "rank_crash"
     if across:
         from ..netns import available
 
@@ -230,13 +242,18 @@ def main(args: argparse.Namespace) -> int:
             raise UsageError(f"bench elastic --hosts needs test hosts (network namespaces): {why}")
         args.ranks = args.hosts * args.ranks_per_host  # the reference's world
         args.systems = "nonstop-scale-in"  # torchrun across hosts: bench hosts
+        case = args.cases or "rank_crash"
+        if case not in ("rank_crash", "host_loss"):
+            raise UsageError(f"bench elastic --hosts: --cases is rank_crash or host_loss, not "
+                             f"{case!r}")
         if args.kill_step + GROW_AFTER_STEPS >= args.steps:
             raise UsageError(f"--steps must leave room for the new host: more than kill step + "
                              f"{GROW_AFTER_STEPS}")
     systems, base, say = common.setup(args, SYSTEMS)
-    where = (f"{args.hosts} test hosts x {args.ranks_per_host} ranks, no spare host, a host "
-             f"killed at step {args.kill_step}, a new host at step "
-             f"{args.kill_step + GROW_AFTER_STEPS}" if across else
+    where = (f"{args.hosts} test hosts x {args.ranks_per_host} ranks, no spare host, " + (
+        f"a host killed at step {args.kill_step}, a new host at step "
+        f"{args.kill_step + GROW_AFTER_STEPS}" if case == "host_loss" else
+        f"rank {args.ranks - 1} killed at step {args.kill_step}") if across else
              f"{args.ranks} ranks, no spare, rank {args.ranks // 2} killed at step "
              f"{args.kill_step}")
     say(f"bench elastic: {where}, {args.steps} steps, grow back after {args.grow_after:g} s, "
@@ -251,7 +268,7 @@ def main(args: argparse.Namespace) -> int:
         runs = []
         for i in range(args.repeat):
             out = base / system / f"run{i}"
-            r = (hosts_once(args, out) if across else
+            r = (hosts_once(args, case, out) if across else
                  run_once(system, args.ranks, args.steps, args.kill_step, args.grow_after, out))
             r["final_params_max_rel_diff"] = max_rel_diff(ref, out / "final.pt")
             r["params_match_reference"] = r["exit_code"] == 0 and common.params_equal(
@@ -267,7 +284,8 @@ def main(args: argparse.Namespace) -> int:
         diffs = [r["final_params_max_rel_diff"] for r in runs]
         agg["final_params_max_rel_diff"] = None if None in diffs else max(diffs)
         results.append(agg)
-    summary = {"scenario": "elastic", "ranks": args.ranks, "hosts": args.hosts, "repeat": args.repeat,
+    summary = {"scenario": "elastic", "ranks": args.ranks, "hosts": args.hosts,
+               "case": case, "repeat": args.repeat,
                "steps": args.steps, "kill_step": args.kill_step, "grow_after_s": args.grow_after,
                "date": common.now_stamp(), "results": results}
     ratio = common.mttr_ratio(results, "torchrun", "nonstop-scale-in")

@@ -174,15 +174,15 @@ class WorkerRuntime:
         if state.sharded and initial and not old_world:  # a new job: its checkpoint's size
             old_world = reshard.disk_world(root, world)
         resharded = bool(old_world) and old_world != world
+        agreed = lambda: self.injector.in_recovery("restore", rank, gen)  # noqa: E731
         if resharded:
             held = self.held
             live = (held[0], state.step, held[1]) if (has_state and not state.dirty
                                                       and held is not None) else None
             resumed = reshard.reshard(state, rank, world, worlds or {}, live, where, schedule,
-                                      prefer=old_world)
+                                      prefer=old_world, agreed=agreed)
         else:
-            resumed = restore(state, rank, world, has_state, where, schedule,
-                              agreed=lambda: self.injector.in_recovery("restore", rank, gen))
+            resumed = restore(state, rank, world, has_state, where, schedule, agreed=agreed)
         self.held = (rank, world)
         if snaps is not None:
             snaps.adopt(resumed.agreed["schedules"], resumed.step, resumed.agreed["disk"])

@@ -107,7 +107,7 @@ def merge(shards: list[dict[str, Any]]) -> dict[str, Any]:
 # == carrying it out over the new group ==========================================================
 def reshard(state: Any, rank: int, world: int, worlds: dict[int, int],
             live: tuple[int, int, int] | None, where: Any, schedule: dict[str, Any] | None = None,
-            prefer: int = 0) -> Any:
+            prefer: int = 0, agreed: Any = None) -> Any:
     """Collective over the default group: every rank ends holding the merged shards of one step.
     ``live``: (old rank, step, world) of the clean shard this process holds, if any; ``worlds``:
     the world size of each recent generation (its snapshots')."""
@@ -122,6 +122,8 @@ def reshard(state: Any, rank: int, world: int, worlds: dict[int, int],
                                  "schedule": schedule or {}}, world)
     inventories = [g["inv"] for g in gathered]
     t_gathered = time.monotonic()
+    if agreed is not None:  # a fault injection point: the offers are known, nothing moved yet
+        agreed()
     excluded: set[tuple[int, str, int]] = set()
     skipped: list[dict[str, Any]] = []
     for _ in range(MAX_ATTEMPTS):
