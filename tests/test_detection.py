@@ -124,12 +124,15 @@ def test_failed_health_check_moves_the_node_to_a_spare_node(tmp_path, reference)
     assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (f,) = [f for f in run.of("fault") if f["kind"] == "node_unhealthy"]
     assert f["node"] == 1
-    (d,) = run.of("decision")
+    decisions = run.of("decision")
+    assert len(decisions) == 1, decisions
+    (d,) = decisions
     assert d["level"] == "node replacement" and d["isolate"] == [1]
     # node 1's ranks go to the spare node; a survivor that did not leave the aborted generation
-    # in time (on a loaded machine, now and then one stays in gloo) is replaced where it was
+    # in time (on a loaded machine, now and then one stays in gloo) is replaced where it was; a
+    # late rank of node 1 is moved with the rest of it
     late = {f["rank"] for f in run.of("fault") if f["kind"] == "teardown_timeout"}
-    assert set(d["replace"]) == {2, 3} | late and late <= {0, 1}
+    assert set(d["replace"]) == {2, 3} | late
     assert {e["rank"]: e["node"] for e in run.of("replace") if e["rank"] in (2, 3)} == {2: 2, 3: 2}
     assert bitwise_equal(out, reference(4, *args))
 

@@ -25,14 +25,16 @@ def keepers():
     procs: list[subprocess.Popen] = []
     logs: list = []
 
-    def start(node: int, writer: bool = False, token: str = "", secret: str | None = None,
+    job_token = uuid.uuid4().hex  # one job: every keeper started here shares it
+
+    def start(node: int, writer: bool = False, token: str | None = None, secret: str | None = None,
               log=None) -> NodeMemory:
         """``secret``: the job's secret (replicas over the authenticated channel); ``log``: a
         path the keeper's output goes to."""
         name = f"nonstop-test-{uuid.uuid4().hex[:8]}-n{node}"
         cmd = [sys.executable, "-m", "nonstop.state.keeper", name, "--node", str(node),
                "--parent", str(os.getpid())] + (["--writer"] if writer else [])
-        env = dict(os.environ, NONSTOP_KEEPER_TOKEN=token)
+        env = dict(os.environ, NONSTOP_KEEPER_TOKEN=job_token if token is None else token)
         env.pop(SECRET_ENV, None)
         if secret is not None:
             env[SECRET_ENV] = secret
@@ -174,13 +176,42 @@ def test_a_replica_without_the_jobs_secret_is_refused_and_logged(keepers, tmp_pa
     assert "wrong secret" in lines[0] and "bad hello" in lines[1]
 
 
-def test_an_empty_job_secret_is_no_keeper():
-    """Set but empty fails closed: no keeper, rather than one taking unauthenticated replicas."""
-    env = dict(os.environ, **{SECRET_ENV: " \n"})
+@pytest.mark.parametrize("env, said", [({SECRET_ENV: " \n", "NONSTOP_KEEPER_TOKEN": "t"}, "no job secret"),
+                                       ({"NONSTOP_KEEPER_TOKEN": " "}, "no keeper token"),
+                                       ({}, "no keeper token")])
+def test_an_empty_job_secret_or_token_is_no_keeper(env, said):
+    """Set but empty, or not set, fails closed: no keeper, rather than one taking
+    unauthenticated replicas."""
+    env = {k: v for k, v in dict(os.environ, **env).items()
+           if k not in (SECRET_ENV, "NONSTOP_KEEPER_TOKEN") or k in env}
     out = subprocess.run([sys.executable, "-m", "nonstop.state.keeper",
                           f"nonstop-test-{uuid.uuid4().hex[:8]}-n0"], env=env,
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0 and "no job secret" in out.stderr
+    assert out.returncode != 0 and said in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_replica_is_refused_rather_than_written_into_a_slot_leased_to_a_restore(keepers):
+    a, b = keepers(0), keepers(1)
+    b.client.call({"op": "configure", "free_within_s": 0.3})
+    a.client.call({"op": "configure", "replicate": {own(0): b.client.call({"op": "ping"})[0]["tcp"]}})
+    sd = {"w": torch.zeros(50_000)}
+    for step in (1, 2):
+        sd["w"].fill_(step)
+        snapshot(a, 0, sd, step)
+    wait_for(lambda: b.steps(replica(0)) == [2, 1])
+    reader = NodeMemory(b.name)
+    with reader.lease(replica(0), 1) as (info, slot):  # a restore loads step 1 from the replica
+        sd["w"].fill_(3)
+        snapshot(a, 0, sd, 3)  # its replica would go to the leased slot: refused, not written
+        wait_for(lambda: a.listing()[own(0)]["repl_error"] is not None)
+        assert "leased" in a.listing()[own(0)]["repl_error"]
+        assert slot.verify(info)  # the bytes under the lease are still step 1's
+        assert torch.equal(packing.unpack(*slot.read(info))["w"], torch.full((50_000,), 1.0))
+    sd["w"].fill_(4)
+    snapshot(a, 0, sd, 4)  # the lease given back: replication goes on, over the same connection
+    wait_for(lambda: b.steps(replica(0)) == [4, 2])
+    assert a.listing()[own(0)]["repl_error"] is None
 
 
 def test_a_dead_buddy_does_not_stop_snapshots(keepers):

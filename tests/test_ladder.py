@@ -36,6 +36,20 @@ def test_progress_resets_the_in_a_row_counters():
     assert (p.user_errors_in_a_row, p.hangs_in_a_row, p.nan_in_a_row) == (0, 0, 0)
 
 
+def test_the_pure_counter_functions_share_nothing_with_their_input():
+    f = [Fault("crash", rank=1, code=-9)]
+    c = Counters(spent={"rank replacement": 1}, recent=[(1.0, "SIGKILL", 1, 0)], isolated={3},
+                 last_fault_t=1.0)
+    outs = [ladder.charge(run(f, dead={1}, counters=c), f, c), ladder.progressed(c),
+            ladder.quiet(c, 2.0, P), ladder.quiet(c, 2.0 + P.rules.quiet_period_s, P), c.but()]
+    for out in outs:
+        out.spent["x"] = 9
+        out.recent.append((5.0, "X", 0, 0))
+        out.isolated.add(7)
+    assert c.spent == {"rank replacement": 1} and c.recent == [(1.0, "SIGKILL", 1, 0)]
+    assert c.isolated == {3}
+
+
 def test_plain_script_falls_back_to_job_restart_then_fails():
     f = [Fault("crash", rank=0, code=-9)]
     c = Counters()

@@ -11,12 +11,12 @@ import os
 import sys
 from typing import NoReturn
 
-from .errors import USAGE_EXIT, UsageError
+from .errors import USAGE_EXIT, UsageError, one_line
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"nonstop: error: {message} (see nonstop {self._sub_name()}--help)\n")
+        sys.stderr.write(f"nonstop: error: {one_line(message)} (see nonstop {self._sub_name()}--help)\n")
         sys.exit(USAGE_EXIT)
 
     def _sub_name(self) -> str:
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return USAGE_EXIT
     except UsageError as exc:
-        sys.stderr.write(f"nonstop: error: {exc}\n")
+        sys.stderr.write(f"nonstop: error: {one_line(exc)}\n")
         return USAGE_EXIT
     except KeyboardInterrupt:
         return 130

@@ -9,7 +9,10 @@ no longer depends on the bucket layout.
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
+
+_WAIT_SLICE = datetime.timedelta(seconds=0.05)  # how often a reduction's wait looks at the abort
 
 
 def _per_gradient_allreduce(process_group, bucket):  # no annotations: DDP inspects them
@@ -25,8 +28,12 @@ def _per_gradient_allreduce(process_group, bucket):  # no annotations: DDP inspe
         if aborted():  # an operation posted on an aborted group may never be released
             raise RuntimeError("gloo: the generation was aborted during the gradient reduction")
         works.append(dist.all_reduce(g, group=group, async_op=True))
+    on_cpu = bool(grads) and grads[0].device.type == "cpu"
     for w in works:
-        w.wait()
+        if on_cpu:
+            _wait(w, aborted)
+        else:  # NCCL: a wait orders the stream, it does not block
+            w.wait()
     buffer = bucket.buffer()
     # gradients() are views into the buffer unless DDP had to copy them out
     for g, view in zip(grads, _views(buffer, grads)):
@@ -36,6 +43,22 @@ def _per_gradient_allreduce(process_group, bucket):  # no annotations: DDP inspe
     fut = torch.futures.Future()
     fut.set_result(buffer)
     return fut
+
+
+def _wait(work, aborted) -> None:
+    """Wait for one gloo operation, and leave once the generation is aborted. Shutting the
+    group's sockets releases most operations at once, but not all: gloo's ring may wait for a
+    send that the vanished peer never asks for, until the group's timeout (minutes)."""
+    while True:
+        try:
+            work.wait(_WAIT_SLICE)
+            return
+        except RuntimeError:
+            if work.is_completed():  # it failed: its own error
+                raise
+            if aborted():
+                raise RuntimeError("gloo: the generation was aborted during the gradient "
+                                   "reduction") from None
 
 
 def _abort_flag():

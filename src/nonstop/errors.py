@@ -7,3 +7,9 @@ USAGE_EXIT = 2
 
 class UsageError(Exception):
     """Bad input: a missing script, a bad flag, a malformed policy or fault spec."""
+
+
+def one_line(text: object) -> str:
+    """``text`` on one line: what a user typed may hold a newline, a carriage return or another
+    control character, and an error that quotes it must still be one line (written escaped)."""
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in str(text))

@@ -63,9 +63,13 @@ def check_script(path: str) -> tuple[bool, list[str]]:
     """Refuse a script that cannot run: missing, not a file, bad syntax, an import not installed.
     Returns (uses nonstop, top-level imports)."""
     p = Path(path)
-    if not p.exists():
+    try:
+        found, is_file = p.exists(), p.is_file()
+    except (OSError, ValueError) as exc:  # a name too long, a NUL byte, ...
+        raise UsageError(f"cannot read script {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not found:
         raise UsageError(f"script not found: {path}")
-    if not p.is_file():
+    if not is_file:
         raise UsageError(f"not a file: {path}")
     try:
         source = p.read_bytes()
@@ -120,8 +124,13 @@ def prepare(cfg: RunConfig) -> tuple[policy_mod.Policy, list[inject.FaultSpec], 
         "state.checkpoint.every_steps": cfg.checkpoint_every,
         "state.snapshot.every_steps": _snapshot_every(cfg.snapshot_every)})
     if pol.state.checkpoint.dir:  # every process (ranks, keepers) must agree where it is
-        root = Path(pol.state.checkpoint.dir).expanduser().resolve()
-        if root.exists() and not root.is_dir():
+        try:
+            root = Path(pol.state.checkpoint.dir).expanduser().resolve()
+            not_dir = root.exists() and not root.is_dir()
+        except (OSError, ValueError, RuntimeError) as exc:  # too long, a loop of links, no $HOME
+            raise UsageError(f"checkpoint directory {pol.state.checkpoint.dir}: "
+                             f"{getattr(exc, 'strerror', None) or exc}") from None
+        if not_dir:
             raise UsageError(f"checkpoint directory {pol.state.checkpoint.dir} is not a directory")
         pol = pol.with_overrides(**{"state.checkpoint.dir": str(root)})
     faults = inject.parse(cfg.inject)
@@ -217,7 +226,7 @@ def run(cfg: RunConfig) -> int:
                   worker_env(run_dir, faults), output)
     from .agent.mail import StoreMail
 
-    mail = StoreMail(on_lost_event=lambda slot: log.write("event_lost", slot=slot))
+    mail = StoreMail(wids=agent.recent_wids)
     controller = Controller(world=cfg.nproc, spares=cfg.spares, policy=pol, mail=mail, agent=agent,
                             log=log, display=display, managed=uses_nonstop, nodes=cfg.nodes,
                             spare_nodes=cfg.spare_nodes, run_dir=run_dir)

@@ -1,10 +1,16 @@
 """One rank of a 2-rank gloo generation that is closed, then released (tests/test_pg_release.py).
 
 argv: rank, store port, mode. ``drain``: both ranks release; ``stuck``: rank 1 never does and
-rank 0 releases with the group's sockets left open, so its probe cannot complete. Prints the
-seconds ``release`` took and how many groups were kept undestroyed."""
+rank 0 releases with the group's sockets left open, so its probes cannot complete; ``busy``: an
+operation of the generation is still running on one of gloo's threads (its completion callback
+takes a while, and needs the GIL to end) while the other is idle (on rank 0; rank 1's
+completes at once). Prints the seconds ``release``
+took and whether the group is still kept; in ``busy`` mode, releases again once the operation is
+over."""
 
+import os
 import sys
+import threading
 import time
 
 import torch.distributed as dist
@@ -19,6 +25,17 @@ import torch  # noqa: E402
 t = torch.ones(4)
 dist.all_reduce(t)
 assert t[0].item() == 2.0
+print(f"workers {len(group.workers())}", flush=True)
+busy = threading.Event()
+if mode == "busy":
+    def slow(_fut):
+        busy.set()
+        time.sleep(1.5)  # a worker thread of the group, still busy with the ended generation
+
+    if rank == 1:
+        time.sleep(0.5)  # rank 0's operation is posted and waiting: its callback goes on a worker
+    pending = dist.all_reduce(torch.ones(4), async_op=True).get_future().then(slow)
+    assert busy.wait(30)
 group.close()
 if mode == "stuck":
     if rank == 1:
@@ -26,5 +43,12 @@ if mode == "stuck":
         sys.exit(0)
     group._group_fds = {}  # nothing shut: the probe waits for a peer that never joins
 t0 = time.monotonic()
-group.release()
-print(f"released {time.monotonic() - t0:.3f} undrained {len(pg._UNDRAINED)}", flush=True)
+gone = group.release()
+print(f"released {time.monotonic() - t0:.3f} kept {int(not gone)}", flush=True)
+if mode == "busy":
+    pending.wait()
+    t0 = time.monotonic()
+    gone = group.release()
+    print(f"again {time.monotonic() - t0:.3f} kept {int(not gone)}", flush=True)
+sys.stdout.flush()
+os._exit(0)  # as a rank ends (bootstrap): a kept group is never destroyed by the interpreter

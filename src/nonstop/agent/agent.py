@@ -20,6 +20,8 @@ from typing import Any, Callable
 from .. import protocol
 from ..observe.console import ConsoleFilter
 
+LATE_S = 10.0  # a process's events are read for this long after it ended
+
 
 @dataclasses.dataclass
 class Proc:
@@ -237,6 +239,13 @@ class Agent:
 
     def alive(self) -> list[Proc]:
         return [p for p in self.procs.values() if p.alive]
+
+    def recent_wids(self) -> list[int]:
+        """The processes alive, and those that ended less than ``LATE_S`` ago (what they wrote
+        just before may still be read)."""
+        now = time.time()
+        return [p.wid for p in self.procs.values()
+                if p.t_exit is None or now - p.t_exit < LATE_S]
 
     def end_all(self, grace_s: float, deadline_s: float = 10.0) -> None:
         """SIGTERM every live process, SIGKILL what is left after ``grace_s``, reap them all."""

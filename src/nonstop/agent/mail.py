@@ -8,22 +8,27 @@ interface, so its decisions do not depend on where the ranks run.
 
 from __future__ import annotations
 
+import heapq
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from .. import protocol
 
-EVENT_HOLE_S = 2.0  # an event slot taken but never written is skipped after this long
+SWEEP_S = 1.0  # every worker's events are looked for at least this often, doorbell or not
 
 
 class StoreMail:
-    """One host: the workers' mailboxes, events and progress are keys of the launcher's store."""
+    """One host: the workers' mailboxes, events and progress are keys of the launcher's store.
 
-    def __init__(self, on_lost_event: Callable[[int], None] | None = None):
+    ``wids``: the workers whose events to read (those alive, and those that ended a short while
+    ago: their last events may still be on the way)."""
+
+    def __init__(self, wids: Callable[[], Iterable[int]]):
         self.store: Any = None  # attached once it is up (the processes start before it)
-        self._on_lost_event = on_lost_event
-        self._events_read = 0
-        self._hole_since: float | None = None
+        self._wids = wids
+        self._next: dict[int, int] = {}  # wid -> its next event to read
+        self._rung = -1  # the doorbell's count at the last sweep
+        self._next_sweep = 0.0
         self._gen_stores: dict[int, Any] = {}
 
     def attach(self, store: Any) -> None:
@@ -41,27 +46,29 @@ class StoreMail:
             self.store.multi_set(keys, [value] * len(keys))
 
     def events(self) -> Iterator[dict[str, Any]]:
-        """The workers' new events, in the order they took their slots."""
-        count = self.store.add(protocol.EVENT_COUNT_KEY, 0)
-        while self._events_read < count:
-            key = protocol.event_key(self._events_read)
-            if not self.store.check([key]):
-                # Taken but not written yet (a get would block): next tick. A writer killed
-                # between taking and writing leaves a hole: skip it after a while.
-                now = time.time()
-                if self._hole_since is None:
-                    self._hole_since = now
-                if now - self._hole_since < EVENT_HOLE_S:
-                    return
-                if self._on_lost_event is not None:
-                    self._on_lost_event(self._events_read)
-                self._events_read += 1
-                self._hole_since = None
-                continue
-            self._hole_since = None
-            ev = protocol.loads(self.store.get(key))
-            self._events_read += 1
-            yield ev
+        """The workers' new events: each worker's in the order it wrote them, merged by time.
+        The doorbell (one round trip) says whether any was written since the last sweep; a
+        sweep reads each worker's from where it stopped. A writer delayed between its event
+        and the doorbell is caught by the sweep every ``SWEEP_S``."""
+        rung = self.store.add(protocol.EVENT_COUNT_KEY, 0)
+        now = time.monotonic()
+        if rung == self._rung and now < self._next_sweep:
+            return iter(())
+        self._rung, self._next_sweep = rung, now + SWEEP_S
+        batches = []
+        wids = set(self._wids())
+        for wid in wids:
+            n = start = self._next.get(wid, 0)
+            got = []
+            while self.store.check([protocol.event_key(wid, n)]):
+                got.append(protocol.loads(self.store.get(protocol.event_key(wid, n))))
+                n += 1
+            if n != start:
+                self._next[wid] = n
+                batches.append(got)
+        for wid in set(self._next) - wids:  # ended long ago: read for the last time
+            del self._next[wid]
+        return heapq.merge(*batches, key=lambda ev: ev.get("t", 0.0))
 
     def progress(self, wids: list[int]) -> dict[int, dict[str, Any]]:
         """The newest progress record of each worker that has one."""

@@ -317,8 +317,7 @@ def step(s: JobState, ob: Observation, policy: Any) -> tuple[JobState, list[Comm
     if isinstance(ob, RetryAsked):
         return _retry(s, ob.seen, policy)
     if isinstance(ob, Isolate):
-        return _with(s, counters=dataclasses.replace(
-            s.counters, isolated=set(s.counters.isolated) | {ob.node})), []
+        return _with(s, counters=s.counters.but(isolated=s.counters.isolated | {ob.node})), []
     if isinstance(ob, Recovered):
         counters = ladder.progressed(s.counters) if ob.progressed else s.counters
         return _with(s, incident=False, attempt=False, level=None, level_deadline=None,

@@ -60,6 +60,13 @@ class Counters:
     def used(self, level: Level) -> int:
         return self.spent.get(level.value, 0)
 
+    def but(self, **changes: Any) -> Counters:
+        """A copy with ``changes``: its collections are its own, so changing the copy never
+        changes the counters it was made from (the controller keeps both across a decision)."""
+        fields = {"spent": dict(self.spent), "recent": list(self.recent),
+                  "isolated": set(self.isolated), **changes}
+        return dataclasses.replace(self, **fields)
+
     _IN_A_ROW = ("user_errors_in_a_row", "nan_in_a_row", "hangs_in_a_row", "restarts_without_infra")
 
     def record(self) -> dict[str, Any]:
@@ -335,9 +342,7 @@ def decide_nan(step: int, outputs: dict[int, Any], policy: Policy, counters: Cou
 
 def charge(decision: Decision, faults: list[Fault], counters: Counters, now: float = 0.0) -> Counters:
     """The counters after carrying out ``decision`` (pure)."""
-    out = dataclasses.replace(counters, spent=dict(counters.spent), recent=list(counters.recent),
-                              isolated=set(counters.isolated))
-    out.last_fault_t = now
+    out = counters.but(last_fault_t=now)
     level = decision.level
     if level is Level.STEP_RETRY:
         out.nan_in_a_row += 1
@@ -360,8 +365,8 @@ def charge(decision: Decision, faults: list[Fault], counters: Counters, now: flo
 
 def progressed(counters: Counters) -> Counters:
     """Every rank completed a step after recovery: the in-a-row counters start over."""
-    return dataclasses.replace(counters, user_errors_in_a_row=0, nan_in_a_row=0, hangs_in_a_row=0,
-                               restarts_without_infra=0)
+    return counters.but(user_errors_in_a_row=0, nan_in_a_row=0, hangs_in_a_row=0,
+                        restarts_without_infra=0)
 
 
 def quiet(counters: Counters, now: float, policy: Policy) -> Counters:
@@ -369,5 +374,5 @@ def quiet(counters: Counters, now: float, policy: Policy) -> Counters:
     towards isolation and the in-a-row counters start over (isolated nodes stay isolated)."""
     if counters.last_fault_t and now - counters.last_fault_t > policy.rules.quiet_period_s:
         out = progressed(counters)
-        return dataclasses.replace(out, recent=[], last_fault_t=0.0)
-    return counters
+        return out.but(recent=[], last_fault_t=0.0)
+    return counters.but()

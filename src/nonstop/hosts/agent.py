@@ -115,7 +115,7 @@ class HostAgent:
             self.keepers = HostKeepers(self._send).start()
             self.store = loopback.master_store(self.local_listener)
             self.store.set(protocol.JOB_KEY, protocol.dumps(self._job_settings()))
-            self.mail = StoreMail()
+            self.mail = StoreMail(wids=self.agent.recent_wids)
             self.mail.attach(self.store)
             self.rdzv = bound_store(rdzv_sock)
             threading.Thread(target=self._store_loop, name="nonstop-store", daemon=True).start()

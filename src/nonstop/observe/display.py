@@ -11,6 +11,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from ..errors import one_line
 from .incidents import PHASES
 
 
@@ -46,11 +47,11 @@ class Display:
     def warning(self, text: str) -> None:
         """One line on stderr, shown even with --quiet: something the user must change."""
         Console(file=sys.stderr, highlight=False, soft_wrap=True).print(
-            Text("nonstop: warning: ", style="bold yellow") + Text(text))
+            Text("nonstop: warning: ", style="bold yellow") + Text(one_line(text)))
 
     def error(self, text: str) -> None:
         Console(file=sys.stderr, highlight=False, soft_wrap=True).print(
-            Text("nonstop: error: ", style="bold red") + Text(text))
+            Text("nonstop: error: ", style="bold red") + Text(one_line(text)))
 
     def status(self, snap: dict[str, Any]) -> None:
         line = format_status(snap)

@@ -25,11 +25,13 @@ ENV_KEEPER = "NONSTOP_KEEPER"  # the abstract socket name of the node's keeper (
 
 # -- store keys ---------------------------------------------------------------------------------
 JOB_KEY = "job"  # JSON: settings the runtime needs
-EVENT_COUNT_KEY = "ev/n"  # workers add 1 to get a slot, then write ev/<slot>
+EVENT_COUNT_KEY = "ev/n"  # a doorbell: a worker adds 1 after writing an event
 
 
-def event_key(slot: int) -> str:
-    return f"ev/{slot}"
+def event_key(worker_id: int, seq: int) -> str:
+    """The seq-th event of one worker: each worker numbers its own, so one writer delayed
+    (stopped, descheduled) delays only its own events, and none is ever skipped."""
+    return f"ev/{worker_id}/{seq}"
 
 
 def mailbox_key(worker_id: int, seq: int) -> str:

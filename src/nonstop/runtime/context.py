@@ -109,6 +109,8 @@ class Context:
                     if not self._first_done:
                         self._first_done = True
                         rt.release_closed_groups()  # the previous generation's group, now idle
+                    elif rt.closed_groups:
+                        rt.retry_closed_groups()  # one that was still busy then
                     if rt.monitor.regroup_due() and state.step < total:  # the world grows: leave here, between steps
                         from .registered import Regroup
 

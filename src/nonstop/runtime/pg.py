@@ -88,9 +88,69 @@ def with_cpu_backend(backend: str) -> str:
     return "cpu:gloo,cuda:nccl" if backend.strip().lower() == "nccl" else backend
 
 
-DRAIN_OPS = 2  # gloo's worker threads per group (torch's default)
-DRAIN_S = 0.5  # how long a kept group may take to drain before it is kept for good
-_UNDRAINED: list = []  # groups that did not drain: destroying them could hang the process
+DRAIN_OPS = 2  # gloo's worker threads per group (torch's default), when they cannot be told
+DRAIN_S = 0.5  # how long a kept group may take to drain before it is kept for now
+DRAIN_HOLD_S = 0.005  # a worker that ran a probe is held this long: the next goes to another
+GLOO_WORKER = "pt_gloo_runloop"  # the name of gloo's worker threads (/proc/self/task/*/comm)
+
+
+def _threads() -> set[int]:
+    return {int(tid) for tid in os.listdir("/proc/self/task")}
+
+
+def _gloo_workers(tids: set[int]) -> set[int]:
+    """Those of the threads ``tids`` that are gloo worker threads (named once they run)."""
+    out = set()
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() == GLOO_WORKER:
+                    out.add(tid)
+        except OSError:  # ended
+            continue
+    return out
+
+
+def _drain(kept, fds: dict[int, str] | None, workers: set[int], budget_s: float) -> bool:
+    """Whether every worker thread of the group ``kept`` ran a probe (see ``release``) within
+    ``budget_s``. ``workers``: their thread ids (empty: any ``DRAIN_OPS`` distinct threads)."""
+    import torch
+
+    if fds:
+        shutdown_sockets(fds)
+    seen: set[int] = set()
+    lock = threading.Lock()
+
+    def note(_fut):
+        with lock:
+            seen.add(threading.get_native_id())
+        time.sleep(DRAIN_HOLD_S)
+
+    def done() -> bool:
+        with lock:
+            return workers <= seen if workers else len(seen) >= DRAIN_OPS
+
+    deadline = time.monotonic() + budget_s
+    chained, probes = [], []  # alive until the caller drops the group
+    while not done() and time.monotonic() < deadline:
+        rnd = []
+        for _ in range(max(DRAIN_OPS, len(workers))):
+            probe = torch.zeros(1)
+            try:
+                fut = kept.allreduce([probe]).get_future().then(note)
+            except Exception:  # noqa: BLE001 - a backend that refuses at once queues nothing
+                return True
+            probes.append(probe)
+            rnd.append(fut)
+        chained += rnd
+        while not all(f.done() for f in rnd) and time.monotonic() < deadline:
+            time.sleep(0.001)  # the GIL released: a worker that needs it gets it
+    while not all(f.done() for f in chained) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    if not (done() and all(f.done() for f in chained)):
+        return False
+    time.sleep(DRAIN_HOLD_S)  # the workers let go of the probes' callbacks (that takes the GIL)
+    return True
 
 SWEEP_EVERY_S = 0.02  # an aborted group still forming: how often its new sockets are shut...
 SWEEP_LIMIT_S = 10.0  # ...and for how long at most
@@ -129,6 +189,8 @@ class GenerationGroup:
         self.sockets_shut = 0
         self.collected = 0
         self._kept = None
+        self._new_threads: set[int] = set()  # threads that appeared while the group formed
+        self.undrained = 0  # times ``release`` found a worker still busy
         self._forming_done = threading.Event()  # init_process_group returned or raised
 
     def open(self, joined_store: Callable[[], None] | None = None) -> None:
@@ -157,6 +219,7 @@ class GenerationGroup:
         if joined_store is not None:
             joined_store()
         _reset_group_names()
+        threads_before = _threads()
         try:
             dist.init_process_group(
                 self.backend, store=dist.PrefixStore(self.prefix, store), rank=self.rank,
@@ -164,6 +227,7 @@ class GenerationGroup:
         finally:
             self._forming_done.set()
         del store
+        self._new_threads = _threads() - threads_before  # the group's workers among them
         opened = socket_fds()
         with self._lock:
             self._group_fds = {fd: link for fd, link in opened.items() if self._before.get(fd) != link}
@@ -237,39 +301,35 @@ class GenerationGroup:
         self.collected = gc.collect()
         return time.monotonic() - t0
 
-    def release(self) -> None:
-        """Destroy the group object kept by ``close``.
+    def workers(self) -> set[int]:
+        """The ids of the group's gloo worker threads."""
+        return _gloo_workers(self._new_threads)
+
+    def release(self, budget_s: float | None = None) -> bool:
+        """Destroy the group object kept by ``close``, unless that could hang; True when it is
+        gone (or there was none), False when it is still kept (``release`` again later).
 
         Its destruction, holding the GIL, waits for its work queue to empty and joins its worker
-        threads; a worker still finishing an operation of the aborted generation may need the GIL
-        to free a tensor, and would wait for it forever. So the group is drained first, with the
-        GIL released: its sockets are shut (any operation on them fails at once), one no-op is
-        posted per worker thread and each is waited for. A group that does not drain within
-        ``DRAIN_S`` is kept for the life of the process, said once on stderr, rather than hang
-        the rank."""
-        kept, self._kept = self._kept, None
+        threads. A worker may still be in an operation of the aborted generation - one that the
+        shut sockets do not release (gloo's ring can wait for a send the vanished peer never
+        asks for, until the group's timeout) - or may need the GIL to finish one: joining it
+        would hang the rank. So every worker thread of the group must first be seen idle: its
+        sockets are shut again (any operation on them fails at once), no-op probes are posted,
+        and each probe's completion notes the thread that ran it, holding that thread a moment
+        so the next probe goes to another one. Only when each of the group's workers ran one
+        (and finished with it) is the last reference dropped; a worker still busy after
+        ``budget_s`` (``DRAIN_S``) leaves the group kept."""
+        kept = self._kept
         if kept is None:
-            return
-        import torch
-
-        if self._group_fds:
-            shutdown_sockets(self._group_fds)
-        probes = [torch.zeros(1) for _ in range(DRAIN_OPS)]  # alive until the group is gone
-        deadline = time.monotonic() + DRAIN_S
-        drained = True
-        try:
-            works = [kept.allreduce([p]) for p in probes]
-        except Exception:  # noqa: BLE001 - a backend that refuses at once holds nothing
-            works = []
-        for work in works:
-            left = max(0.001, deadline - time.monotonic())
-            try:
-                work.wait(datetime.timedelta(seconds=left))
-            except Exception:  # noqa: BLE001 - failing is the expected outcome: sockets shut
-                pass
-            drained = drained and work.is_completed()
-        if not drained:
-            _UNDRAINED.append(kept)
-            print(f"nonstop: the group of generation {self.gen} did not drain within "
-                  f"{DRAIN_S:g} s; kept, not destroyed", file=sys.stderr, flush=True)
-        del kept, works, probes
+            return True
+        if not _drain(kept, self._group_fds, self.workers(),
+                      DRAIN_S if budget_s is None else budget_s):
+            if not self.undrained:
+                print(f"nonstop: the group of generation {self.gen} is still busy in an "
+                      f"operation of its own; kept, to be destroyed later", file=sys.stderr,
+                      flush=True)
+            self.undrained += 1
+            return False
+        self._kept = None
+        del kept
+        return True

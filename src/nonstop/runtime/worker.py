@@ -16,6 +16,9 @@ from typing import Any
 from .. import inject, protocol
 
 _RUNTIME: "WorkerRuntime | None" = None
+RELEASE_RETRY_S = 5.0  # a group kept busy is tried again after this, doubling each time
+RELEASE_RETRY_BUDGET_S = 0.05  # ...for this long (a step's pause, at most)
+
 _DIST_ERROR_MARKERS = ("gloo", "nccl", "connection", "socket", "timed out", "timeout",
                        "process group", "processgroup", "store", "peer")
 
@@ -54,6 +57,8 @@ class WorkerRuntime:
         self._local = threading.local()
         self.job: dict[str, Any] = protocol.loads(self.store.get(protocol.JOB_KEY))
         self._seq = 0  # next mailbox message to read
+        self._ev_seq = 0  # next event to write
+        self._ev_lock = threading.Lock()  # events come from several threads, in one sequence
         self.assignment: protocol.Assign | None = None  # the newest assignment
         self.assignment_consumed = False  # whether a generation was entered with it
         self.entries = 0  # times this process entered the training function
@@ -64,6 +69,7 @@ class WorkerRuntime:
         self.wrapped = False
         self.busy = 0.0  # seconds spent inside completed steps, over this process's life
         self.closed_groups: list[Any] = []  # groups left but not yet destroyed (pg.close)
+        self._next_release = 0.0  # when a group kept busy is tried again
         self.faults = inject.from_env(os.environ.get(protocol.ENV_INJECT))
         self.injector = inject.Injector(self.faults, self._claim_fault, self._announce_fault)
         self.registered = False  # whether the wrapped function registered a nonstop.State
@@ -102,8 +108,10 @@ class WorkerRuntime:
         fields["type"] = event_type
         fields["wid"] = self.worker_id
         store = self.store
-        slot = store.add(protocol.EVENT_COUNT_KEY, 1) - 1
-        store.set(protocol.event_key(slot), protocol.dumps(fields))
+        with self._ev_lock:  # the number is taken only once the event is written: no gaps
+            store.set(protocol.event_key(self.worker_id, self._ev_seq), protocol.dumps(fields))
+            self._ev_seq += 1
+        store.add(protocol.EVENT_COUNT_KEY, 1)
 
     # -- mailbox --------------------------------------------------------------------------------
     def poll_message(self) -> protocol.Mail | None:
@@ -150,11 +158,22 @@ class WorkerRuntime:
             return newer
         return self.wait_message()
 
-    def release_closed_groups(self) -> None:
-        """Destroy the groups of earlier generations: called once a later one has run a step."""
+    def release_closed_groups(self, budget_s: float | None = None) -> None:
+        """Destroy the groups of earlier generations: called once a later one has run a step,
+        and again later for any still busy (``retry_closed_groups``)."""
         groups, self.closed_groups = self.closed_groups, []
         for group in groups:
-            group.release()
+            if not group.release(budget_s):
+                self.closed_groups.append(group)
+                self.emit("group_kept", gen=group.gen, times=group.undrained)
+        self._next_release = time.monotonic() + RELEASE_RETRY_S * (
+            2 ** min(6, max((g.undrained for g in self.closed_groups), default=0)))
+
+    def retry_closed_groups(self) -> None:
+        """Between steps: a group kept because a worker was busy is tried again, now and then
+        (backing off), briefly each time."""
+        if self.closed_groups and time.monotonic() >= self._next_release:
+            self.release_closed_groups(RELEASE_RETRY_BUDGET_S)
 
     # -- state: restore at entry, snapshots after steps ------------------------------------------
     def restore(self, state: Any, rank: int, world: int, gen: int, has_state: bool,

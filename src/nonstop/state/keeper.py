@@ -53,6 +53,9 @@ class Keeper:
     def __init__(self, name: str, node: int, host: str, writer: bool):
         self.name, self.node = name, node
         secret = job_secret()  # None: one host, the token path
+        if secret is None and not os.environ.get(ENV_TOKEN, "").strip():
+            # fail closed: without a token any local process could write into this job's memory
+            raise ValueError(f"no keeper token: set {ENV_TOKEN} (one host) or the job's secret")
         self.slots = Slots()
         self.sel = selectors.DefaultSelector()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -278,7 +281,10 @@ class Keeper:
         return {"slot": i, "info": info.to_wire()}, [h.fds[i]]
 
     def _configure(self, msg: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        self.replication.configure(dict(msg.get("replicate") or {}))
+        if "replicate" in msg:
+            self.replication.configure(dict(msg["replicate"] or {}))
+        if "free_within_s" in msg:  # how long a replica waits for a slot leased to a reader
+            self.replication.free_within_s = max(0.0, float(msg["free_within_s"]))
         if msg.get("writer") and self.disk.writer is None:
             self.disk.start_writer()
         self.slots.changed.notify_all()
@@ -322,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
                         format=f"keeper {args.name}: %(message)s")
     try:
         keeper = Keeper(args.name, args.node, args.host, args.writer)
-    except ValueError as exc:  # an empty job secret: no unauthenticated listener instead
+    except ValueError as exc:  # no token, an empty job secret: no unauthenticated listener
         sys.exit(f"keeper {args.name}: {exc}")
     keeper.run()
 

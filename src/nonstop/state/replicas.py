@@ -69,6 +69,7 @@ class Replication:
         self.queue: collections.deque[str] = collections.deque()  # holders with news to send
         self.conns: dict[str, Any] = {}  # buddy address -> its open connection (socket or channel)
         self._next_tend = 0.0
+        self.free_within_s = DEFER_LIMIT_S  # how long a replica waits for its slot to come free
         # ``tcp``: what replicas arrive at, for the keeper's selector; ``tcp_addr``: "host:port"
         if secret is None:
             self.tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -226,6 +227,8 @@ class Replication:
             with os.fdopen(os.dup(fd), "rb") as fh:
                 sock.sendfile(fh, 0, info.total)  # from the memfd straight into the socket
             ack = _recv_exact(sock, 1)
+            if ack == b"r":  # the buddy's slot is leased to a restore: try the next snapshot
+                return "the buddy refused it: its slot is leased to a reader", False
             if ack not in (b"k", b"f"):
                 raise ConnectionError("the buddy did not acknowledge the replica")
             return None, ack == b"f"
@@ -246,6 +249,8 @@ class Replication:
                      "from": self.node}, payload=slot.buffer[:info.total])
             reply, _ = ch.recv(timeout=REPLICA_TIMEOUT_S)
             ack = reply.get("ack")
+            if ack == "refused":
+                return "the buddy refused it: its slot is leased to a reader", False
             if ack not in ("k", "f"):
                 raise ConnectionError(f"the buddy did not acknowledge the replica: {reply}")
             return None, ack == "f"
@@ -256,22 +261,31 @@ class Replication:
     # == receiving ===============================================================================
     @contextlib.contextmanager
     def _incoming(self, mapped: dict[tuple[str, int], shm.Slot], owner: str,
-                  total: int) -> Iterator[tuple[shm.Slot, bool]]:
+                  total: int) -> Iterator[tuple[shm.Slot, bool] | None]:
         """The replica slot a copy of ``owner``'s snapshot goes to (waiting for a free one),
         invalidated and marked as being written until the block ends; and whether its memory
-        was just allocated. The block writes the data, and the header last."""
+        was just allocated. The block writes the data, and the header last. None when no slot
+        came free within ``free_within_s``: a slot leased to a reader (a restore loading it)
+        is never overwritten under it, the replica is refused instead."""
         name = "rep" + owner.lstrip("r")
         with self.slots.changed:
             h = self.slots.holder(name)
-            deadline = time.time() + DEFER_LIMIT_S
+            deadline = time.time() + self.free_within_s
             while not h.free(h.older()) and time.time() < deadline:
-                self.slots.changed.wait(0.5)
+                self.slots.changed.wait(min(0.5, max(0.001, deadline - time.time())))
             i = h.older()
-            fd, fresh = h.ensure(i, total)
-            h.writing[i] = "replica-in"
-            slot = mapped.get((name, i))
-            if slot is None or slot.inode != os.fstat(fd).st_ino or slot.size < total:
-                slot = mapped[(name, i)] = shm.Slot(fd, populate=True)
+            refused = not h.free(i)
+            if not refused:
+                fd, fresh = h.ensure(i, total)
+                h.writing[i] = "replica-in"
+                slot = mapped.get((name, i))
+                if slot is None or slot.inode != os.fstat(fd).st_ino or slot.size < total:
+                    slot = mapped[(name, i)] = shm.Slot(fd, populate=True)
+        if refused:
+            self.emit({"ev": "replica_refused", "holder": name,
+                       "why": f"its slot stayed leased for {self.free_within_s:g} s"})
+            yield None
+            return
         try:
             slot.invalidate()
             yield slot, fresh
@@ -289,10 +303,19 @@ class Replication:
             while True:
                 (n,) = struct.unpack("<I", _recv_exact(sock, 4))
                 head = json.loads(_recv_exact(sock, n))
+                if not self.token:  # fail closed: a keeper told no token takes nothing
+                    self._replica_refused(sock.getpeername()[:2], "this keeper has no token")
+                    raise ValueError("this keeper has no token: every replica is refused")
                 if not hmac.compare_digest(str(head.get("token", "")), self.token):
+                    self._replica_refused(sock.getpeername()[:2], "a wrong token")
                     raise ValueError("a replica without this job's token: refused")
                 total = int(head["total"])
-                with self._incoming(mapped, head["owner"], total) as (slot, fresh):
+                with self._incoming(mapped, head["owner"], total) as into:
+                    if into is None:  # read and dropped: the connection stays in step
+                        _discard(sock, total)
+                        sock.sendall(b"r")
+                        continue
+                    slot, fresh = into
                     info = shm.parse_header(_recv_exact(sock, shm.HEADER))
                     view = slot.buffer[shm.HEADER:total]
                     got = 0
@@ -321,7 +344,12 @@ class Replication:
                 info = shm.parse_header(payload[:shm.HEADER])
                 if info is not None and info.total != total:
                     raise ValueError(f"a replica of {total} bytes whose header says {info.total}")
-                with self._incoming(mapped, str(msg["owner"]), total) as (slot, fresh):
+                with self._incoming(mapped, str(msg["owner"]), total) as into:
+                    if into is None:
+                        del payload
+                        ch.send({"ack": "refused"})
+                        continue
+                    slot, fresh = into
                     buf = slot.buffer
                     for off in range(shm.HEADER, total, shm.CHUNK):  # other threads run between
                         end = min(total, off + shm.CHUNK)
@@ -359,6 +387,16 @@ def _forget(conns: dict[str, Any], addr: str) -> None:
         except OSError:
             pass
     conn.close()
+
+
+def _discard(sock: socket.socket, n: int) -> None:
+    """Read and drop ``n`` bytes."""
+    buf = bytearray(min(n, 1 << 20))
+    while n > 0:
+        k = sock.recv_into(buf, min(n, len(buf)))
+        if not k:
+            raise ConnectionError("the sender went away mid-replica")
+        n -= k
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
