@@ -35,6 +35,8 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
                "`step` on (rank=all: every rank)", ("ms",)),
     "corrupt": ("a bit flips in the rank's memory snapshot taken at the end of that step (once its "
                 "replica is safe on the buddy node): the checksum must catch it", ()),
+    "bitflip": ("a bit flips in one of the rank's parameters at the start of that step (silent "
+                "data corruption: its replicas no longer agree)", ()),
     "node_crash": ("the rank's whole node dies: its keeper (the node's memory), then every process "
                    "of the node", ()),
 }
@@ -46,7 +48,7 @@ PHASE_POINTS = ("assigned", "rendezvous", "restore", "first_step", "teardown")
 POINTS = STEP_POINTS + PHASE_POINTS
 PHASE_KINDS = ("crash", "exit", "exception", "hang", "stop", "node_crash")
 FIRST_RECOVERY = -1  # gen not given: the first generation after a failure (any, for teardown)
-CLAIMED = ("corrupt",)  # fired by the code that can do them, through Injector.claim_kind
+CLAIMED = ("corrupt", "bitflip")  # fired by the code that can do them, through Injector.claim_kind
 COMMON_KEYS = ("rank", "step", "at", "times", "gen")
 PERSISTENT = ("slow", "jitter")  # act at every step from `step` on; rank may be `all`
 ALL_RANKS = -1

@@ -25,7 +25,7 @@ from . import machine as mc
 from .book import IncidentBook
 from .ending import Outcome
 from .generations import Generations
-from .ledger import TrainingLedger
+from .ledger import SdcBook, TrainingLedger
 from .phase import ACTIVE, ENDING, Phase
 from .watchers import Command, Watchers
 from .workers import Worker, WorkerTable
@@ -43,6 +43,7 @@ class Controller:
         self.world = world
         self.watchers = Watchers(policy, log, display)
         self.ledger = TrainingLedger(managed)
+        self.sdc = SdcBook()  # the replicas' comparisons, for the summary
         self.policy = policy
         self.mail = mail
         self.agent = agent
@@ -436,7 +437,8 @@ class Controller:
         kind = ev["type"]
         gen = ev.get("gen")
         if kind in ("ready", "entered", "left", "done", "inject", "exit", "first_step", "wrapped",
-                    "joining", "snapshot_interval", "snapshot_failed", "no_steps") \
+                    "joining", "snapshot_interval", "snapshot_failed", "no_steps", "bitflip",
+                    "group_kept", "sdc_mismatch") \
                 and not ev.get("replay"):  # a replayed one is in the log of the controller before
             self.log.write(f"rank_{kind}", **{k: v for k, v in ev.items() if k != "type"})
         about_gen = kind in ("entered", "first_step", "left", "nan", "loss_rule", "done")
@@ -449,6 +451,9 @@ class Controller:
             self.ledger.managed = True
         elif kind == "inject":
             self._on_inject(w, ev)
+        elif kind == "sdc_mismatch" and self.sdc.mismatch(gen, ev["step"], ev["suspects"], False):
+            self.display.warning(f"the replicas' parameters differ at step {ev['step']} (rank(s) "
+                                 f"{ev['suspects']}); detect.sdc.action is report: training goes on")
         elif kind == "no_steps":
             self._on_no_steps(ev)
         elif kind == "entered":
@@ -466,6 +471,7 @@ class Controller:
             self._on_loss_rule(ev)
         elif kind == "done":
             self.ledger.done(ev)
+            self.sdc.report(gen, ev.get("sdc"))
             if ev.get("final_persist") is not None:
                 self.final_persist = max(self.final_persist or 0, ev["final_persist"])
             self.max_step = max(self.max_step, ev.get("step") or 0)
@@ -511,6 +517,7 @@ class Controller:
 
     def _on_left(self, w: Worker, ev: dict[str, Any]) -> None:
         self.max_step = max(self.max_step, ev.get("step") or 0)
+        self.sdc.report(ev.get("gen", self.gen), ev.get("sdc"))
         if self.incident is not None:
             self.incident.step_before = max(self.incident.step_before, ev.get("step") or 0)
         reason = ev.get("reason")
@@ -519,12 +526,27 @@ class Controller:
         elif reason == "exception":
             self._fault(Fault("exception", rank=w.rank, message=ev.get("error", ""),
                               traceback=ev.get("traceback")))
+        elif reason == "sdc":
+            self._on_sdc(ev)
         elif reason == "no_state":
             self._fault(Fault("no_state", rank=w.rank, message=ev.get("error", "")))
         elif self.phase in ACTIVE:
             self._fault(Fault("peer", rank=w.rank, message=ev.get("error", "")))
         if self.incident is not None and ev.get("t_pg") is not None:  # after any fault it raised
             self.incident.group_formed(ev["t_pg"])
+
+    def _on_sdc(self, ev: dict[str, Any]) -> None:
+        """The replicas' parameters differ (every rank found the same, at a snapshot step): the
+        ranks that differ are at fault, and no rank may resume from state newer than the last
+        snapshot, which was compared and agreed."""
+        step, suspects = int(ev["sdc_step"]), list(ev.get("suspects") or [])
+        if not self.sdc.mismatch(self.gen, step, suspects):
+            return
+        self.gens.not_after = step - 1
+        for r in suspects:
+            self._fault(Fault("sdc", rank=r, message=(
+                f"its parameters differ from its replicas' at step {step} (digests "
+                f"{ev.get('digests')}): every rank resumes from the last snapshot that agreed")))
 
     def _on_no_steps(self, ev: dict[str, Any]) -> None:
         diagnosis, warning = self.ledger.no_steps(ev)
@@ -561,6 +583,7 @@ class Controller:
         if self.book.open is None:
             return
         self.book.close(t_first, resume_step, self.ledger.steps_known())
+        self.gens.not_after = None  # resumed: what the ranks hold now is trusted again
         self._step(mc.Recovered(self._seen(), progressed=resume_step is not None))
 
     # == the end =================================================================================

@@ -26,6 +26,7 @@ class Generations:
         self.target = world  # ranks the job was started with
         self.trained_world = world  # the newest generation in which every rank stepped: its size
         self.worlds: dict[int, int] = {}  # generation -> world size (the recent ones)
+        self.not_after: int | None = None  # no rank resumes from state newer (a corruption)
         self.spares_target = spares
         self.total_nodes = nodes + spare_nodes  # nodes that hold ranks at the start, then spares
         self.slots = world // nodes  # ranks per node
@@ -102,7 +103,7 @@ class Generations:
                 reshard_from=self.trained_world if self.trained_world != self.world else 0,
                 worlds={str(g): w for g, w in self.worlds.items()},
                 replacements=self.replacements[rank],
-                initial=initial, claimed=dict(self.claimed), **where,
+                initial=initial, not_after=self.not_after, claimed=dict(self.claimed), **where,
                 **self.local_ranks(rank, node_of)))
             # processes already running (survivors, ready spares) join within milliseconds
             if w.ready or w.entered >= 0:

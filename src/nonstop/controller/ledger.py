@@ -73,3 +73,35 @@ class TrainingLedger:
         for inc in incidents:
             inc.steps_known = known
         return [inc.to_record() for inc in incidents]
+
+
+class SdcBook:
+    """The replicas' comparisons (``detect.sdc``) as the ranks reported them: per generation the
+    checks that agreed, and each mismatch found - for the summary's certificate."""
+
+    def __init__(self) -> None:
+        self.by_gen: dict[int, dict[str, Any]] = {}  # gen -> its checks (the fullest report)
+        self.found: list[dict[str, Any]] = []  # mismatches: step, suspects, gen
+
+    def report(self, gen: int, stats: dict[str, Any] | None) -> None:
+        """A rank's digests at the end of a generation (left, or done)."""
+        if stats and stats.get("checks", 0) >= self.by_gen.get(gen, {}).get("checks", 0):
+            self.by_gen[gen] = stats
+
+    def mismatch(self, gen: int, step: int, suspects: list[int], repaired: bool = True) -> bool:
+        """A mismatch reported (each rank reports the same one): whether it is news.
+        ``repaired``: rolled back (the policy's ``replace``), not only reported."""
+        if any(f["gen"] == gen and f["step"] == step for f in self.found):
+            return False
+        self.found.append({"gen": gen, "step": step, "suspects": list(suspects),
+                           "repaired": repaired})
+        return True
+
+    def summary(self) -> dict[str, Any] | None:
+        if not self.by_gen and not self.found:
+            return None
+        gens = sorted(self.by_gen)
+        checks = sum(self.by_gen[g]["checks"] for g in gens)
+        last = max((self.by_gen[g].get("last_step") or 0 for g in gens), default=None)
+        return {"checks": checks, "mismatches": len(self.found), "found": self.found,
+                "last_step": last, "chain": self.by_gen[gens[-1]].get("chain") if gens else None}

@@ -40,6 +40,8 @@ KINDS: dict[str, tuple[Domain, Attribution, str]] = {
     "no_state": (Domain.JOB, Attribution.UNKNOWN, "no rank holds a consistent copy of the state"),
     "deadline": (Domain.JOB, Attribution.UNKNOWN, "a recovery level missed its deadline"),
     "takeover": (Domain.JOB, Attribution.INFRA, "a controller took over a generation still forming"),
+    "sdc": (Domain.RANK, Attribution.INFRA, "a rank's parameters silently differ from its replicas' "
+            "(a bit flip, a faulty device)"),
 }
 
 

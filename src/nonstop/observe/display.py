@@ -109,6 +109,8 @@ def print_summary(console: Console, summary: dict[str, Any]) -> None:
     checkpoints = (summary.get("state") or {}).get("checkpoint")
     if checkpoints:
         lines.append(format_checkpoints(checkpoints))
+    if summary.get("sdc"):
+        lines.append(sdc_text(summary["sdc"]))
     wall = f"wall: {summary['wall_s']:.1f} s"
     if (summary.get("finish_s") or 0) >= 1:  # waiting at the end (for checkpoints, ranks)
         wall += f" ({summary['finish_s']:.1f} s after training)"
@@ -116,6 +118,24 @@ def print_summary(console: Console, summary: dict[str, Any]) -> None:
     if cont:
         lines.append(continuation_text(cont))
     console.print(Text("nonstop summary: ", style="bold") + Text(" | ".join(lines)))
+
+
+def sdc_text(sdc: dict[str, Any]) -> str:
+    """The replicas' comparisons in one phrase: the certificate, or what was found."""
+    if not sdc.get("checks") and not sdc.get("mismatches"):
+        return "replicas: not compared"
+    found = sdc.get("found") or []
+    kept = [f for f in found if not f.get("repaired", True)]
+    if kept:
+        return ("replicas differed at step(s) " + ", ".join(str(f["step"]) for f in kept)
+                + " (reported only: the weights are not certified)")
+    text = (f"every step's weights agreed across replicas ({sdc['checks']} checks to step "
+            f"{sdc['last_step']}, chain {(sdc.get('chain') or '')[:12]})")
+    if found:
+        ranks = sorted({r for f in found for r in f["suspects"]})
+        text += (f"; {len(found)} mismatch(es) found and rolled back (rank(s) "
+                 f"{', '.join(map(str, ranks))} replaced)")
+    return text
 
 
 def _lost(inc: dict[str, Any]) -> str:

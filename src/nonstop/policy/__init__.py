@@ -54,6 +54,16 @@ class Nan(_Strict):
     max_consecutive: int = Field(3, ge=1)  # then roll back to the last good snapshot, else fail
 
 
+class Sdc(_Strict):
+    """Silent data corruption: the data-parallel replicas' parameters are compared (a digest
+    each) before every snapshot; a rank that differs from the majority is replaced and every
+    rank resumes from the last snapshot whose digests agreed."""
+
+    enabled: bool = True
+    action: Literal["replace", "report"] = "replace"  # report: an event, training goes on
+    max_overhead_pct: float = Field(1.0, gt=0, le=100)  # snapshots spaced out to keep the digest under it
+
+
 Operator = Literal[">", ">=", "<", "<="]
 
 
@@ -103,6 +113,7 @@ class HealthCheck(_Strict):
 class Detect(_Strict):
     hang: Hang = Hang()
     nan: Nan = Nan()
+    sdc: Sdc = Sdc()
     loss_rules: list[LossRule] = []
     straggler: Straggler = Straggler()
     log_rules: list[LogRule] = []

@@ -85,6 +85,7 @@ class Assign:
     worlds: dict[str, int] = dataclasses.field(default_factory=dict)  # recent gen -> world size
     replacements: int = 0  # times this rank was replaced
     initial: bool = False  # the job (re)starts: no rank holds state to agree on
+    not_after: int | None = None  # state newer than this step is not to be trusted (a corruption)
     claimed: dict[str, int] = dataclasses.field(default_factory=dict)  # faults fired: index -> n
     local_rank: int | None = None  # None: the rank (one host)
     local_world: int | None = None  # None: the world

@@ -87,6 +87,10 @@ class Context:
                     if not self._first_done:
                         rt.injector.in_recovery("first_step", self.rank, self.generation)
                     rt.injector.check("start", self.rank, step)
+                    if rt.injector.claim_kind("bitflip", self.rank, step):
+                        where = state.flip_bit(seed=step)
+                        rt.emit("bitflip", gen=self.generation, rank=self.rank, step=step,
+                                where=where)
                 if reseed is not None:
                     import torch
 

@@ -153,6 +153,33 @@ class State:
     def objects(self) -> dict[str, Any]:
         return dict(self._objects)
 
+    def modules(self) -> list[Any]:
+        """The registered modules: their parameters are what the replicas must agree on."""
+        import torch
+
+        return [o for o in self._objects.values() if isinstance(o, torch.nn.Module)]
+
+    def flip_bit(self, seed: int) -> str:
+        """Fault injection (``bitflip``): one bit of one parameter flips, in place. Returns
+        where."""
+        import random
+
+        import torch
+
+        params = [(f"{i}.{n}", p) for i, m in enumerate(self.modules())
+                  for n, p in m.named_parameters() if p.numel() and p.element_size() in (2, 4, 8)]
+        if not params:
+            raise RuntimeError("bitflip: no parameter of a registered module to flip a bit of")
+        pick = random.Random(seed)
+        name, p = params[pick.randrange(len(params))]
+        words = {2: torch.int16, 4: torch.int32, 8: torch.int64}[p.element_size()]
+        flat = p.detach().view(words).view(-1)
+        mantissa = {2: 7, 4: 23, 8: 52}[p.element_size()]  # bf16's (fp16 has 10)
+        index, bit = pick.randrange(flat.numel()), pick.randrange(mantissa)
+        with torch.no_grad():  # a mantissa bit: the value changes a little, nothing overflows
+            flat[index] ^= 1 << bit
+        return f"{name}[{index}] bit {bit}"
+
     def copies_on_load(self, name: str) -> bool:
         """Whether loading the object copies the tensors it is given (a module copies into its
         parameters; an optimizer, a dict or a tensor may keep them): only then may the tensors

@@ -82,7 +82,8 @@ class WorkerRuntime:
             from ..state.snapshot import Snapshots
 
             self.node_memory = NodeMemory(keeper)
-            self.snapshots = Snapshots(state_cfg, self.node_memory)
+            self.snapshots = Snapshots(state_cfg, self.node_memory,
+                                       sdc=self.job["policy"].get("detect", {}).get("sdc"))
         self._snapshot_error: str | None = None
         from .monitor import Monitor
 
@@ -178,7 +179,7 @@ class WorkerRuntime:
     # -- state: restore at entry, snapshots after steps ------------------------------------------
     def restore(self, state: Any, rank: int, world: int, gen: int, has_state: bool,
                 reshard_from: int = 0, initial: bool = False,
-                worlds: dict[int, int] | None = None) -> Any:
+                worlds: dict[int, int] | None = None, not_after: int | None = None) -> Any:
         """Bring this rank to the step every rank agrees on, from the cheapest source; sharded
         state last trained at another world size is merged from every old shard."""
         from ..state import reshard
@@ -187,7 +188,8 @@ class WorkerRuntime:
         snaps = self.snapshots if self.registered else None
         root = snaps.root if snaps is not None else None
         where = Where(memory=self.node_memory if snaps is not None else None,
-                      checkpoint_root=root, sharded=state.sharded, world=world)
+                      checkpoint_root=root, sharded=state.sharded, world=world,
+                      not_after=not_after)
         schedule = snaps.schedule() if snaps is not None else None
         old_world = reshard_from if state.sharded else 0
         if state.sharded and initial and not old_world:  # a new job: its checkpoint's size
@@ -220,6 +222,11 @@ class WorkerRuntime:
         spent, changed = snaps.after_step(state, rank, world, gen, step_s, first, self.injector)
         if changed and rank == 0:
             self.emit("snapshot_interval", gen=gen, step=state.step, **snaps.stats())
+        found = snaps.digests.mismatch if snaps.digests is not None else None
+        if found is not None:  # the policy only reports it: training goes on
+            snaps.digests.mismatch = None
+            self.emit("sdc_mismatch", gen=gen, rank=rank, step=found.step,
+                      suspects=found.suspects, digests=found.digests)
         if snaps.error != self._snapshot_error:
             self._snapshot_error = snaps.error
             if snaps.error:

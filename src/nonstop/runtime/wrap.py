@@ -18,6 +18,7 @@ from typing import Any, Callable, TypeVar
 
 from .. import protocol
 from .context import Context
+from ..state.digest import SilentCorruption
 from .registered import NonFiniteGradients, Regroup, State, _StepOnly
 from .worker import is_collective_error
 
@@ -138,7 +139,8 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
         unfired = [f.describe() for f in rt.injector.unreached(rank, tracked.step)] \
             if rt.monitor.steps_seen else []
         rt.emit("done", gen=gen, rank=rank, step=tracked.step, busy=rt.busy, unfired=unfired,
-                steps=rt.monitor.steps_seen,
+                steps=rt.monitor.steps_seen, sdc=rt.snapshots.digests.stats()
+                if rt.snapshots is not None and rt.snapshots.digests is not None else None,
                 final_persist=rt.snapshots.final_persist if rt.snapshots is not None else None)
         verdict = rt.wait_message()
         if isinstance(verdict, protocol.Complete):
@@ -217,7 +219,7 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
         t_pg = time.time()
         phase = "restore"
         resumed = rt.restore(tracked, rank, world, gen, has_state, msg.reshard_from, msg.initial,
-                             {int(g): w for g, w in msg.worlds.items()})
+                             {int(g): w for g, w in msg.worlds.items()}, msg.not_after)
         t_restored = time.time()
         rt.entries += 1
         rt.ever_entered = True
@@ -245,6 +247,8 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
         group.abort()  # first: release the peers blocked on us
         if isinstance(exc, Regroup):
             reason = "regroup"  # the peers still in a step leave as this group ends
+        elif isinstance(exc, SilentCorruption):  # every rank found the same: any one's report
+            reason = "sdc"
         elif rt.monitor.aborted(gen):
             reason = "abort"
         elif isinstance(exc, NoConsistentState):
@@ -259,6 +263,10 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
             detail["t_pg"] = t_pg
         if reason == "exception":
             detail["traceback"] = _user_traceback(exc)[-20000:]
+        if isinstance(exc, SilentCorruption):
+            detail.update(sdc_step=exc.step, suspects=exc.suspects, digests=exc.digests)
+        if rt.snapshots is not None and rt.snapshots.digests is not None:
+            detail["sdc"] = rt.snapshots.digests.stats()
         _release_frames(exc)
         return _Failure(detail)
 

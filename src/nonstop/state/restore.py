@@ -51,6 +51,7 @@ class Where:
     checkpoint_root: Path | None = None
     sharded: bool = False
     world: int = 0  # sharded: a copy taken at another world size is no copy of this rank's shard
+    not_after: int | None = None  # no state newer than this step is offered (silent corruption)
 
 
 def _offer(state: Any, rank: int, has_state: bool, where: Where) -> tuple[Offer, dict[str, Any]]:
@@ -81,6 +82,12 @@ def _offer(state: Any, rank: int, has_state: bool, where: Where) -> tuple[Offer,
                 continue  # another world's shards: only a reshard reads them
             if checkpoint.part_rank_for(manifest, rank) is not None:
                 disk.append(step)
+    if where.not_after is not None:  # newer state may hold the corruption: none of it
+        cap = where.not_after
+        live = live if live is not None and live <= cap else None
+        memory = tuple(x for x in memory if x <= cap)
+        replicas = {r: tuple(x for x in held if x <= cap) for r, held in replicas.items()}
+        disk = [x for x in disk if x <= cap]
     return Offer(live, memory, replicas, tuple(disk)), problems
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from . import memory as mem
 from . import packing, shm
+from .digest import Digests
 from .wire import KeeperError
 
 # Steps into a generation when the interval is tuned: every step is snapshotted until then, so
@@ -32,9 +33,13 @@ _RECENT = 9  # measurements the medians are taken over
 class Snapshots:
     """The snapshot schedule of one rank process, and its measurements."""
 
-    def __init__(self, cfg: dict[str, Any], memory: mem.NodeMemory | None):
+    def __init__(self, cfg: dict[str, Any], memory: mem.NodeMemory | None,
+                 sdc: dict[str, Any] | None = None):
         snap, ckpt = cfg["snapshot"], cfg["checkpoint"]
         self.memory = memory
+        # the replicas' parameters compared before each snapshot (detect.sdc): every snapshot
+        # written is one whose digests agreed, the step a corruption is rolled back to
+        self.digests = Digests(sdc) if sdc is not None and sdc.get("enabled", True) else None
         self.enabled = bool(snap["enabled"])
         self.auto = snap["every_steps"] == "auto"
         self.every = 1 if self.auto else int(snap["every_steps"])
@@ -67,9 +72,14 @@ class Snapshots:
         return statistics.median(self._steps) if self._steps else None
 
     # -- agreement ----------------------------------------------------------------------------
+    @property
+    def sdc_s(self) -> float | None:
+        """One comparison of the replicas' parameters (median of the recent ones)."""
+        return self.digests.cost_s if self.digests is not None else None
+
     def schedule(self) -> dict[str, Any]:
         return {"every": self.every, "cost_s": self.cost_s, "step_s": self.step_s,
-                "repl_s": self.repl_s, "last_persist": self.last_persist}
+                "repl_s": self.repl_s, "sdc_s": self.sdc_s, "last_persist": self.last_persist}
 
     def adopt(self, schedules: list[dict[str, Any]], step: int, from_disk: bool) -> None:
         """Take the schedule every rank agrees on, entering a generation at ``step``."""
@@ -79,16 +89,20 @@ class Snapshots:
             self.last_persist = max(int(s.get("last_persist") or 0) for s in known)
             if self.auto:
                 self.every = self._interval(*(max((s.get(k) or 0.0) for s in known)
-                                              for k in ("cost_s", "step_s", "repl_s")))
+                                              for k in ("cost_s", "step_s", "repl_s", "sdc_s")))
         if from_disk:
             self.last_persist = max(self.last_persist, step)
         self.entry_step = self.anchor = step
+        if self.digests is not None:
+            self.digests.entered()
 
-    def _interval(self, cost: float, step_s: float, repl_s: float) -> int:
+    def _interval(self, cost: float, step_s: float, repl_s: float, sdc_s: float = 0.0) -> int:
         if not cost or not step_s:
             return self.every
         # the copy to the buddy shares the node (and must end before the next snapshot's slot)
         k = math.ceil((cost + (repl_s or 0.0)) / (self.max_share * step_s))
+        if self.digests is not None and sdc_s:  # the comparison before it has its own share
+            k = max(k, math.ceil(sdc_s / (self.digests.max_share * step_s)))
         return max(1, min(MAX_EVERY, k))
 
     def _tune(self) -> bool:
@@ -96,8 +110,8 @@ class Snapshots:
         import torch
         import torch.distributed as dist
 
-        t = torch.tensor([self.cost_s or 0.0, self.step_s or 0.0, self.repl_s or 0.0],
-                         dtype=torch.float64)
+        t = torch.tensor([self.cost_s or 0.0, self.step_s or 0.0, self.repl_s or 0.0,
+                          self.sdc_s or 0.0], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         every = self._interval(*t.tolist())
         changed, self.every = every != self.every, every
@@ -116,7 +130,9 @@ class Snapshots:
         spent = 0.0
         if step - self.anchor >= self.every or self._disk_due(step):
             self.anchor = step
-            spent = self.take(state, rank, world, gen, injector)
+            if self.digests is not None:  # raises SilentCorruption: this step is not snapshotted
+                spent += self.digests.check(state.modules(), step, world)
+            spent += self.take(state, rank, world, gen, injector)
         changed = False  # tuned after the snapshot: its cost is then known
         if self.auto and (step - self.entry_step in TUNE_AFTER or step % RETUNE_EVERY == 0):
             changed = self._tune()
@@ -186,7 +202,10 @@ class Snapshots:
 
     def finish(self, state: Any, rank: int, world: int, gen: int) -> None:
         """The training loop ended: the last step goes to disk (if checkpoints are on); the
-        launcher waits for the newest checkpoint asked for before it ends the node's memory."""
+        launcher waits for the newest checkpoint asked for before it ends the node's memory.
+        The final weights are compared across replicas first (every rank ends at the same step)."""
+        if self.enabled and self.digests is not None and self.digests.last_step != state.step:
+            self.digests.check(state.modules(), state.step, world)
         if not self.enabled or self.root is None:
             return
         self._finish(state, rank, world, gen)

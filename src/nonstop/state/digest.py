@@ -1,0 +1,132 @@
+"""Silent data corruption: the data-parallel replicas' parameters compared before each snapshot.
+
+Each rank sums its parameters' bits as integers (a tensor viewed as words of its own width,
+summed in 64 bits): the sum is exact, so bitwise-equal parameters give equal digests on every
+rank whatever the reduction order, and a single flipped bit always changes it. The ranks gather
+their digests (one integer each) and find the odd ones out. Every agreeing check extends a chain
+(SHA-256 over the steps and digests), which the run's summary reports: a certificate that every
+snapshot step's weights agreed across replicas - and a difference, once it exists, persists to
+the next check, so no step in between can have disagreed unseen.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import math
+import statistics
+import time
+from typing import Any
+
+_MIX = 1_000_003  # digests of the tensors combined in order: a swap of two changes the result
+_MOD = 2**64  # a sum of 64-bit words wraps: every bit of it counts, the top one too
+
+
+class SilentCorruption(BaseException):
+    """Raised at a snapshot step when the replicas' parameters differ. A BaseException, like
+    ``Regroup``, so that the script's ``except Exception`` lets it through."""
+
+    def __init__(self, step: int, suspects: list[int], digests: list[int]):
+        super().__init__(f"the replicas' parameters differ at step {step}: rank(s) "
+                         f"{', '.join(map(str, suspects))} disagree with the others")
+        self.step, self.suspects, self.digests = step, suspects, digests
+
+
+def digest(modules: list[Any]) -> int:
+    """An integer digest of the parameters of ``modules``: equal on two ranks when their bits
+    are, and changed by any single flipped bit (a sum of words: values moved around within one
+    tensor are not seen - not what a bit flip does - but two tensors swapped are)."""
+    import torch
+
+    words = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    sums = []
+    for m in modules:
+        for p in m.parameters():
+            t = p.detach()
+            word = words.get(t.element_size())
+            if word is None or t.numel() == 0:
+                continue
+            sums.append(torch.sum(t.view(word), dtype=torch.int64))
+    if not sums:
+        return 0
+    out = 0
+    for v in torch.stack(sums).cpu().tolist():  # one transfer from the device
+        out = (out * _MIX + v) % _MOD
+    return out - _MOD if out >= _MOD // 2 else out  # all 64 bits, as a signed 64-bit integer
+
+
+def odd_ones(digests: list[int]) -> list[int]:
+    """The ranks whose digest differs from the majority's; with no strict majority (two ranks,
+    a tie), every rank outside the largest group that is not itself a majority is suspect - all
+    of them: which side is right cannot be told."""
+    counts = collections.Counter(digests)
+    if len(counts) <= 1:
+        return []
+    value, n = counts.most_common(1)[0]
+    if n * 2 > len(digests):
+        return [r for r, d in enumerate(digests) if d != value]
+    return list(range(len(digests)))
+
+
+class Digests:
+    """One rank process's checks: their cost (which spaces the snapshots out when needed), and
+    the chain of the agreeing ones."""
+
+    def __init__(self, cfg: dict[str, Any]):
+        self.enabled = bool(cfg.get("enabled", True))
+        self.report_only = cfg.get("action") == "report"
+        self.max_share = float(cfg.get("max_overhead_pct", 1.0)) / 100
+        self._costs: collections.deque[float] = collections.deque(maxlen=9)
+        self.checks = 0
+        self.first_step: int | None = None
+        self.last_step: int | None = None
+        self.chain = ""
+        self.mismatch: SilentCorruption | None = None  # the last one found (report mode)
+
+    @property
+    def cost_s(self) -> float | None:
+        return statistics.median(self._costs) if self._costs else None
+
+    def check(self, modules: list[Any], step: int, world: int) -> float:
+        """Compare this step's parameters with every other rank's (a collective: every rank
+        calls it at the same steps). Returns the seconds it took; raises ``SilentCorruption``
+        when they differ (unless the policy only reports: then ``mismatch`` says so)."""
+        if not self.enabled or world < 2 or not modules:
+            return 0.0
+        import torch
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        mine = torch.tensor([digest(modules)], dtype=torch.int64)
+        every = torch.zeros(world, dtype=torch.int64)
+        dist.all_gather_into_tensor(every, mine)
+        digests = every.tolist()
+        spent = time.perf_counter() - t0
+        self._costs.append(spent)
+        suspects = odd_ones(digests)
+        if suspects:
+            found = SilentCorruption(step, suspects, digests)
+            if not self.report_only:
+                raise found
+            self.mismatch = found
+            return spent
+        self.checks += 1
+        self.first_step = step if self.first_step is None else self.first_step
+        self.last_step = step
+        self.chain = hashlib.sha256(f"{self.chain}:{step}:{digests[0]}".encode()).hexdigest()
+        return spent
+
+    def interval(self, step_s: float | None) -> int:
+        """The fewest steps between checks that keeps them under their share of step time."""
+        cost = self.cost_s
+        if not self.enabled or not cost or not step_s:
+            return 1
+        return max(1, math.ceil(cost / (self.max_share * step_s)))
+
+    def entered(self) -> None:
+        """A generation begins: its checks are counted from here (the chain goes on)."""
+        self.checks, self.first_step, self.last_step = 0, None, None
+
+    def stats(self) -> dict[str, Any]:
+        return {"checks": self.checks, "first_step": self.first_step, "last_step": self.last_step,
+                "chain": self.chain, "cost_s": self.cost_s}

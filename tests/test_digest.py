@@ -1,0 +1,71 @@
+"""The replicas' digests (pure parts): any flipped bit changes a digest, equal weights give equal
+digests whatever their history, the odd ranks are found, state newer than a corruption is not
+offered for a restore."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from nonstop.runtime.registered import State
+from nonstop.state.digest import Digests, digest, odd_ones
+from nonstop.state.restore import Where, _offer
+
+
+def test_every_single_bit_flip_changes_the_digest():
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        m = torch.nn.Linear(3, 2).to(dtype)
+        base = digest([m])
+        words = {2: torch.int16, 4: torch.int32, 8: torch.int64}[m.weight.element_size()]
+        flat = m.weight.detach().view(words).view(-1)
+        for bit in range(8 * m.weight.element_size()):
+            with torch.no_grad():
+                flat[1] ^= 1 << bit if bit < 8 * m.weight.element_size() - 1 else -(1 << bit)
+            assert digest([m]) != base, (dtype, bit)
+            with torch.no_grad():
+                flat[1] ^= 1 << bit if bit < 8 * m.weight.element_size() - 1 else -(1 << bit)
+            assert digest([m]) == base
+
+
+def test_equal_weights_equal_digests_and_the_tensors_order_matters():
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    b.load_state_dict(a.state_dict())
+    assert digest([a]) == digest([b]) != digest([torch.nn.Linear(4, 4)])
+    c, d = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    assert digest([c, d]) != digest([d, c])  # the same tensors, swapped: another digest
+    assert -2**63 <= digest([c, d]) < 2**63  # one signed 64-bit integer, as gathered
+
+
+def test_odd_ones():
+    assert odd_ones([5, 5, 5]) == [] and odd_ones([5]) == []
+    assert odd_ones([5, 6, 5, 5]) == [1]
+    assert odd_ones([5, 6, 7, 5, 5]) == [1, 2]
+    assert odd_ones([5, 6]) == [0, 1]  # no majority: every rank is suspect
+    assert odd_ones([5, 5, 6, 6]) == [0, 1, 2, 3]
+
+
+def test_the_injected_flip_changes_one_bit_of_one_parameter():
+    m = torch.nn.Linear(8, 8)
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    where = State(model=m).flip_bit(seed=3)
+    changed = [n for n, p in m.named_parameters() if not torch.equal(p, before[n])]
+    assert len(changed) == 1 and where.startswith(f"0.{changed[0]}[")
+    diff = (m.state_dict()[changed[0]] != before[changed[0]]).sum().item()
+    assert diff == 1
+
+
+def test_checks_are_spaced_to_their_share_of_step_time():
+    d = Digests({"enabled": True, "action": "replace", "max_overhead_pct": 1.0})
+    assert d.interval(0.1) == 1  # nothing measured yet
+    d._costs.append(0.002)
+    assert d.interval(0.1) == 2 and d.interval(0.4) == 1 and d.interval(0.01) == 20
+
+
+def test_no_state_newer_than_the_corruption_is_offered():
+    state = types.SimpleNamespace(step=30, dirty=False)
+    offer, _ = _offer(state, 0, True, Where())
+    assert offer.live == 30
+    offer, _ = _offer(state, 0, True, Where(not_after=29))
+    assert offer.live is None
