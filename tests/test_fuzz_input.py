@@ -70,6 +70,7 @@ def test_fuzz_rendezvous_endpoints(text):
 
 
 # -- the job's secret ------------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:the job secret is only")
 @FAST
 @given(st.one_of(st.none(), st.text(max_size=80), st.binary(max_size=80).map(lambda b: b.decode("latin-1"))),
        st.one_of(st.none(), st.binary(max_size=80)))
