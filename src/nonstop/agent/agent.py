@@ -21,6 +21,7 @@ from .. import protocol
 from ..observe.console import ConsoleFilter
 
 LATE_S = 10.0  # a process's events are read for this long after it ended
+ZYGOTE_ENV = "NONSTOP_ZYGOTE"  # 0: every rank process imports torch itself (no zygote)
 
 
 @dataclasses.dataclass
@@ -63,6 +64,8 @@ class Agent:
         self.keeper_host = "127.0.0.1"  # where keepers take replicas in (a host's address: across hosts)
         self.keeper_env: dict[str, str] = {}  # across hosts: the keepers' secret
         self._next_wid = 0
+        self.zygote: Any = None  # ranks are forked from it (zygote.py), once it is ready
+        self.zygote_error: str | None = None  # why ranks are started directly instead
         self._sel = selectors.DefaultSelector()
         self._logs: dict[int, object] = {}
         # another thread (a host's channel to its controller) ends a wait early through this
@@ -85,8 +88,57 @@ class Agent:
             env[protocol.ENV_KEEPER] = keeper
         if spare_mode:
             env[protocol.ENV_SPARE_MODE] = spare_mode
+        zygote = self._zygote()
+        if zygote is not None:
+            try:
+                return self._fork(zygote, wid, env, f"worker-{wid}.log", spare)
+            except OSError as exc:  # started the slow way from now on
+                self.zygote_error = f"{type(exc).__name__}: {exc}"
         cmd = [sys.executable, "-u", "-m", "nonstop.runtime.bootstrap", self.script, *self.script_args]
         return self._start(wid, cmd, env, f"worker-{wid}.log", spare)
+
+    def start_zygote(self) -> None:
+        """Start the process ranks are forked from (``zygote.py``): it imports torch meanwhile."""
+        if self.zygote is None and self.zygote_error is None \
+                and os.environ.get(ZYGOTE_ENV, "1") != "0":
+            from .zygote import Zygote
+
+            try:
+                self.zygote = Zygote(self.env, self.logs / "zygote.log")
+            except OSError as exc:
+                self.zygote_error = f"{type(exc).__name__}: {exc}"
+                return
+            self._sel.register(self.zygote.fileno(), selectors.EVENT_READ, ("zygote", None))
+
+    def _zygote(self) -> Any:
+        """The zygote, once its imports are done (waited for), or None: start ranks directly."""
+        self.start_zygote()
+        z = self.zygote
+        if z is None or self.zygote_error is not None:
+            return None
+        from .zygote import READY_S
+
+        if not z.ready(READY_S):
+            self.zygote_error = z.broken or f"not ready within {READY_S:g} s"
+            return None
+        return z
+
+    def _fork(self, zygote: Any, wid: int, env: dict[str, str], log_name: str,
+              spare: bool) -> Proc:
+        from ..runtime import bootstrap
+        from .zygote import ForkedProcess
+
+        env[protocol.ENV_LAUNCHER_PID] = str(zygote.pid)  # its parent: it dies with the zygote
+        r, w = os.pipe2(os.O_CLOEXEC)
+        try:
+            pid = zygote.spawn([bootstrap.__file__, self.script, *self.script_args], env, w)
+        except OSError:
+            os.close(r)
+            raise
+        finally:
+            os.close(w)
+        return self._watch(wid, ForkedProcess(zygote, pid, os.fdopen(r, "rb", buffering=0)),
+                           log_name, spare)
 
     def spawn_keeper(self, wid: int, node: int, name: str, writer: bool) -> Proc:
         """The node's memory (``nonstop.state.keeper``): ends with this process."""
@@ -124,6 +176,9 @@ class Agent:
                spare: bool) -> Proc:
         popen = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+        return self._watch(wid, popen, log_name, spare)
+
+    def _watch(self, wid: int, popen: Any, log_name: str, spare: bool) -> Proc:
         proc = Proc(wid=wid, popen=popen, started=time.time(), spare=spare,
                     log_path=self.logs / log_name)
         self._logs[wid] = open(proc.log_path, "ab", buffering=0)
@@ -145,6 +200,12 @@ class Agent:
             what, wid = key.data
             if what == "out":
                 self._read_output(wid)
+            elif what == "zygote":
+                if self.zygote is not None:
+                    self.zygote.drain()
+                    if self.zygote.broken is not None:
+                        self._sel.unregister(self.zygote.fileno())
+                        self.zygote_error = self.zygote.broken
             elif what == "wake":
                 try:
                     os.read(self._wake_r, 4096)
@@ -265,6 +326,8 @@ class Agent:
 
     def close(self) -> None:
         self.end_all(0.0)
+        if self.zygote is not None:
+            self.zygote.close()
         self._sel.close()
         for fd in (self._wake_r, self._wake_w):
             try:

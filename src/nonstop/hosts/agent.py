@@ -110,6 +110,7 @@ class HostAgent:
             env = self._worker_env()
             self.agent = Agent(cfg.script, cfg.script_args, f"{loopback.HOST}:{self.local_port}",
                                self.run_dir, env, self._output)
+            self.agent.start_zygote()  # ranks are forked from it: it imports torch meanwhile
             self.agent.keeper_host = cfg.addr  # replicas come in from other hosts
             self.agent.keeper_env = {SECRET_ENV: replica_secret(self.secret)}
             self.keepers = HostKeepers(self._send).start()

@@ -1,0 +1,337 @@
+"""Rank processes forked from one that has already imported torch.
+
+A rank process spends about a second of CPU importing torch (two with what DDP imports lazily)
+before it can do anything. On one host that is paid by every rank at the start, by every cold
+replacement and by every job restart; N ranks starting together on few cores pay it N times over.
+The zygote pays it once per agent: it imports what a rank imports, then forks each rank or spare
+on request. A child is a process of its own (its own session, its own environment, its output on
+its own pipe to the agent), like one started from scratch, minus the imports: it starts in
+milliseconds and shares the imported pages with its siblings until it writes them.
+
+    python -m nonstop.agent.zygote FD      (FD: the agent's end of a socketpair)
+
+Requests and answers are JSON datagrams on the socketpair; the child's output pipe travels with
+its request (SCM_RIGHTS). The zygote is the children's parent: it reaps them and tells the agent
+how each ended. It dies with the agent, and its children with it (as ranks die with the agent
+when started directly). CUDA is never initialised here: a child initialises its own.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+MAX_MSG = 1 << 20  # a request: an environment and a command line
+PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
+           "nonstop.runtime.bootstrap", "nonstop.runtime.worker", "nonstop.runtime.wrap")
+READY_S = 120.0  # the agent waits this long for the zygote's imports before it starts ranks itself
+
+
+# == the zygote process ==========================================================================
+def main() -> None:
+    fd = int(sys.argv[1])
+    from ..runtime.bootstrap import die_with_parent
+
+    die_with_parent()
+    sock = socket.socket(fileno=fd)
+    import importlib
+
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except BaseException:  # noqa: BLE001 - a child imports it again and reports what fails
+            pass
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the loop through the pipe
+    _send(sock, {"ready": os.getpid()})
+    while True:
+        try:
+            readable, _, _ = select.select([sock, wake_r], [], [], 1.0)
+        except InterruptedError:
+            readable = []
+        if wake_r in readable:
+            try:
+                os.read(wake_r, 4096)
+            except BlockingIOError:
+                pass
+        _reap(sock)
+        if sock in readable:
+            try:
+                msg, fds = _recv(sock)
+            except OSError:
+                msg, fds = None, []
+            if msg is None:  # the agent is gone
+                os._exit(0)
+            _fork(sock, msg, fds, (wake_r, wake_w))
+
+
+def _fork(sock: socket.socket, msg: dict[str, Any], fds: list[int],
+          ours: tuple[int, int]) -> None:
+    out = fds[0] if fds else None
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        _send(sock, {"id": msg["id"], "error": f"fork: {exc}"})
+        pid = -1
+    if pid == 0:
+        _child(msg, out, sock, ours)  # never returns
+    for fd in fds:
+        os.close(fd)
+    if pid > 0:
+        _send(sock, {"id": msg["id"], "pid": pid})
+
+
+def _child(msg: dict[str, Any], out: int | None, sock: socket.socket,
+           ours: tuple[int, int]) -> None:
+    try:
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
+            signal.signal(sig, signal.SIG_DFL)
+        os.setsid()
+        sock.close()
+        for fd in ours:
+            os.close(fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        if out is not None:
+            os.dup2(out, 1)
+            os.dup2(out, 2)
+            os.close(out)
+        os.environ.clear()
+        os.environ.update(msg["env"])
+        os.chdir(msg.get("cwd") or os.getcwd())
+        sys.argv = list(msg["argv"])
+        _reseed()
+        from ..runtime import bootstrap
+
+        bootstrap.main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        _flush()
+        os._exit(code)
+    except BaseException:  # noqa: BLE001 - a child never returns into the zygote's loop
+        import traceback
+
+        traceback.print_exc()
+        _flush()
+        os._exit(1)
+    _flush()
+    os._exit(0)
+
+
+def _reseed() -> None:
+    """A fork shares its parent's random state: each child gets its own, as a new process would."""
+    import random
+
+    random.seed()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        try:
+            np.random.seed()
+        except Exception:  # noqa: BLE001 - an unusual numpy: its global state stays shared
+            pass
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _reap(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+# == the wire ====================================================================================
+def _send(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+    data = json.dumps(msg).encode()
+    if fds:
+        sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    else:
+        sock.send(data)
+
+
+def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    data, anc, _, _ = sock.recvmsg(MAX_MSG, socket.CMSG_SPACE(16 * 4))
+    fds: list[int] = []
+    for level, kind, payload in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(payload[:len(payload) - len(payload) % arr.itemsize])
+            fds.extend(arr)
+    if not data:
+        return None, fds
+    return json.loads(data), fds
+
+
+# == the agent's side ============================================================================
+class Zygote:
+    """The agent's handle on its zygote: start it, fork children, hear how they end."""
+
+    def __init__(self, env: dict[str, str], log_path: Any):
+        import subprocess
+
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = dict(env, **{"NONSTOP_LAUNCHER_PID": str(os.getpid())})
+        self._log = open(log_path, "ab", buffering=0)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", "-m", "nonstop.agent.zygote", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL, stdout=self._log,
+            stderr=subprocess.STDOUT, start_new_session=True)
+        theirs.close()
+        self.pid: int | None = None  # known once it is ready
+        self.exits: dict[int, int] = {}  # child pid -> exit code (negative: killed by a signal)
+        self.broken: str | None = None  # why it can no longer be used
+        self._ids = 0
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def ready(self, timeout_s: float) -> bool:
+        """Whether the zygote has done its imports (waiting up to ``timeout_s`` for it)."""
+        if self.pid is not None:
+            return True
+        deadline = time.monotonic() + timeout_s
+        while self.broken is None and self.pid is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._take(left):
+                break
+        return self.pid is not None and self.broken is None
+
+    def spawn(self, argv: list[str], env: dict[str, str], out_fd: int,
+              timeout_s: float = 10.0) -> int:
+        """Fork a child running ``argv`` (a bootstrap command line) with ``env``, its stdout and
+        stderr on ``out_fd``. Returns its pid; OSError when the zygote cannot."""
+        if self.broken is not None or self.pid is None:
+            raise OSError(f"no zygote: {self.broken or 'not ready'}")
+        self._ids += 1
+        rid = self._ids
+        try:
+            _send(self.sock, {"id": rid, "argv": argv, "env": env, "cwd": os.getcwd()}, [out_fd])
+        except OSError as exc:
+            self.broken = f"{type(exc).__name__}: {exc}"
+            raise
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.broken = "it did not answer a fork request in time"
+                raise OSError(self.broken)
+            reply = self._take(left, want=rid)
+            if reply is None and self.broken is not None:
+                raise OSError(self.broken)
+            if reply is not None:
+                if "error" in reply:
+                    raise OSError(reply["error"])
+                return int(reply["pid"])
+
+    def drain(self) -> None:
+        """Take in what the zygote said (children that ended), without waiting."""
+        while self.broken is None and self._take(0.0):
+            pass
+
+    def _take(self, timeout_s: float, want: int | None = None) -> dict[str, Any] | bool | None:
+        """Read one message (waiting up to ``timeout_s``). Exits are recorded; a reply to request
+        ``want`` is returned; otherwise whether a message was read."""
+        try:
+            readable, _, _ = select.select([self.sock], [], [], max(0.0, timeout_s))
+            if not readable:
+                return None if want is not None else False
+            msg, fds = _recv(self.sock)
+        except OSError as exc:
+            msg, fds = None, []
+            self.broken = f"{type(exc).__name__}: {exc}"
+        for fd in fds:
+            os.close(fd)
+        if msg is None:
+            self.broken = self.broken or "the zygote ended"
+            return None if want is not None else False
+        if "ready" in msg:
+            self.pid = int(msg["ready"])
+        elif "exit" in msg:
+            self.exits[int(msg["exit"])] = int(msg["code"])
+        elif want is not None and msg.get("id") == want:
+            return msg
+        return True if want is None else None
+
+    def close(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except Exception:  # noqa: BLE001 - it was SIGKILLed: it ends
+            pass
+        self.sock.close()
+        self._log.close()
+
+
+class ForkedProcess:
+    """What the agent keeps of a forked child, in the shape of ``subprocess.Popen``."""
+
+    def __init__(self, zygote: Zygote, pid: int, stdout: Any):
+        self.zygote, self.pid, self.stdout = zygote, pid, stdout
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.zygote.drain()
+            code = self.zygote.exits.pop(self.pid, None)
+            if code is not None:
+                self.returncode = code
+            elif self.zygote.broken is not None and not _exists(self.pid):
+                self.returncode = -signal.SIGKILL  # it died with the zygote: how is not known
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                import subprocess
+
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            time.sleep(0.01)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+if __name__ == "__main__":
+    main()
