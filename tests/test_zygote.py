@@ -1,0 +1,97 @@
+"""Rank processes forked from the zygote (real processes): each is the zygote's child in a session
+of its own, its exit code reaches the controller as it was, nothing outlives the launcher, and a
+zygote that dies costs one recovery - the ranks are then started directly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import TRAIN, bitwise_equal, finish, start, train, wait_for_event
+
+pytestmark = pytest.mark.integration
+
+ARGS = ("--steps", "40", "--sleep-ms", "10")
+
+
+def _status(pid: int) -> dict[str, str]:
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        out[key] = value.strip()
+    return out
+
+
+def _gone(pids: list[int], timeout: float = 10.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if not any(Path(f"/proc/{p}").exists() and _status(p).get("State", "Z")[0] != "Z"
+                   for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_ranks_are_the_zygotes_children_in_sessions_of_their_own_and_die_with_the_launcher(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "--nproc=2", "--spares=1", str(TRAIN), "--steps", "100000",
+                 "--sleep-ms", "20")
+    try:
+        wait_for_event(run_dir, lambda e: e["type"] == "rank_first_step", timeout=90)
+        spawned = [e["pid"] for e in _events(run_dir) if e["type"] == "spawn"]
+        zygote = {int(_status(p)["PPid"]) for p in spawned}
+        assert len(zygote) == 1 and zygote != {proc.pid}, zygote
+        (zpid,) = zygote
+        assert int(_status(zpid)["PPid"]) == proc.pid  # the launcher's child
+        assert all(os.getsid(p) == p for p in spawned)  # each its own session: signalled alone
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher dies without a word
+        assert _gone(spawned + [zpid]), [p for p in spawned + [zpid] if Path(f"/proc/{p}").exists()]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+
+
+def test_exit_codes_are_reported_as_they_were(tmp_path, reference):
+    run, out = train(tmp_path, "--spares=1", "--inject=crash:rank=1,step=10;exit:rank=2,step=20,code=7",
+                     args=ARGS)
+    codes = [(e["rank"], e["code"]) for e in run.of("exit") if e["rank"] in (1, 2) and e["code"]]
+    assert codes[:2] == [(1, -9), (2, 7)], codes
+    assert bitwise_equal(out, reference(3, *ARGS))
+
+
+def test_a_killed_zygote_costs_one_recovery_then_ranks_start_directly(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    out = tmp_path / "final.pt"
+    t0 = time.time()
+    proc = start(run_dir, "--nproc=2", "--spares=1", str(TRAIN), "--steps", "150", "--sleep-ms", "20",
+                 "--save", str(out))
+    wait_for_event(run_dir, lambda e: e["type"] == "rank_first_step", timeout=90)
+    spawned = [e["pid"] for e in _events(run_dir) if e["type"] == "spawn"]
+    (zpid,) = {int(_status(p)["PPid"]) for p in spawned}
+    os.kill(zpid, signal.SIGKILL)  # its children die with it
+    run = finish(proc, run_dir, t0)
+    assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.of("incident") and all(i["outcome"] == "recovered" for i in run.of("incident"))
+    later = [e["pid"] for e in run.of("spawn") if e["pid"] not in spawned]
+    assert later  # the ranks and spares started again, directly (the zygote is gone)
+    assert bitwise_equal(out, reference(2, "--steps", "150"))
+
+
+def test_without_the_zygote_ranks_start_directly(tmp_path, reference, monkeypatch):
+    monkeypatch.setenv("NONSTOP_ZYGOTE", "0")
+    run, out = train(tmp_path, "--spares=1", "--inject=crash:rank=1,step=10", args=ARGS)
+    assert not (tmp_path / "run" / "logs" / "zygote.log").exists()
+    assert [d["level"] for d in run.of("decision")] == ["rank replacement"]
+    assert bitwise_equal(out, reference(3, *ARGS))
+
+
+def _events(run_dir: Path) -> list[dict]:
+    import json
+
+    path = run_dir / "events.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
