@@ -34,6 +34,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="nonstop", description="Distributed PyTorch training that keeps going.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -144,6 +154,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print the result as JSON, last on stdout")
     bench.add_argument("--out", metavar="DIR", help="keep the runs here (default: a temporary dir)")
 
+    drain = sub.add_parser("drain", help="move ranks of a running job to warm spares, no fault",
+                           description="Ask the job running in RUN_DIR to move ranks (or every "
+                                       "rank of a node, which is then released) to warm spares "
+                                       "at their next step boundary: no fault, no step lost. "
+                                       "Waits for the outcome.")
+    drain.add_argument("run_dir", metavar="RUN_DIR", help="the running job's run directory")
+    what = drain.add_mutually_exclusive_group(required=True)
+    what.add_argument("--rank", type=_non_negative, action="append", metavar="R",
+                      help="a rank to move (repeat for several)")
+    what.add_argument("--node", type=_non_negative, metavar="N",
+                      help="a node whose ranks all move to a spare node; it is released")
+    drain.add_argument("--why", default="asked", help="the reason, for the event log")
+    drain.add_argument("--timeout", type=_positive_float, default=120.0, metavar="S",
+                       help="how long to wait for the outcome (default 120)")
+
     report = sub.add_parser("report", help="show the summary of a finished run")
     report.add_argument("run_dir")
 
@@ -194,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.systems is None:
                 args.systems = ",".join(module.SYSTEMS)
             return module.main(args)
+        if args.command == "drain":
+            from .drain import drain
+
+            return drain(args.run_dir, tuple(args.rank or ()), args.node, args.why, args.timeout)
         if args.command == "report":
             from .observe.report import show
 

@@ -145,10 +145,14 @@ class IncidentBook:
         self.open = None
 
     # == scale-out: not an incident, but a pause worth measuring ==================================
-    def regrouped(self, t: float, gen: int, world: int, max_step: int) -> None:
-        """The ranks of ``gen`` were asked to leave at a step boundary, to grow the world."""
-        self._regroup = {"t": t, "gen": gen, "world": world, "step": max_step}
-        self.log.write("regroup", gen=gen, world=world, step=max_step)
+    def regrouped(self, t: float, gen: int, world: int, max_step: int,
+                  drain: str | None = None) -> None:
+        """The ranks of ``gen`` were asked to leave at a step boundary, to grow the world or
+        (``drain``: what, and why) to move ranks to spares."""
+        self._regroup = {"t": t, "gen": gen, "world": world, "step": max_step, "drain": drain}
+        self.log.write("regroup", gen=gen, world=world, step=max_step, drain=drain)
+        if drain:
+            self.display.info(f"draining {drain}: at the next step boundary")
 
     def left_to_grow(self, t: float, step: int) -> None:
         """A rank left at a step boundary to grow the world: training paused from the first."""
@@ -163,6 +167,12 @@ class IncidentBook:
             return
         self._regroup = None
         pause = t_first - (r.get("t_left") or r["t"])
+        if r.get("drain"):
+            self.log.write("drain_done", gen=gen, drained=r["drain"], pause_s=round(pause, 4),
+                           step=r["step"], to_boundary_s=round((r.get("t_left") or r["t"]) - r["t"], 4))
+            self.display.info(f"drained {r['drain'].split(':')[0]} (generation {gen}): training "
+                              f"paused {pause:.3f} s")
+            return
         self.log.write("scale_out_done", gen=gen, world_from=r["world"], world=world,
                        pause_s=round(pause, 4), step=r["step"],
                        to_boundary_s=round((r.get("t_left") or r["t"]) - r["t"], 4))

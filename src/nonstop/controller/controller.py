@@ -10,6 +10,7 @@ measured in ``book.py``.
 from __future__ import annotations
 
 import signal
+import os
 import time
 from typing import Any
 
@@ -26,6 +27,7 @@ from .book import IncidentBook
 from .ending import Outcome
 from .generations import Generations
 from .ledger import SdcBook, TrainingLedger
+from .requests import Requests
 from .phase import ACTIVE, ENDING, Phase
 from .watchers import Command, Watchers
 from .workers import Worker, WorkerTable
@@ -70,6 +72,7 @@ class Controller:
         self.t_start = time.time()
         self._last_progress = 0.0
         self.max_step = 0
+        self.requests = Requests(run_dir)  # from outside the job: nonstop drain
 
     # == what others read ========================================================================
     @property
@@ -178,7 +181,7 @@ class Controller:
         up (the launcher imports torch meanwhile): they connect to it once it is."""
         if self.plan:
             return
-        self.log.write("run_start", attempt=getattr(self.log, "attempt", 1),
+        self.log.write("run_start", attempt=getattr(self.log, "attempt", 1), pid=os.getpid(),
                        world=self.world, spares=self.gens.spares_target,
                        managed=self.managed, policy=self.policy.model_dump())
         self.memory.world = self.world
@@ -264,7 +267,16 @@ class Controller:
 
     def _do_Regroup(self, c: mc.Regroup) -> None:
         self.mail.abort(c.gen, list(self.plan.values()), regroup=True)
-        self.book.regrouped(time.time(), c.gen, len(self.plan), self.max_step)
+        self.book.regrouped(time.time(), c.gen, len(self.plan), self.max_step, c.drain)
+
+    def _do_DrainRefused(self, c: mc.DrainRefused) -> None:
+        self.log.write("drain_refused", asked=c.asked, why=c.why)
+        self.display.warning(f"cannot drain {c.asked}: {c.why}")
+
+    def drain(self, ranks: tuple[int, ...] = (), node: int | None = None, why: str = "asked") -> None:
+        """Move ranks (or a node's) to warm spares at the next step boundary (``nonstop drain``,
+        a preemption notice); refused, with a line, when it cannot be done now."""
+        self._step(mc.Drain(self._seen(), ranks, node, why))
 
     def _do_Publish(self, c: mc.Publish) -> None:
         self.gens.publish(c.gen, initial=c.initial, level=c.level,
@@ -559,6 +571,12 @@ class Controller:
     # == deadlines ==============================================================================
     def _check(self, now: float) -> None:
         self.table.kill_due(now)
+        for req in self.requests.poll(now):
+            if req.get("op") == "drain":
+                self.drain(tuple(int(r) for r in req.get("ranks") or ()), req.get("node"),
+                           str(req.get("why") or "asked"))
+            else:
+                self.log.write("request_refused", request=req)
         if self.phase is Phase.FINISHING:
             self._step(mc.Settled(self._seen(now), self.memory.settled(self.final_persist)))
             return

@@ -20,6 +20,7 @@ The phases of a generation::
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Any, Union
@@ -115,6 +116,16 @@ class Isolate:
 
 
 @dataclasses.dataclass(frozen=True)
+class Drain:
+    """Move ``ranks`` (or every rank of ``node``, which is then released) to warm spares at the
+    ranks' next step boundary: a planned migration, no fault."""
+    seen: Seen
+    ranks: tuple[int, ...] = ()
+    node: int | None = None
+    why: str = "asked"
+
+
+@dataclasses.dataclass(frozen=True)
 class Recovered:
     """Every rank stepped again: the open incident is closed (``progressed``: steps were seen)."""
     seen: Seen
@@ -141,7 +152,7 @@ class Over:
 
 
 Observation = Union[Tick, Start, Faulted, Entered, RetryAsked, Isolate, Recovered, Completed,
-                    Settled, Over]
+                    Settled, Over, Drain]
 
 # == what to carry out ==========================================================================
 
@@ -210,9 +221,17 @@ class CarryOut:
 
 @dataclasses.dataclass(frozen=True)
 class Regroup:
-    """Capacity came back: the ranks of ``gen`` leave it at their next step boundary (no fault),
-    so that a larger generation can form."""
+    """The ranks of ``gen`` leave it at their next step boundary (no fault): capacity came back
+    and a larger generation can form, or (``drain``) ranks move to spares."""
     gen: int
+    drain: str | None = None  # what is drained, and why
+
+
+@dataclasses.dataclass(frozen=True)
+class DrainRefused:
+    """A drain that cannot be done now: said, nothing changes."""
+    asked: str
+    why: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +284,7 @@ class Overdue:
 
 
 Command = Union[Raise, Ignore, Interrupt, Abort, Kill, Probe, Decide, CarryOut, Regroup, Publish,
-                Formed, RetryOpened, Retry, Fail, Finish, End, Overdue]
+                Formed, RetryOpened, Retry, Fail, Finish, End, Overdue, DrainRefused]
 
 # == the state ====================================================================================
 
@@ -289,6 +308,7 @@ class JobState:
     regroup: bool = False  # the ranks leave at a step boundary to grow the world (no fault)...
     forced: bool = False  # ...and, too slow to, were told to leave at once
     degraded_since: float | None = None  # trains with fewer ranks than it started with, since
+    migrate: tuple[tuple[int, ...], int | None, str] | None = None  # a drain under way: ranks, node, why
 
     @property
     def faulty_nodes(self) -> set[int]:
@@ -316,6 +336,8 @@ def step(s: JobState, ob: Observation, policy: Any) -> tuple[JobState, list[Comm
         return _entered(s, ob.seen)
     if isinstance(ob, RetryAsked):
         return _retry(s, ob.seen, policy)
+    if isinstance(ob, Drain):
+        return _drain(s, ob, policy)
     if isinstance(ob, Isolate):
         return _with(s, counters=s.counters.but(isolated=s.counters.isolated | {ob.node})), []
     if isinstance(ob, Recovered):
@@ -444,9 +466,11 @@ def _after_teardown(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, lis
     """Every survivor left: the dead ranks' memory is asked once, then the ladder decides."""
     dead = {r.rank for r in seen.ranks if r.dead}
     dead_nodes = tuple(sorted({r.node for r in seen.ranks if r.dead}))
-    if s.regroup and not s.round and not dead:  # every rank left at a step boundary: grow
+    if s.regroup and not s.round and not dead:  # every rank left at a step boundary
+        if s.migrate is not None:
+            return _migrate(_with(s, regroup=False, forced=False), seen, policy)
         return _grow(_with(s, regroup=False, forced=False), seen, policy)
-    s = _with(s, regroup=False, forced=False)
+    s = _with(s, regroup=False, forced=False, migrate=None)  # a fault came first: the ladder's
     if dead_nodes and not s.probed:
         return _with(s, probed=True), [Probe(dead_nodes)]
     now = seen.now
@@ -488,6 +512,55 @@ def _grow(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]
     gen = s.gen + 1
     s = _with(_publish(s, seen, policy, gen), level=None, level_deadline=None,
               degraded_since=s.degraded_since if world < seen.target else None)
+    return s, [Decide(decision, s.gen - 1), CarryOut(decision, placement, gen)]
+
+
+def _drain(s: JobState, ob: Drain, policy: Any) -> tuple[JobState, list[Command]]:
+    """A drain asked for: the ranks leave at their next step boundary if warm spares are ready
+    to take their places (the same node's for ranks, a spare node's for a node)."""
+    seen = ob.seen
+    asked = f"node {ob.node}" if ob.node is not None else \
+        "rank " + ", ".join(map(str, ob.ranks))
+    refuse = lambda why: (s, [DrainRefused(asked, why)])  # noqa: E731
+    if not seen.managed:
+        return refuse("the script does not use nonstop.wrap: its ranks cannot stop at a step boundary")
+    if s.phase is not Phase.RUNNING or s.incident or s.regroup or s.retry_deadline is not None:
+        return refuse(f"the job is busy ({s.phase.value}{', an incident is open' if s.incident else ''})")
+    if ob.node is not None:
+        ranks = tuple(sorted(r for r, n in seen.node_of.items() if n == ob.node))
+        if not ranks:
+            return refuse(f"node {ob.node} holds no rank")
+        free = spare_nodes(seen.node_of, seen.total_nodes, set(s.counters.isolated) | {ob.node})
+        if not any(seen.ready_spares.get(n, 0) >= len(ranks) for n in free):
+            return refuse(f"no spare node has {len(ranks)} warm spare(s) ready")
+    else:
+        ranks = tuple(sorted(set(ob.ranks)))
+        unknown = [r for r in ranks if r not in seen.node_of]
+        if unknown or not ranks:
+            return refuse(f"no rank {unknown[0] if unknown else ''} in a world of {len(seen.ranks)}")
+        need = collections.Counter(seen.node_of[r] for r in ranks)
+        short = [n for n, k in sorted(need.items()) if seen.ready_spares.get(n, 0) < k]
+        if short:
+            return refuse(f"node {short[0]} has {seen.ready_spares.get(short[0], 0)} warm spare(s) "
+                          f"ready, {need[short[0]]} needed")
+    deadline = seen.now + policy.timeouts.teardown_s + 3 * seen.slowest_step_s
+    return (_with(s, phase=Phase.TEARING_DOWN, deadline=deadline, t_abort=seen.now, probed=False,
+                  regroup=True, forced=False, migrate=(ranks, ob.node, ob.why)),
+            [Regroup(s.gen, drain=f"{asked}: {ob.why}")])
+
+
+def _migrate(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]]:
+    """The ranks left at a step boundary for a drain: the drained ones move to warm spares."""
+    ranks, node, why = s.migrate  # type: ignore[misc]
+    isolate = frozenset({node}) if node is not None else frozenset()
+    level = Level.REPLACE_NODE if node is not None else Level.REPLACE_RANK
+    decision = Decision(level, replace=frozenset(ranks), isolate=isolate,
+                        reason=f"drain {'node ' + str(node) if node is not None else 'rank(s)'}: {why}")
+    counters = s.counters.but(isolated=s.counters.isolated | isolate)
+    placement = place(decision, seen, counters.isolated)
+    gen = s.gen + 1
+    s = _with(_publish(s, seen, policy, gen), level=None, level_deadline=None, migrate=None,
+              counters=counters)
     return s, [Decide(decision, s.gen - 1), CarryOut(decision, placement, gen)]
 
 

@@ -1,0 +1,57 @@
+"""Requests to a running job from outside it (``nonstop drain``): files dropped into the run
+directory's ``control/`` folder, taken by the controller between its ticks.
+
+A request is one JSON object, written to a temporary name and renamed into place (so it is read
+whole); taken, it is renamed to ``*.taken``. What came of it is in the event log (``regroup``
+with ``drain``, then ``drain_done``; or ``drain_refused``), which the command follows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+POLL_S = 0.2  # how often the folder is looked at
+FOLDER = "control"
+
+
+class Requests:
+    def __init__(self, run_dir: Any):
+        self.folder = Path(run_dir) / FOLDER if run_dir is not None else None
+        self._next = 0.0
+
+    def poll(self, now: float) -> list[dict[str, Any]]:
+        """The requests that arrived since the last look (malformed ones are dropped, said)."""
+        if self.folder is None or now < self._next:
+            return []
+        self._next = now + POLL_S
+        try:
+            names = sorted(n for n in os.listdir(self.folder) if n.endswith(".json"))
+        except OSError:
+            return []
+        out = []
+        for name in names:
+            path = self.folder / name
+            try:
+                req = json.loads(path.read_text())
+                os.replace(path, path.with_suffix(".taken"))
+            except (OSError, ValueError) as exc:
+                out.append({"op": "invalid", "why": f"{name}: {exc}"})
+                continue
+            out.append(req if isinstance(req, dict) else {"op": "invalid", "why": f"{name}: not an object"})
+        return out
+
+
+def send(run_dir: Path, req: dict[str, Any]) -> Path:
+    """Drop a request into a running job's folder; returns where."""
+    folder = run_dir / FOLDER
+    folder.mkdir(exist_ok=True)
+    name = f"{req['op']}-{time.time_ns()}-{os.getpid()}"
+    tmp = folder / f".{name}.tmp"
+    tmp.write_text(json.dumps(req))
+    final = folder / f"{name}.json"
+    os.replace(tmp, final)
+    return final

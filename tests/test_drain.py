@@ -1,0 +1,82 @@
+"""Planned migration with real processes (``nonstop drain``): the ranks asked for move to warm
+spares at their next step boundary - no fault, no incident, no step lost, the fault-free
+weights - a node drained is released; what cannot be done now is refused with one line."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from conftest import TRAIN, bitwise_equal, finish, nonstop_cmd, start, wait_for_event
+
+pytestmark = pytest.mark.integration
+
+STEPS = ("--steps", "200", "--sleep-ms", "20")
+
+
+def drain(run_dir, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(nonstop_cmd("drain", str(run_dir), *flags), capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_a_rank_drained_moves_to_the_warm_spare_with_nothing_lost(tmp_path, reference):
+    run_dir, out = tmp_path / "run", tmp_path / "final.pt"
+    t0 = time.time()
+    proc = start(run_dir, "--nproc=3", "--spares=1", str(TRAIN), *STEPS, "--save", str(out))
+    try:
+        wait_for_event(run_dir, lambda e: e["type"] == "rank_first_step", timeout=90)
+        refused = drain(run_dir, "--rank", "7")
+        assert refused.returncode == 1 and refused.stderr.strip() == \
+            "nonstop: cannot drain rank 7: no rank 7 in a world of 3", refused.stderr
+        done = drain(run_dir, "--rank", "1", "--why", "its GPU reports ECC errors")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.stdout.startswith("nonstop: drained rank 1 (generation 1): training paused")
+    finally:
+        run = finish(proc, run_dir, t0)
+    assert run.code == 0, run.stderr[-3000:]
+    (d,) = run.of("decision")
+    assert d["level"] == "rank replacement" and d["replace"] == [1] and "ECC" in d["reason"]
+    assert not run.of("fault") and not run.of("incident")  # planned: no fault, no incident
+    (moved,) = run.of("replace")
+    assert moved["rank"] == 1 and moved["warm"]
+    (done_ev,) = run.of("drain_done")
+    assert done_ev["pause_s"] < 5
+    assert run.summary["steps_lost"] == 0
+    assert bitwise_equal(out, reference(3, *STEPS))
+
+
+def test_a_node_drained_moves_to_the_spare_node_and_is_released(tmp_path, reference):
+    run_dir, out = tmp_path / "run", tmp_path / "final.pt"
+    t0 = time.time()
+    proc = start(run_dir, "--nproc=4", "--nodes=2", "--spare-nodes=1", str(TRAIN), *STEPS,
+                 "--save", str(out))
+    try:
+        wait_for_event(run_dir, lambda e: e["type"] == "rank_first_step", timeout=90)
+        wait_for_event(run_dir, lambda e: e["type"] == "rank_ready" and e.get("wid") is not None,
+                       timeout=60)
+        done = drain(run_dir, "--node", "1", "--why", "preempted")
+        assert done.returncode == 0, done.stdout + done.stderr
+    finally:
+        run = finish(proc, run_dir, t0)
+    assert run.code == 0, run.stderr[-3000:]
+    (d,) = run.of("decision")
+    assert d["level"] == "node replacement" and d["isolate"] == [1] and sorted(d["replace"]) == [2, 3]
+    assert {e["rank"]: e["node"] for e in run.of("replace")} == {2: 2, 3: 2}
+    assert [e["node"] for e in run.of("isolate")] == [1]
+    assert not run.of("fault") and run.summary["steps_lost"] == 0
+    assert bitwise_equal(out, reference(4, *STEPS))
+
+
+def test_bad_drains_are_one_line_and_exit_2(tmp_path):
+    for flags, says in ((("--rank", "1", "--node", "0"), "not allowed with argument"),
+                        ((), "one of the arguments --rank --node is required"),
+                        (("--rank", "-1"), "must be 0 or more")):
+        bad = drain(tmp_path, *flags)
+        assert bad.returncode == 2 and says in bad.stderr and len(bad.stderr.splitlines()) == 1
+    missing = drain(tmp_path / "nope", "--rank", "0")
+    assert missing.returncode == 2 and "not a run directory" in missing.stderr
+    (tmp_path / "events.jsonl").write_text('{"type": "run_start", "pid": 1}\n{"type": "run_end"}\n')
+    ended = drain(tmp_path, "--rank", "0")
+    assert ended.returncode == 2 and "has ended" in ended.stderr
