@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import TRAIN, bitwise_equal, finish, nonstop_cmd, start, wait_for_event
+from conftest import TRAIN, bitwise_equal, finish, nonstop_cmd, policy_file, start, wait_for_event
 
 pytestmark = pytest.mark.integration
 
@@ -47,25 +47,29 @@ def test_a_rank_drained_moves_to_the_warm_spare_with_nothing_lost(tmp_path, refe
     assert bitwise_equal(out, reference(3, *STEPS))
 
 
-def test_a_node_drained_moves_to_the_spare_node_and_is_released(tmp_path, reference):
+def test_a_node_whose_health_check_fails_is_drained_to_the_spare_node_and_released(
+        tmp_path, reference):
+    """The policy's drain: a failing check (a warning sign, not a failure) moves the node's ranks
+    to the spare node at a step boundary - no fault - and the node is released."""
+    flag = tmp_path / "unhealthy"
+    pol = policy_file(tmp_path, f"detect:\n  health_checks:\n    - name: ecc\n      command: "
+                                f"'test ! -e {flag}-$NONSTOP_NODE'\n      every_s: 0.2\n"
+                                "      action: drain\n")
     run_dir, out = tmp_path / "run", tmp_path / "final.pt"
     t0 = time.time()
-    proc = start(run_dir, "--nproc=4", "--nodes=2", "--spare-nodes=1", str(TRAIN), *STEPS,
-                 "--save", str(out))
-    try:
-        wait_for_event(run_dir, lambda e: e["type"] == "rank_first_step", timeout=90)
-        wait_for_event(run_dir, lambda e: e["type"] == "rank_ready" and e.get("wid") is not None,
-                       timeout=60)
-        done = drain(run_dir, "--node", "1", "--why", "preempted")
-        assert done.returncode == 0, done.stdout + done.stderr
-    finally:
-        run = finish(proc, run_dir, t0)
+    proc = start(run_dir, "--nproc=4", "--nodes=2", "--spare-nodes=1", "--policy", pol,
+                 str(TRAIN), *STEPS, "--save", str(out))
+    wait_for_event(run_dir, lambda e: e["type"] == "rank_first_step", timeout=90)
+    flag.with_name(flag.name + "-1").write_text("")
+    run = finish(proc, run_dir, t0)
     assert run.code == 0, run.stderr[-3000:]
     (d,) = run.of("decision")
     assert d["level"] == "node replacement" and d["isolate"] == [1] and sorted(d["replace"]) == [2, 3]
+    assert "health check 'ecc' failed" in d["reason"]
     assert {e["rank"]: e["node"] for e in run.of("replace")} == {2: 2, 3: 2}
     assert [e["node"] for e in run.of("isolate")] == [1]
     assert not run.of("fault") and run.summary["steps_lost"] == 0
+    assert run.of("drain_done")
     assert bitwise_equal(out, reference(4, *STEPS))
 
 

@@ -115,7 +115,7 @@ def test_an_empty_file_is_the_defaults(text):
     ("rules:\n  hang_restarts: many\n",
      "line 2: rules.hang_restarts: Input should be a valid integer, unable to parse string as an integer (got 'many')"),
     ("detect:\n  straggler:\n    action: replce\n",
-     "line 3: detect.straggler.action: Input should be 'report' or 'replace' (got 'replce'; did you mean 'replace'?)"),
+     "line 3: detect.straggler.action: Input should be 'report', 'replace' or 'drain' (got 'replce'; did you mean 'replace'?)"),
     ("detect:\n  hang:\n    timeout_s: .inf\n", "line 3: detect.hang.timeout_s: Input should be a finite number (got .inf)"),
     ("detect:\n  hang:\n    window: 0x" + "f" * 40 + "\n", "line 3: integer too large (0x" + "f" * 40 + ")"),
     ("detect: 5\n", "line 1: detect: Input should be a mapping of fields (got 5)"),

@@ -170,6 +170,11 @@ class Controller:
                 for wid, why in c.culprits.items():
                     self.table.kill(self.workers[wid], f"hung: {why}")
                 self._fault(c.fault, t_fault=c.t_fault)
+            elif c.action == "drain":  # a straggler, a failed health check: moved, no fault
+                if c.fault.rank is not None:
+                    self.drain((c.fault.rank,), why=f"{c.fault.kind}: {c.fault.message}")
+                else:
+                    self.drain(node=c.fault.node, why=c.fault.message)
             elif c.action == "replace":  # a straggler
                 self.table.kill(self.workers[self.plan[c.fault.rank]], "straggler", dump=True)
                 self._fault(c.fault)

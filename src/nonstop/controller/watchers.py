@@ -80,8 +80,13 @@ class Watchers:
                 out.append(Command("isolate", node=r.node))
                 continue
             code = "NVML_ECC" if r.check == "nvml" else f"HEALTH_{r.check}"
-            out.append(Command("fault", Fault("node_unhealthy", node=r.node, tag=code, message=message)))
+            fault = Fault("node_unhealthy", node=r.node, tag=code, message=message)
+            out.append(Command("drain" if self._drains(r.check) else "fault", fault))
         return out
+
+    def _drains(self, check: str) -> bool:
+        """Whether the policy moves a node off when this check fails (rather than a fault)."""
+        return any(c.name == check and c.action == "drain" for c in self.policy.detect.health_checks)
 
     def steps(self, ranks: list[Any], gen: int, t_running: float, now: float) -> list[Command]:
         """A hang, else the stragglers, among the ranks of generation ``gen`` (while it trains).
@@ -100,8 +105,8 @@ class Watchers:
         action = self.policy.detect.straggler.action
         self.log.write("straggler", rank=fault.rank, message=fault.message, action=action)
         self.display.info(f"straggler: rank {fault.rank}: {fault.message}"
-                          + (" - replacing it" if action == "replace" else ""))
-        return [Command("replace", fault)] if action == "replace" else []
+                          + {"replace": " - replacing it", "drain": " - draining it"}.get(action, ""))
+        return [Command(action, fault)] if action in ("replace", "drain") else []
 
     def line(self, rank: int | None, text: str, now: float, forming_or_running: bool) -> list[Command]:
         """A line a process printed (``rank`` None: not a rank's)."""

@@ -79,7 +79,7 @@ class Straggler(_Strict):
     enabled: bool = True
     factor: float = Field(2.0, gt=1)  # compute time above factor x the median of the others
     window: int = Field(20, ge=3, le=100_000)  # steps it must persist over
-    action: Literal["report", "replace"] = "report"
+    action: Literal["report", "replace", "drain"] = "report"  # drain: to a warm spare, no fault
 
 
 class LogRule(_Strict):
@@ -108,6 +108,9 @@ class HealthCheck(_Strict):
     command: str = Field(min_length=1)  # run by the shell on each node; non-zero = unhealthy
     every_s: float = Field(30.0, gt=0)
     timeout_s: float = Field(10.0, gt=0)
+    # fault: the node's ranks are replaced (a fault); drain: moved to a spare node at a step
+    # boundary (no fault) when one is ready, else it is said and the ranks stay
+    action: Literal["fault", "drain"] = "fault"
 
 
 class Detect(_Strict):
