@@ -16,10 +16,10 @@ ARGS = ("--steps", "40", "--sleep-ms", "10")
 
 
 def test_a_level_that_misses_its_deadline_hands_over_to_the_next(tmp_path, reference):
-    # no spare: the new process needs seconds to start, longer than the level's deadline
+    # the new process hangs once it has its assignment: rank replacement misses its deadline
     pol = policy_file(tmp_path, "recover:\n  levels:\n    rank_replacement: {deadline_s: 0.5}\n")
-    run, out = train(tmp_path, "--spares=0", "--policy", pol, "--inject=crash:rank=1,step=15",
-                     args=ARGS)
+    run, out = train(tmp_path, "--spares=0", "--policy", pol,
+                     "--inject=crash:rank=1,step=15;hang:rank=1,at=assigned,gen=1", args=ARGS)
     levels = [d["level"] for d in run.of("decision")]
     assert levels == ["rank replacement", "job restart"], levels
     assert [f["kind"] for f in run.of("fault") if f["kind"] != "peer"][-1] == "deadline"
