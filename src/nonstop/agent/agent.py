@@ -131,7 +131,8 @@ class Agent:
         env[protocol.ENV_LAUNCHER_PID] = str(zygote.pid)  # its parent: it dies with the zygote
         r, w = os.pipe2(os.O_CLOEXEC)
         try:
-            pid = zygote.spawn([bootstrap.__file__, self.script, *self.script_args], env, w)
+            pid = zygote.spawn([bootstrap.__file__, self.script, *self.script_args], env, w,
+                               name=f"nonstop-w{wid}")
         except OSError:
             os.close(r)
             raise

@@ -93,8 +93,13 @@ def _child(msg: dict[str, Any], out: int | None, sock: socket.socket,
            ours: tuple[int, int]) -> None:
     try:
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
-            signal.signal(sig, signal.SIG_DFL)
+        # as a fresh interpreter has them: SIGPIPE ignored (a write to a closed socket is an
+        # error, not death), SIGINT a KeyboardInterrupt, the rest the system's
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _name(msg.get("name"))
         os.setsid()
         sock.close()
         for fd in ours:
@@ -126,6 +131,18 @@ def _child(msg: dict[str, Any], out: int | None, sock: socket.socket,
         os._exit(1)
     _flush()
     os._exit(0)
+
+
+def _name(name: str | None) -> None:
+    """The child's name in ``ps``/``top`` (its command line stays the zygote's)."""
+    if not name:
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 def _reseed() -> None:
@@ -216,7 +233,7 @@ class Zygote:
                 break
         return self.pid is not None and self.broken is None
 
-    def spawn(self, argv: list[str], env: dict[str, str], out_fd: int,
+    def spawn(self, argv: list[str], env: dict[str, str], out_fd: int, name: str = "",
               timeout_s: float = 10.0) -> int:
         """Fork a child running ``argv`` (a bootstrap command line) with ``env``, its stdout and
         stderr on ``out_fd``. Returns its pid; OSError when the zygote cannot."""
@@ -225,7 +242,8 @@ class Zygote:
         self._ids += 1
         rid = self._ids
         try:
-            _send(self.sock, {"id": rid, "argv": argv, "env": env, "cwd": os.getcwd()}, [out_fd])
+            _send(self.sock, {"id": rid, "argv": argv, "env": env, "cwd": os.getcwd(),
+                              "name": name}, [out_fd])
         except OSError as exc:
             self.broken = f"{type(exc).__name__}: {exc}"
             raise
