@@ -281,9 +281,7 @@ class Agent:
             return
         try:
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
+        except (ProcessLookupError, PermissionError):  # not (yet) leading a group: itself
             proc.popen.send_signal(sig)
 
     def stopped(self, wid: int) -> bool:

@@ -31,6 +31,7 @@ from typing import Any
 MAX_MSG = 1 << 20  # a request: an environment and a command line
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
            "nonstop.runtime.bootstrap", "nonstop.runtime.worker", "nonstop.runtime.wrap")
+SESSION_S = 5.0  # a fork is answered once its child has its own session (at most this long)
 READY_S = 120.0  # the agent waits this long for the zygote's imports before it starts ranks itself
 
 
@@ -76,21 +77,27 @@ def main() -> None:
 def _fork(sock: socket.socket, msg: dict[str, Any], fds: list[int],
           ours: tuple[int, int]) -> None:
     out = fds[0] if fds else None
+    began_r, began_w = os.pipe()
     try:
         pid = os.fork()
     except OSError as exc:
         _send(sock, {"id": msg["id"], "error": f"fork: {exc}"})
         pid = -1
     if pid == 0:
-        _child(msg, out, sock, ours)  # never returns
+        os.close(began_r)
+        _child(msg, out, sock, ours, began_w)  # never returns
+    os.close(began_w)
     for fd in fds:
         os.close(fd)
     if pid > 0:
+        # answered once the child leads a session of its own: the agent signals its group
+        select.select([began_r], [], [], SESSION_S)
         _send(sock, {"id": msg["id"], "pid": pid})
+    os.close(began_r)
 
 
 def _child(msg: dict[str, Any], out: int | None, sock: socket.socket,
-           ours: tuple[int, int]) -> None:
+           ours: tuple[int, int], began: int) -> None:
     try:
         signal.set_wakeup_fd(-1)
         # as a fresh interpreter has them: SIGPIPE ignored (a write to a closed socket is an
@@ -101,6 +108,8 @@ def _child(msg: dict[str, Any], out: int | None, sock: socket.socket,
         signal.signal(signal.SIGINT, signal.default_int_handler)
         _name(msg.get("name"))
         os.setsid()
+        os.write(began, b"s")
+        os.close(began)
         sock.close()
         for fd in ours:
             os.close(fd)
