@@ -34,6 +34,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _chaos_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--faults", type=int, default=10, help="chaos: faults in the schedule (default 10)")
+    p.add_argument("--seed", type=int, default=1, help="chaos: the schedule's seed (default 1)")
+    p.add_argument("--spares", dest="spares_chaos", type=_non_negative, default=2, metavar="K",
+                   help="chaos: warm spares (default 2)")
+
+
 def _non_negative(text: str) -> int:
     try:
         value = int(text)
@@ -111,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--run-dir", metavar="DIR")
 
     bench = sub.add_parser("bench", help="measure recovery against peers")
-    bench.add_argument("scenario", choices=["crash", "hang", "state", "second", "hosts", "elastic"])
+    bench.add_argument("scenario",
+                       choices=["crash", "hang", "state", "second", "hosts", "elastic", "chaos"])
     bench.add_argument("--ranks", type=int, help="rank processes (default 4; state: 2)")
     bench.add_argument("--repeat", type=int,
                        help="runs of each system (default 5; hosts, elastic: 3)")
@@ -151,8 +159,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--grow-after", type=float, default=1.0, metavar="S",
                        help="elastic: seconds the job runs degraded before it grows back "
                             "(scale_in.grow_after_s; default 1)")
+    _chaos_args(bench)
     bench.add_argument("--json", action="store_true", help="print the result as JSON, last on stdout")
     bench.add_argument("--out", metavar="DIR", help="keep the runs here (default: a temporary dir)")
+
+    chaos = sub.add_parser("chaos", help="a seeded fault schedule thrown at one job",
+                           description="Run a job under a seeded schedule of faults of every kind "
+                                       "(one host) and check that it completes with the fault-free "
+                                       "weights, every incident closed, nothing left running.")
+    chaos.add_argument("--ranks", type=int, help="rank processes (default 3)")
+    chaos.add_argument("--steps", type=int, help="steps of the job (default: enough for the faults)")
+    _chaos_args(chaos)
+    chaos.add_argument("--json", action="store_true", help="print the result as JSON, last on stdout")
+    chaos.add_argument("--out", metavar="DIR", help="keep the runs here (default: a temporary dir)")
 
     drain = sub.add_parser("drain", help="move ranks of a running job to warm spares, no fault",
                            description="Ask the job running in RUN_DIR to move ranks (or every "
@@ -198,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import run_demo
 
             return run_demo(steps=args.steps, run_dir=args.run_dir)
+        if args.command == "chaos" or (args.command == "bench" and args.scenario == "chaos"):
+            from .bench import chaos
+
+            return chaos.main(args)
         if args.command == "bench":
             from .bench import crash, elastic, hang, hosts, second, state
 

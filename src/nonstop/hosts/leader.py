@@ -151,6 +151,14 @@ class Leader:
             hosts = self._reachable(hosts, channels, deadline)
             if hosts is None:
                 return 2
+            limit = cfg.nnodes_max + cfg.spare_nodes  # hosts that registered at once, beyond it
+            for rec in hosts[limit:]:  # (before any could see the job full) are turned away
+                self._joining.add((rec.host_id, rec.incarnation))
+                _, ch = channels.pop(rec.host_id, (None, None))
+                if ch is not None:
+                    ch.close()
+                threading.Thread(target=self._turn_away, args=(rec,), daemon=True).start()
+            hosts = hosts[:limit]
             placed = dict(enumerate(hosts))
             lost: set[int] = set()
         else:

@@ -1,0 +1,181 @@
+"""``nonstop chaos`` / ``nonstop bench chaos``: a seeded schedule of faults of every kind nonstop
+injects on one host, thrown at one job. The job must complete with the fault-free run's weights,
+bit for bit (its world size never changes here), every incident closed, and nothing of it left
+running once it ends. The same seed gives the same schedule.
+
+Kinds (one host): a rank crashed; two ranks at once; a rank crashed after its optimizer step
+(dirty); a rank crashed half-way through writing its snapshot (torn); a rank crashed in the
+restore of a recovery, or while leaving a failed generation; a rank exiting with an error code;
+an exception in the training code; a hang; a frozen rank (SIGSTOP); NaN gradients; a bit flipped
+in a parameter (silent corruption); a bit flipped in a snapshot. Faults keyed to steps fire once:
+a step redone after a rollback does not fire its fault again. Faults inside a recovery fire in
+the first recovery that reaches their point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from . import common
+
+TIMEOUT_S = 900.0
+GAP = 5  # steps between two scheduled faults at least: each incident settles before the next
+FIRST = 15  # no fault before: the hang timeout is tuned from the steps seen by then
+
+#: kind -> spec template ({r}, {r2}: distinct ranks; {s}: the step)
+KINDS: dict[str, str] = {
+    "crash": "crash:rank={r},step={s}",
+    "crash_two": "crash:rank={r},step={s};crash:rank={r2},step={s}",
+    "crash_dirty": "crash:rank={r},step={s},at=optimizer",
+    "crash_torn_snapshot": "crash:rank={r},step={s},at=snapshot",
+    "crash_in_restore": "crash:rank={r},at=restore",
+    "crash_in_teardown": "crash:rank={r},at=teardown",
+    "exit": "exit:rank={r},step={s},code=3",
+    "exception": "exception:rank={r},step={s}",
+    "hang": "hang:rank={r},step={s}",
+    "stop": "stop:rank={r},step={s}",
+    "nan": "nan:rank={r},step={s}",
+    "bitflip": "bitflip:rank={r},step={s}",
+    "corrupt_snapshot": "corrupt:rank={r},step={s}",
+}
+ONCE = ("crash_in_restore", "crash_in_teardown")  # keyed to the first recovery: one each at most
+
+
+def needed(faults: int) -> int:
+    """The fewest steps a schedule of ``faults`` fits in."""
+    return FIRST + faults * GAP + GAP
+
+
+def schedule(seed: int, faults: int, ranks: int, steps: int) -> list[dict[str, Any]]:
+    """``faults`` faults (kind, step, spec) drawn with ``seed``: every kind in turn before any
+    repeats, at distinct steps ``GAP`` apart."""
+    rng = random.Random(seed)
+    slots = list(range(FIRST, steps - GAP, GAP))
+    if faults > len(slots):
+        raise ValueError(f"{faults} faults need {needed(faults)} steps at least")
+    steps_at = sorted(rng.sample(slots, faults))
+    kinds: list[str] = []
+    while len(kinds) < faults:
+        batch = [k for k in KINDS if k not in ONCE or k not in kinds]
+        rng.shuffle(batch)
+        kinds += batch
+    out = []
+    for kind, step in zip(kinds[:faults], steps_at):
+        r = rng.randrange(ranks)
+        r2 = (r + 1 + rng.randrange(ranks - 1)) % ranks
+        out.append({"kind": kind, "step": step, "spec": KINDS[kind].format(r=r, r2=r2, s=step)})
+    return out
+
+
+def _job(out: Path, steps: int, ranks: int, spares: int, marker: str,
+         inject: str | None) -> int:
+    common.fresh(out)
+    flags = [f"--nproc={ranks}", f"--run-dir={out / 'run'}", f"--spares={spares}"]
+    if inject:
+        flags.append(f"--inject={inject}")
+    cmd = common.nonstop_cmd(*flags, str(common.JOB), "--mode", "nonstop", "--steps", str(steps),
+                             "--out", str(out), "--sleep-ms", "10", "--hidden", "64")
+    return common.run_child(cmd, out / "output.log", TIMEOUT_S,
+                            env=dict(os.environ, NONSTOP_CHAOS_RUN=marker))
+
+
+def orphans(marker: str) -> list[int]:
+    """Processes of the job still alive (they carry the run's marker in their environment)."""
+    found = []
+    needle = f"NONSTOP_CHAOS_RUN={marker}".encode()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if needle in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def soak(seed: int, faults: int, ranks: int, spares: int, steps: int, base: Path,
+         say: Any) -> dict[str, Any]:
+    plan = schedule(seed, faults, ranks, steps)
+    marker = uuid.uuid4().hex
+    say(f"chaos: seed {seed}, {faults} faults over {steps} steps, {ranks} ranks + {spares} "
+        f"spare(s); runs in {base}")
+    for f in plan:
+        say(f"  step {f['step']:4d}  {f['kind']:20s} {f['spec']}")
+    ref_code = _job(base / "reference", steps, ranks, spares, marker, None)
+    t0 = time.time()
+    code = _job(base / "chaos", steps, ranks, spares, marker, ";".join(f["spec"] for f in plan))
+    wall = time.time() - t0
+    left = []
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        left = orphans(marker)
+        if not left:
+            break
+        time.sleep(0.2)
+    run = base / "chaos" / "run"
+    evs = list(common.events(run))
+    fired = [e["fault"] for e in evs if e.get("type") == "rank_inject"]
+    incidents = [e for e in evs if e.get("type") == "incident"]
+    by_kind: dict[str, dict[str, Any]] = {}
+    for f in plan:
+        specs = f["spec"].split(";")
+        entry = by_kind.setdefault(f["kind"], {"scheduled": 0, "fired": 0})
+        entry["scheduled"] += 1
+        entry["fired"] += sum(1 for s in specs if s in fired) // len(specs)
+    levels: dict[str, int] = {}
+    for inc in incidents:
+        for lvl in inc.get("levels") or []:
+            levels[lvl] = levels.get(lvl, 0) + 1
+    summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() \
+        else {}
+    match = code == 0 and ref_code == 0 and common.params_equal(
+        base / "reference" / "final.pt", base / "chaos" / "final.pt")
+    return {
+        "scenario": "chaos", "seed": seed, "faults": faults, "completed": code == 0,
+        "params_match_reference": match,
+        "incidents_closed": sum(1 for i in incidents if i.get("outcome") == "recovered"),
+        "incidents": len(incidents), "orphans": len(left), "by_kind": by_kind,
+        "levels": levels, "steps_lost": summary.get("steps_lost"),
+        "mttr_s": summary.get("mttr_s"), "sdc": summary.get("sdc"), "wall_s": round(wall, 2),
+        "reference_exit_code": ref_code, "exit_code": code, "ranks": ranks, "spares": spares,
+        "steps": steps, "date": common.now_stamp(), "schedule": plan,
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    import shutil
+    import sys
+    import tempfile
+
+    from ..errors import UsageError
+
+    faults, ranks = args.faults, args.ranks or 3
+    if faults < 1 or ranks < 2:
+        raise UsageError("--faults must be at least 1 and --ranks at least 2")
+    steps = args.steps or needed(faults) + 5
+    if needed(faults) > steps:
+        raise UsageError(f"{faults} faults need --steps {needed(faults)} at least")
+    base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="nonstop-chaos-"))
+    base.mkdir(parents=True, exist_ok=True)
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
+    result = soak(args.seed, faults, ranks, args.spares_chaos, steps, base, say)
+    ok = result["completed"] and result["params_match_reference"] and not result["orphans"]
+    say(f"chaos: completed {result['completed']}, weights match {result['params_match_reference']}, "
+        f"incidents {result['incidents_closed']}/{result['incidents']} closed, orphans "
+        f"{result['orphans']}, levels {result['levels']}, wall {result['wall_s']} s")
+    if ok and not args.out:
+        shutil.rmtree(base, ignore_errors=True)
+    elif not ok:
+        say(f"chaos: the runs are kept in {base}")
+    common.emit(result, args.json)
+    return 0 if ok else 1
