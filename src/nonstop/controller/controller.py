@@ -476,6 +476,10 @@ class Controller:
         elif kind == "entered":
             if ev.get("sharded") is not None:
                 self.memory.sharded = bool(ev["sharded"])
+            odd = [s["rank"] for s in ev.get("skipped") or () if "(sdc)" in str(s.get("why"))]
+            if odd and self.sdc.mismatch(gen, ev.get("step") or 0, odd):  # found at the restore
+                self.display.warning(f"rank(s) {odd}: live parameters differed from their "
+                                     f"replicas' at step {ev.get('step')}: restored from a peer")
             self._last_entered = ev
             self._step(mc.Entered(self._seen()))
         elif kind == "first_step":

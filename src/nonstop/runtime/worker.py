@@ -189,7 +189,8 @@ class WorkerRuntime:
         root = snaps.root if snaps is not None else None
         where = Where(memory=self.node_memory if snaps is not None else None,
                       checkpoint_root=root, sharded=state.sharded, world=world,
-                      not_after=not_after)
+                      not_after=not_after,
+                      compare=snaps is not None and snaps.digests is not None)
         schedule = snaps.schedule() if snaps is not None else None
         old_world = reshard_from if state.sharded else 0
         if state.sharded and initial and not old_world:  # a new job: its checkpoint's size

@@ -52,6 +52,7 @@ class Where:
     sharded: bool = False
     world: int = 0  # sharded: a copy taken at another world size is no copy of this rank's shard
     not_after: int | None = None  # no state newer than this step is offered (silent corruption)
+    compare: bool = False  # live states of one step are compared (digests) before one is copied
 
 
 def _offer(state: Any, rank: int, has_state: bool, where: Where) -> tuple[Offer, dict[str, Any]]:
@@ -91,6 +92,23 @@ def _offer(state: Any, rank: int, has_state: bool, where: Where) -> tuple[Offer,
     return Offer(live, memory, replicas, tuple(disk)), problems
 
 
+def _agreeing(offers: list[Offer], digests: list[int | None]) -> tuple[list[Offer], list[int]]:
+    """The offers with the live states that disagree with the others of their step withdrawn,
+    and the ranks withdrawn."""
+    from .digest import odd_ones
+
+    by_step: dict[int, list[int]] = {}
+    for r, (o, d) in enumerate(zip(offers, digests)):
+        if o.live is not None and d is not None:
+            by_step.setdefault(o.live, []).append(r)
+    odd: list[int] = []
+    for ranks in by_step.values():
+        if len(ranks) > 1:
+            odd += [ranks[i] for i in odd_ones([digests[r] for r in ranks])]
+    out = [dataclasses.replace(o, live=None) if r in odd else o for r, o in enumerate(offers)]
+    return out, sorted(odd)
+
+
 def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
             schedule: dict[str, Any] | None = None,
             agreed: Callable[[], None] | None = None) -> RestoreResult:
@@ -102,12 +120,23 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
     t0 = time.monotonic()
     offer, problems = _offer(state, rank, has_state, where)
     t_offer = time.monotonic()
-    gathered = _all_gather_json({"offer": offer.to_wire(), "schedule": schedule or {}}, world)
+    mine_digest = None
+    if where.compare and offer.live is not None and hasattr(state, "modules"):
+        from .digest import digest
+
+        mine_digest = digest(state.modules())
+    gathered = _all_gather_json({"offer": offer.to_wire(), "schedule": schedule or {},
+                                 "digest": mine_digest}, world)
     offers = [Offer.from_wire(g["offer"]) for g in gathered]
+    # a live state that differs from its replicas' at the same step (silent corruption since the
+    # last check) must not be copied to anyone: it is not offered, and its rank is restored too
+    offers, odd = _agreeing(offers, [g.get("digest") for g in gathered])
     t_gathered = time.monotonic()
     if agreed is not None:
         agreed()
-    skipped: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = [
+        {"rank": r, "source": "live", "why": "its parameters differ from its replicas' (sdc)"}
+        for r in odd]
     for attempt in range(MAX_ATTEMPTS):
         p = planning.plan(offers, where.sharded)
         nbytes, failure = _execute(p, offers, state, rank, where)
