@@ -10,6 +10,11 @@ an exception in the training code; a hang; a frozen rank (SIGSTOP); NaN gradient
 in a parameter (silent corruption); a bit flipped in a snapshot. Faults keyed to steps fire once:
 a step redone after a rollback does not fire its fault again. Faults inside a recovery fire in
 the first recovery that reaches their point.
+
+A rank whose parameters were flipped is not killed by the next two faults of the schedule (ten
+steps at least): a rank that dies between a flip and the comparison that would find it takes the
+evidence with it, while its gradients have already moved every replica off the fault-free run -
+no comparison of replicas can see that (docs/design.md, "Silent data corruption").
 """
 
 from __future__ import annotations
@@ -78,10 +83,17 @@ def schedule(seed: int, faults: int, ranks: int, steps: int) -> list[dict[str, A
         rng.shuffle(batch)
         kinds += batch
     out = []
+    spared: list[int] = []  # a rank flipped lately: not killed before its flip is checked
     for kind, step in zip(kinds[:faults], steps_at):
-        r = rng.randrange(ranks)
-        r2 = (r + 1 + rng.randrange(ranks - 1)) % ranks
+        choices = [r for r in range(ranks) if r not in spared[-1:]] if spared else list(range(ranks))
+        r = rng.choice(choices)
+        others = [x for x in choices if x != r]
+        r2 = rng.choice(others) if others else (r + 1) % ranks
         out.append({"kind": kind, "step": step, "spec": KINDS[kind].format(r=r, r2=r2, s=step)})
+        if kind == "bitflip":
+            spared += [r, r]  # the next two faults spare it
+        elif spared:
+            spared.pop()
     return out
 
 

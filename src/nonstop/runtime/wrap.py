@@ -211,6 +211,9 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
     t_pg: float | None = None
     try:
         if rejoin:
+            digests = rt.snapshots.digests if rt.snapshots is not None else None
+            if digests is not None:  # before DDP, built again, copies rank 0's parameters to all
+                digests.check(tracked.modules(), tracked.step, world)
             ctx = _context(rt, tracked, msg, None)
             return fn(ctx, *args, **kwargs)
         if rt.store.check([protocol.abort_key(gen, rt.worker_id)]):

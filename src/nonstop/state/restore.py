@@ -93,8 +93,10 @@ def _offer(state: Any, rank: int, has_state: bool, where: Where) -> tuple[Offer,
 
 
 def _agreeing(offers: list[Offer], digests: list[int | None]) -> tuple[list[Offer], list[int]]:
-    """The offers with the live states that disagree with the others of their step withdrawn,
-    and the ranks withdrawn."""
+    """The offers with no live state of a step at which live states disagree, and the ranks
+    whose state differed. Not only the odd ones are withdrawn: since the last comparison their
+    gradients went into every replica's updates, so every live state of that step is off the
+    fault-free run; the snapshots (each compared when taken) are not."""
     from .digest import odd_ones
 
     by_step: dict[int, list[int]] = {}
@@ -102,10 +104,13 @@ def _agreeing(offers: list[Offer], digests: list[int | None]) -> tuple[list[Offe
         if o.live is not None and d is not None:
             by_step.setdefault(o.live, []).append(r)
     odd: list[int] = []
+    tainted: set[int] = set()
     for ranks in by_step.values():
-        if len(ranks) > 1:
-            odd += [ranks[i] for i in odd_ones([digests[r] for r in ranks])]
-    out = [dataclasses.replace(o, live=None) if r in odd else o for r, o in enumerate(offers)]
+        found = [ranks[i] for i in odd_ones([digests[r] for r in ranks])] if len(ranks) > 1 else []
+        if found:
+            odd += found
+            tainted.update(ranks)
+    out = [dataclasses.replace(o, live=None) if r in tainted else o for r, o in enumerate(offers)]
     return out, sorted(odd)
 
 
