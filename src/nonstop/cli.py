@@ -41,6 +41,11 @@ def _chaos_args(p: argparse.ArgumentParser) -> None:
                    help="chaos: warm spares (default 2)")
 
 
+def _json_out(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the result as JSON, last on stdout")
+    p.add_argument("--out", metavar="DIR", help="keep the runs here (default: a temporary dir)")
+
+
 def _non_negative(text: str) -> int:
     try:
         value = int(text)
@@ -160,8 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="elastic: seconds the job runs degraded before it grows back "
                             "(scale_in.grow_after_s; default 1)")
     _chaos_args(bench)
-    bench.add_argument("--json", action="store_true", help="print the result as JSON, last on stdout")
-    bench.add_argument("--out", metavar="DIR", help="keep the runs here (default: a temporary dir)")
+    _json_out(bench)
 
     chaos = sub.add_parser("chaos", help="a seeded fault schedule thrown at one job",
                            description="Run a job under a seeded schedule of faults of every kind "
@@ -170,8 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--ranks", type=int, help="rank processes (default 3)")
     chaos.add_argument("--steps", type=int, help="steps of the job (default: enough for the faults)")
     _chaos_args(chaos)
-    chaos.add_argument("--json", action="store_true", help="print the result as JSON, last on stdout")
-    chaos.add_argument("--out", metavar="DIR", help="keep the runs here (default: a temporary dir)")
+    _json_out(chaos)
 
     drain = sub.add_parser("drain", help="move ranks of a running job to warm spares, no fault",
                            description="Ask the job running in RUN_DIR to move ranks (or every "

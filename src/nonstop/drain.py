@@ -5,13 +5,13 @@ and followed in its event log until it is done or refused."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 from .controller import requests
 from .errors import UsageError
+from .netns import pid_alive
 
 
 def drain(run_dir: str, ranks: tuple[int, ...], node: int | None, why: str,
@@ -25,7 +25,7 @@ def drain(run_dir: str, ranks: tuple[int, ...], node: int | None, why: str,
     if start is None or start.get("ended"):
         raise UsageError(f"the job of {run_dir} is not running (its run has ended)")
     pid = start.get("pid")
-    if pid is not None and not _alive(int(pid)):
+    if pid is not None and not pid_alive(int(pid)):
         raise UsageError(f"the job of {run_dir} is not running (its launcher, pid {pid}, is gone)")
     offset = log.stat().st_size
     requests.send(root, {"op": "drain", "ranks": list(ranks), "node": node, "why": why})
@@ -83,13 +83,3 @@ def _new_events(log: Path, offset: int) -> list[dict]:
         ev["_end"] = pos
         out.append(ev)
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -92,7 +92,8 @@ def _netns_names() -> set[str]:
         return set()
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of that pid exists (a zombie too)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -524,7 +525,7 @@ def sweep_stale(tag: str = "nst") -> list[str]:
 
     def stale(name: str) -> str | None:
         m = pattern.match(name)
-        return m.group(3) if m and not _alive(int(m.group(1))) else None
+        return m.group(3) if m and not pid_alive(int(m.group(1))) else None
 
     removed = []
     for ns in sorted(_netns_names()):

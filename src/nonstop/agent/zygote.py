@@ -28,6 +28,8 @@ import sys
 import time
 from typing import Any
 
+from ..netns import pid_alive
+
 MAX_MSG = 1 << 20  # a request: an environment and a command line
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
            "nonstop.runtime.bootstrap", "nonstop.runtime.worker", "nonstop.runtime.wrap")
@@ -325,7 +327,7 @@ class ForkedProcess:
             code = self.zygote.exits.pop(self.pid, None)
             if code is not None:
                 self.returncode = code
-            elif self.zygote.broken is not None and not _exists(self.pid):
+            elif self.zygote.broken is not None and not pid_alive(self.pid):
                 self.returncode = -signal.SIGKILL  # it died with the zygote: how is not known
         return self.returncode
 
@@ -348,16 +350,6 @@ class ForkedProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 if __name__ == "__main__":
