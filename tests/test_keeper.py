@@ -121,8 +121,9 @@ def test_snapshots_reach_the_buddy_node_before_the_older_slot_is_reused(keepers)
     with b.lease(replica(0), 5) as (rinfo, slot):
         assert rinfo.checksum == info.checksum and slot.verify(rinfo)
         assert torch.equal(packing.unpack(*slot.read(rinfo))["w"], sd["w"])
-    listing = a.listing()[own(0)]
-    assert listing["replicated_step"] == 5 and listing["repl_error"] is None
+    # the sender hears the buddy's ack a moment after the buddy has the replica
+    wait_for(lambda: a.listing()[own(0)]["replicated_step"] == 5)
+    assert a.listing()[own(0)]["repl_error"] is None
 
 
 def test_a_replica_without_the_jobs_token_is_refused(keepers):
