@@ -65,6 +65,8 @@ def test_recovery_points_are_keyed_by_generation():
     assert not first.fires_in(0) and first.fires_in(1) and first.fires_in(5)
     (leaving,) = inject.parse("exit:rank=0,at=teardown")  # leaving any generation, gen 0 too
     assert leaving.fires_in(0)
+    (promoted,) = inject.parse("crash:rank=2,at=promoted")  # a warm spare taking rank 2
+    assert promoted.describe() == "crash:rank=2,at=promoted" and promoted.fires_in(1)
     assert inject.from_env(inject.to_env([f])) == [f]
 
 

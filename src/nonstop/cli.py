@@ -37,8 +37,10 @@ def _positive_float(text: str) -> float:
 def _chaos_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--faults", type=int, default=10, help="chaos: faults in the schedule (default 10)")
     p.add_argument("--seed", type=int, default=1, help="chaos: the schedule's seed (default 1)")
-    p.add_argument("--spares", dest="spares_chaos", type=_non_negative, default=2, metavar="K",
-                   help="chaos: warm spares (default 2)")
+    p.add_argument("--spares", dest="spares_chaos", type=_non_negative, metavar="K",
+                   help="chaos: warm spares (default 2; --hosts: 1 per host)")
+    p.add_argument("--kinds", metavar="LIST",
+                   help="chaos --hosts: comma-separated fault kinds to draw from (default: all)")
 
 
 def _json_out(p: argparse.ArgumentParser) -> None:
@@ -173,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
                                        "weights, every incident closed, nothing left running.")
     chaos.add_argument("--ranks", type=int, help="rank processes (default 3)")
     chaos.add_argument("--steps", type=int, help="steps of the job (default: enough for the faults)")
+    chaos.add_argument("--hosts", type=int, metavar="H",
+                       help="run across H test hosts (network namespaces) that hold ranks, plus a "
+                            "spare host and etcd's host, with faults of hosts, etcd and the "
+                            "controller too")
+    chaos.add_argument("--ranks-per-host", type=int, default=2, metavar="P",
+                       help="with --hosts: ranks on each host (default 2)")
     _chaos_args(chaos)
     _json_out(chaos)
 

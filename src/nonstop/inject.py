@@ -2,7 +2,7 @@
 
 A spec is ``kind:key=value,...``; several are joined by ``;`` or given as repeated flags, e.g.
 ``crash:rank=2,step=50;hang:rank=1,step=80``. Each fault fires once per job unless ``times`` says more.
-A fault can also fire inside a recovery (``at=assigned|rendezvous|restore|first_step|teardown``),
+A fault can also fire inside a recovery (``at=assigned|promoted|rendezvous|restore|first_step|teardown``),
 keyed by the generation instead of the step: a second fault while the first is being recovered.
 """
 
@@ -42,9 +42,10 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 STEP_POINTS = ("start", "optimizer", "snapshot")  # snapshot: half-way through writing the step's snapshot
 #: points inside a recovery, keyed by generation: the new rank process holds its assignment
-#: (replace), is forming the group (rendezvous), is receiving state (restore), runs the first
-#: step of the generation (first_step), or is leaving a failed generation (teardown)
-PHASE_POINTS = ("assigned", "rendezvous", "restore", "first_step", "teardown")
+#: (replace; promoted: only a process that takes a place in a running job, a warm spare or a new
+#: process, never a survivor), is forming the group (rendezvous), is receiving state (restore),
+#: runs the first step of the generation (first_step), or is leaving a failed generation (teardown)
+PHASE_POINTS = ("assigned", "promoted", "rendezvous", "restore", "first_step", "teardown")
 POINTS = STEP_POINTS + PHASE_POINTS
 PHASE_KINDS = ("crash", "exit", "exception", "hang", "stop", "node_crash")
 FIRST_RECOVERY = -1  # gen not given: the first generation after a failure (any, for teardown)

@@ -432,6 +432,7 @@ class TestHosts:
         ok, why = available()
         if not ok:
             raise RuntimeError(why)
+        sweep_stale(self.tag)  # what a killed run of this tag left (its pid is dead)
         with _lock:
             _live.add(self)
         try:

@@ -28,8 +28,11 @@ class HostJob:
         self.base.mkdir(parents=True, exist_ok=True)
         self.net = netns.TestHosts(hosts + etcd_members, tag)
         self.n_hosts, self.n_etcd = hosts, etcd_members
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.procs: dict[int, subprocess.Popen] = {}  # host -> its newest nonstop run
         self.outs: dict[int, Path] = {}
+        self.names: dict[int, str] = {}  # host -> the node id (and run dir) of its newest run
+        self.used: list[str] = []  # every node id started, in order (their run dirs)
+        self.replaced: list[subprocess.Popen] = []  # runs a newer one on their host replaced
         self.etcd: EtcdCluster | None = None
         self.job_id = f"job-{os.getpid()}-{int(time.time() * 1000) % 100000}"
 
@@ -56,18 +59,26 @@ class HostJob:
         return self.net.hosts[self.n_hosts:]
 
     def run_dir(self, i: int) -> Path:
-        return self.base / f"host{i}"
+        return self.base / self.names.get(i, f"host{i}")
 
     def start(self, i: int, *flags: str, script: str, script_args: Sequence[str] = (),
               env: dict[str, str] | None = None, endpoint: str | None = None,
-              job_id: str | None = None) -> subprocess.Popen:
-        """``nonstop run`` on host ``i`` (its output goes to ``out<i>.txt``)."""
+              job_id: str | None = None, name: str | None = None) -> subprocess.Popen:
+        """``nonstop run`` on host ``i`` (its output goes to ``out<i>.txt``). ``name``: its node
+        id and run directory (default ``host<i>``), a new one for a host started again as a new
+        machine after it was lost."""
         h = self.hosts[i]
+        name = name or f"host{i}"
+        if i in self.procs:
+            self.replaced.append(self.procs[i])
+        self.names[i] = name
+        if name not in self.used:
+            self.used.append(name)
         e = dict(os.environ, NONSTOP_JOB_SECRET=SECRET)
         e.update(env or {})
         cmd = [sys.executable, "-m", "nonstop", "run", "--no-live",
                "--rdzv-endpoint", endpoint or self.etcd.url, "--rdzv-id", job_id or self.job_id,
-               f"--run-dir={self.run_dir(i)}", f"--node-id=host{i}", *flags, script,
+               f"--run-dir={self.run_dir(i)}", f"--node-id={name}", *flags, script,
                *script_args]
         out = self.base / f"out{i}.txt"
         self.outs[i] = out
@@ -102,8 +113,8 @@ class HostJob:
     def events(self) -> list[dict[str, Any]]:
         """The event log of every controller that was in office, in order."""
         out: list[dict[str, Any]] = []
-        for i in range(self.n_hosts):
-            path = self.run_dir(i) / "events.jsonl"
+        for name in self.used or [f"host{i}" for i in range(self.n_hosts)]:
+            path = self.base / name / "events.jsonl"
             if path.exists():
                 out += [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
         return sorted(out, key=lambda e: e.get("t", 0))
@@ -123,7 +134,7 @@ class HostJob:
         self.hosts[i].kill_all(signal.SIGKILL)
 
     def close(self) -> None:
-        for p in self.procs.values():
+        for p in [*self.replaced, *self.procs.values()]:
             if p.poll() is None:
                 try:
                     os.killpg(p.pid, signal.SIGKILL)

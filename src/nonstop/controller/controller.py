@@ -373,6 +373,8 @@ class Controller:
         if h is None or h.killed or self.phase in ENDING:
             return
         self.display.info(f"node {h.node}: its memory (keeper) is gone (code {proc.returncode})")
+        # the other nodes stop copying their snapshots to it now, not once it is replaced
+        self.memory.configure(self.gens.node_of(), self.state.usable_nodes(self.total_nodes))
 
     def _check_keepers(self, now: float) -> None:
         if self.phase in ENDING:

@@ -100,6 +100,8 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
         rt.rank = rank
         rt.apply_env(msg)
         rt.injector.in_recovery("assigned", rank, gen)
+        if not rt.ever_entered and not msg.initial:  # a spare (or new process) taking a place
+            rt.injector.in_recovery("promoted", rank, gen)
         t_assigned = time.time()
         has_state = rt.ever_entered or msg.initial
         if state is None:  # nothing registered: nothing to agree on, every entry starts over

@@ -153,6 +153,10 @@ class Snapshots:
         midway = None
         if injector is not None and injector.has_point("snapshot"):
             midway = lambda: injector.check("snapshot", rank, step - 1)  # noqa: E731
+        # decided before anything can fail: every rank moves ``last_persist`` alike, whether its
+        # own copy succeeds or not (a rank whose memory is gone must not think a checkpoint is
+        # still due at the next step: it would snapshot, and compare digests, alone)
+        persist = self._persist(step, rank, world, sharded, gen, final)
         t_alloc = time.perf_counter()
         try:
             slot_i, seq, slot, reply = self.memory.alloc(holder, size)
@@ -160,7 +164,9 @@ class Snapshots:
             t0 = time.perf_counter()  # waiting for a slot is not the copy's cost (see _interval)
             shm.write_tensors(slot, lay.meta, lay.tensors, lay.specs, lay.nbytes, step, rank, gen,
                               seq, midway)
-            self.memory.commit(holder, slot_i, self._persist(step, rank, world, sharded, gen, final))
+            self.memory.commit(holder, slot_i, persist)
+            if persist is not None:
+                self.requested = step
             if injector is not None and injector.claim_kind("corrupt", rank, step - 1):
                 self.memory.corrupt(holder)
         except (OSError, ConnectionError, KeeperError) as exc:
@@ -196,7 +202,6 @@ class Snapshots:
         self.last_persist = step
         if not (sharded or rank == 0):
             return None
-        self.requested = step
         return {"root": str(self.root), "rank": rank, "world": world, "sharded": sharded,
                 "gen": gen, "reason": "final" if final else "periodic"}
 
@@ -221,6 +226,7 @@ class Snapshots:
                 try:
                     self.memory.client.tell(dict(job, op="persist", holder=mem.own(rank),
                                                  step=state.step))
+                    self.requested = state.step
                 except OSError as exc:
                     self.error = f"{type(exc).__name__}: {exc}"
             return

@@ -1,0 +1,407 @@
+"""``nonstop chaos --hosts H`` / ``nonstop bench chaos --hosts H``: the seeded fault soak across
+test hosts (network namespaces on a bridge, etcd on a host of its own, ``nonstop run`` on each
+host as a user starts it on real machines).
+
+Besides the rank faults the job injects into itself (``--inject``: crashes, hangs, NaN, silent
+corruption, a warm spare killed at its promotion...), this harness throws what only the outside
+world can: a host killed whole, a host partitioned then healed, the controller in office killed,
+a host's launcher (``nonstop run``) SIGKILLed, etcd restarted, a host's keeper (its node memory)
+killed, a rank frozen with SIGSTOP and woken with SIGCONT once the job has replaced it (the zombie
+must never join again), and the shared checkpoint file system filled while checkpoints are
+written. A host that was lost comes back as a new machine (a new node id on the same address):
+the job must take it in as a spare host before the next host fault, so the world never shrinks
+and the final weights must equal the fault-free run's bit for bit.
+
+The schedule (kinds, steps, victims) is drawn from the seed alone. A fault of the outside world
+fires when the job reaches its step and the hosts are all back from the fault before it; its
+actual step is recorded beside the scheduled one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+from . import chaos, common
+from .hosts import SCRIPT, read_times, wait_step
+
+FIRST = 40  # no fault before: the hang timeout is tuned from the steps seen by then
+RANK_GAP = 25  # steps after a rank fault before the next fault
+HOST_GAP = 120  # after a fault of the outside world (a lost host comes back as a new one)
+SLEEP_MS = 10.0
+START_TIMEOUT_S = 180.0
+SETTLE_TIMEOUT_S = 120.0  # the hosts back after a fault
+RUN_TIMEOUT_S = 1800.0
+ETCD_DOWN_S = 3.0
+DISK_MB = 16  # the checkpoint file system (tmpfs): filled by disk_full
+CKPT_EVERY = 10
+
+#: faults the job injects into itself (chaos.KINDS' templates), plus a warm spare killed at the
+#: moment it is promoted (a crash, then the process that takes the rank dies at its assignment)
+RANK_KINDS: dict[str, str] = {
+    **{k: chaos.KINDS[k] for k in ("crash", "crash_two", "crash_dirty", "crash_torn_snapshot",
+                                   "crash_in_restore", "exception", "hang", "nan", "bitflip",
+                                   "corrupt_snapshot")},
+    "spare_killed_at_promotion": "crash:rank={r},step={s};crash:rank={r},at=promoted",
+}
+#: faults of the outside world, thrown by this harness
+HOST_KINDS = ("host_kill", "partition", "controller_kill", "launcher_kill", "etcd_restart",
+              "keeper_kill", "stop_cont", "disk_full")
+KILLS_HOST = ("host_kill", "partition", "launcher_kill")  # the host's ranks are lost
+ONCE = chaos.ONCE
+POLICY = chaos.POLICY + """    node_replacement: {budget: 1000000}
+    scale_in: {budget: 1000000}
+"""
+
+
+def gap(kind: str) -> int:
+    return HOST_GAP if kind in HOST_KINDS and kind not in ("keeper_kill", "stop_cont") \
+        else RANK_GAP
+
+
+def needed(plan: list[dict[str, Any]]) -> int:
+    return (plan[-1]["step"] + gap(plan[-1]["kind"])) if plan else FIRST
+
+
+def schedule(seed: int, faults: int, world: int, slots: int,
+             only: list[str] | None = None) -> list[dict[str, Any]]:
+    """``faults`` faults drawn with ``seed`` (of the kinds ``only``, default all): every kind in
+    turn before any repeats; each at its step (the one before it plus its gap); a rank (``r``,
+    ``r2``) or a host slot to strike."""
+    rng = random.Random(seed)
+    kinds: list[str] = []
+    every = [k for k in (*RANK_KINDS, *HOST_KINDS) if not only or k in only]
+    while len(kinds) < faults:
+        batch = [k for k in every if k not in ONCE or k not in kinds]
+        rng.shuffle(batch)
+        kinds += batch
+    out, step, spared = [], FIRST, []  # spared: a rank flipped lately is not killed before its check
+    for kind in kinds[:faults]:
+        choices = [r for r in range(world) if r not in spared[-1:]] if spared else list(range(world))
+        r = rng.choice(choices)
+        others = [x for x in choices if x != r]
+        r2 = rng.choice(others) if others else (r + 1) % world
+        f: dict[str, Any] = {"kind": kind, "step": step, "rank": r, "slot": rng.randrange(slots),
+                             "spare_rank": spared[-1] if spared else None}
+        if kind in RANK_KINDS:
+            f["spec"] = RANK_KINDS[kind].format(r=r, r2=r2, s=step)
+        out.append(f)
+        if kind == "bitflip":
+            spared += [r, r]
+        elif spared:
+            spared.pop()
+        step += gap(kind)
+    return out
+
+
+class Harness:
+    """One job across test hosts and the faults of the outside world thrown at it."""
+
+    def __init__(self, j: Any, flags: list[str], script_args: list[str], times: Path,
+                 env: dict[str, str], slots: int, say: Callable[[str], None]):
+        self.j, self.flags, self.script_args, self.times = j, flags, script_args, times
+        self.env, self.slots, self.say = env, slots, say
+        self.restarts = 0
+        self.zombies: list[dict[str, Any]] = []  # stopped ranks: (wid, the generation that left them)
+
+    # -- the job -------------------------------------------------------------------------------
+    def start_host(self, i: int, name: str | None = None) -> None:
+        self.j.start(i, *self.flags, script=str(SCRIPT), env=self.env, name=name,
+                     script_args=[*self.script_args, "--save",
+                                  str(self.j.base / f"final-{name or f'host{i}'}.pt")])
+
+    def alive(self) -> bool:
+        return any(p.poll() is None for p in self.j.procs.values())
+
+    def step(self) -> int:
+        return max((s for s, *_ in read_times(self.times)), default=0)
+
+    def hosts_registered(self) -> int:
+        from ..protocol import hosts as keys
+        from .hosts import _etcd
+
+        with _etcd(self.j) as etcd:
+            return etcd.count(keys.HOSTS)
+
+    def wait(self, what: str, pred: Callable[[], bool], timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):  # etcd away, a file half-written: asked again
+                if pred():
+                    return
+            if not self.alive():
+                raise RuntimeError(f"the job ended while waiting for {what}")
+            time.sleep(0.1)
+        raise TimeoutError(f"{what} not within {timeout_s:g} s")
+
+    def settled(self) -> None:
+        """Every host of the job registered (a lost one is back as a new host)."""
+        self.wait("every host registered", lambda: self.hosts_registered() == self.slots)
+
+    def events(self, kind: str) -> list[dict[str, Any]]:
+        return self.j.of(kind)
+
+    def rank_pid(self, rank: int) -> tuple[int, int] | None:
+        """(wid, pid) of the process that holds ``rank`` in the newest generation."""
+        gens = self.events("generation")
+        if not gens:
+            return None
+        wid = {int(k): w for k, w in gens[-1]["ranks"].items()}.get(rank)
+        pids = {e.get("wid"): e.get("pid") for e in self.events("rank_wrapped")}
+        return (wid, pids[wid]) if pids.get(wid) else None
+
+    def slot_of_pid(self, pid: int) -> int | None:
+        for i in range(self.slots):
+            if pid in self.j.hosts[i].pids():
+                return i
+        return None
+
+    def victim_slot(self, f: dict[str, Any]) -> int:
+        """The scheduled slot, unless it holds the rank a recent bit flip spares (its check
+        must see it): then the next one."""
+        slot = f["slot"]
+        if f.get("spare_rank") is not None and f["kind"] in KILLS_HOST:
+            held = self.rank_pid(f["spare_rank"])
+            if held is not None and self.slot_of_pid(held[1]) == slot:
+                slot = (slot + 1) % self.slots
+        return slot
+
+    def new_host(self, i: int) -> None:
+        """Host ``i`` lost: once etcd has let it go, a new machine (a new node id) starts there."""
+        self.wait("the lost host's record gone", lambda: self.hosts_registered() < self.slots, 60)
+        self.restarts += 1
+        self.start_host(i, name=f"host{i}r{self.restarts}")
+
+    # -- the faults ----------------------------------------------------------------------------
+    def fire(self, f: dict[str, Any], ckpt: Path | None) -> None:
+        kind, j = f["kind"], self.j
+        if kind in KILLS_HOST:
+            i = self.victim_slot(f)
+            f["victim"] = j.names.get(i, f"host{i}")
+            if kind == "host_kill":
+                j.kill_host(i)
+                self.new_host(i)
+            elif kind == "launcher_kill":
+                os.kill(j.procs[i].pid, signal.SIGKILL)
+                j.procs[i].wait(10)
+                self.new_host(i)
+            else:  # partition: cut until it fences itself, then healed; it offers itself again
+                before = j.output(i).count("fenced")
+                j.hosts[i].cut()
+                try:
+                    self.wait("the cut host fenced", lambda: j.output(i).count("fenced") > before, 60)
+                finally:
+                    j.hosts[i].heal()
+        elif kind == "controller_kill":
+            leaders = self.events("leader")
+            f["victim"] = leaders[-1]["host"]
+            os.kill(leaders[-1]["pid"], signal.SIGKILL)
+            self.wait("a new controller in office", lambda: len(self.events("leader")) > len(leaders))
+        elif kind == "etcd_restart":
+            j.etcd.stop_member("e0")
+            time.sleep(ETCD_DOWN_S)
+            j.etcd.start_member("e0")
+        elif kind == "keeper_kill":
+            i = f["slot"]
+            f["victim"] = j.names.get(i, f"host{i}")
+            for pid in j.hosts[i].pids():
+                with contextlib.suppress(OSError):
+                    if b"nonstop.state.keeper" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                        os.kill(pid, signal.SIGKILL)
+        elif kind == "stop_cont":
+            held = self.rank_pid(f["rank"])
+            if held is None:
+                return
+            wid, pid = held
+            f["victim"] = f"rank {f['rank']} (wid {wid}, pid {pid})"
+            n = len(self.events("generation"))
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                self.wait("a generation without the stopped rank", lambda: any(
+                    wid not in g["ranks"].values() for g in self.events("generation")[n:]))
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+            self.zombies.append({"wid": wid, "gen": self.events("generation")[-1]["gen"]})
+        elif kind == "disk_full" and ckpt is not None:
+            filler = ckpt / "filler"
+            with contextlib.suppress(OSError), open(filler, "wb") as fh:
+                while True:
+                    fh.write(b"\0" * (1 << 20))
+            start = self.step()
+            try:
+                self.wait("checkpoints failing on the full disk",
+                          lambda: self.step() >= start + 2 * CKPT_EVERY)
+            finally:
+                filler.unlink(missing_ok=True)
+
+    def zombie_joined(self) -> list[int]:
+        """Stopped ranks seen joining a generation after the one that replaced them."""
+        joins = self.events("rank_joining")
+        return [z["wid"] for z in self.zombies
+                if any(e.get("wid") == z["wid"] and e.get("gen", 0) >= z["gen"] for e in joins)]
+
+
+def _mount_tmpfs(path: Path, mb: int) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mb}m", "nonstop-chaos", str(path)],
+                       capture_output=True, timeout=10)
+    return r.returncode == 0
+
+
+def _umount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=10)
+
+
+def _shm() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: Path,
+         say: Callable[[str], None], steps: int | None = None,
+         only: list[str] | None = None) -> dict[str, Any]:
+    from .hostjob import HostJob
+    from .hosts import _wait_etcd
+    from ..protocol import hosts as keys
+
+    world, slots = hosts * per_host, hosts + 1
+    plan = schedule(seed, faults, world, slots, only)
+    steps = max(steps or 0, needed(plan))
+    marker = uuid.uuid4().hex
+    say(f"chaos: seed {seed}, {faults} faults over {steps} steps, {hosts} hosts x {per_host} "
+        f"ranks + 1 spare host ({spares} warm spare(s) per host), etcd on a host of its own; "
+        f"runs in {base}")
+    for f in plan:
+        say(f"  step {f['step']:5d}  {f['kind']:26s} "
+            + (f["spec"] if "spec" in f else f"host slot {f['slot']}, rank {f['rank']}"))
+    common.fresh(base)
+    script_args = ["--steps", str(steps), "--sleep-ms", str(SLEEP_MS)]
+    ref_cmd = common.nonstop_cmd(f"--nproc={world}", f"--run-dir={base / 'reference' / 'run'}",
+                                 str(SCRIPT), *script_args, "--save", str(base / "reference.pt"))
+    (base / "reference").mkdir()
+    ref_code = common.run_child(ref_cmd, base / "reference" / "output.log", RUN_TIMEOUT_S)
+    (base / "policy.yaml").write_text(POLICY)
+    ckpt = base / "ckpt"
+    mounted = _mount_tmpfs(ckpt, DISK_MB)
+    times = base / "steps.txt"
+    spec = ";".join(f["spec"] for f in plan if "spec" in f)
+    flags = ["--nnodes", str(hosts), "--nproc-per-node", str(per_host), "--spare-nodes", "1",
+             "--spares", str(spares), f"--policy={base / 'policy.yaml'}",
+             f"--checkpoint-dir={ckpt}", f"--checkpoint-every={CKPT_EVERY}"]
+    if spec:
+        flags.append(f"--inject={spec}")
+    shm_before = _shm()
+    t0, error, codes, wall = time.time(), None, {}, 0.0
+    events: list[dict[str, Any]] = []
+    left_in_hosts: list[int] = []
+    zombies: list[int] = []
+    names: dict[int, str] = {}
+    h: Harness | None = None
+    try:
+        with HostJob(base / "job", hosts=slots, etcd_members=1, tag="nsc") as j:
+            h = Harness(j, flags, [*script_args, "--step-times", str(times)], times,
+                        {"NONSTOP_CHAOS_RUN": marker}, slots, say)
+            try:
+                h.start_host(0)
+                _wait_etcd(j, "a controller in office", lambda e: e.leader(keys.LEADER) is not None,
+                           START_TIMEOUT_S)
+                for i in range(1, slots):
+                    h.start_host(i)
+                for f in plan:
+                    if f["kind"] not in HOST_KINDS:
+                        continue
+                    wait_step(times, f["step"], RUN_TIMEOUT_S, h.alive)
+                    h.settled()
+                    f["fired_step"] = h.step()
+                    f["t"] = round(time.time() - t0, 3)
+                    h.fire(f, ckpt if mounted else None)
+                    say(f"  {f['t']:8.1f} s  step {f['fired_step']:5d}  {f['kind']}"
+                        + (f" ({f['victim']})" if f.get("victim") else ""))
+                codes = j.wait(RUN_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - said in the result, the job ended below
+                error = f"{type(exc).__name__}: {exc}"
+                say(f"chaos: {error}\n{traceback.format_exc()}")
+            wall = time.time() - t0
+            events = j.events()
+            if error is None:  # what the job left behind (after an error the hosts are ended)
+                left_in_hosts = sorted({p for i in range(slots) for p in j.hosts[i].pids()})
+            zombies = h.zombie_joined()
+            names = dict(j.names)
+    except Exception as exc:  # noqa: BLE001 - the test hosts or etcd could not be made
+        error = error or f"{type(exc).__name__}: {exc}"
+    finally:
+        if mounted:
+            _umount(ckpt)
+    left = chaos.orphans(marker)
+    of = lambda kind: [e for e in events if e.get("type") == kind]  # noqa: E731
+    fired = {e.get("index") for e in of("rank_inject")}
+    incidents = of("incident")
+    by_kind: dict[str, dict[str, Any]] = {}
+    index = 0
+    for f in plan:
+        entry = by_kind.setdefault(f["kind"], {"scheduled": 0, "fired": 0})
+        entry["scheduled"] += 1
+        if "spec" in f:
+            n = len(f["spec"].split(";"))
+            entry["fired"] += all(i in fired for i in range(index, index + n))
+            index += n
+        else:
+            entry["fired"] += "fired_step" in f
+    levels: dict[str, int] = {}
+    for inc in incidents:
+        for lvl in inc.get("levels") or []:
+            levels[lvl] = levels.get(lvl, 0) + 1
+    saved = sorted((base / "job").glob("final-*.pt"))
+    final_codes = {names.get(i, f"host{i}"): c for i, c in codes.items()}
+    completed = error is None and bool(codes) and all(c == 0 for c in codes.values()) \
+        and len(saved) == 1
+    match = completed and ref_code == 0 and common.params_equal(base / "reference.pt", saved[0])
+    shm_left = sorted(_shm() - shm_before)
+    return {
+        "scenario": "chaos", "seed": seed, "faults": faults, "hosts": hosts,
+        "ranks_per_host": per_host, "completed": completed, "params_match_reference": match,
+        "incidents_closed": sum(1 for i in incidents if i.get("outcome") == "recovered"),
+        "incidents": len(incidents),
+        "incidents_with_phases": sum(1 for i in incidents if i.get("phases_s")),
+        "orphans": len(left) + len(left_in_hosts), "shm_left": shm_left,
+        "zombies_joined": zombies, "by_kind": by_kind, "levels": levels,
+        "takeovers": max(0, len(of("leader")) - 1), "hosts_restarted": h.restarts if h else 0,
+        "scaled_in": len([e for e in of("generation") if len(e.get("ranks") or {}) < world]),
+        "steps_lost": sum(i.get("steps_lost") or 0 for i in incidents),
+        "wall_s": round(wall, 2) if codes else None, "error": error,
+        "exit_codes": final_codes, "reference_exit_code": ref_code, "disk_full_tested": mounted,
+        "steps": steps, "date": common.now_stamp(), "schedule": plan,
+    }
+
+
+def keep_or_clean(result: dict[str, Any], base: Path, keep: bool, say: Callable[[str], None]) -> bool:
+    ok = result["completed"] and result["params_match_reference"] and not result["orphans"] \
+        and not result["zombies_joined"]
+    if ok and not keep:
+        shutil.rmtree(base, ignore_errors=True)
+    elif not ok:
+        say(f"chaos: the runs are kept in {base}")
+    return ok
+
+
+def describe(result: dict[str, Any]) -> str:
+    return (f"chaos across hosts: completed {result['completed']}, weights match "
+            f"{result['params_match_reference']}, incidents {result['incidents_closed']}/"
+            f"{result['incidents']} closed, takeovers {result['takeovers']}, hosts restarted "
+            f"{result['hosts_restarted']}, orphans {result['orphans']}, zombies joined "
+            f"{result['zombies_joined']}, levels {result['levels']}"
+            + (f", error {result['error']}" if result["error"] else "")
+            + f"\n{json.dumps(result['by_kind'])}")
