@@ -57,6 +57,22 @@ def test_injector_fires_only_when_claimed():
     assert fired == [("exception", 3)]
 
 
+def test_a_snapshots_fault_fires_at_the_first_snapshot_of_its_step_or_later():
+    claims: dict[int, int] = {}
+
+    def claim(i, f):
+        claims[i] = claims.get(i, 0) + 1
+        return claims[i] <= f.times
+
+    fired = []
+    inj = inject.Injector(inject.parse("corrupt:rank=0,step=5"), claim,
+                          lambda f, step, index=None: fired.append(step))
+    assert not inj.claim_kind("corrupt", 0, 4)  # before its step
+    assert inj.claim_kind("corrupt", 0, 7)  # no snapshot at 5 or 6: the one at 7
+    assert not inj.claim_kind("corrupt", 0, 8) and not inj.claim_kind("corrupt", 0, 9)
+    assert fired == [7] and claims == {0: 2}  # spent: not asked again after its first refusal
+
+
 def test_recovery_points_are_keyed_by_generation():
     (f,) = inject.parse("crash:rank=1,at=rendezvous,gen=3")
     assert f.at == "rendezvous" and f.gen == 3 and f.describe() == "crash:rank=1,at=rendezvous,gen=3"

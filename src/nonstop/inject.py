@@ -198,12 +198,28 @@ class Injector:
         self._claimed = [(i, f) for i, f in enumerate(faults) if f.kind in CLAIMED]
         self._forward = [(i, f) for i, f in enumerate(faults) if f.kind in forward]
         self._announced: set[int] = set()
+        self._spent: set[int] = set()  # faults claimed as often as they fire: not asked again
 
     def check(self, point: str, rank: int, step: int) -> None:
         for i, f in self._by_point.get(point, ()):
-            if f.rank == rank and f.step == step and self._claim(i, f):
+            if f.rank == rank and self._due(i, f, step, point == "snapshot") \
+                    and self._claim_once(i, f):
                 self._announce(f, step, index=i)
                 fire(f)
+
+    def _due(self, i: int, f: FaultSpec, step: int, or_after: bool) -> bool:
+        """At its step; for a snapshot's faults, at the first snapshot of that step or later
+        (snapshots are spaced: the step named may have none). One spent elsewhere is not asked
+        for again."""
+        if i in self._spent:
+            return False
+        return f.step <= step if or_after else f.step == step
+
+    def _claim_once(self, i: int, f: FaultSpec) -> bool:
+        if self._claim(i, f):
+            return True
+        self._spent.add(i)
+        return False
 
     def in_recovery(self, point: str, rank: int, gen: int) -> None:
         """Fire the faults of a recovery point (``PHASE_POINTS``) for this rank and generation."""
@@ -241,7 +257,8 @@ class Injector:
         """Whether a fault of ``kind`` fires here (claimed and announced; the caller carries it
         out): for faults only the caller can do, such as corrupting a snapshot."""
         for i, f in self._claimed:
-            if f.kind == kind and f.rank == rank and f.step == step and self._claim(i, f):
+            if f.kind == kind and f.rank == rank and self._due(i, f, step, kind == "corrupt") \
+                    and self._claim_once(i, f):
                 self._announce(f, step, index=i)
                 return True
         return False

@@ -169,6 +169,11 @@ class Agent:
         except OSError:  # full: a wake-up is already pending
             pass
 
+    def host_up(self, node: int) -> bool:
+        """Whether the node is a host whose agent still answers: never here (the nodes of one
+        host are simulated; none has an agent of its own to vouch for it)."""
+        return False
+
     def lost_nodes(self) -> set[int]:
         """Nodes gone whole (a host whose agent is gone): none on one host."""
         return set()

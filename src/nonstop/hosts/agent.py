@@ -485,7 +485,11 @@ class HostAgent:
         if since is None:
             return
         done = self._probed  # (when the last round started, whether a peer answered)
-        if done is not None and done[0] >= since and not done[1] and self.peers:
+        # with no peer known (it was cut off as it joined, before it read them), a host that
+        # holds no rank fences too: it has nothing to lose; one that holds ranks alone (a job of
+        # one host) cannot tell a cut from etcd down and trains on
+        holds = any(x.get("rank") is not None and not x.get("spare") for x in self.meta.values())
+        if done is not None and done[0] >= since and not done[1] and (self.peers or not holds):
             self._fence("it reaches neither etcd nor any other host")
             return
         if (self._probe is None or not self._probe.is_alive()) and \

@@ -224,6 +224,12 @@ class Cluster:
     def alive(self) -> list[RemoteProc]:
         return [p for p in self.procs.values() if p.alive]
 
+    def host_up(self, node: int) -> bool:
+        """Whether the node's host is in the job and its agent reachable: then its ranks and its
+        memory dying together is not the host lost (its lease says when that is)."""
+        link = self.links.get(node)
+        return link is not None and not link.lost and not link.unreachable
+
     def lost_nodes(self) -> set[int]:
         return {n for n, link in self.links.items() if link.lost}
 
