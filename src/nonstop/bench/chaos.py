@@ -128,6 +128,54 @@ def orphans(marker: str) -> list[int]:
     return found
 
 
+def fired_at(events: list[dict[str, Any]]) -> dict[int, float]:
+    """Injected fault index -> when it fired (its first firing)."""
+    out: dict[int, float] = {}
+    for e in events:
+        if e.get("type") == "rank_inject" and e.get("index") is not None:
+            out.setdefault(int(e["index"]), float(e["t"]))
+    return out
+
+
+MATCH_S = 10.0  # an incident opened this long after a fault at most is taken for its own
+
+
+def add_costs(by_kind: dict[str, dict[str, Any]], moments: list[tuple[str, float]],
+              incidents: list[dict[str, Any]]) -> None:
+    """What each kind of fault cost, from the incidents: each fault (kind, when it fired) takes
+    the first incident not yet taken that opened from just before it to ``MATCH_S`` after;
+    without one it either joined an incident in progress (a fault inside a recovery) or cost no
+    incident at all (``none``: etcd restarted, a spare killed...). Approximate where faults of
+    two kinds strike within moments of each other."""
+    incs = sorted(incidents, key=lambda i: i.get("t_fault") or 0.0)
+    taken: set[int] = set()
+    mttrs: dict[str, list[float]] = {}
+    for kind, t in sorted(moments, key=lambda m: m[1]):
+        e = by_kind[kind]
+        for key in ("incidents", "joined", "none", "steps_lost"):
+            e.setdefault(key, 0)
+        e.setdefault("levels", {})
+        match = next((k for k, inc in enumerate(incs) if k not in taken
+                      and t - 0.5 <= (inc.get("t_fault") or 0.0) <= t + MATCH_S), None)
+        if match is None:
+            inside = any((inc.get("t_fault") or 0.0) - 0.5 <= t
+                         <= (inc.get("t_fault") or 0.0) + (inc.get("mttr_s") or 0.0) for inc in incs)
+            e["joined" if inside else "none"] += 1
+            continue
+        taken.add(match)
+        inc = incs[match]
+        e["incidents"] += 1
+        e["steps_lost"] += inc.get("steps_lost") or 0
+        for lvl in inc.get("levels") or []:
+            e["levels"][lvl] = e["levels"].get(lvl, 0) + 1
+        if inc.get("mttr_s") is not None:
+            mttrs.setdefault(kind, []).append(float(inc["mttr_s"]))
+    for kind, values in mttrs.items():
+        values.sort()
+        by_kind[kind]["mttr_s"] = {"median": round(values[len(values) // 2], 3),
+                                   "max": round(values[-1], 3)}
+
+
 def soak(seed: int, faults: int, ranks: int, spares: int, steps: int, base: Path,
          say: Any) -> dict[str, Any]:
     plan = schedule(seed, faults, ranks, steps)
@@ -149,16 +197,20 @@ def soak(seed: int, faults: int, ranks: int, spares: int, steps: int, base: Path
         time.sleep(0.2)
     run = base / "chaos" / "run"
     evs = list(common.events(run))
-    fired = {e.get("index") for e in evs if e.get("type") == "rank_inject"}
+    fired = fired_at(evs)
     incidents = [e for e in evs if e.get("type") == "incident"]
     by_kind: dict[str, dict[str, Any]] = {}
     index = 0  # the injected faults in order: a spec may hold two
+    moments = []
     for f in plan:
         n = len(f["spec"].split(";"))
         entry = by_kind.setdefault(f["kind"], {"scheduled": 0, "fired": 0})
         entry["scheduled"] += 1
-        entry["fired"] += all(i in fired for i in range(index, index + n))
+        if all(i in fired for i in range(index, index + n)):
+            entry["fired"] += 1
+            moments.append((f["kind"], fired[index]))
         index += n
+    add_costs(by_kind, moments, incidents)
     levels: dict[str, int] = {}
     for inc in incidents:
         for lvl in inc.get("levels") or []:

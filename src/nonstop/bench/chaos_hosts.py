@@ -326,7 +326,8 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
                     wait_step(times, f["step"], RUN_TIMEOUT_S, h.alive)
                     h.settled()
                     f["fired_step"] = h.step()
-                    f["t"] = round(time.time() - t0, 3)
+                    f["t_abs"] = time.time()
+                    f["t"] = round(f["t_abs"] - t0, 3)
                     h.fire(f, ckpt if mounted else None)
                     say(f"  {f['t']:8.1f} s  step {f['fired_step']:5d}  {f['kind']}"
                         + (f" ({f['victim']})" if f.get("victim") else ""))
@@ -347,19 +348,24 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
             _umount(ckpt)
     left = chaos.orphans(marker)
     of = lambda kind: [e for e in events if e.get("type") == kind]  # noqa: E731
-    fired = {e.get("index") for e in of("rank_inject")}
+    fired = chaos.fired_at(events)
     incidents = of("incident")
     by_kind: dict[str, dict[str, Any]] = {}
     index = 0
+    moments = []
     for f in plan:
         entry = by_kind.setdefault(f["kind"], {"scheduled": 0, "fired": 0})
         entry["scheduled"] += 1
         if "spec" in f:
             n = len(f["spec"].split(";"))
-            entry["fired"] += all(i in fired for i in range(index, index + n))
+            if all(i in fired for i in range(index, index + n)):
+                entry["fired"] += 1
+                moments.append((f["kind"], fired[index]))
             index += n
-        else:
-            entry["fired"] += "fired_step" in f
+        elif "t_abs" in f:
+            entry["fired"] += 1
+            moments.append((f["kind"], f["t_abs"]))
+    chaos.add_costs(by_kind, moments, incidents)
     levels: dict[str, int] = {}
     for inc in incidents:
         for lvl in inc.get("levels") or []:

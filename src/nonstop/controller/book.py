@@ -12,6 +12,7 @@ from ..decide.ladder import Fault
 from ..observe.incidents import Incident, restore_record
 
 INJECT_MEMORY_S = 30.0  # an injection reported this long before a fault is taken as its start
+UNTIMED = ("corrupt", "slow", "jitter")  # injections whose moment starts no incident
 
 
 def short(text: str, limit: int = 160) -> str:
@@ -32,8 +33,13 @@ class IncidentBook:
     def count(self) -> int:
         return len(self.closed) + (self.open is not None)
 
-    def injected(self, t: float) -> None:
-        self._injects.append(t)
+    def injected(self, t: float, kind: str | None = None) -> None:
+        """An injected fault fired at ``t``: the next incident is measured from it. Not one that
+        fires inside an open incident (it is part of that one: kept, it would date an unrelated
+        incident much later), nor one whose moment is not a failure's (a snapshot corrupted is
+        found at a restore, if ever; a straggler is slow, not failed)."""
+        if self.open is None and kind not in UNTIMED:
+            self._injects.append(t)
 
     def begin(self, now: float, gen: int, max_step: int, t_fault: float | None = None) -> Incident:
         """The open incident, opened now if there is none: it began at the injection we were
@@ -131,6 +137,7 @@ class IncidentBook:
         inc.closed = True
         self.closed.append(inc)
         self.open = None
+        self._injects.clear()
         self.log.write("incident", **inc.to_record())
         self.display.info(f"incident {inc.id} recovered in {inc.mttr:.3f} s "
                           f"({', '.join(inc.levels)}), steps lost: "

@@ -506,7 +506,7 @@ class Controller:
                 self._training_complete(ev["t"])
 
     def _on_inject(self, w: Worker, ev: dict[str, Any]) -> None:
-        self.book.injected(ev["t"])
+        self.book.injected(ev["t"], ev.get("kind"))
         if ev.get("index") is not None:  # fired once in the job: never again (any host)
             key = str(ev["index"])
             self.gens.claimed[key] = self.gens.claimed.get(key, 0) + 1

@@ -1,0 +1,32 @@
+"""The incidents as measured (controller/book.py): when an incident starts."""
+
+from __future__ import annotations
+
+from nonstop.controller.book import IncidentBook as Book
+from nonstop.decide.faults import Fault
+
+
+class _Log:
+    def __init__(self):
+        self.records = []
+
+    def write(self, *what, **fields):
+        self.records.append((what, fields))
+
+
+class _Display:
+    def info(self, text):
+        pass
+
+
+def test_an_incident_starts_at_the_injection_that_caused_it_and_no_older_one():
+    book = Book(_Log(), _Display())
+    book.injected(100.0, "crash")
+    book.fault(Fault("crash", rank=1, message="killed"), now=100.2, gen=0, max_step=10)
+    assert book.open.t_fault == 100.0  # measured from the moment it fired
+    book.injected(100.3, "crash")  # a second fault inside this recovery: part of it
+    book.close(t_first=101.0, resume_step=10, steps_known=True)
+    # 27 s later, a NaN: it starts when it was found, not at the stale injection above
+    book.injected(127.0, "corrupt")  # a snapshot corrupted: found at a restore, if ever
+    book.retry_opened(step=960, now=128.0, gen=1, max_step=960)
+    assert book.open.t_fault == 128.0
