@@ -212,3 +212,27 @@ def test_the_context_splits_the_global_batch_for_any_world():
     assert ctx(0, 3, scale_lr=True).lr_scale == 0.75
     with pytest.raises(ValueError):
         ctx(0, 3).share(0)
+
+
+def test_a_preempted_node_with_no_spare_node_leaves_a_smaller_world_at_a_step_boundary():
+    # two nodes of 2 ranks, no spare node: node 1 is preempted (its host told to stop)
+    s = mc.JobState(phase=Phase.RUNNING, gen=3)
+    rs = tuple(mc.RankSeen(rank=r, wid=100 + r, node=r // 2, joining=3, entered=3)
+               for r in range(4))
+    see = lambda t, x: mc.Seen(now=t, ranks=x, total_nodes=2, slots=2,  # noqa: E731
+                               slowest_step_s=0.1)
+    asked = mc.Drain(see(10.0, rs), (), 1, "preempted (SIGTERM)", shrink=True)
+    # a planned drain with nowhere to go is refused; a preemption shrinks the world instead
+    refused = mc.step(s, dataclasses.replace(asked, shrink=False), P)[1]
+    assert kinds(refused) == ["DrainRefused"]
+    off = pol(enabled=False)
+    (no,) = mc.step(s, asked, off)[1]
+    assert isinstance(no, mc.DrainRefused) and "scale-in is off" in no.why
+    s, cmds = mc.step(s, asked, P)
+    assert kinds(cmds) == ["Regroup"] and s.regroup and not s.incident
+    left = tuple(dataclasses.replace(r, left=3) for r in rs)
+    s, cmds = mc.step(s, mc.Tick(see(10.2, left)), P)
+    assert kinds(cmds) == ["Decide", "CarryOut"]
+    d = cmds[1].decision
+    assert d.level is Level.SCALE_IN and d.drop == {2, 3} and d.isolate == {1}
+    assert s.degraded_since == 10.2 and 1 in s.counters.isolated and not s.incident

@@ -31,6 +31,7 @@ SAMPLES = [
     m.Send(wid=3, seq=2, msg={"type": "assign", "gen": 1, "rank": 0}),
     m.Abort(gen=1, wids=[3, 4]),
     m.End(code=1, grace_s=0.5, why="etcd unreachable"),
+    m.End(code=0, why="node 2 isolated", released=True),
     m.OpenStore(id=5, gen=2),
     m.State(now=1.5, host="h0", incarnation="abc", workers=[{"wid": 3, "alive": True}],
             takeover=True),
@@ -40,6 +41,7 @@ SAMPLES = [
     m.Output(wid=3, line="step 5"),
     m.Health(results=[{"check": "disk", "ok": False}], nvml_status="NVML: off"),
     m.KeeperEvents(events=[{"ev": "replicated"}]),
+    m.Preempted(grace_s=19.5),
     m.Refused(why="stale epoch 3 < 7"),
     m.Reply(id=5, port=4242),
 ]

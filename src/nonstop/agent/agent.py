@@ -169,6 +169,13 @@ class Agent:
         except OSError:  # full: a wake-up is already pending
             pass
 
+    def preempted(self) -> list[tuple[int, float]]:
+        """Hosts told to stop: none here (a SIGTERM ends the whole job, with its emergency save)."""
+        return []
+
+    def release(self, node: int, why: str) -> None:
+        """Nothing to release: the nodes of one host are simulated."""
+
     def host_up(self, node: int) -> bool:
         """Whether the node is a host whose agent still answers: never here (the nodes of one
         host are simulated; none has an agent of its own to vouch for it)."""

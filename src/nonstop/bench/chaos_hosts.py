@@ -5,8 +5,8 @@ host as a user starts it on real machines).
 Besides the rank faults the job injects into itself (``--inject``: crashes, hangs, NaN, silent
 corruption, a warm spare killed at its promotion...), this harness throws what only the outside
 world can: a host killed whole, a host partitioned then healed, the controller in office killed,
-a host's launcher (``nonstop run``) SIGKILLed, etcd restarted, a host's keeper (its node memory)
-killed, a rank frozen with SIGSTOP and woken with SIGCONT once the job has replaced it (the zombie
+a host's launcher (``nonstop run``) SIGKILLed, a host preempted (SIGTERM: drained to the spare
+host, then released), etcd restarted, a host's keeper (its node memory) killed, a rank frozen with SIGSTOP and woken with SIGCONT once the job has replaced it (the zombie
 must never join again), and the shared checkpoint file system filled while checkpoints are
 written. A host that was lost comes back as a new machine (a new node id on the same address):
 the job must take it in as a spare host before the next host fault, so the world never shrinks
@@ -56,8 +56,8 @@ RANK_KINDS: dict[str, str] = {
 }
 #: faults of the outside world, thrown by this harness
 HOST_KINDS = ("host_kill", "partition", "controller_kill", "launcher_kill", "etcd_restart",
-              "keeper_kill", "stop_cont", "disk_full")
-KILLS_HOST = ("host_kill", "partition", "launcher_kill")  # the host's ranks are lost
+              "keeper_kill", "stop_cont", "disk_full", "preempt")
+KILLS_HOST = ("host_kill", "partition", "launcher_kill", "preempt")  # the host goes
 ONCE = chaos.ONCE
 POLICY = chaos.POLICY + """    node_replacement: {budget: 1000000}
     scale_in: {budget: 1000000}
@@ -194,6 +194,10 @@ class Harness:
             elif kind == "launcher_kill":
                 os.kill(j.procs[i].pid, signal.SIGKILL)
                 j.procs[i].wait(10)
+                self.new_host(i)
+            elif kind == "preempt":  # its ranks drained to the spare host, then it leaves
+                os.kill(j.procs[i].pid, signal.SIGTERM)
+                f["exit_code"] = j.procs[i].wait(60)
                 self.new_host(i)
             else:  # partition: cut until it fences itself, then healed; it offers itself again
                 before = j.output(i).count("fenced")

@@ -27,7 +27,7 @@ from .book import IncidentBook
 from .ending import Outcome
 from .generations import Generations
 from .ledger import SdcBook, TrainingLedger
-from .requests import Requests
+from .requests import Preemptions, Requests
 from .phase import ACTIVE, ENDING, Phase
 from .watchers import Command, Watchers
 from .workers import Worker, WorkerTable
@@ -73,6 +73,8 @@ class Controller:
         self._last_progress = 0.0
         self.max_step = 0
         self.requests = Requests(run_dir)  # from outside the job: nonstop drain
+        self.preempts = Preemptions(self.log)  # hosts a scheduler told to stop
+        self._release: set[int] = set()  # isolated nodes whose hosts go once a generation formed
 
     # == what others read ========================================================================
     @property
@@ -289,6 +291,9 @@ class Controller:
                           usable=self.state.usable_nodes(self.total_nodes))
 
     def _do_Formed(self, c: mc.Formed) -> None:
+        for node in sorted(self._release):
+            self.agent.release(node, f"node {node} isolated: the job goes on without it")
+        self._release.clear()
         ev = self._last_entered
         ranks = self._ranks()
         self._t_running = time.time()
@@ -336,9 +341,36 @@ class Controller:
             self.gens.refill_spares(self.counters.isolated)
 
     def _isolate(self, node: int) -> None:
-        """Never place a rank or a spare on this node again in this job."""
+        """Never place a rank or a spare on this node again in this job; its host is released
+        once the next generation has formed (its memory may still serve the restore)."""
         self._step(mc.Isolate(self._seen(), node))
         self.gens.isolate(node)
+        self._release.add(node)
+
+    def _preempt(self, node: int) -> None:
+        """A host told to stop: a spare host is let go at once; one with ranks is drained to a
+        spare host at the next step boundary, or the world shrinks without it (released once
+        the new generation formed). While the job is busy, tried again."""
+        if node in self.counters.isolated:
+            return self.preempts.done(node)
+        if not any(n == node for n in self.gens.node_of().values()):
+            self.preempts.done(node)
+            self._isolate(node)
+            self._release.discard(node)
+            return self.agent.release(node, f"node {node} preempted: it held no rank")
+        s = self.state
+        if s.phase is not Phase.RUNNING or s.incident or s.regroup or s.retry_deadline is not None:
+            return  # busy: again in a moment
+        # a spare host still warming up is waited for during the first half of the grace; then
+        # (or with none at all) the world goes on without the host's ranks
+        need = sum(1 for n in self.gens.node_of().values() if n == node)
+        spares = self.gens.spare_nodes(set(self.counters.isolated) | {node})
+        ready = self.gens.ready_spares()
+        if spares and not any(ready.get(n, 0) >= need for n in spares) \
+                and not self.preempts.late(node, time.time()):
+            return
+        self.preempts.done(node)
+        self._step(mc.Drain(self._seen(), (), node, "preempted (SIGTERM)", shrink=True))
 
     def _on_exit(self, proc: Proc) -> None:
         if self.memory.node_of_wid(proc.wid) is not None:
@@ -425,6 +457,9 @@ class Controller:
         for f in takeover.faults(adoption, lost, self.gens.node_of()):
             self._fault(f)
         self._refill_spares()
+        for node in sorted(self.counters.isolated):  # the predecessor had no time to let them go
+            if self.agent.host_up(node):
+                self._release.add(node)
 
     # == hosts joining and leaving (across hosts a node is a host) ===============================
     def node_joined(self, node: int) -> None:
@@ -589,6 +624,10 @@ class Controller:
                            str(req.get("why") or "asked"))
             else:
                 self.log.write("request_refused", request=req)
+        for node, grace_s in self.agent.preempted():
+            self.preempts.add(node, grace_s, now)
+        for node in self.preempts.due(now):
+            self._preempt(node)
         if self.phase is Phase.FINISHING:
             self._step(mc.Settled(self._seen(now), self.memory.settled(self.final_persist)))
             return

@@ -123,6 +123,7 @@ class Drain:
     ranks: tuple[int, ...] = ()
     node: int | None = None
     why: str = "asked"
+    shrink: bool = False  # a node with no spare node to go to: the world goes on without it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,7 +309,9 @@ class JobState:
     regroup: bool = False  # the ranks leave at a step boundary to grow the world (no fault)...
     forced: bool = False  # ...and, too slow to, were told to leave at once
     degraded_since: float | None = None  # trains with fewer ranks than it started with, since
-    migrate: tuple[tuple[int, ...], int | None, str] | None = None  # a drain under way: ranks, node, why
+    # a drain under way: ranks, node, why, and the ranks a smaller world goes on without (None:
+    # they move to spares)
+    migrate: tuple[tuple[int, ...], int | None, str, frozenset[int] | None] | None = None
 
     @property
     def faulty_nodes(self) -> set[int]:
@@ -526,13 +529,23 @@ def _drain(s: JobState, ob: Drain, policy: Any) -> tuple[JobState, list[Command]
         return refuse("the script does not use nonstop.wrap: its ranks cannot stop at a step boundary")
     if s.phase is not Phase.RUNNING or s.incident or s.regroup or s.retry_deadline is not None:
         return refuse(f"the job is busy ({s.phase.value}{', an incident is open' if s.incident else ''})")
+    drop: frozenset[int] | None = None
     if ob.node is not None:
         ranks = tuple(sorted(r for r, n in seen.node_of.items() if n == ob.node))
         if not ranks:
             return refuse(f"node {ob.node} holds no rank")
         free = spare_nodes(seen.node_of, seen.total_nodes, set(s.counters.isolated) | {ob.node})
         if not any(seen.ready_spares.get(n, 0) >= len(ranks) for n in free):
-            return refuse(f"no spare node has {len(ranks)} warm spare(s) ready")
+            if not ob.shrink:
+                return refuse(f"no spare node has {len(ranks)} warm spare(s) ready")
+            cfg = policy.levels.scale_in
+            lost, why_not = ladder.shrink(set(), {ob.node}, view(s, seen), policy)
+            if not cfg.enabled or s.counters.used(Level.SCALE_IN) >= cfg.budget:
+                why_not = "scale-in is off or its budget spent"
+            if why_not:
+                return refuse(f"no spare node has {len(ranks)} warm spare(s) ready, and no "
+                              f"scale-in: {why_not}")
+            drop = frozenset(lost)
     else:
         ranks = tuple(sorted(set(ob.ranks)))
         unknown = [r for r in ranks if r not in seen.node_of]
@@ -545,22 +558,27 @@ def _drain(s: JobState, ob: Drain, policy: Any) -> tuple[JobState, list[Command]
                           f"ready, {need[short[0]]} needed")
     deadline = seen.now + policy.timeouts.teardown_s + 3 * seen.slowest_step_s
     return (_with(s, phase=Phase.TEARING_DOWN, deadline=deadline, t_abort=seen.now, probed=False,
-                  regroup=True, forced=False, migrate=(ranks, ob.node, ob.why)),
+                  regroup=True, forced=False, migrate=(ranks, ob.node, ob.why, drop)),
             [Regroup(s.gen, drain=f"{asked}: {ob.why}")])
 
 
 def _migrate(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]]:
     """The ranks left at a step boundary for a drain: the drained ones move to warm spares."""
-    ranks, node, why = s.migrate  # type: ignore[misc]
+    ranks, node, why, drop = s.migrate  # type: ignore[misc]
     isolate = frozenset({node}) if node is not None else frozenset()
     level = Level.REPLACE_NODE if node is not None else Level.REPLACE_RANK
-    decision = Decision(level, replace=frozenset(ranks), isolate=isolate,
-                        reason=f"drain {'node ' + str(node) if node is not None else 'rank(s)'}: {why}")
+    reason = f"drain {'node ' + str(node) if node is not None else 'rank(s)'}: {why}"
+    if drop is not None:  # no spare node: the world goes on without the node's ranks
+        decision = Decision(Level.SCALE_IN, isolate=isolate, drop=drop, reason=reason)
+    else:
+        decision = Decision(level, replace=frozenset(ranks), isolate=isolate, reason=reason)
     counters = s.counters.but(isolated=s.counters.isolated | isolate)
     placement = place(decision, seen, counters.isolated)
     gen = s.gen + 1
     s = _with(_publish(s, seen, policy, gen), level=None, level_deadline=None, migrate=None,
               counters=counters)
+    if drop is not None:
+        s = _with(s, degraded_since=s.degraded_since or seen.now)
     return s, [Decide(decision, s.gen - 1), CarryOut(decision, placement, gen)]
 
 

@@ -55,3 +55,46 @@ def send(run_dir: Path, req: dict[str, Any]) -> Path:
     final = folder / f"{name}.json"
     os.replace(tmp, final)
     return final
+
+
+RETRY_S = 0.5  # a preemption the job was too busy to act on is tried again this often
+
+
+class Preemptions:
+    """Hosts a scheduler told to stop (SIGTERM to their ``nonstop run``, reported by their
+    agents): each is acted on as soon as the job is not busy, until its grace is spent - its
+    ranks drained to a spare node, or the world shrunk without them, at a step boundary. Then
+    the host is released. A host with no spare node to go to and no scale-in allowed is left to
+    the ladder when it leaves."""
+
+    def __init__(self, log: Any):
+        self.log = log
+        self.pending: dict[int, float] = {}  # node -> when its grace ends
+        self._half: dict[int, float] = {}  # node -> half-way through its grace
+        self._next: dict[int, float] = {}
+
+    def add(self, node: int, grace_s: float, now: float) -> None:
+        if node not in self.pending:
+            self.pending[node] = now + grace_s
+            self._half[node] = now + grace_s / 2
+            self.log.write("preempted", node=node, grace_s=round(grace_s, 3))
+
+    def late(self, node: int, now: float) -> bool:
+        """Half its grace is spent: no more waiting for a spare host to be ready."""
+        return now >= self._half.get(node, 0.0)
+
+    def due(self, now: float) -> list[int]:
+        """The nodes to act on now (each at most every ``RETRY_S``); expired ones are dropped."""
+        out = []
+        for node, deadline in list(self.pending.items()):
+            if now >= deadline:
+                self.done(node)
+            elif now >= self._next.get(node, 0.0):
+                self._next[node] = now + RETRY_S
+                out.append(node)
+        return out
+
+    def done(self, node: int) -> None:
+        self.pending.pop(node, None)
+        self._half.pop(node, None)
+        self._next.pop(node, None)

@@ -76,6 +76,8 @@ class HostAgent:
         self.done: dict[str, Any] | None = None  # the job's end, as read from etcd
         self._respawn_at: float | None = None
         self._stop = threading.Event()
+        self.preempted_at: float | None = None  # SIGTERM seen (monotonic): a preemption notice
+        self._preempt_told = False  # the controller in office knows
         self.shift_s = float(os.environ.get("NONSTOP_TEST_CLOCK_SHIFT_S", "0") or 0)
 
     def now(self) -> float:
@@ -303,6 +305,8 @@ class HostAgent:
                 self._judge_doubt()
             if self.done is not None:
                 self._end_done()
+            if self.preempted_at is not None:
+                self._preempting()
             self._check_health(now)
             if self._respawn_at is not None and now >= self._respawn_at:
                 self._spawn_controller()
@@ -353,6 +357,7 @@ class HostAgent:
                 pass
         new = epoch != self.epoch
         self.epoch, self.ctl = epoch, ch
+        self._preempt_told = False  # (a new controller hears of a preemption again)
         workers = [{"wid": p.wid, "pid": p.pid, "alive": p.alive, "code": p.returncode,
                     **self.meta.get(p.wid, {})}
                    for p in self.agent.procs.values() if p.wid != CONTROLLER_WID]
@@ -412,10 +417,13 @@ class HostAgent:
                 for old in [g for g in self._gen_stores if g < gen - 1]:
                     del self._gen_stores[old]
                 self._send(m.Reply(id=order.id, port=store.port))
-            case m.End(code=code, grace_s=grace_s, why=why):
+            case m.End(code=code, grace_s=grace_s, why=why, released=released):
                 self.agent.end_all(grace_s)
                 self.code = code
-                if why:
+                if released:
+                    print(f"nonstop: host {self.cfg.host_id} released by the job ({why}): it "
+                          "leaves, the job goes on", file=sys.stderr, flush=True)
+                elif why:
                     print(f"nonstop: error: {why}", file=sys.stderr, flush=True)
 
     def _relay_events(self) -> None:
@@ -474,6 +482,30 @@ class HostAgent:
         if not self.cfg.quiet:
             print(f"[{self.cfg.host_id} {label}] {line}", flush=True)
         self._send(m.Output(wid=wid, line=line))
+
+    # == preemption =============================================================================
+    def preempt(self) -> None:
+        """SIGTERM: a scheduler wants this host back. With a grace in the policy, the host stays
+        that long for its ranks to move away at a step boundary (the controller releases it
+        once they have); a second signal, or the grace spent, ends it at once (130)."""
+        grace = float(self.cfg.policy["hosts"]["preempt_grace_s"])
+        if self.preempted_at is not None or grace <= 0 or self.code is not None:
+            raise KeyboardInterrupt
+        self.preempted_at = time.monotonic()
+        print(f"nonstop: host {self.cfg.host_id} asked to stop (SIGTERM): its ranks move away "
+              f"within {grace:g} s (hosts.preempt_grace_s), then it leaves", file=sys.stderr,
+              flush=True)
+
+    def _preempting(self) -> None:
+        grace = float(self.cfg.policy["hosts"]["preempt_grace_s"])
+        left = grace - (time.monotonic() - (self.preempted_at or 0.0))
+        if not self._preempt_told and self.ctl is not None:
+            self._preempt_told = self._send(m.Preempted(grace_s=max(0.0, left)))
+        if left <= 0:
+            print(f"nonstop: host {self.cfg.host_id}: its ranks did not move away within "
+                  f"{grace:g} s of SIGTERM: it ends them and leaves", file=sys.stderr, flush=True)
+            self.agent.end_all(0.0)
+            self.code = 130
 
     # == fencing ================================================================================
     def _judge_doubt(self) -> None:

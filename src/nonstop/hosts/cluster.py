@@ -71,6 +71,9 @@ class Cluster:
         self._events: list[dict[str, Any]] = []
         self._progress: dict[int, dict[str, Any]] = {}
         self._keeper_events: dict[int, list[dict[str, Any]]] = {}
+        self._preempted: list[tuple[int, float]] = []  # (node, grace): hosts told to stop
+        self.own_host: str | None = None  # the host this controller runs on
+        self.own_release: tuple[int, str] | None = None  # ...released once the journal says so
         self._exited: list[RemoteProc] = []
         self._unsent: dict[int, list[tuple[int, dict[str, Any]]]] = {}  # wid -> (seq, message)
         self._replies: dict[int, tuple[threading.Event, list[m.Reply]]] = {}
@@ -224,6 +227,30 @@ class Cluster:
     def alive(self) -> list[RemoteProc]:
         return [p for p in self.procs.values() if p.alive]
 
+    def preempted(self) -> list[tuple[int, float]]:
+        """Hosts told to stop since the last call: (node, grace in seconds)."""
+        out, self._preempted = self._preempted, []
+        return out
+
+    def release(self, node: int, why: str) -> None:
+        """The job needs the host no more (drained, preempted, isolated): its agent ends its
+        processes and leaves (exit 0), so that the slot can be filled by another host. This
+        controller's own host goes last, once the journal holds the generation that goes on
+        without it (``release_own``): the standby that takes over must find the job steady."""
+        link = self.links.get(node)
+        if link is not None and not link.lost:
+            if link.rec.host_id == self.own_host:
+                self.own_release = (node, why)
+                return
+            self.tell(node, m.End(code=0, grace_s=0.0, why=why, released=True))
+
+    def release_own(self) -> None:
+        """This controller's host, released (see ``release``): ends this process too."""
+        if self.own_release is not None:
+            node, why = self.own_release
+            self.own_release = None
+            self.tell(node, m.End(code=0, grace_s=0.0, why=why, released=True))
+
     def host_up(self, node: int) -> bool:
         """Whether the node's host is in the job and its agent reachable: then its ranks and its
         memory dying together is not the host lost (its lease says when that is)."""
@@ -302,6 +329,8 @@ class Cluster:
             case m.State():
                 link.state = msg
                 self._adopt(link, msg)
+            case m.Preempted(grace_s=grace_s):
+                self._preempted.append((node, float(grace_s)))
             case m.Refused(why=why):  # a newer controller is in office: we must stop at once
                 raise Deposed(f"host {link.rec.host_id} refused a command: {why}")
 

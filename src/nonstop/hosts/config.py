@@ -153,6 +153,9 @@ def run_host(cfg: Any) -> int:
     agent = HostAgent(hcfg, secret, faults)
 
     def on_signal(signum: int, _frame: Any) -> None:
+        if signum == signal.SIGTERM:
+            agent.preempt()  # a preemption notice: the ranks move away first (else raises)
+            return
         raise KeyboardInterrupt
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}

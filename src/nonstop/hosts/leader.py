@@ -118,6 +118,7 @@ class Leader:
         self.epoch = lead.epoch
         self.run_dir = cfg.run_dir
         self._journal_gen = -2
+        self._written_gen = -2  # the newest generation the journal in etcd holds
         self.journal = Journal(etcd, self.epoch)
         self._pending: str | None = None  # the journal to write next
         self._worker: threading.Thread | None = None
@@ -176,6 +177,7 @@ class Leader:
 
         cluster = Cluster(self.epoch, self.secret, self.run_dir, output,
                           next_wid=int((journal or {}).get("next_wid", 0)))
+        cluster.own_host = cfg.host_id
         for node, rec in sorted(placed.items()):
             try:
                 cluster.add_host(node, rec, timeout_s=5.0,
@@ -356,6 +358,9 @@ class Leader:
         if controller.gen != self._journal_gen and controller.phase is not Phase.STARTING:
             self._journal_gen = controller.gen
             self._pending = self._journal(controller)  # the newest wins
+        if cluster.own_release is not None and self._written_gen >= controller.gen \
+                and self._pending is None:
+            cluster.release_own()
 
     def _journal(self, controller: Any) -> str:
         rec = {"epoch": self.epoch, "gen": controller.gen,
@@ -386,6 +391,7 @@ class Leader:
             if pending is not None:
                 try:
                     self.journal.write(pending)
+                    self._written_gen = int(json.loads(pending)["gen"])
                 except Fenced:
                     print("nonstop: a newer controller is in office: this one stops",
                           file=sys.stderr, flush=True)

@@ -271,6 +271,11 @@ class Hosts(_Strict):
     join_timeout_s: float = Field(300.0, gt=0, le=86400.0)
     # etcd unreachable (no quorum) this long: the job stops with a diagnosis; shorter, it trains on
     store_outage_s: float = Field(60.0, gt=0, le=86400.0)
+    # SIGTERM to a host's nonstop run (a scheduler's preemption notice): it stays this long for
+    # its ranks to move to a spare host (or the world to shrink without them) at a step boundary,
+    # then ends; 0: it ends at once (its ranks lost, the ladder recovers). Kubernetes gives 30 s
+    # (terminationGracePeriodSeconds), Slurm KillWait 30 s: keep it below the scheduler's.
+    preempt_grace_s: float = Field(20.0, ge=0, le=3600.0)
 
 
 class Policy(_Strict):

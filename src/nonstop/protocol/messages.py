@@ -116,6 +116,7 @@ class End(Order):
     code: int = 0
     grace_s: float = 0.0
     why: str | None = None
+    released: bool = False  # the job goes on without this host (drained, preempted, isolated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +190,15 @@ class KeeperEvents(Report):
 
     op: ClassVar[str] = "keeper_events"
     events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Preempted(Report):
+    """The host was told to stop (SIGTERM: a scheduler's preemption notice): it stays up to
+    ``grace_s`` for its ranks to move away, then ends."""
+
+    op: ClassVar[str] = "preempted"
+    grace_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
