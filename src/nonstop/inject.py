@@ -39,6 +39,7 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
                 "data corruption: its replicas no longer agree)", ()),
     "node_crash": ("the rank's whole node dies: its keeper (the node's memory), then every process "
                    "of the node", ()),
+    "keeper_crash": ("the rank's node memory (its keeper) is killed; the rank trains on", ()),
 }
 STEP_POINTS = ("start", "optimizer", "snapshot")  # snapshot: half-way through writing the step's snapshot
 #: points inside a recovery, keyed by generation: the new rank process holds its assignment
@@ -319,6 +320,13 @@ def fire(f: FaultSpec) -> None:
             except OSError:
                 pass
         os.kill(os.getpid(), signal.SIGKILL)
+    elif f.kind == "keeper_crash":
+        keeper = _keeper_pid()
+        if keeper:
+            try:
+                os.kill(keeper, signal.SIGKILL)
+            except OSError:
+                pass
     elif f.kind == "exit":
         os._exit(f.code or 1)
     elif f.kind == "stop":

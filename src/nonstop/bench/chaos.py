@@ -7,7 +7,8 @@ Kinds (one host): a rank crashed; two ranks at once; a rank crashed after its op
 (dirty); a rank crashed half-way through writing its snapshot (torn); a rank crashed in the
 restore of a recovery, or while leaving a failed generation; a rank exiting with an error code;
 an exception in the training code; a hang; a frozen rank (SIGSTOP); NaN gradients; a bit flipped
-in a parameter (silent corruption); a bit flipped in a snapshot. Faults keyed to steps fire once:
+in a parameter (silent corruption); a bit flipped in a snapshot; the node's memory (its keeper)
+killed; a crash whose warm spare is killed the moment it is promoted. Faults keyed to steps fire once:
 a step redone after a rollback does not fire its fault again. Faults inside a recovery fire in
 the first recovery that reaches their point.
 
@@ -49,6 +50,9 @@ KINDS: dict[str, str] = {
     "nan": "nan:rank={r},step={s}",
     "bitflip": "bitflip:rank={r},step={s}",
     "corrupt_snapshot": "corrupt:rank={r},step={s}",
+    "keeper_crash": "keeper_crash:rank={r},step={s}",
+    # a crash, then the warm spare that takes the rank dies at its promotion
+    "spare_killed_at_promotion": "crash:rank={r},step={s};crash:rank={r},at=promoted",
 }
 ONCE = ("crash_in_restore", "crash_in_teardown")  # keyed to the first recovery: one each at most
 # Injected faults are not failing hardware, and the soak tests recovery, not the rules that give

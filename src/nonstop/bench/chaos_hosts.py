@@ -46,13 +46,12 @@ ETCD_DOWN_S = 3.0
 DISK_MB = 16  # the checkpoint file system (tmpfs): filled by disk_full
 CKPT_EVERY = 10
 
-#: faults the job injects into itself (chaos.KINDS' templates), plus a warm spare killed at the
-#: moment it is promoted (a crash, then the process that takes the rank dies at its assignment)
+#: faults the job injects into itself (chaos.KINDS' templates; a keeper is killed from outside
+#: here, keeper_kill)
 RANK_KINDS: dict[str, str] = {
-    **{k: chaos.KINDS[k] for k in ("crash", "crash_two", "crash_dirty", "crash_torn_snapshot",
-                                   "crash_in_restore", "exception", "hang", "nan", "bitflip",
-                                   "corrupt_snapshot")},
-    "spare_killed_at_promotion": "crash:rank={r},step={s};crash:rank={r},at=promoted",
+    k: chaos.KINDS[k] for k in ("crash", "crash_two", "crash_dirty", "crash_torn_snapshot",
+                                "crash_in_restore", "exception", "hang", "nan", "bitflip",
+                                "corrupt_snapshot", "spare_killed_at_promotion")
 }
 #: faults of the outside world, thrown by this harness
 HOST_KINDS = ("host_kill", "partition", "controller_kill", "launcher_kill", "etcd_restart",

@@ -99,7 +99,9 @@ class Digests:
         t0 = time.perf_counter()
         mine = torch.tensor([digest(modules)], dtype=torch.int64)
         every = torch.zeros(world, dtype=torch.int64)
-        dist.all_gather_into_tensor(every, mine)
+        # (the name torch 2.13 asks for; all_gather_into_tensor warned in every rank's log)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(every, mine)
         digests = every.tolist()
         spent = time.perf_counter() - t0
         self._costs.append(spent)
