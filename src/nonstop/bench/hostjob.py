@@ -125,7 +125,7 @@ class HostJob:
     def host_of_rank(self, rank: int) -> int:
         """The test host whose output shows this rank's lines."""
         for i in self.outs:
-            if f"] " in self.output(i) and f" rank {rank}]" in self.output(i):
+            if "] " in self.output(i) and f" rank {rank}]" in self.output(i):
                 return i
         raise LookupError(rank)
 
