@@ -376,7 +376,10 @@ class Controller:
         if self.memory.node_of_wid(proc.wid) is not None:
             self._on_keeper_exit(proc)
             return
-        w = self.workers[proc.wid]
+        w = self.workers.get(proc.wid)
+        if w is None:  # not ours: a predecessor's process whose exit its host reported late
+            self.log.write("exit", wid=proc.wid, code=proc.returncode, unknown=True)
+            return
         was_killed = w.killed
         w.dead = True
         code = proc.returncode
@@ -541,7 +544,8 @@ class Controller:
                 self._training_complete(ev["t"])
 
     def _on_inject(self, w: Worker, ev: dict[str, Any]) -> None:
-        self.book.injected(ev["t"], ev.get("kind"))
+        if not ev.get("replay"):  # an old one, replayed to a controller taking over: no start
+            self.book.injected(ev["t"], ev.get("kind"))
         if ev.get("index") is not None:  # fired once in the job: never again (any host)
             key = str(ev["index"])
             self.gens.claimed[key] = self.gens.claimed.get(key, 0) + 1
