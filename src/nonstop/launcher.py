@@ -298,6 +298,10 @@ def report(controller: Any, log: Any, run_dir: Path, code: int, display: Any) ->
     summary["diagnosis"] = controller.outcome.diagnosis
     summary["state"] = dict(controller.memory.summary(), snapshot=controller.snap_stats)
     summary["sdc"] = controller.sdc.summary()
+    earlier = controller.book.base  # across hosts: incidents of the controllers before this one
+    if earlier:
+        summary["incidents"] += earlier
+        summary["incidents_earlier"] = earlier
     log.write("run_end", **{k: v for k, v in summary.items() if k != "incident_list"})
     log.close()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

@@ -68,8 +68,13 @@ def gap(kind: str) -> int:
         else RANK_GAP
 
 
+TAIL = 2 * HOST_GAP  # after the last fault: faults of the outside world wait for the hosts
+
+
 def needed(plan: list[dict[str, Any]]) -> int:
-    return (plan[-1]["step"] + gap(plan[-1]["kind"])) if plan else FIRST
+    """Steps for the job: the schedule's, and a tail, since a fault of the outside world fires
+    only once the hosts are all back from the one before (later than its step, at times)."""
+    return (plan[-1]["step"] + gap(plan[-1]["kind"]) + TAIL) if plan else FIRST
 
 
 def schedule(seed: int, faults: int, world: int, slots: int,
@@ -132,6 +137,23 @@ class Harness:
         with _etcd(self.j) as etcd:
             return etcd.count(keys.HOSTS)
 
+    def hosts_in_job(self) -> int:
+        """Hosts alive in etcd that the controller in office has taken in as nodes, not isolated
+        (as its journal says: written whenever a host joins or is lost)."""
+        from ..protocol import hosts as keys
+        from .hosts import _etcd
+
+        with _etcd(self.j) as etcd:
+            raw, _ = etcd.get(keys.JOURNAL)
+            rows = etcd.get_prefix(keys.HOSTS)
+        if raw is None:
+            return 0
+        journal = json.loads(raw)
+        alive = {(r.host_id, r.incarnation) for r in (keys.HostRecord.loads(x[1]) for x in rows)}
+        isolated = set(journal.get("isolated") or [])
+        return sum(1 for n, h in (journal.get("nodes") or {}).items()
+                   if int(n) not in isolated and (h["host"], h["incarnation"]) in alive)
+
     def wait(self, what: str, pred: Callable[[], bool], timeout_s: float = SETTLE_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -144,8 +166,8 @@ class Harness:
         raise TimeoutError(f"{what} not within {timeout_s:g} s")
 
     def settled(self) -> None:
-        """Every host of the job registered (a lost one is back as a new host)."""
-        self.wait("every host registered", lambda: self.hosts_registered() == self.slots)
+        """Every host of the job back (a lost one as a new host) and taken in by the controller."""
+        self.wait("every host in the job", lambda: self.hosts_in_job() == self.slots)
 
     def events(self, kind: str) -> list[dict[str, Any]]:
         return self.j.of(kind)
@@ -321,8 +343,10 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
                 h.start_host(0)
                 _wait_etcd(j, "a controller in office", lambda e: e.leader(keys.LEADER) is not None,
                            START_TIMEOUT_S)
-                for i in range(1, slots):
+                for i in range(1, slots):  # one at a time: host i is node i (a spare: the last)
                     h.start_host(i)
+                    h.wait(f"host {i} registered", lambda i=i: h.hosts_registered() > i,
+                           START_TIMEOUT_S)
                 for f in plan:
                     if f["kind"] not in HOST_KINDS:
                         continue
@@ -379,11 +403,14 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
         and len(saved) == 1
     match = completed and ref_code == 0 and common.params_equal(base / "reference.pt", saved[0])
     shm_left = sorted(_shm() - shm_before)
+    # the summary of the controller in office at the end counts the job's incidents
+    summaries = sorted((base / "job").glob("*/summary.json"), key=lambda p: p.stat().st_mtime)
+    last = json.loads(summaries[-1].read_text()) if summaries else {}
     return {
         "scenario": "chaos", "seed": seed, "faults": faults, "hosts": hosts,
         "ranks_per_host": per_host, "completed": completed, "params_match_reference": match,
         "incidents_closed": sum(1 for i in incidents if i.get("outcome") == "recovered"),
-        "incidents": len(incidents),
+        "incidents": len(incidents), "summary_incidents": last.get("incidents"),
         "incidents_with_phases": sum(1 for i in incidents if i.get("phases_s")),
         "orphans": len(left) + len(left_in_hosts), "shm_left": shm_left,
         "zombies_joined": zombies, "by_kind": by_kind, "levels": levels,

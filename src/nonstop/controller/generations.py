@@ -6,6 +6,7 @@ taken, processes started, nodes isolated, and every rank told its assignment."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from .. import protocol
@@ -110,8 +111,8 @@ class Generations:
                 w.warm_gen = gen
         for node in usable:  # a node that keeps working after losing its memory gets a new one
             h = self.memory.keepers.get(node)
-            if h is not None and h.lost:
-                self.memory.restart(node)
+            if h is not None and h.lost and time.time() >= h.retry_at:
+                self.memory.try_restart(node)
         self.memory.configure(node_of, usable)
         self.log.write("generation", gen=gen, level=level,
                        ranks={str(r): w for r, w in sorted(self.plan.items())})

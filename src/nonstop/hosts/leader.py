@@ -117,7 +117,7 @@ class Leader:
         self.office = office
         self.epoch = lead.epoch
         self.run_dir = cfg.run_dir
-        self._journal_gen = -2
+        self._journal_key: tuple[int, ...] = (-2,)  # what the newest journal handed over was
         self._written_gen = -2  # the newest generation the journal in etcd holds
         self.journal = Journal(etcd, self.epoch)
         self._pending: str | None = None  # the journal to write next
@@ -286,7 +286,9 @@ class Leader:
                 lost.add(int(node))
             else:
                 placed[int(node)] = rec
-        nxt = max(list(placed) + list(lost) + [-1]) + 1
+        known = [int(n) for n in journal.get("isolated") or []] + \
+            [int(n) for n in (journal.get("node_of") or {}).values()]
+        nxt = max(list(placed) + list(lost) + known + [-1]) + 1  # a new host: a node never used
         for _, rec in sorted(alive.items()):
             placed[nxt] = rec
             nxt += 1
@@ -355,8 +357,12 @@ class Leader:
                     f"etcd at {','.join(f'{h}:{p}' for h, p in self.cfg.endpoints)} unreachable "
                     f"for {time.monotonic() - down:.0f} s (hosts.store_outage_s={outage:g}): no "
                     "host can be known alive or dead without it"))
-        if controller.gen != self._journal_gen and controller.phase is not Phase.STARTING:
-            self._journal_gen = controller.gen
+        # a generation, an incident closed, a host joined or lost, a node isolated: a standby
+        # taking over must number the nodes as we did (a node isolated must stay so)
+        key = (controller.gen, len(controller.incidents), len(cluster.links),
+               sum(link.lost for link in cluster.links.values()), len(controller.counters.isolated))
+        if key != self._journal_key and controller.phase is not Phase.STARTING:
+            self._journal_key = key
             self._pending = self._journal(controller)  # the newest wins
         if cluster.own_release is not None and self._written_gen >= controller.gen \
                 and self._pending is None:
@@ -374,7 +380,7 @@ class Leader:
                "worlds": {str(g): w for g, w in controller.gens.worlds.items()},
                "trained_world": controller.gens.trained_world,
                "counters": controller.counters.record(),
-               "incidents": len(controller.incidents) + (controller.incident is not None)}
+               "incidents": len(controller.incidents)}  # closed: an open one goes on after us
         return json.dumps(rec, separators=(",", ":"))
 
     def _store_loop(self, cluster: Any) -> None:

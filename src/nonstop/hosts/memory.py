@@ -40,7 +40,9 @@ class RemoteKeeperLink:
             left = deadline - time.time()
             if left <= 0:
                 raise TimeoutError(f"the keeper of node {node} did not answer")
-            reply = cluster.request(node, m.KeeperOpen(name=name), timeout_s=min(left, 5.0))
+            if not cluster.host_up(node):  # its host went meanwhile: no waiting out the deadline
+                raise TimeoutError(f"node {node}'s host cannot be reached")
+            reply = cluster.request(node, m.KeeperOpen(name=name), timeout_s=min(left, 1.0))
             if reply is not None and reply.tcp:
                 return cls(cluster, node, name, reply.tcp)
             if reply is not None and reply.error:

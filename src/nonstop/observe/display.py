@@ -98,7 +98,10 @@ def print_summary(console: Console, summary: dict[str, Any]) -> None:
         console.print(table)
     mttr = summary.get("mttr_s")
     goodput = summary.get("goodput")
-    lines = [f"incidents: {summary['incidents']}"]
+    earlier = summary.get("incidents_earlier") or 0
+    lines = [f"incidents: {summary['incidents']}" + (
+        f" ({earlier} before this controller took office: in the event logs of their controllers' "
+        "hosts; the figures below are this controller's)" if earlier else "")]
     if mttr:
         lines.append(f"MTTR median {mttr['median']:.3f} s (min {mttr['min']:.3f}, max {mttr['max']:.3f})")
     lost = summary.get("steps_lost")

@@ -32,6 +32,10 @@ class KeeperHandle:
     killed: bool = False  # ended by nonstop: its exit is not a fault
     lost: bool = False
     lost_at: float = 0.0
+    retry_at: float = 0.0  # a new memory that could not be started is tried again from then
+
+
+RESTART_RETRY_S = 30.0
 
 
 class Keepers:
@@ -109,8 +113,24 @@ class Keepers:
     def restart(self, node: int) -> None:
         """A node whose memory was lost keeps working: a new, empty memory."""
         h = self._spawn(node)
-        self._connect(h)
+        try:
+            self._connect(h)
+        except RuntimeError:  # ended, lost: tried again later (see ``revive``)
+            h.killed, h.lost, h.lost_at = True, True, time.time()
+            h.retry_at = h.lost_at + RESTART_RETRY_S
+            self.agent.signal(h.wid, signal.SIGKILL)
+            raise
         self.log.write("keeper_restarted", node=node, pid=h.pid)
+
+    def try_restart(self, node: int) -> bool:
+        """``restart``; one that fails (its host is going too, or the keeper cannot start) is
+        said, and the node trains on without memory until it is tried again."""
+        try:
+            self.restart(node)
+            return True
+        except RuntimeError as exc:
+            self.log.write("keeper_error", node=node, op="restart", error=str(exc))
+            return False
 
     def revive(self, now: float, occupied: set[int], quiet: bool, node_of: dict[int, int],
                usable: list[int]) -> None:
@@ -120,11 +140,10 @@ class Keepers:
         moves them), or a node whose keeper nonstop ended where processes run again
         (``occupied``)."""
         for h in list(self.keepers.values()):
-            if not h.lost or h.node not in usable:
+            if not h.lost or h.node not in usable or now < h.retry_at:
                 continue
             needed = (h.node in occupied) if h.killed else (quiet and now - h.lost_at > KEEPER_GRACE_S)
-            if needed:
-                self.restart(h.node)
+            if needed and self.try_restart(h.node):
                 self.configure(node_of, usable)
 
     def on_exit(self, wid: int, code: int | None) -> KeeperHandle | None:
