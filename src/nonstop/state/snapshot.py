@@ -141,11 +141,16 @@ class Snapshots:
     def take(self, state: Any, rank: int, world: int, gen: int, injector: Any = None,
              final: bool = False) -> float:
         """Copy the state into the node's memory; returns the seconds it took (0: skipped)."""
+        step = state.step
+        sharded = bool(getattr(state, "sharded", False))
+        # decided before anything can fail: every rank moves ``last_persist`` alike, whether its
+        # own copy succeeds or not - or it has no memory at all (a rank whose memory is gone must
+        # not think a checkpoint is still due at the next step: it would snapshot, and compare
+        # digests, alone while the others step on)
+        persist = self._persist(step, rank, world, sharded, gen, final)
         if self.memory is None:
             return 0.0
         t_start = time.perf_counter()
-        step = state.step
-        sharded = bool(getattr(state, "sharded", False))
         lay = packing.layout(state.state_dict(), {"step": step, "rank": rank, "world": world,
                                                   "sharded": sharded, "gen": gen})
         size = shm.data_offset(len(lay.meta)) + lay.nbytes
@@ -153,10 +158,6 @@ class Snapshots:
         midway = None
         if injector is not None and injector.has_point("snapshot"):
             midway = lambda: injector.check("snapshot", rank, step - 1)  # noqa: E731
-        # decided before anything can fail: every rank moves ``last_persist`` alike, whether its
-        # own copy succeeds or not (a rank whose memory is gone must not think a checkpoint is
-        # still due at the next step: it would snapshot, and compare digests, alone)
-        persist = self._persist(step, rank, world, sharded, gen, final)
         t_alloc = time.perf_counter()
         try:
             slot_i, seq, slot, reply = self.memory.alloc(holder, size)
