@@ -61,7 +61,12 @@ class Keepers:
 
     # == keepers =================================================================================
     def name(self, node: int) -> str | None:
-        return self.keepers[node].name if node in self.keepers else None
+        """The name of a node's memory; a node whose keeper is not started yet (a host that just
+        joined) gets the name its keeper will have: a process started there now reaches it
+        once it listens, instead of running without memory for its whole life."""
+        if node in self.keepers:
+            return self.keepers[node].name
+        return f"{self._base}-n{node}" if self.enabled else None
 
     def node_of_wid(self, wid: int) -> int | None:
         for h in self.keepers.values():
