@@ -464,7 +464,11 @@ class Leader:
 
         def joined() -> None:
             self._joining.discard(key)
-            node = max(cluster.links) + 1 if cluster.links else 0
+            # a node never used: not one the job holds, lost or isolated (after a takeover the
+            # lost ones are in no link: the new host was given a lost node's number, isolated)
+            used = [*cluster.links, *self.controller.counters.isolated,
+                    *self.controller.gens.node_of().values()]
+            node = max(used) + 1 if used else 0
             cluster.add_host(node, rec, ch=ch)
             self.controller.node_joined(node)
 
