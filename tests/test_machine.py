@@ -303,3 +303,22 @@ def ladder_decision(level, replace=(), isolate=()):
     from nonstop.decide.ladder import Decision
 
     return Decision(level, replace=frozenset(replace), isolate=frozenset(isolate))
+
+
+def test_with_no_spare_node_a_lost_nodes_rank_goes_where_a_node_has_a_place_left():
+    # after a scale-in and a scale-out the ranks need not fill their nodes: here ranks 0, 1 on
+    # node 0, rank 2 on node 1 (one place left, a warm spare there), rank 3 alone on node 2
+    rs = ranks(0, {2: {"node": 1}, 3: {"node": 2}})
+    s = seen(0.0, rs, nodes=3, ready_spares={1: 1})
+    v = mc.view(running(), s)
+    assert v.spare_nodes == 0 and v.free_slots == {1: 1, 2: 1}
+    from nonstop.decide import ladder
+    lost = Fault("node_lost", node=2, message="node 2 is gone")
+    d = ladder.decide([lost], {3}, v, P, Counters(), 10.0)
+    assert d.level is Level.REPLACE_NODE and d.isolate == {2}  # not a scale-in
+    assert mc.place(d, s, {2}) == {3: 1}  # into node 1's free place, where a spare is warm
+    # more ranks to move than places left: no node replacement
+    rs2 = ranks(0, {2: {"node": 1}, 3: {"node": 1}})
+    v2 = mc.view(running(), seen(0.0, rs2, nodes=2))
+    d2 = ladder.decide([Fault("node_lost", node=1)], {2, 3}, v2, P, Counters(), 10.0)
+    assert d2.level is not Level.REPLACE_NODE

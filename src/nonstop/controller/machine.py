@@ -28,7 +28,7 @@ from typing import Any, Union
 from ..decide import elastic, ladder
 from ..decide.ladder import Counters, Decision, Fault, Level
 from .phase import ACTIVE, ENDING, Phase
-from .placement import place, spare_nodes, view  # noqa: F401 - spare_nodes: for callers
+from .placement import free_slots, place, spare_nodes, view  # noqa: F401 - spare_nodes: callers
 
 # == what the controller saw ======================================================================
 
@@ -535,7 +535,10 @@ def _drain(s: JobState, ob: Drain, policy: Any) -> tuple[JobState, list[Command]
         if not ranks:
             return refuse(f"node {ob.node} holds no rank")
         free = spare_nodes(seen.node_of, seen.total_nodes, set(s.counters.isolated) | {ob.node})
-        if not any(seen.ready_spares.get(n, 0) >= len(ranks) for n in free):
+        # or warm spares where the nodes holding ranks have places left
+        places = free_slots(seen.node_of, seen.slots, set(s.counters.isolated) | {ob.node})
+        warm = sum(min(k, seen.ready_spares.get(n, 0)) for n, k in places.items())
+        if not any(seen.ready_spares.get(n, 0) >= len(ranks) for n in free) and warm < len(ranks):
             if not ob.shrink:
                 return refuse(f"no spare node has {len(ranks)} warm spare(s) ready")
             cfg = policy.levels.scale_in

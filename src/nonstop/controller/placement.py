@@ -23,7 +23,18 @@ def view(s: "JobState", seen: "Seen") -> JobView:
     return JobView(world=len(seen.ranks), managed=seen.managed, node_of=node_of,
                    spare_nodes=len(spare_nodes(node_of, seen.total_nodes, s.counters.isolated)),
                    capacity=len(healthy) * seen.slots, slots=seen.slots,
-                   ready_spares=dict(seen.ready_spares))
+                   ready_spares=dict(seen.ready_spares),
+                   free_slots=free_slots(node_of, seen.slots, set(s.counters.isolated)))
+
+
+def free_slots(node_of: dict[int, int], slots: int, isolated: set[int],
+               leaving: frozenset[int] | set[int] = frozenset()) -> dict[int, int]:
+    """Places left on the healthy nodes that hold ranks (not counting the ranks ``leaving``)."""
+    held: dict[int, int] = {}
+    for r, n in node_of.items():
+        if r not in leaving:
+            held[n] = held.get(n, 0) + 1
+    return {n: slots - k for n, k in sorted(held.items()) if n not in isolated and slots > k}
 
 
 def place(decision: Decision, seen: "Seen", isolated: set[int]) -> dict[int, int]:
@@ -39,6 +50,11 @@ def place(decision: Decision, seen: "Seen", isolated: set[int]) -> dict[int, int
         # the ranks of a node given up go to a spare node, together; a rank that died on a
         # healthy node meanwhile is replaced where it was
         spares = iter(spare_nodes(node_of, seen.total_nodes, isolated))
+        # no whole node left: places free on the healthy nodes, those with warm spares first
+        free = free_slots(node_of, seen.slots, set(isolated) | set(decision.isolate),
+                          leaving=decision.replace)
+        places = [n for n in sorted(free, key=lambda n: (-seen.ready_spares.get(n, 0), n))
+                  for _ in range(free[n])]
         moved: dict[int, int] = {}
         out = {}
         for r in sorted(decision.replace):
@@ -47,8 +63,8 @@ def place(decision: Decision, seen: "Seen", isolated: set[int]) -> dict[int, int
                 out[r] = old
                 continue
             if old not in moved:
-                moved[old] = next(spares)
-            out[r] = moved[old]
+                moved[old] = next(spares, None)
+            out[r] = moved[old] if moved[old] is not None else places.pop(0)
         return out
     healthy = [n for n in range(seen.total_nodes) if n not in isolated]
     return {r: healthy[i // seen.slots] for i, r in enumerate(sorted(decision.replace))}

@@ -109,6 +109,9 @@ class JobView:
     capacity: int | None = None  # ranks the healthy nodes can hold (None: enough)
     slots: int = 0  # ranks one node holds (0: unknown)
     ready_spares: dict[int, int] = dataclasses.field(default_factory=dict)  # node -> warm, ready
+    # node -> places left on a healthy node that holds ranks (after scale-in and scale-out the
+    # ranks need not fill their nodes: a lost node's ranks can go there when no node is spare)
+    free_slots: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,10 +227,13 @@ def decide(faults: list[Fault], dead: set[int], view: JobView, policy: Policy,
             if not nodes:
                 passed.append(f"{level.value}: no node at fault")
                 continue
-            if view.spare_nodes < len(nodes):
+            replace = {r for r, n in view.node_of.items() if n in nodes} | set(dead)
+            moved = sum(1 for r, n in view.node_of.items() if n in nodes)
+            room = view.spare_nodes * view.slots + sum(
+                k for n, k in view.free_slots.items() if n not in nodes)
+            if view.spare_nodes < len(nodes) and room < moved:
                 passed.append(f"{level.value}: no spare node")
                 continue
-            replace = {r for r, n in view.node_of.items() if n in nodes} | set(dead)
             isolate = isolate | nodes
         if level is Level.SCALE_IN:
             lost_capacity = bool(sick_nodes) and view.spare_nodes < len(sick_nodes)
