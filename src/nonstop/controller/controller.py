@@ -145,8 +145,10 @@ class Controller:
                 left=w.left, done=w.done, retry_step=w.retry_step, retry_loss=w.retry_loss,
                 warm=w.warm_gen == s.gen, stopped=forming and self.agent.stopped(wid),
                 own_code_s=w.same_s if w.hb and w.where == "python" else 0.0, loc=w.loc))
-        lost = frozenset(n for n, h in self.memory.keepers.items()
-                         if h.lost and not h.killed and not self.agent.host_up(n))
+        # a memory whose exit its host's agent reported, while that agent answers, is the memory
+        # alone: the host is not lost (one that stopped answering may be the host cut off)
+        lost = frozenset(n for n, h in self.memory.keepers.items() if h.lost and not h.killed
+                         and not (h.exit_code is not None and self.agent.host_up(n)))
         return mc.Seen(now=now, ranks=tuple(ranks), managed=self.managed,
                        total_nodes=self.gens.total_nodes, slots=self.gens.slots, lost_memory=lost,
                        slowest_step_s=self.watchers.signals.hang.slowest_step(),

@@ -33,6 +33,7 @@ class KeeperHandle:
     lost: bool = False
     lost_at: float = 0.0
     retry_at: float = 0.0  # a new memory that could not be started is tried again from then
+    exit_code: int | None = None  # its exit as its agent reported it (None: it stopped answering)
 
 
 RESTART_RETRY_S = 30.0
@@ -173,7 +174,7 @@ class Keepers:
                 self._lost(h, None)
 
     def _lost(self, h: KeeperHandle, code: int | None) -> None:
-        h.lost, h.lost_at = True, time.time()
+        h.lost, h.lost_at, h.exit_code = True, time.time(), code
         if h.link is not None:
             h.link.close()
         h.link = None
