@@ -380,7 +380,8 @@ class Leader:
                "worlds": {str(g): w for g, w in controller.gens.worlds.items()},
                "trained_world": controller.gens.trained_world,
                "counters": controller.counters.record(),
-               "incidents": len(controller.incidents)}  # closed: an open one goes on after us
+               # closed, the predecessors' too: an open one goes on after us
+               "incidents": controller.book.base + len(controller.incidents)}
         return json.dumps(rec, separators=(",", ":"))
 
     def _store_loop(self, cluster: Any) -> None:
