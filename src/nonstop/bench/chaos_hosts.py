@@ -26,6 +26,7 @@ import random
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import traceback
 import uuid
@@ -314,10 +315,15 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
             + (f["spec"] if "spec" in f else f"host slot {f['slot']}, rank {f['rank']}"))
     common.fresh(base)
     script_args = ["--steps", str(steps), "--sleep-ms", str(SLEEP_MS)]
+    # the fault-free run on one host, beside the job (its sleep changes no number: none here)
     ref_cmd = common.nonstop_cmd(f"--nproc={world}", f"--run-dir={base / 'reference' / 'run'}",
-                                 str(SCRIPT), *script_args, "--save", str(base / "reference.pt"))
+                                 str(SCRIPT), "--steps", str(steps), "--save",
+                                 str(base / "reference.pt"))
     (base / "reference").mkdir()
-    ref_code = common.run_child(ref_cmd, base / "reference" / "output.log", RUN_TIMEOUT_S)
+    ref: list[int] = []
+    ref_thread = threading.Thread(target=lambda: ref.append(common.run_child(
+        ref_cmd, base / "reference" / "output.log", RUN_TIMEOUT_S)), daemon=True)
+    ref_thread.start()
     (base / "policy.yaml").write_text(POLICY)
     ckpt = base / "ckpt"
     mounted = _mount_tmpfs(ckpt, DISK_MB)
@@ -373,6 +379,8 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
     finally:
         if mounted:
             _umount(ckpt)
+    ref_thread.join(RUN_TIMEOUT_S)
+    ref_code = ref[0] if ref else None
     left = chaos.orphans(marker)
     of = lambda kind: [e for e in events if e.get("type") == kind]  # noqa: E731
     fired = chaos.fired_at(events)
