@@ -130,12 +130,24 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
         from .digest import digest
 
         mine_digest = digest(state.modules())
+    # a state this rank holds but may not offer (newer than the last snapshot that agreed)
+    withheld = bool(has_state and where.not_after is not None and offer.live is None
+                    and getattr(state, "step", 0) > where.not_after)
     gathered = _all_gather_json({"offer": offer.to_wire(), "schedule": schedule or {},
-                                 "digest": mine_digest}, world)
+                                 "digest": mine_digest, "withheld": withheld}, world)
     offers = [Offer.from_wire(g["offer"]) for g in gathered]
     # a live state that differs from its replicas' at the same step (silent corruption since the
     # last check) must not be copied to anyone: it is not offered, and its rank is restored too
+    before = offers
     offers, odd = _agreeing(offers, [g.get("digest") for g in gathered])
+    withheld_any = any(g.get("withheld") for g in gathered) or any(
+        a.live is not None and b.live is None for a, b in zip(before, offers))
+    if withheld_any and not any(o.live is not None or o.memory or o.disk or
+                                any(o.replicas.values()) for o in offers):
+        # nothing old enough anywhere: starting "fresh" would keep the trained, withheld
+        # parameters at step 0 (a silent divergence): new processes must start instead
+        raise NoConsistentState("every rank's state is newer than the last snapshot whose "
+                                "replicas agreed, and no older one is left")
     t_gathered = time.monotonic()
     if agreed is not None:
         agreed()
