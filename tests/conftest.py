@@ -66,7 +66,20 @@ def finish(proc: subprocess.Popen, run_dir: Path, t0: float, timeout: float = 18
         os.killpg(proc.pid, 9)
         out, err = proc.communicate(timeout=30)
         pytest.fail(f"nonstop run did not end within {timeout} s:\n{out[-3000:]}\n{err[-3000:]}")
-    return Run(proc.returncode, out, err, run_dir, time.time() - t0)
+    run = Run(proc.returncode, out, err, run_dir, time.time() - t0)
+    if (run_dir / "summary.json").is_file():
+        check_account(run.summary)
+    return run
+
+
+def check_account(summary: dict) -> None:
+    """Every run's goodput account: each category non-negative, all adding up to the wall time."""
+    from nonstop.observe import goodput
+
+    cats = summary["time_s"]
+    flat = [v for c in cats.values() for v in (c.values() if isinstance(c, dict) else [c])]
+    assert all(v >= 0 for v in flat), cats
+    assert abs(goodput.total(cats) - summary["wall_s"]) < 0.01, (goodput.total(cats), summary)
 
 
 def run_nonstop(run_dir: Path, *args: str, timeout: float = 180) -> Run:

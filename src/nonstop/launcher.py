@@ -281,18 +281,38 @@ def run(cfg: RunConfig) -> int:
     return code
 
 
+def time_account(controller: Any, records: list[dict[str, Any]], t_end: float) -> dict[str, Any]:
+    """The goodput account of the controller's time (``observe.goodput``): ``time_s`` by
+    category, ``goodput``, and each incident's ``recomputed_s`` added to its record."""
+    from .observe import goodput
+
+    controller.progress.close()
+    open_inc = controller.incident
+    acct = goodput.account(controller.t_start, t_end,
+                           records + ([open_inc.to_record()] if open_inc is not None else []),
+                           controller.progress.rank0, controller.t_ready,
+                           controller.outcome.t_train_end,
+                           final_checkpoint=controller.final_persist is not None)
+    costs = {x["id"]: x for x in acct["by_incident"]}
+    for rec in records:
+        if rec["id"] in costs:
+            rec["recomputed_s"] = costs[rec["id"]]["recomputed_s"]
+    known = controller.ledger.steps_known()
+    return {"time_s": acct["categories"], "goodput": acct["goodput"] if known else None}
+
+
 def report(controller: Any, log: Any, run_dir: Path, code: int, display: Any) -> dict[str, Any]:
     """The run's summary: into the event log, summary.json and the console."""
     t_exit = time.time()
     train_end = controller.outcome.t_train_end or t_exit
     ledger = controller.ledger
-    summary = incidents.summarize(ledger.incident_records(controller.incidents),
-                                  train_end - controller.t_start,
+    records = ledger.incident_records(controller.incidents)
+    summary = incidents.summarize(records, train_end - controller.t_start,
                                   ledger.productive_s(controller.workers.values()),
                                   ledger.steps_reached(controller.max_step), code,
                                   continues=incidents.continuation(log.previous, ledger.resumed_step))
-    # goodput stays per training time; the wall time is the whole run, its end's wait included
     summary["wall_s"] = round(t_exit - controller.t_start, 3)
+    summary.update(time_account(controller, records, t_exit))
     summary["finish_s"] = round(t_exit - train_end, 3)
     summary["run_dir"] = str(run_dir)
     summary["diagnosis"] = controller.outcome.diagnosis

@@ -20,6 +20,7 @@ from ..decide.faults import exit_fault
 from ..decide.ladder import Counters, Decision, Fault, Level
 from ..observe.events import EventLog
 from ..observe.incidents import Incident
+from ..observe.progress import ProgressLog
 from ..policy import Policy
 from ..state.service import Keepers
 from . import machine as mc
@@ -65,6 +66,8 @@ class Controller:
         self.final_persist: int | None = None  # the last step's checkpoint, awaited at the end
         self.snap_stats: dict[str, Any] | None = None  # rank 0's snapshot numbers
         self._t_running = 0.0  # when the current generation formed on every rank
+        self.t_ready: float | None = None  # when the first one did (the end of start-up)
+        self.progress = ProgressLog(run_dir)  # the ranks' steps as they completed
         self._last_entered: dict[str, Any] = {}
         self.outcome = Outcome(policy=policy, log=log, display=display, agent=agent,
                                table=self.table, memory=self.memory, book=self.book,
@@ -299,6 +302,8 @@ class Controller:
         ev = self._last_entered
         ranks = self._ranks()
         self._t_running = time.time()
+        if self.t_ready is None:
+            self.t_ready = self._t_running
         self.watchers.logs.start(self._t_running, self.plan.keys())
         if not ev.get("replay"):
             self.book.restored(self.gen, [x.entered_ev for x in ranks], self.ledger)
@@ -688,6 +693,7 @@ class Controller:
         ranks = self._ranks()
         for w, rec in self.table.read_progress(ranks):
             self.max_step = max(self.max_step, w.take_progress(rec, self.gen))
+            self.progress.take(w.wid, w.rank, w.node, rec)
             if w.rank == 0 and rec.get("snap"):
                 self.snap_stats = rec["snap"]
             self.watchers.signals.on_progress(w, rec, self.gen)

@@ -121,6 +121,25 @@ def print_summary(console: Console, summary: dict[str, Any]) -> None:
     if cont:
         lines.append(continuation_text(cont))
     console.print(Text("nonstop summary: ", style="bold") + Text(" | ".join(lines)))
+    if summary.get("time_s"):
+        console.print(Text("time: ", style="bold") + Text(account_text(summary["time_s"])))
+
+
+def account_text(cats: dict[str, Any]) -> str:
+    """The goodput account in one line: each category's seconds, largest first (recovery as
+    one, its phases after it)."""
+    rec = cats.get("recovery") or {}
+    flat = {k: v for k, v in cats.items() if not isinstance(v, dict)}
+    flat["recovery"] = sum(rec.values())
+    parts = []
+    for name, secs in sorted(flat.items(), key=lambda kv: -kv[1]):
+        if secs < 0.0005:
+            continue
+        part = f"{name} {secs:.3f} s"
+        if name == "recovery":
+            part += " (" + ", ".join(f"{p} {v:.3f}" for p, v in rec.items() if v >= 0.0005) + ")"
+        parts.append(part)
+    return ", ".join(parts) or "-"
 
 
 def sdc_text(sdc: dict[str, Any]) -> str:

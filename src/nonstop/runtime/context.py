@@ -107,9 +107,10 @@ class Context:
                     spent = rt.after_step(state, self.rank, self.world_size, self.generation,
                                           step_s, not self._first_done)
                     rt.busy += step_s
+                    rt.stall += spent
                     rt.monitor.record_step(self.generation, self.rank, step + 1, rt.busy,
                                            step_s + spent, state.compute_s, self._loss,
-                                           first=not self._first_done)
+                                           first=not self._first_done, stall=rt.stall)
                     if not self._first_done:
                         self._first_done = True
                         rt.release_closed_groups()  # the previous generation's group, now idle

@@ -145,14 +145,15 @@ class Monitor:
 
     # -- progress -----------------------------------------------------------------------------
     def record_step(self, gen: int, rank: int, step: int, busy: float, step_s: float,
-                    compute_s: float, loss: Any = None, first: bool = False) -> None:
+                    compute_s: float, loss: Any = None, first: bool = False,
+                    stall: float = 0.0) -> None:
         """Called by the training loop after each step: stores numbers, wakes the publisher only
         when it is due (or for a generation's first step, published at once)."""
         now = time.time()
         self._max_step_s = max(self._max_step_s, step_s)
         self._compute = compute_s if self._compute is None else 0.8 * self._compute + 0.2 * compute_s
         self._progress = {"gen": gen, "rank": rank, "step": step, "t": now, "loss": loss,
-                          "busy": busy}
+                          "busy": busy, "stall": stall, "step_s": step_s}
         if first:
             self._stepped_gen = gen
             self._first_step = {"gen": gen, "rank": rank, "step": step, "t": now}

@@ -68,6 +68,7 @@ class WorkerRuntime:
         self.last_loss: Any = None  # the last loss reported by the training function
         self.wrapped = False
         self.busy = 0.0  # seconds spent inside completed steps, over this process's life
+        self.stall = 0.0  # seconds spent between steps on snapshots, digests and checkpoints
         self.closed_groups: list[Any] = []  # groups left but not yet destroyed (pg.close)
         self._next_release = 0.0  # when a group kept busy is tried again
         self.faults = inject.from_env(os.environ.get(protocol.ENV_INJECT))

@@ -1,0 +1,108 @@
+"""The goodput account: every second of the wall time in one category (observe.goodput), on
+synthetic timelines and on a real run whose rollback makes steps be done again."""
+
+from __future__ import annotations
+
+import pytest
+
+from nonstop.observe import goodput
+from nonstop.observe.incidents import PHASES
+
+
+def steps(wid, gen, t0, first, n, step_s=0.08, stall_s=0.02, busy0=0.0, stall0=0.0, every=1):
+    """Rank 0's samples: ``n`` steps from ``first`` (exclusive), one every step_s + stall_s."""
+    out = []
+    for k in range(1, n + 1):
+        if k % every and k != n:
+            continue
+        out.append({"t": t0 + k * (step_s + stall_s), "wid": wid, "gen": gen, "step": first + k,
+                    "busy": busy0 + k * step_s, "stall": stall0 + k * stall_s})
+    return out
+
+
+def incident(id, t_fault, mttr, lost=0):
+    return {"id": id, "t_fault": t_fault, "mttr_s": mttr,
+            "phases_s": {p: mttr / len(PHASES) for p in PHASES}, "steps_lost": lost}
+
+
+def test_a_fault_free_run_is_startup_steps_stalls_and_the_end():
+    samples = steps(1, 0, 2.0, 0, 100)  # from t=2 to t=12
+    acct = goodput.account(0.0, 13.0, [], samples, t_ready=2.0, t_train_end=12.0,
+                           final_checkpoint=True)
+    c = acct["categories"]
+    assert c["startup"] == pytest.approx(2.0)
+    assert c["productive"] == pytest.approx(8.0, rel=1e-6)
+    assert c["snapshot"] == pytest.approx(2.0, rel=1e-6)
+    assert c["checkpoint"] == pytest.approx(1.0)
+    assert c["recomputed"] == 0 and c["idle"] == pytest.approx(0.0, abs=1e-6)
+    assert goodput.total(c) == pytest.approx(13.0)
+    assert acct["goodput"] == pytest.approx(8.0 / 13.0, abs=1e-4)
+
+
+def test_a_rollback_redoes_steps_and_the_incident_pays_for_them():
+    # 50 steps, a fault at t=7, 1 s of recovery, a new process resumes from step 40: steps
+    # 41..50 are done again (the first of them inside the incident), then 20 new ones
+    first = steps(1, 0, 2.0, 0, 50)
+    t_fault, mttr = 7.0, 1.0
+    second = steps(2, 1, t_fault + mttr - 0.1, 40, 30)  # its first step closes the incident
+    acct = goodput.account(0.0, 12.0, [incident(1, t_fault, mttr, lost=10)], first + second,
+                           t_ready=2.0, t_train_end=12.0)
+    c = acct["categories"]
+    assert sum(c["recovery"].values()) == pytest.approx(1.0)
+    # steps 42..50 redone outside the incident: 9 x 0.08 s
+    assert c["recomputed"] == pytest.approx(9 * 0.08, rel=1e-6)
+    assert c["productive"] == pytest.approx(50 * 0.08 + 20 * 0.08, rel=1e-6)
+    assert acct["by_incident"][0]["recomputed_s"] == pytest.approx(c["recomputed"])
+    assert acct["by_incident"][0]["total_s"] == pytest.approx(1.0 + c["recomputed"])
+    assert goodput.total(c) == pytest.approx(12.0)
+    assert min(v for v in c.values() if not isinstance(v, dict)) >= 0
+
+
+def test_sparse_samples_spread_their_time_and_skip_the_incident():
+    # a sample every 5 steps; one spans the fault: only its part outside the incident counts
+    samples = steps(1, 0, 1.0, 0, 60, every=5)
+    acct = goodput.account(0.0, 8.0, [incident(1, 4.05, 0.5)], samples, t_ready=1.0)
+    c = acct["categories"]
+    assert goodput.total(c) == pytest.approx(8.0)
+    assert c["productive"] < 60 * 0.08
+    assert all(v >= 0 for v in c.values() if not isinstance(v, dict))
+
+
+def test_an_incident_never_closed_runs_to_the_end():
+    samples = steps(1, 0, 1.0, 0, 20)
+    inc = {"id": 1, "t_fault": 3.5, "mttr_s": None, "phases_s": {}}
+    acct = goodput.account(0.0, 6.0, [inc], samples, t_ready=1.0, t_train_end=None)
+    c = acct["categories"]
+    assert c["recovery"]["unrecovered"] == pytest.approx(2.5)
+    assert goodput.total(c) == pytest.approx(6.0)
+
+
+def test_no_samples_no_steps_everything_is_startup_or_idle():
+    acct = goodput.account(10.0, 15.0, [], [], t_ready=11.0)
+    c = acct["categories"]
+    assert c["startup"] == pytest.approx(1.0) and c["idle"] == pytest.approx(4.0)
+    assert acct["goodput"] == 0.0
+
+
+@pytest.mark.integration
+def test_a_real_rollback_is_accounted(tmp_path):
+    from conftest import TRAIN, run_nonstop
+
+    # both ranks die at step 27; their replacements resume from the last snapshot: the steps
+    # since are lost, all but the first of them redone after the incident closed
+    run = run_nonstop(tmp_path / "run", "--nproc=2", "--spares=2", "--snapshot-every=10",
+                      "--inject=crash:rank=0,step=27;crash:rank=1,step=27", str(TRAIN), "--steps", "60",
+                      "--sleep-ms", "20")
+    assert run.code == 0, run.stderr[-3000:]
+    s = run.summary
+    (inc,) = s["incident_list"]
+    lost = inc["steps_lost"]
+    assert lost >= 2, inc
+    c = s["time_s"]  # (conftest checks that the categories add up to the wall time)
+    step_s = c["productive"] / 60  # rank 0's steps that advanced the job: 60 of them
+    assert 0.015 < step_s < 0.5, c
+    assert inc["recomputed_s"] == pytest.approx((lost - 1) * step_s, rel=0.5), (inc, c)
+    assert c["recomputed"] == pytest.approx(inc["recomputed_s"], abs=1e-3)
+    assert sum(c["recovery"].values()) == pytest.approx(inc["mttr_s"], abs=1e-3)
+    assert s["goodput"] == pytest.approx(c["productive"] / s["wall_s"], abs=1e-3)
+    assert c["startup"] > 0.5  # the processes import torch before the first generation forms
