@@ -1,4 +1,4 @@
-"""The ``nonstop`` command: run | demo | bench | report | policy.
+"""The ``nonstop`` command: run | demo | bench | chaos | drain | report | status | policy.
 
 Errors a user can cause print one line and exit with code 2; nothing is started before the input
 is known to be good.
@@ -22,6 +22,16 @@ class _Parser(argparse.ArgumentParser):
     def _sub_name(self) -> str:
         parts = self.prog.split()[1:]
         return " ".join(parts) + " " if parts else ""
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {text}")
+    return value
 
 
 def _positive_float(text: str) -> float:
@@ -115,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--snapshot-every", metavar="N|auto",
                      help="steps between memory snapshots (default auto: as often as stays under "
                           "5%% of step time)")
+    run.add_argument("--metrics-port", type=_port, metavar="PORT",
+                     help="serve Prometheus metrics on this port (0: one from the OS, printed)")
+    run.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+                     help="the address the metrics are served on (default 127.0.0.1)")
     run.add_argument("--quiet", action="store_true", help="no rank output or progress")
     run.add_argument("--no-live", action="store_true", help="plain progress lines, no live status")
     run.add_argument("script", help="the training script")
@@ -202,6 +216,21 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="show the summary of a finished run")
     report.add_argument("run_dir")
 
+    status = sub.add_parser("status", help="the status of a running job, live",
+                            description="Show a running job's generation, ranks, hosts, spares, "
+                                        "step and rate, open incident and budgets left, "
+                                        "refreshed live (one host: RUN_DIR; many hosts: the "
+                                        "job's etcd).")
+    status.add_argument("run_dir", metavar="RUN_DIR", nargs="?",
+                        help="the job's run directory (one host, or the controller's host)")
+    status.add_argument("--rdzv-endpoint", metavar="etcd://HOST:PORT[,...]",
+                        help="the etcd of a job across hosts")
+    status.add_argument("--rdzv-id", metavar="JOB", help="its job id")
+    status.add_argument("--json", action="store_true", help="print the status once as JSON")
+    status.add_argument("--once", action="store_true", help="print it once, not live")
+    status.add_argument("--interval", type=_positive_float, default=1.0, metavar="S",
+                        help="seconds between refreshes (default 1)")
+
     pol = sub.add_parser("policy", help="check a policy file, or show the effective policy",
                          description="Validate a recovery policy file, or print the policy a run "
                                      "would use (defaults filled in) as YAML.")
@@ -261,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
             from .observe.report import show
 
             return show(args.run_dir)
+        if args.command == "status":
+            return _status(args)
         if args.command == "policy":
             return _policy(args)
         parser.print_help()
@@ -296,8 +327,24 @@ def _run(args: argparse.Namespace) -> int:
                     rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
                     node_addr=args.node_addr, node_id=args.node_id, secret_file=args.secret_file,
                     etcd_cacert=args.etcd_cacert, etcd_cert=args.etcd_cert,
-                    etcd_key=args.etcd_key, etcd_user=args.etcd_user)
+                    etcd_key=args.etcd_key, etcd_user=args.etcd_user,
+                    metrics_port=args.metrics_port, metrics_addr=args.metrics_addr)
     return run(cfg)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from .observe import status
+
+    if bool(args.run_dir) == bool(args.rdzv_endpoint or args.rdzv_id):
+        raise UsageError("give RUN_DIR, or --rdzv-endpoint and --rdzv-id (a job across hosts)")
+    if args.run_dir:
+        fetch = lambda: status.read_file(args.run_dir)  # noqa: E731
+    else:
+        from .hosts.status import etcd_fetcher
+
+        fetch = etcd_fetcher(args.rdzv_endpoint, args.rdzv_id)
+    watch = not args.once and sys.stdout.isatty()
+    return status.show(fetch, args.json, watch, args.interval)
 
 
 def _policy(args: argparse.Namespace) -> int:

@@ -57,6 +57,8 @@ class RunConfig:
     etcd_cert: str | None = None
     etcd_key: str | None = None
     etcd_user: str | None = None  # password in $NONSTOP_ETCD_PASSWORD
+    metrics_port: int | None = None  # Prometheus metrics (0: a port from the OS)
+    metrics_addr: str = "127.0.0.1"
 
 
 def check_script(path: str) -> tuple[bool, list[str]]:
@@ -191,6 +193,7 @@ def run(cfg: RunConfig) -> int:
                              "disagree (one host: give one of them)")
         cfg.nproc = cfg.nproc_per_node
     pol, faults, uses_nonstop = prepare(cfg)
+    served = serve_metrics(cfg, pol)  # a port taken is a usage error before anything starts
     run_dir = make_run_dir(cfg.run_dir)
     from .agent.agent import Agent
     from .controller.controller import Controller
@@ -231,6 +234,9 @@ def run(cfg: RunConfig) -> int:
     controller = Controller(world=cfg.nproc, spares=cfg.spares, policy=pol, mail=mail, agent=agent,
                             log=log, display=display, managed=uses_nonstop, nodes=cfg.nodes,
                             spare_nodes=cfg.spare_nodes, run_dir=run_dir)
+
+    if served is not None:
+        served.attach(controller, log, display)
 
     def on_signal(signum: int, _frame: Any) -> None:
         raise _Interrupted(signum)
@@ -278,7 +284,18 @@ def run(cfg: RunConfig) -> int:
         listener.close()  # a no-op once the store has it
         controller.memory.disk.clean_up()
     report(controller, log, run_dir, code, display)
+    if served is not None:
+        served.close()
     return code
+
+
+def serve_metrics(cfg: RunConfig, pol: Any) -> Any:
+    """The metrics endpoint (``--metrics-port``), or None."""
+    if cfg.metrics_port is None:
+        return None
+    from .observe.metrics import Served
+
+    return Served(cfg.metrics_port, cfg.metrics_addr, pol)
 
 
 def time_account(controller: Any, records: list[dict[str, Any]], t_end: float) -> dict[str, Any]:
@@ -287,6 +304,7 @@ def time_account(controller: Any, records: list[dict[str, Any]], t_end: float) -
     from .observe import goodput
 
     controller.progress.close()
+    controller.status.maybe(controller, t_end, force=True)  # the job is over
     open_inc = controller.incident
     acct = goodput.account(controller.t_start, t_end,
                            records + ([open_inc.to_record()] if open_inc is not None else []),

@@ -21,6 +21,7 @@ from ..decide.ladder import Counters, Decision, Fault, Level
 from ..observe.events import EventLog
 from ..observe.incidents import Incident
 from ..observe.progress import ProgressLog
+from ..observe.status import StatusWriter
 from ..policy import Policy
 from ..state.service import Keepers
 from . import machine as mc
@@ -68,6 +69,8 @@ class Controller:
         self._t_running = 0.0  # when the current generation formed on every rank
         self.t_ready: float | None = None  # when the first one did (the end of start-up)
         self.progress = ProgressLog(run_dir)  # the ranks' steps as they completed
+        self.metrics: Any = None  # observe.metrics.JobMetrics, with --metrics-port
+        self.status = StatusWriter(run_dir)  # for nonstop status
         self._last_entered: dict[str, Any] = {}
         self.outcome = Outcome(policy=policy, log=log, display=display, agent=agent,
                                table=self.table, memory=self.memory, book=self.book,
@@ -125,6 +128,9 @@ class Controller:
                 self._last_progress = now
                 self._read_progress()
                 self.display.status(self.snapshot())
+                if self.metrics is not None:
+                    self.metrics.update(self, now)
+                self.status.maybe(self, now)
             self._check(now)
             if self.outcome.exit_code is None:
                 # a node already faulted in the open incident is not reported again

@@ -79,6 +79,7 @@ class HostAgent:
         self.preempted_at: float | None = None  # SIGTERM seen (monotonic): a preemption notice
         self._preempt_told = False  # the controller in office knows
         self.shift_s = float(os.environ.get("NONSTOP_TEST_CLOCK_SHIFT_S", "0") or 0)
+        self.metrics: Any = None  # observe.metrics.HostServed, with --metrics-port
 
     def now(self) -> float:
         """This host's clock (shifted in a test that pretends it is wrong)."""
@@ -139,6 +140,8 @@ class HostAgent:
                 except Exception:  # noqa: BLE001 - etcd gone: the lease expires by itself
                     self.lease.stop()
             self.etcd.close()
+            if self.metrics is not None:
+                self.metrics.close()
 
     def _job_settings(self) -> dict[str, Any]:
         timeouts = self.cfg.policy["recover"]["timeouts"]
@@ -299,6 +302,8 @@ class HostAgent:
             if now - self._last_progress >= PROGRESS_EVERY_S:
                 self._last_progress = now
                 self._relay_progress()
+                if self.metrics is not None:
+                    self.metrics.update(self)
             if self.lease_lost.is_set():
                 self._fence("its lease in etcd expired")
             elif self.doubt_since is not None:

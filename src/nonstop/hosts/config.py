@@ -37,6 +37,8 @@ class HostConfig:
     lease_ttl_s: int
     inject: list[str]
     quiet: bool = False
+    metrics_port: int | None = None  # this host's metrics; the job's (its controller's) on the next port
+    metrics_addr: str = "127.0.0.1"
     etcd_tls: dict[str, str | None] | None = None  # ca, cert, key (https)
     etcd_user: str | None = None  # its password: $NONSTOP_ETCD_PASSWORD
     managed: bool = True  # the script uses nonstop.wrap (else: restarted whole on any fault)
@@ -147,10 +149,15 @@ def run_host(cfg: Any) -> int:
                       host_id=host_id, run_dir=run_dir.resolve(), policy=pol.model_dump(),
                       policy_digest=digest, lease_ttl_s=pol.hosts.lease_ttl_s,
                       inject=list(cfg.inject), quiet=cfg.quiet, etcd_tls=tls,
-                      etcd_user=cfg.etcd_user, managed=uses_nonstop)
+                      etcd_user=cfg.etcd_user, managed=uses_nonstop,
+                      metrics_port=cfg.metrics_port, metrics_addr=cfg.metrics_addr)
     # torch's store server warns of every client whose host name it cannot resolve: noise here
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     agent = HostAgent(hcfg, secret, faults)
+    if cfg.metrics_port is not None:
+        from ..observe.metrics import HostServed
+
+        agent.metrics = HostServed(cfg.metrics_port, cfg.metrics_addr, host_id)
 
     def on_signal(signum: int, _frame: Any) -> None:
         if signum == signal.SIGTERM:

@@ -124,6 +124,7 @@ class Leader:
         self._worker: threading.Thread | None = None
         self._joining: set[tuple[str, str]] = set()
         self.controller: Any = None
+        self._status: str | None = None  # the newest status record, to put in etcd
 
     def guarded(self, puts: dict[str, str]) -> None:
         self.etcd.guarded(keys.LEADER, self.epoch, puts=puts)
@@ -195,6 +196,8 @@ class Leader:
                                 agent=cluster, log=log, display=display, managed=cfg.managed,
                                 nodes=nodes, spare_nodes=total - nodes, run_dir=self.run_dir)
         self.controller = controller
+        controller.status.publish = self._publish_status
+        served = self._serve_metrics(pol, controller, log, display)
         if journal is not None:
             seen = self._collect(cluster, lost, timeout_s=cfg.lease_ttl_s + 3.0)
             # a job that shrank goes on at its size (it grows back from there)
@@ -229,7 +232,30 @@ class Leader:
         cluster.end_hosts(code)
         time.sleep(0.2)  # the END frames leave before the process does
         cluster.close()
+        if served is not None:
+            served.close()
         return code
+
+    def _serve_metrics(self, pol: Any, controller: Any, log: Any, display: Any) -> Any:
+        """The job's metrics while this controller is in office: on the port after its host's
+        (``--metrics-port`` + 1; 0: one from the OS), its address in the ``metrics`` event and
+        in the status record."""
+        from ..errors import UsageError
+        from ..observe.metrics import Served
+
+        port = self.cfg.metrics_port
+        if port is None:
+            return None
+        try:
+            served = Served(port + 1 if port else 0, self.cfg.metrics_addr, pol)
+        except UsageError as exc:  # the job goes on without them
+            print(f"nonstop: no job metrics: {exc}", file=sys.stderr, flush=True)
+            return None
+        served.attach(controller, log, display)
+        return served
+
+    def _publish_status(self, text: str) -> None:
+        self._status = text  # written by the store loop (this is the controller's thread)
 
     def _reachable(self, hosts: list[keys.HostRecord], channels: dict[str, Any],
                    deadline: float) -> list[keys.HostRecord] | None:
@@ -406,6 +432,12 @@ class Leader:
                 except Exception:  # noqa: BLE001 - etcd out of reach: written later
                     if self._pending is None:
                         self._pending = pending
+            status, self._status = self._status, None
+            if status is not None:
+                try:
+                    self.guarded({keys.STATUS: status})
+                except Exception:  # noqa: BLE001 - etcd away or a newer controller: not ours to say
+                    pass
             try:
                 rows = self.etcd.get_prefix(keys.HOSTS)
             except Exception:  # noqa: BLE001 - etcd away: nothing is decided without it

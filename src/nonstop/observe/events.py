@@ -31,12 +31,18 @@ class EventLog:
         if torn:  # a launcher killed mid-line: start ours on a line of its own
             self._fh.write("\n")
         self._lock = threading.Lock()
+        self.listeners: list[Any] = []  # called with every record written (the metrics)
 
     def write(self, event_type: str, /, **fields: Any) -> dict[str, Any]:
         record = {"t": fields.pop("t", None) or time.time(), "type": event_type, **fields}
         line = json.dumps(record, default=str, separators=(",", ":"))
         with self._lock:
             self._fh.write(line + "\n")
+        for listener in self.listeners:
+            try:
+                listener(record)
+            except Exception:  # noqa: BLE001 - a metric must never stop the job
+                pass
         return record
 
     def close(self) -> None:

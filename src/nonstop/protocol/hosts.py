@@ -16,6 +16,7 @@ JOB = "job"  # JobRecord: the settings every host must agree on (created by the 
 HOSTS = "hosts/"  # hosts/<host id> -> HostRecord, under the host agent's lease
 LEADER = "leader"  # the controller in office, under its lease; epoch = this key's create revision
 JOURNAL = "journal"  # the controller's state: a standby continues from it
+STATUS = "status"  # the controller in office's observe.status record, for nonstop status
 DONE = "done"  # the job's end: {"code", "diagnosis"}; a host that joins later leaves at once
 
 

@@ -1,0 +1,42 @@
+"""``nonstop status --rdzv-endpoint ... --rdzv-id JOB``: a job across hosts, as the controller in
+office last put it in etcd (``keys.STATUS``), and whether the job has ended (``keys.DONE``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from ..errors import UsageError
+from ..protocol import hosts as keys
+
+
+def etcd_fetcher(endpoint: str, job: str) -> Callable[[], dict[str, Any]]:
+    from ..store.etcd import Etcd, StoreError, StoreUnavailable, parse_endpoints
+
+    try:
+        endpoints = parse_endpoints(endpoint)
+        etcd = Etcd(endpoints, job, timeout_s=2.0)
+    except ValueError as exc:
+        raise UsageError(f"--rdzv-endpoint: {exc}") from None
+
+    def fetch() -> dict[str, Any]:
+        try:
+            raw, _ = etcd.get(keys.STATUS)
+            done, _ = etcd.get(keys.DONE)
+        except StoreUnavailable as exc:
+            raise UsageError(f"cannot reach etcd at {endpoint}: {exc}") from None
+        except StoreError as exc:
+            raise UsageError(f"etcd at {endpoint} refused us: {exc}") from None
+        if raw is None:
+            raise UsageError(f"no job {job!r} running in etcd at {endpoint} (no status: not "
+                             "started, or no controller in office yet)")
+        try:
+            st = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"the status of {job!r} in etcd is not readable: {exc}") from None
+        if done is not None and not st.get("over"):
+            end = json.loads(done)
+            st.update(over=True, exit_code=end.get("code"))
+        return st
+
+    return fetch
