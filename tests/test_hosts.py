@@ -4,8 +4,11 @@ bitwise against the fault-free run."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -20,6 +23,7 @@ ok, why = netns.available()
 if not ok:
     pytest.skip(f"test hosts unavailable: {why}", allow_module_level=True)
 
+METRICS_PORT = 9400  # each test host has its own addresses: a fixed port is free on each
 STEPS = 300  # one fault-free reference serves every test (the sleep changes no number)
 SHARDED = EXAMPLES / "train_sharded.py"  # each rank's state is its own: only its copies hold it
 SHARDED_STEPS = 150  # its own reference: a shorter run
@@ -144,7 +148,8 @@ def test_the_controller_killed_training_goes_on_then_a_crash_on_a_remote_host(jo
     j = job(2)
     for i in range(2):
         j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--spares", "1",
-                "--inject", "crash:rank=3,step=250", script=str(TRAIN),
+                "--inject", "crash:rank=3,step=250", "--metrics-port", str(METRICS_PORT),
+                "--metrics-addr", j.hosts[i].addr, script=str(TRAIN),
                 env={"NONSTOP_TEST_CLOCK_SHIFT_S": "30" if i == 1 else "0"},
                 script_args=["--steps", str(STEPS), "--sleep-ms", "20",
                              "--save", str(j.base / f"final{i}.pt")])
@@ -153,6 +158,7 @@ def test_the_controller_killed_training_goes_on_then_a_crash_on_a_remote_host(jo
         listening = _listeners(h)
         assert listening and listening <= {h.addr, "127.0.0.1"}, (h.addr, listening)
     first = j.of("leader")[0]
+    _observed_from_outside(j, first)
     t_kill = time.time()
     os.kill(first["pid"], signal.SIGKILL)
     codes = j.wait(150)
@@ -175,6 +181,31 @@ def test_the_controller_killed_training_goes_on_then_a_crash_on_a_remote_host(jo
     assert spawns[replace[0]["wid"]] == spawns[gen0[3]]  # the spare on rank 3's own host
     saved = _saved(j, 2)
     assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", str(STEPS)))
+
+
+def _observed_from_outside(j: HostJob, leader: dict) -> None:
+    """Each host's metrics on its port, the job's on the next one of the controller's host,
+    and nonstop status through etcd: the same job of 4 ranks on 2 hosts."""
+    from test_observe_live import scrape, value
+
+    for h in j.hosts:
+        host = scrape(f"http://{h.addr}:{METRICS_PORT}/metrics")
+        assert value(host, "nonstop_host_processes", role="rank") == 2, host
+        assert value(host, "nonstop_host_etcd_reachable") == 1
+    office = j.hosts[int(leader["host"].removeprefix("host"))]
+    deadline = time.monotonic() + 10
+    while True:  # the gauges are set at the controller's first progress tick
+        jobm = scrape(f"http://{office.addr}:{METRICS_PORT + 1}/metrics")
+        if value(jobm, "nonstop_ranks", state="alive") == 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert value(jobm, "nonstop_ranks", state="alive") == 4 and value(jobm, "nonstop_world_size") == 4
+    r = subprocess.run([sys.executable, "-m", "nonstop", "status", "--rdzv-endpoint", j.etcd.url,
+                        "--rdzv-id", j.job_id, "--json"], capture_output=True, text=True,
+                       timeout=60)
+    st = json.loads(r.stdout)
+    assert st["world"] == 4 and st["nodes"]["total"] == 2 and not st["over"], st
+    assert sorted(x["node"] for x in st["ranks"]) == [0, 0, 1, 1]
 
 
 def test_the_controllers_host_killed_whole(job, reference):
