@@ -106,3 +106,17 @@ def test_a_real_rollback_is_accounted(tmp_path):
     assert sum(c["recovery"].values()) == pytest.approx(inc["mttr_s"], abs=1e-3)
     assert s["goodput"] == pytest.approx(c["productive"] / s["wall_s"], abs=1e-3)
     assert c["startup"] > 0.5  # the processes import torch before the first generation forms
+
+
+def test_the_goodput_bench_schedule_is_seeded_and_paced(tmp_path):
+    from nonstop.bench import goodput as bench
+
+    a = bench.schedule(7, steps=5000, step_s=0.05, every_s=30)
+    assert a == bench.schedule(7, steps=5000, step_s=0.05, every_s=30) != bench.schedule(
+        8, steps=5000, step_s=0.05, every_s=30)
+    assert [f["step"] for f in a] == list(range(600, 5000 - 300, 600))  # 30 s of 50 ms steps
+    assert {f["kind"] for f in a[:4]} == set(bench.KINDS)  # every kind before any repeats
+    # the step log's goodput: only steps that advanced the job, timed within an attempt
+    (tmp_path / "steps-r0.txt").write_text("1 10.0 0\n2 10.1 0\n3 10.2 0\n2 11.0 1\n3 11.1 1\n"
+                                           "4 11.2 1\n")
+    assert bench.step_log_goodput(tmp_path, 9.0, 12.0) == round(0.3 / 3.0, 4)

@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="measure recovery against peers")
     bench.add_argument("scenario",
-                       choices=["crash", "hang", "state", "second", "hosts", "elastic", "chaos"])
+                       choices=["crash", "hang", "state", "second", "hosts", "elastic", "chaos",
+                                "goodput"])
     bench.add_argument("--ranks", type=int, help="rank processes (default 4; state: 2)")
     bench.add_argument("--repeat", type=int,
                        help="runs of each system (default 5; hosts, elastic: 3)")
@@ -180,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--grow-after", type=float, default=1.0, metavar="S",
                        help="elastic: seconds the job runs degraded before it grows back "
                             "(scale_in.grow_after_s; default 1)")
+    bench.add_argument("--minutes", type=_positive_float, default=10.0,
+                       help="goodput: minutes of training of each run (default 10)")
+    bench.add_argument("--every", type=_positive_float, default=30.0, metavar="S",
+                       help="goodput: seconds of training between two faults (default 30)")
     _chaos_args(bench)
     _json_out(bench)
 
@@ -261,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import chaos
 
             return chaos.main(args)
+        if args.command == "bench" and args.scenario == "goodput":
+            from .bench import goodput
+
+            return goodput.main(args)
         if args.command == "bench":
             from .bench import crash, elastic, hang, hosts, second, state
 

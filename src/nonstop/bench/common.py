@@ -123,10 +123,11 @@ def fresh(out: Path) -> None:
     out.mkdir(parents=True)
 
 
-def torchrun_cmd(ranks: int, *job: str) -> list[str]:
+def torchrun_cmd(ranks: int, *job: str, restarts: int = 3) -> list[str]:
     """torchrun as well as it can: 3 restarts, its fastest monitor interval (the default)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={ranks}", "--max-restarts=3", "--monitor-interval=0.1", *job]
+            f"--nproc-per-node={ranks}", f"--max-restarts={restarts}", "--monitor-interval=0.1",
+            *job]
 
 
 def nonstop_cmd(*args: str) -> list[str]:

@@ -37,6 +37,9 @@ p.add_argument("--sleep-ms", type=float, default=20.0)
 p.add_argument("--ckpt-every", type=int, default=20)
 p.add_argument("--kill-rank", type=int, default=-1, help="torchrun mode: SIGKILL this rank...")
 p.add_argument("--kill-step", type=int, default=-1, help="...at the start of this step, first attempt")
+p.add_argument("--kill-steps", default="",
+               help="torchrun mode: several faults, comma-separated steps: the k-th fires in "
+                    "attempt k (its restart count) on --kill-rank")
 p.add_argument("--kill-signal", default="SIGKILL", help="torchrun mode: the signal (SIGSTOP: a hang)")
 p.add_argument("--collective-timeout", type=float, default=1800.0,
                help="torchrun mode: the process group timeout (how a hang is noticed there)")
@@ -118,12 +121,15 @@ def run_nonstop():
 def run_torchrun():
     from nonstop.bench import torchrun_side as tr
 
+    kills = [int(x) for x in args.kill_steps.split(",") if x.strip()]
+
     attempt, rank, world = tr.join_group(args.collective_timeout)
     ckpt = os.path.join(args.out, "ckpt.pt")
     ddp = nonstop.reproducible(DDP(model))
     with open(os.path.join(args.out, f"steps-r{rank}.txt"), "a") as fh:
         for step in range(tr.resume(ckpt, model, optimizer), args.steps):
-            if attempt == 0 and rank == args.kill_rank and step == args.kill_step:
+            if rank == args.kill_rank and ((attempt == 0 and step == args.kill_step)
+                                           or (attempt < len(kills) and step == kills[attempt])):
                 tr.kill_self(args.out, args.kill_signal)
             one_step(ddp, step, rank)
             log_step(fh, step + 1, attempt)
