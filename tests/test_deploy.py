@@ -491,3 +491,23 @@ def test_sbatch_is_executable_with_sbatch_directives():
     assert re.search(r"^#SBATCH --nodes=\d+$", head, re.M)
     assert re.search(r"^#SBATCH --ntasks-per-node=1$", head, re.M)
     assert re.search(r"^#SBATCH --no-kill$", head, re.M)
+
+
+def test_the_grafana_dashboard_uses_only_metrics_nonstop_serves():
+    from prometheus_client import CollectorRegistry
+
+    from nonstop.observe.metrics import HostMetrics, JobMetrics
+    from nonstop.policy import Policy
+
+    reg = CollectorRegistry()
+    JobMetrics(reg, Policy())
+    HostMetrics(reg, "h")
+    served = set()
+    for fam in reg.collect():
+        base = fam.name + ("_total" if fam.type == "counter" else "")
+        served |= {base, f"{fam.name}_sum", f"{fam.name}_count", f"{fam.name}_bucket"}
+    dash = json.loads((ROOT / "deploy" / "grafana" / "nonstop-dashboard.json").read_text())
+    used = {m for p in dash["panels"] for t in p["targets"]
+            for m in re.findall(r"nonstop_[a-z_]+", t["expr"])}
+    assert used and not used - served, used - served
+    assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
