@@ -120,3 +120,30 @@ def test_the_goodput_bench_schedule_is_seeded_and_paced(tmp_path):
     (tmp_path / "steps-r0.txt").write_text("1 10.0 0\n2 10.1 0\n3 10.2 0\n2 11.0 1\n3 11.1 1\n"
                                            "4 11.2 1\n")
     assert bench.step_log_goodput(tmp_path, 9.0, 12.0) == round(0.3 / 3.0, 4)
+
+
+def test_status_renders_a_job_mid_rendezvous_and_before_it_starts():
+    from rich.console import Console
+
+    from nonstop.observe import status
+
+    def text(st, late=0.0):
+        c = Console(width=200, record=True)
+        c.print(status.render(st, now=st["t"] + late))
+        return c.export_text()
+
+    waiting = {"t": 5.0, "gen": -1, "phase": "waiting for hosts", "world": 0, "ranks": [],
+               "step": 0, "incidents": 0, "over": False, "hosts_joined": 1, "hosts_wanted": 3,
+               "waited_s": 12.0, "limit_s": 300.0}
+    assert "waiting for hosts: 1/3 joined (12 s of 300 s)" in text(waiting)
+    ranks = [{"rank": r, "wid": r + 1, "node": 0, "step": 40, "loss": None, "alive": True,
+              "state": s} for r, s in enumerate(("entered", "joining"))]
+    st = {"t": 5.0, "gen": 2, "phase": "rendezvous", "gen_age_s": 3.5, "world": 2, "ranks": ranks,
+          "step": 40, "incidents": 1, "over": False, "spares": {"total": 1, "ready": 0},
+          "incident": {"id": 1, "faults": ["rank 1 killed"], "phase": "restore", "since_s": 4.0},
+          "budgets": {"rank replacement": 49}}
+    out = text(st)
+    assert "rendezvous 3.5 s (1/2 ranks in)" in out and "incident 1 open for 4.0 s, in restore" in out
+    assert "joining" in out and "rank replacement 49" in out
+    assert "no news from the controller for 60 s" in text(st, late=60)
+    assert "no news" not in out

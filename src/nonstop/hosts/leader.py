@@ -345,10 +345,15 @@ class Leader:
     def _wait_for_hosts(self, timeout_s: float) -> list[keys.HostRecord] | None:
         """The job's first hosts: --nnodes of them hold ranks (in the order they joined), the
         others are spare hosts."""
-        deadline = time.monotonic() + timeout_s
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
         want = self.cfg.nnodes_max
+        shown = 0.0
         while True:
             rows = self.etcd.get_prefix(keys.HOSTS)
+            if time.monotonic() - shown >= 1.0:  # the wait, for nonstop status
+                shown = time.monotonic()
+                self._waiting_status(len(rows), want, shown - t0, timeout_s)
             if len(rows) >= want:
                 rows.sort(key=lambda r: r[3])  # create revision: the order they joined
                 return [keys.HostRecord.loads(r[1]) for r in rows]
@@ -358,6 +363,17 @@ class Leader:
                                 "(hosts.join_timeout_s): check --rdzv-id and --nnodes on each host")
                 return None
             time.sleep(0.1)
+
+    def _waiting_status(self, joined: int, want: int, waited_s: float, limit_s: float) -> None:
+        """Before the job starts: how many hosts joined, as a status record in etcd."""
+        rec = {"t": time.time(), "pid": os.getpid(), "gen": -1, "phase": "waiting for hosts",
+               "world": 0, "ranks": [], "step": 0, "incidents": 0, "over": False,
+               "hosts_joined": joined, "hosts_wanted": want, "waited_s": round(waited_s, 1),
+               "limit_s": limit_s}
+        try:
+            self.guarded({keys.STATUS: json.dumps(rec)})
+        except Exception:  # noqa: BLE001 - etcd away: the wait itself will say so
+            pass
 
     def _finish(self, code: int, diagnosis: str | None) -> None:
         try:

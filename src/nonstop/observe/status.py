@@ -51,8 +51,14 @@ def snapshot(controller: Any, now: float | None = None) -> dict[str, Any]:
     now = time.time() if now is None else now
     table = controller.table.status(controller.plan)
     nodes = controller.gens.node_of()
+    gen = controller.gen
     for r in table["ranks"]:
+        w = controller.workers[r["wid"]]
         r["node"] = nodes.get(r["rank"])
+        # how far it is in the current generation: a long rendezvous or restore shows progress
+        r["state"] = ("dead" if w.dead else "stepping" if w.first_gen == gen else
+                      "entered" if w.entered == gen else "joining" if w.joining == gen else
+                      "assigned")
     inc = controller.incident
     levels = controller.policy.levels
     budgets = {lv.value: max(0, getattr(levels, _FIELD[lv]).budget - controller.counters.used(lv))
@@ -63,6 +69,7 @@ def snapshot(controller: Any, now: float | None = None) -> dict[str, Any]:
     return {
         "t": now, "t_start": controller.t_start, "pid": os.getpid(),
         "gen": controller.gen, "phase": str(controller.phase), "world": len(controller.plan),
+        "gen_age_s": round(now - controller.state.t_gen, 3) if controller.state.t_gen else None,
         "ranks": table["ranks"],
         "nodes": {"total": controller.total_nodes, "with_ranks": len(used),
                   "spare": max(0, controller.total_nodes - len(used | isolated)),
@@ -136,7 +143,11 @@ def render(st: dict[str, Any], now: float | None = None) -> Any:
 
     now = time.time() if now is None else now
     age = now - st.get("t", now)
-    head = [f"generation {st['gen']}", st["phase"], f"step {st['step']}"]
+    phase = st["phase"]
+    if phase in ("rendezvous", "starting") and st.get("gen_age_s") is not None:
+        inside = sum(r.get("state") in ("entered", "stepping") for r in st["ranks"])
+        phase += f" {st['gen_age_s']:.1f} s ({inside}/{len(st['ranks'])} ranks in)"
+    head = [f"generation {st['gen']}", phase, f"step {st['step']}"]
     if st.get("rate_steps_per_s"):
         head.append(f"{st['rate_steps_per_s']:.2f} steps/s")
     alive = sum(r["alive"] for r in st["ranks"])
@@ -148,6 +159,9 @@ def render(st: dict[str, Any], now: float | None = None) -> Any:
     sp = st.get("spares") or {}
     head.append(f"spares {sp.get('ready', 0)}/{sp.get('total', 0)} ready")
     head.append(f"incidents {st['incidents']}")
+    if st.get("hosts_wanted"):  # across hosts, before the job starts
+        head = [f"waiting for hosts: {st['hosts_joined']}/{st['hosts_wanted']} joined "
+                f"({st['waited_s']:.0f} s of {st['limit_s']:.0f} s)"]
     lines = [Text(" | ".join(head), style="bold")]
     inc = st.get("incident")
     if inc:
@@ -158,15 +172,19 @@ def render(st: dict[str, Any], now: float | None = None) -> Any:
     elif age > STALE_S:
         lines.append(Text(f"no news from the controller for {age:.0f} s", style="red"))
     budgets = st.get("budgets") or {}
-    lines.append(Text("budgets left: " + ", ".join(f"{k} {v}" for k, v in budgets.items())))
+    if budgets:
+        lines.append(Text("budgets left: " + ", ".join(f"{k} {v}" for k, v in budgets.items())))
+    if not st["ranks"]:
+        return Group(*lines)
     table = Table(show_edge=False, pad_edge=False)
-    for col in ("rank", "node", "worker", "step", "loss", "alive"):
+    for col in ("rank", "node", "worker", "state", "step", "loss"):
         table.add_column(col, justify="right")
     for r in st["ranks"]:
         loss = r.get("loss")
         table.add_row(str(r["rank"]), "-" if r.get("node") is None else str(r["node"]),
-                      str(r["wid"]), "-" if r.get("step") is None else str(r["step"]),
-                      "-" if loss is None else f"{loss:.4g}", "yes" if r["alive"] else "no")
+                      str(r["wid"]), r.get("state") or ("alive" if r["alive"] else "dead"),
+                      "-" if r.get("step") is None else str(r["step"]),
+                      "-" if loss is None else f"{loss:.4g}")
     return Group(*lines, table)
 
 
