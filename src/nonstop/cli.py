@@ -218,8 +218,15 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument("--timeout", type=_positive_float, default=120.0, metavar="S",
                        help="how long to wait for the outcome (default 120)")
 
-    report = sub.add_parser("report", help="show the summary of a finished run")
+    report = sub.add_parser("report", help="show the summary of a finished run, draw its picture",
+                            description="Print the summary of the run in RUN_DIR and draw it as "
+                                        "a picture, RUN_DIR/timeline.png.")
     report.add_argument("run_dir")
+    report.add_argument("--html", action="store_true",
+                        help="also write RUN_DIR/report.html: one self-contained page (the "
+                             "picture, incidents, goodput account, policy)")
+    report.add_argument("--no-picture", action="store_true",
+                        help="print the summary only: no timeline.png (unless --html)")
 
     status = sub.add_parser("status", help="the status of a running job, live",
                             description="Show a running job's generation, ranks, hosts, spares, "
@@ -298,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "report":
             from .observe.report import show
 
-            return show(args.run_dir)
+            return show(args.run_dir, html_page=args.html, picture=not args.no_picture)
         if args.command == "status":
             return _status(args)
         if args.command == "policy":
