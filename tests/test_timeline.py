@@ -275,6 +275,11 @@ def test_report_without_picture_and_bad_input(tmp_path, capsys):
     assert cli.main(["report", str(tmp_path / "nope"), "--html"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no run at" in err
+    for bad in ('{"incidents": 1, "incident_list": [1], "wall_s": "x"}', "[1]"):
+        (tmp_path / "summary.json").write_text(bad)  # not a summary nonstop wrote
+        assert cli.main(["report", str(tmp_path), "--no-picture"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "is not a summary nonstop wrote" in err
 
 
 def test_malformed_lines_still_draw(tmp_path, capsys):

@@ -40,7 +40,12 @@ def show(run_dir: str, html_page: bool = False, picture: bool = True) -> int:
         if history and not history[-1]["ended"]:
             display.console.print(f"summary.json is attempt {summary.get('attempt', 1)}'s, the "
                                   "last one that ended:")
-        display.summary(summary)
+        try:
+            if not isinstance(summary, dict):
+                raise TypeError(f"a JSON {type(summary).__name__}, not an object")
+            display.summary(summary)
+        except (AttributeError, TypeError, KeyError, ValueError, IndexError) as exc:
+            raise UsageError(f"{path} is not a summary nonstop wrote ({exc})") from None
         if summary.get("diagnosis"):
             print(f"diagnosis: {summary['diagnosis']}")
     png, why = _picture(run_dir) if picture or html_page else (None, None)
