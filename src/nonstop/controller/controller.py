@@ -67,6 +67,7 @@ class Controller:
         self.final_persist: int | None = None  # the last step's checkpoint, awaited at the end
         self.snap_stats: dict[str, Any] | None = None  # rank 0's snapshot numbers
         self._t_running = 0.0  # when the current generation formed on every rank
+        self._t_retry = 0.0  # when its ranks were last told to redo a step
         self.t_ready: float | None = None  # when the first one did (the end of start-up)
         self.progress = ProgressLog(run_dir)  # the ranks' steps as they completed
         self.metrics: Any = None  # observe.metrics.JobMetrics, with --metrics-port
@@ -327,7 +328,8 @@ class Controller:
         self.book.retry_opened(c.step, time.time(), self.gen, self.max_step)
 
     def _do_Retry(self, c: mc.Retry) -> None:
-        self.book.retried(c.decision, c.step, time.time())
+        self._t_retry = time.time()
+        self.book.retried(c.decision, c.step, self._t_retry)
         self.display.info(f"{c.decision.level.value} (generation {self.gen}) [{c.decision.reason}]")
         for wid in self.plan.values():
             w = self.workers[wid]
@@ -651,7 +653,9 @@ class Controller:
         self._step(mc.Tick(self._seen(now)))
         if self.outcome.exit_code is None and self.phase is Phase.RUNNING and self.managed \
                 and self.state.retry_deadline is None:
-            self._act(self.watchers.steps(self._ranks(), self.gen, self._t_running, now)
+            # a redone step (a step retry) gets the first step's allowance from the retry on
+            self._act(self.watchers.steps(self._ranks(), self.gen,
+                                          max(self._t_running, self._t_retry), now)
                       + self.watchers.tick(now))
 
     # == log lines, the end of training, recovery ===============================================
