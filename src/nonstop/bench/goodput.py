@@ -1,6 +1,8 @@
 """``nonstop bench goodput``: a 4-rank job with one warm spare trains for ``--minutes``, hit by a
-fault every ``--every`` seconds drawn from a seeded mix (a crash, a hang, NaN gradients, a crash
-whose warm spare dies at its promotion), against the same job without faults.
+fault every ``--every`` seconds drawn from a seeded mix (a crash, a hang, NaN gradients, the
+idle warm spare killed), against the same job without faults. The policy is the chaos soak's:
+injected faults are not failing hardware, so no node is isolated for them and no level runs out
+of budget.
 
 Runs, one after the other on this machine:
 
@@ -23,22 +25,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from . import common
+from . import chaos, common
 
 SYSTEMS = ("nonstop", "torchrun")
 KINDS = {
     "crash": "crash:rank={r},step={s}",
     "hang": "hang:rank={r},step={s}",
     "nan": "nan:rank={r},step={s}",
-    "spare_death": "crash:rank={r},step={s};crash:rank={r},at=promoted",
+    "spare_death": "",  # the harness SIGKILLs the idle warm spare once rank 0 passes the step
 }
 RANKS, SPARES = 4, 1
 CALIBRATION_STEPS = 150
@@ -59,6 +64,45 @@ def schedule(seed: int, steps: int, step_s: float, every_s: float) -> list[dict[
         kind, r = kinds.pop(), rng.randrange(RANKS)
         out.append({"kind": kind, "step": s, "rank": r, "spec": KINDS[kind].format(r=r, s=s)})
     return out
+
+
+def kill_spares(out: Path, plan: list[dict[str, Any]], stop: threading.Event,
+                killed: list[float]) -> None:
+    """The spare deaths of the plan: once rank 0 has passed a spare death's step, SIGKILL the
+    warm spare that is idle then (a spawned spare that holds no rank and has not ended)."""
+    steps = sorted(f["step"] for f in plan if f["kind"] == "spare_death")
+    log, run = out / "steps-r0.txt", out / "run"
+    while steps and not stop.wait(0.2):
+        try:
+            lines = log.read_text().splitlines()
+            step = int(lines[-1].split()[0]) if lines else 0
+        except (OSError, ValueError, IndexError):
+            continue
+        if step < steps[0]:
+            continue
+        pid = _idle_spare(run)
+        if pid is None:
+            continue  # none ready yet (a refill under way): a moment later
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            continue
+        killed.append(time.time())
+        steps.pop(0)
+
+
+def _idle_spare(run: Path) -> int | None:
+    spares: dict[int, int] = {}
+    taken: set[int] = set()
+    for ev in common.events(run):
+        if ev.get("type") == "spawn" and ev.get("spare"):
+            spares[ev["wid"]] = ev["pid"]
+        elif ev.get("type") == "generation":
+            taken |= set((ev.get("ranks") or {}).values())
+        elif ev.get("type") in ("exit", "spare_lost"):
+            taken.add(ev.get("wid"))
+    idle = [w for w in spares if w not in taken]
+    return spares[max(idle)] if idle else None
 
 
 def step_log_goodput(out: Path, t0: float, t1: float) -> float | None:
@@ -86,15 +130,28 @@ def _run(system: str, out: Path, steps: int, plan: list[dict[str, Any]], timeout
                                   "--kill-rank", str(RANKS // 2), "--kill-steps", kills,
                                   restarts=len(plan) + 1)
     else:
-        flags = [f"--nproc={RANKS}", f"--spares={SPARES}", f"--run-dir={out / 'run'}"]
-        if system == "nonstop" and plan:
-            flags.append("--inject=" + ";".join(f["spec"] for f in plan))
+        (out / "policy.yaml").write_text(chaos.POLICY)  # injected faults: no node is to blame
+        flags = [f"--nproc={RANKS}", f"--spares={SPARES}", f"--run-dir={out / 'run'}",
+                 f"--policy={out / 'policy.yaml'}"]
+        specs = [f["spec"] for f in plan if f["spec"]]
+        if system == "nonstop" and specs:
+            flags.append("--inject=" + ";".join(specs))
         cmd = common.nonstop_cmd(*flags, *job, "--mode", "nonstop")
+    stop, killed = threading.Event(), []
+    harness = None
+    if system == "nonstop":
+        harness = threading.Thread(target=kill_spares, args=(out, plan, stop, killed), daemon=True)
+        harness.start()
     t0 = time.time()
     code = common.run_child(cmd, out / "output.log", timeout_s)
     t1 = time.time()
+    stop.set()
+    if harness is not None:
+        harness.join(timeout=5)
     res: dict[str, Any] = {"system": system, "exit_code": code, "wall_s": round(t1 - t0, 3),
                            "goodput_step_log": step_log_goodput(out, t0, t1)}
+    if system == "nonstop":
+        res["spares_killed"] = len(killed)
     summary = out / "run" / "summary.json"
     if system != "torchrun" and summary.is_file():
         s = json.loads(summary.read_text())
