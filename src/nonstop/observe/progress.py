@@ -109,6 +109,8 @@ def read(path: str | Path, t_from: float | None = None, t_to: float | None = Non
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if not isinstance(rec, dict):
+                continue
             t = rec.get("t")
             if not isinstance(t, (int, float)):
                 continue

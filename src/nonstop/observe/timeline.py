@@ -96,19 +96,12 @@ def load(run_dir: str | Path) -> Run:
 def _samples(path: Path, t0: float) -> tuple[list[dict[str, Any]], bool]:
     """The progress samples taken since ``t0`` (the file is appended to by every attempt),
     skipping a torn or malformed line; and whether the file exists at all."""
+    from . import progress
+
     if not path.is_file():
         return [], False
-    out = []
     try:
-        with open(path) as fh:
-            for line in fh:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(rec, dict) and isinstance(rec.get("t"), (int, float)) \
-                        and isinstance(rec.get("rank"), int) and rec["t"] >= t0:
-                    out.append(rec)
+        out = [r for r in progress.read(path, t_from=t0) if isinstance(r.get("rank"), int)]
     except OSError:
         return [], False
     return out, True
