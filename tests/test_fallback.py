@@ -24,6 +24,8 @@ def test_a_level_that_misses_its_deadline_hands_over_to_the_next(tmp_path, refer
     assert levels == ["rank replacement", "job restart"], levels
     assert [f["kind"] for f in run.of("fault") if f["kind"] != "peer"][-1] == "deadline"
     assert run.of("decision")[1]["escalated_from"] == "rank replacement"
+    (missed,) = [d for d in run.of("deadline") if d["what"] == "recovery_level"]
+    assert missed["limit_s"] == 0.5 and "rank replacement" in missed["detail"]
     assert bitwise_equal(out, reference(3, *ARGS))  # a job restart from step 0 is deterministic
 
 

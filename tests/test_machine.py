@@ -106,9 +106,12 @@ def test_a_survivor_that_does_not_leave_in_time_is_killed_with_its_stacks():
     s, _ = mc.step(s, mc.Faulted(seen(5.0, rs), Fault("crash", rank=1, code=-9)), P)
     s, cmds = mc.step(s, mc.Tick(seen(s.deadline - 0.001, rs)), P)
     assert cmds == []
+    allowance = round(s.deadline - s.t_abort, 3)
     s, cmds = mc.step(s, mc.Tick(seen(s.deadline + 0.001, rs)), P)
-    assert [(c.wid, c.dump) for c in cmds] == [(100, True), (102, True), (103, True)]
-    assert all(c.fault.kind == "teardown_timeout" for c in cmds)
+    missed, *kills = cmds  # the deadline, as an event, then the kills
+    assert missed == mc.Missed("teardown", allowance, 0, (0, 2, 3), "killed")
+    assert [(c.wid, c.dump) for c in kills] == [(100, True), (102, True), (103, True)]
+    assert all(c.fault.kind == "teardown_timeout" for c in kills)
     assert [f.kind for f in s.round] == ["crash"] + ["teardown_timeout"] * 3
 
 
@@ -145,8 +148,10 @@ def test_a_rank_that_does_not_join_in_time_escalates_the_level():
     s2, cmds = mc.step(s, mc.Tick(seen(s.deadline - 0.01, slow)), P)
     assert cmds == []
     s, cmds = mc.step(s, mc.Tick(seen(s.deadline + 0.01, slow)), P)
-    assert kinds(cmds) == ["Kill", "Interrupt", "Raise", "Abort"]  # the attempt ends there
-    assert cmds[0].wid == 101 and cmds[2].fault.kind == "rendezvous_timeout"
+    assert kinds(cmds) == ["Missed", "Kill", "Interrupt", "Raise", "Abort"]  # the attempt ends
+    assert cmds[0].what == "rendezvous" and cmds[0].limit_s == T.rendezvous_s
+    assert cmds[0].ranks == (1,) and cmds[0].gen == 1
+    assert cmds[1].wid == 101 and cmds[3].fault.kind == "rendezvous_timeout"
     dead = ranks(1, {1: {"dead": True, "joining": 0}}, {r: {"left": 1} for r in (0, 2, 3)})
     s, _ = mc.step(s, mc.Tick(seen(s.deadline, dead)), P)
     s, cmds = mc.step(s, mc.Tick(seen(s.deadline, dead)), P)
@@ -195,8 +200,10 @@ def test_a_level_that_does_not_recover_within_its_deadline_is_a_fault():
     s2, cmds = mc.step(s, mc.Tick(seen(s.level_deadline - 0.01, ranks(1))), P)
     assert cmds == []
     s, cmds = mc.step(s, mc.Tick(seen(s.level_deadline + 0.01, ranks(1))), P)
-    assert kinds(cmds) == ["Interrupt", "Raise", "Abort"]
-    assert cmds[1].fault.kind == "deadline" and "rank replacement" in cmds[1].fault.message
+    assert kinds(cmds) == ["Missed", "Interrupt", "Raise", "Abort"]
+    assert cmds[0].what == "recovery_level" and "rank replacement" in cmds[0].detail
+    assert cmds[0].limit_s == P.levels.rank_replacement.deadline_s
+    assert cmds[2].fault.kind == "deadline" and "rank replacement" in cmds[2].fault.message
     assert s.level_deadline is None
 
 
@@ -216,7 +223,8 @@ def test_non_finite_gradients_retry_in_place_or_fall_back():
     assert cmds[0].fault.kind == "nan" and "different steps" in cmds[0].fault.message
     # not every rank said so in time: the coarse way
     _, cmds = mc.step(s, mc.Tick(seen(s.retry_deadline + 0.01, one)), P)
-    assert kinds(cmds) == ["Raise", "Abort"] and cmds[0].fault.kind == "nan"
+    assert kinds(cmds) == ["Missed", "Raise", "Abort"] and cmds[1].fault.kind == "nan"
+    assert cmds[0].what == "step_retry" and cmds[0].limit_s == P.levels.step_retry.deadline_s
 
 
 def test_a_plain_script_is_ended_whole():
@@ -248,7 +256,8 @@ def test_the_end_waits_for_the_ranks_and_the_last_checkpoint_then_has_a_deadline
     _, cmds = mc.step(s, mc.Settled(seen(51.0, gone), settled=True), P)
     assert cmds == [mc.End()]
     s, cmds = mc.step(s, mc.Settled(seen(55.1, ranks(0, {0: {"dead": True}})), False), P)
-    assert cmds == [mc.Overdue((101, 102, 103))]
+    assert cmds == [mc.Missed("finish", 5.0, 0, (1, 2, 3), cmds[0].detail),
+                    mc.Overdue((101, 102, 103))]
     _, cmds = mc.step(s, mc.Settled(seen(56.0, ranks(0)), False), P)
     assert cmds == []  # once
     s, _ = mc.step(s, mc.Over(), P)

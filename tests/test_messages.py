@@ -42,6 +42,7 @@ SAMPLES = [
     m.Health(results=[{"check": "disk", "ok": False}], nvml_status="NVML: off"),
     m.KeeperEvents(events=[{"ev": "replicated"}]),
     m.Preempted(grace_s=19.5),
+    m.Deadlines(records=[{"what": "host_reply", "limit_s": 5.0, "detail": "no answer to spawn"}]),
     m.Refused(why="stale epoch 3 < 7"),
     m.Reply(id=5, port=4242),
 ]

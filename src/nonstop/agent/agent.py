@@ -66,6 +66,7 @@ class Agent:
         self._next_wid = 0
         self.zygote: Any = None  # ranks are forked from it (zygote.py), once it is ready
         self.zygote_error: str | None = None  # why ranks are started directly instead
+        self.missed: list[dict[str, Any]] = []  # deadlines that fired here (deadlines())
         self._sel = selectors.DefaultSelector()
         self._logs: dict[int, object] = {}
         # another thread (a host's channel to its controller) ends a wait early through this
@@ -120,6 +121,9 @@ class Agent:
 
         if not z.ready(READY_S):
             self.zygote_error = z.broken or f"not ready within {READY_S:g} s"
+            if not z.broken:
+                self.missed.append({"what": "zygote", "limit_s": READY_S,
+                                    "detail": "its imports did not finish: ranks start directly"})
             return None
         return z
 
@@ -168,6 +172,11 @@ class Agent:
             os.write(self._wake_w, b"x")
         except OSError:  # full: a wake-up is already pending
             pass
+
+    def deadlines(self) -> list[dict[str, Any]]:
+        """The deadlines that fired here since the last call (``what``, ``limit_s``, ...)."""
+        out, self.missed = self.missed, []
+        return out
 
     def preempted(self) -> list[tuple[int, float]]:
         """Hosts told to stop: none here (a SIGTERM ends the whole job, with its emergency save)."""

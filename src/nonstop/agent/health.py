@@ -31,6 +31,7 @@ class HealthResult:
     detail: str  # one line: "exit 1: <last line of output>", "timed out after 10 s", ...
     t: float  # when it finished (the ``now`` of the poll that saw it)
     seconds: float  # how long it ran
+    limit_s: float | None = None  # it ran out of its time (the check's timeout_s)
 
 
 @dataclass
@@ -132,6 +133,7 @@ class HealthMonitor:
         for key, run in list(self._running.items()):
             check = self._checks[key[0]]
             code: int | None = None
+            limit: float | None = None
             if _exited(run.proc):
                 _kill_group(run.proc)  # what it left in the background; the zombie holds the id
                 code = run.proc.wait()
@@ -139,6 +141,7 @@ class HealthMonitor:
             elif now - run.started >= check.timeout_s:
                 self._end(run.proc)
                 detail = f"timed out after {check.timeout_s:g} s"
+                limit = check.timeout_s
             else:
                 continue
             last = _last_line(run.out)
@@ -147,7 +150,7 @@ class HealthMonitor:
             self._next[key] = now + check.every_s
             detail = f"{detail}: {last}" if last else detail
             results.append(HealthResult(check.name, key[1], code == 0, code, detail, now,
-                                        now - run.started))
+                                        now - run.started, limit))
         return results
 
     def _check_nvml(self, now: float) -> list[HealthResult]:

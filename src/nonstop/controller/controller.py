@@ -346,6 +346,9 @@ class Controller:
     def _do_End(self, c: mc.End) -> None:
         self._end(0 if self.outcome.diagnosis is None else 1)
 
+    def _do_Missed(self, c: mc.Missed) -> None:
+        self.log.deadline(c.what, c.limit_s, gen=c.gen, ranks=list(c.ranks), detail=c.detail)
+
     def _do_Overdue(self, c: mc.Overdue) -> None:
         self.outcome.overdue([self.workers[w] for w in c.wids], self.final_persist)
         self._end(1)
@@ -643,6 +646,8 @@ class Controller:
                            str(req.get("why") or "asked"))
             else:
                 self.log.write("request_refused", request=req)
+        for rec in self.agent.deadlines():
+            self.log.deadline(str(rec.pop("what", "?")), rec.pop("limit_s", None), **rec)
         for node, grace_s in self.agent.preempted():
             self.preempts.add(node, grace_s, now)
         for node in self.preempts.due(now):

@@ -284,8 +284,18 @@ class Overdue:
     wids: tuple[int, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class Missed:
+    """A deadline fired: logged as a ``deadline`` event (what waited, its limit, for whom)."""
+    what: str
+    limit_s: float | None
+    gen: int
+    ranks: tuple[int, ...] = ()
+    detail: str = ""
+
+
 Command = Union[Raise, Ignore, Interrupt, Abort, Kill, Probe, Decide, CarryOut, Regroup, Publish,
-                Formed, RetryOpened, Retry, Fail, Finish, End, Overdue, DrainRefused]
+                Formed, RetryOpened, Retry, Fail, Finish, End, Overdue, DrainRefused, Missed]
 
 # == the state ====================================================================================
 
@@ -304,6 +314,7 @@ class JobState:
     level: str | None = None  # the level that attempt tries
     level_deadline: float | None = None  # ...and by when it must have recovered
     retry_deadline: float | None = None  # every rank must report its non-finite step by then
+    finish_s: float = 0.0  # how long the end may take once training completed
     sick: frozenset[int] = frozenset()  # nodes with a node-level fault in the open incident
     probed: bool = False  # the dead ranks' memory was asked, for this teardown
     regroup: bool = False  # the ranks leave at a step boundary to grow the world (no fault)...
@@ -348,7 +359,8 @@ def step(s: JobState, ob: Observation, policy: Any) -> tuple[JobState, list[Comm
         return _with(s, incident=False, attempt=False, level=None, level_deadline=None,
                      sick=frozenset(), counters=counters), []
     if isinstance(ob, Completed):
-        return _with(s, phase=Phase.FINISHING, deadline=ob.seen.now + ob.finish_s), [Finish()]
+        return (_with(s, phase=Phase.FINISHING, deadline=ob.seen.now + ob.finish_s,
+                      finish_s=ob.finish_s), [Finish()])
     if isinstance(ob, Settled):
         return _settle(s, ob.seen, ob.settled)
     if isinstance(ob, Over):
@@ -423,8 +435,10 @@ def _tick(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]
             return _after_teardown(s, seen, policy)
         if seen.now > s.deadline and s.regroup and not s.forced:
             # not at a step boundary in time (a loop without ctx.steps, a long step): now
+            missed = Missed("step_boundary", round(s.deadline - s.t_abort, 3), s.gen,
+                            tuple(r.rank for r in pending), "the regroup is forced: ranks aborted")
             return (_with(s, forced=True, deadline=seen.now + policy.timeouts.teardown_s),
-                    [Abort(s.gen, seen.managed)])
+                    [missed, Abort(s.gen, seen.managed)])
         if seen.now > s.deadline:
             late = s.deadline - s.t_abort
             faults = []
@@ -434,6 +448,8 @@ def _tick(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]
                 faults.append(f)
                 cmds.append(Kill(r.wid, "did not leave the generation in time", dump=True,
                                  fault=f, late_s=late))
+            cmds.insert(0, Missed("teardown", round(late, 3), s.gen,
+                                  tuple(r.rank for r in pending), "killed"))
             s = _with(s, round=s.round + tuple(faults), deadline=math.inf)
         return s, cmds
     if s.phase is Phase.RENDEZVOUS:
@@ -443,13 +459,19 @@ def _tick(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]
     if s.incident and s.level_deadline is not None and seen.now > s.level_deadline \
             and s.phase in ACTIVE:
         level = s.level
+        limit = ladder.level_policy(policy, Level(level)).deadline_s if level else None
         s = _with(s, level_deadline=None)
-        return fault(s, Fault("deadline", message=f"{level} did not recover within its deadline "
+        s, cmds = fault(s, Fault("deadline", message=f"{level} did not recover within its deadline "
                                                   "(recover.levels)"), seen, policy)
+        return s, [Missed("recovery_level", limit, s.gen, detail=f"{level}: escalated")] + cmds
     if s.phase is Phase.RUNNING and s.retry_deadline is not None and seen.now > s.retry_deadline:
         s = _with(s, retry_deadline=None)  # not every rank saw it: the coarse way
-        return fault(s, Fault("nan", message="not every rank reported the non-finite step"),
-                     seen, policy)
+        missed = Missed("step_retry", policy.levels.step_retry.deadline_s, s.gen,
+                        tuple(r.rank for r in seen.ranks if r.retry_step is None),
+                        "not every rank reported the non-finite step")
+        s, cmds = fault(s, Fault("nan", message="not every rank reported the non-finite step"),
+                        seen, policy)
+        return s, [missed] + cmds
     if s.phase is Phase.RUNNING and not s.incident and s.retry_deadline is None and seen.managed \
             and elastic.due(s.degraded_since, seen.now, policy) and _growth(s, seen, policy):
         deadline = seen.now + policy.timeouts.teardown_s + 3 * seen.slowest_step_s
@@ -624,7 +646,8 @@ def _check_rendezvous(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, l
     culprits = [r for r in culprits if not r.dead]
     if not culprits:
         return s, []
-    cmds = [Kill(r.wid, why, dump=True) for r in culprits]
+    cmds = [Missed("rendezvous", limit, s.gen, tuple(r.rank for r in culprits), why)]
+    cmds += [Kill(r.wid, why, dump=True) for r in culprits]
     s, more = fault(s, Fault("rendezvous_timeout", rank=culprits[0].rank, message=(
         f"rank(s) {', '.join(str(r.rank) for r in culprits)} {why} "
         f"({limit:g} s, generation {s.gen})")), seen, policy)
@@ -664,5 +687,7 @@ def _settle(s: JobState, seen: Seen, settled: bool) -> tuple[JobState, list[Comm
     if not alive and settled:
         return s, [End()]
     if seen.now > s.deadline:
-        return _with(s, deadline=math.inf), [Overdue(alive)]
+        missed = Missed("finish", s.finish_s, s.gen, tuple(r.rank for r in seen.ranks if not r.dead),
+                        "ranks still alive, or the last checkpoint unwritten")
+        return _with(s, deadline=math.inf), [missed, Overdue(alive)]
     return s, []

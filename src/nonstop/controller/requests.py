@@ -70,12 +70,14 @@ class Preemptions:
     def __init__(self, log: Any):
         self.log = log
         self.pending: dict[int, float] = {}  # node -> when its grace ends
+        self._grace: dict[int, float] = {}
         self._half: dict[int, float] = {}  # node -> half-way through its grace
         self._next: dict[int, float] = {}
 
     def add(self, node: int, grace_s: float, now: float) -> None:
         if node not in self.pending:
             self.pending[node] = now + grace_s
+            self._grace[node] = grace_s
             self._half[node] = now + grace_s / 2
             self.log.write("preempted", node=node, grace_s=round(grace_s, 3))
 
@@ -87,7 +89,9 @@ class Preemptions:
         """The nodes to act on now (each at most every ``RETRY_S``); expired ones are dropped."""
         out = []
         for node, deadline in list(self.pending.items()):
-            if now >= deadline:
+            if now >= deadline:  # never acted on in its grace: the ladder has it when it leaves
+                self.log.deadline("preemption_grace", self._grace.get(node), node=node,
+                                  detail="no drain or scale-in was possible in the grace")
                 self.done(node)
             elif now >= self._next.get(node, 0.0):
                 self._next[node] = now + RETRY_S
@@ -97,4 +101,5 @@ class Preemptions:
     def done(self, node: int) -> None:
         self.pending.pop(node, None)
         self._half.pop(node, None)
+        self._grace.pop(node, None)
         self._next.pop(node, None)

@@ -74,6 +74,9 @@ class Watchers:
             if r.ok or r.node in isolated:
                 continue
             self.log.write("health", check=r.check, node=r.node, ok=r.ok, detail=r.detail)
+            if r.limit_s is not None:
+                self.log.deadline("health_check", r.limit_s, waited_s=round(r.seconds, 3),
+                                  check=r.check, node=r.node)
             message = f"health check {r.check!r} failed: {r.detail}"
             if r.node not in busy:
                 self.display.info(f"node {r.node}: {message}")

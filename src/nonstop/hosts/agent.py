@@ -297,6 +297,9 @@ class HostAgent:
             if self.code is not None:
                 break
             self._relay_events()
+            missed = self.agent.deadlines()
+            if missed:
+                self._send(m.Deadlines(records=missed))
             self.keepers.poll()
             now = time.time()
             if now - self._last_progress >= PROGRESS_EVERY_S:
@@ -474,7 +477,8 @@ class HostAgent:
         if results:
             self._send(m.Health(nvml_status=self.health.nvml_status,
                                 results=[{"check": r.check, "ok": r.ok, "code": r.code,
-                                          "detail": r.detail, "seconds": r.seconds}
+                                          "detail": r.detail, "seconds": r.seconds,
+                                          "limit_s": r.limit_s}
                                          for r in results]))
 
     def _output(self, wid: int, line: str) -> None:

@@ -72,6 +72,7 @@ class Cluster:
         self._progress: dict[int, dict[str, Any]] = {}
         self._keeper_events: dict[int, list[dict[str, Any]]] = {}
         self._preempted: list[tuple[int, float]] = []  # (node, grace): hosts told to stop
+        self._missed: list[dict[str, Any]] = []  # deadlines that fired here or on a host
         self.own_host: str | None = None  # the host this controller runs on
         self.own_release: tuple[int, str] | None = None  # ...released once the journal says so
         self._exited: list[RemoteProc] = []
@@ -227,6 +228,11 @@ class Cluster:
     def alive(self) -> list[RemoteProc]:
         return [p for p in self.procs.values() if p.alive]
 
+    def deadlines(self) -> list[dict[str, Any]]:
+        """The deadlines that fired since the last call (``what``, ``limit_s``, node, ...)."""
+        out, self._missed = self._missed, []
+        return out
+
     def preempted(self) -> list[tuple[int, float]]:
         """Hosts told to stop since the last call: (node, grace in seconds)."""
         out, self._preempted = self._preempted, []
@@ -329,6 +335,8 @@ class Cluster:
             case m.State():
                 link.state = msg
                 self._adopt(link, msg)
+            case m.Deadlines(records=records):
+                self._missed.extend({**r, "node": node} for r in records if isinstance(r, dict))
             case m.Preempted(grace_s=grace_s):
                 self._preempted.append((node, float(grace_s)))
             case m.Refused(why=why):  # a newer controller is in office: we must stop at once
@@ -418,7 +426,9 @@ class Cluster:
         waiter = threading.Event()
         self._replies[rid] = (waiter, [])
         self._to(node, dataclasses.replace(order, id=rid))
-        waiter.wait(timeout_s)
+        if not waiter.wait(timeout_s) and not (link.lost or link.unreachable):
+            self._missed.append({"what": "host_reply", "limit_s": timeout_s, "node": node,
+                                 "detail": f"no answer to {order.op}"})
         _, answer = self._replies.pop(rid)
         return answer[0] if answer else None
 
@@ -445,7 +455,8 @@ class RemoteHealth:
             self._pending.append(self._result(check=str(r.get("check")), node=node,
                                               ok=bool(r.get("ok")), code=r.get("code"),
                                               detail=str(r.get("detail", "")), t=now,
-                                              seconds=float(r.get("seconds") or 0.0)))
+                                              seconds=float(r.get("seconds") or 0.0),
+                                              limit_s=r.get("limit_s")))
 
     def poll(self, now: float) -> list[Any]:
         out, self._pending = self._pending, []

@@ -45,6 +45,11 @@ class EventLog:
                 pass
         return record
 
+    def deadline(self, what: str, limit_s: float | None, /, **fields: Any) -> dict[str, Any]:
+        """A deadline fired: one ``deadline`` event whatever waited (docs/events.md, Deadlines)."""
+        return self.write("deadline", what=what,
+                          limit_s=None if limit_s is None else round(limit_s, 3), **fields)
+
     def close(self) -> None:
         with self._lock:
             self._fh.close()

@@ -92,7 +92,7 @@ def _command(command: str, body: str, timeout_s: float) -> dict[str, Any]:
             if proc.stdout is not None:
                 proc.stdout.close()
         detail = f"timeout after {timeout_s:g} s: process group killed"
-        return {"ok": False, "detail": detail, "output": _tail(out)}
+        return {"ok": False, "detail": detail, "output": _tail(out), "timed_out": True}
     code = proc.returncode
     detail = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
     return {"ok": code == 0, "detail": detail, "output": _tail(out)}
@@ -113,7 +113,10 @@ def _post(url: str, body: str, timeout_s: float) -> dict[str, Any]:
         detail = _line(f"HTTP {exc.code} {exc.reason}")
         return {"ok": False, "detail": detail, "output": _tail(data)}
     except Exception as exc:  # noqa: BLE001 - refused, DNS, timeout, TLS: all just "failed"
-        return {"ok": False, "detail": _line(f"{type(exc).__name__}: {exc}"), "output": ""}
+        record = {"ok": False, "detail": _line(f"{type(exc).__name__}: {exc}"), "output": ""}
+        if isinstance(exc, TimeoutError) or isinstance(getattr(exc, "reason", None), TimeoutError):
+            record["timed_out"] = True
+        return record
     return {"ok": status < 400, "detail": f"HTTP {status}", "output": _tail(data)}
 
 
@@ -123,5 +126,8 @@ def on_give_up(hook: GiveUpHook, log: Any, display: Any, report: dict[str, Any])
         return
     for record in run_give_up_hook(hook, report):
         log.write("hook", **record)
+        if record.get("timed_out"):
+            log.deadline("give_up_hook", hook.timeout_s, waited_s=record["seconds"],
+                         action=record["action"], target=record["target"])
         if not record["ok"]:
             display.info(f"give-up hook {record['action']} failed: {record['detail']}")

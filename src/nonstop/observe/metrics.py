@@ -94,6 +94,7 @@ class JobMetrics:
         self.checkpoint_failures = c("nonstop_checkpoint_failures", "Checkpoint parts that failed")
         self.budget = g("nonstop_budget_remaining", "Uses left of each recovery level's budget",
                         ["level"])
+        self.deadlines = c("nonstop_deadlines", "Deadlines that fired, by what waited", ["what"])
         self._fault_of: dict[Any, tuple[str, str]] = {}  # incident -> its first fault's kind, code
         self._next_account = 0.0
 
@@ -136,6 +137,9 @@ class JobMetrics:
         self.checkpoints.labels(str(ev.get("reason"))).inc()
         self.checkpoint_s.observe((ev.get("write_s") or 0.0) + (ev.get("finalize_s") or 0.0))
         self.checkpoint_bytes.inc(ev.get("bytes") or 0)
+
+    def _ev_deadline(self, ev: dict[str, Any]) -> None:
+        self.deadlines.labels(str(ev.get("what"))).inc()
 
     def _ev_checkpoint_failed(self, ev: dict[str, Any]) -> None:
         self.checkpoint_failures.inc()

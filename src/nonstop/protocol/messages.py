@@ -202,6 +202,14 @@ class Preempted(Report):
 
 
 @dataclasses.dataclass(frozen=True)
+class Deadlines(Report):
+    """Deadlines that fired on the host (``what``, ``limit_s``, ...): the controller logs each."""
+
+    op: ClassVar[str] = "deadlines"
+    records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
 class Refused(Report):
     """An order the agent will not carry out (a stale epoch): its sender is deposed."""
 

@@ -308,6 +308,9 @@ class Keepers:
         if wait_s is not None:
             record["complete"] = self.wait(step, time.time() + wait_s, tick)
             record["seconds"] = round(time.time() - t0, 3)
+            if not record["complete"] and not self.disk.settled(step):  # not failed: late
+                self.log.deadline("emergency_checkpoint", wait_s, waited_s=record["seconds"],
+                                  step=step, reason=reason)
         self.log.write("emergency_checkpoint", **record)
         return record
 
