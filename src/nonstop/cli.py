@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="measure recovery against peers")
     bench.add_argument("scenario",
                        choices=["crash", "hang", "state", "second", "hosts", "elastic", "chaos",
-                                "goodput"])
+                                "goodput", "scale", "overhead"])
     bench.add_argument("--ranks", type=int, help="rank processes (default 4; state: 2)")
     bench.add_argument("--repeat", type=int,
                        help="runs of each system (default 5; hosts, elastic: 3)")
@@ -185,6 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="goodput: minutes of training of each run (default 10)")
     bench.add_argument("--every", type=_positive_float, default=30.0, metavar="S",
                        help="goodput: seconds of training between two faults (default 30)")
+    bench.add_argument("--sizes", metavar="LIST",
+                       help="scale: world sizes on this host (default 2,4,8,16)")
+    bench.add_argument("--host-sizes", metavar="LIST",
+                       help="scale: test host counts, each with --ranks-per-host ranks "
+                            "(default 2,4,8)")
+    bench.add_argument("--step-ms", metavar="LIST",
+                       help="overhead: step times to measure at, in ms (default 25,250)")
     _chaos_args(bench)
     _json_out(bench)
 
@@ -277,11 +284,17 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import goodput
 
             return goodput.main(args)
+        if args.command == "bench" and args.scenario == "overhead":
+            from .bench import overhead
+
+            if args.systems is None:
+                args.systems = ",".join(overhead.SYSTEMS)
+            return overhead.main(args)
         if args.command == "bench":
-            from .bench import crash, elastic, hang, hosts, second, state
+            from .bench import crash, elastic, hang, hosts, scale, second, state
 
             module = {"crash": crash, "hang": hang, "state": state, "second": second,
-                      "hosts": hosts, "elastic": elastic}[args.scenario]
+                      "hosts": hosts, "elastic": elastic, "scale": scale}[args.scenario]
             if args.scenario == "hosts":  # its own defaults (steps, fault step: the driver's)
                 if args.repeat is None:
                     args.repeat = 3

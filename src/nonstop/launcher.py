@@ -228,6 +228,7 @@ def run(cfg: RunConfig) -> int:
     agent = Agent(cfg.script, cfg.script_args, f"{loopback.HOST}:{port}", run_dir,
                   worker_env(run_dir, faults), output)
     agent.start_zygote()  # ranks are forked from it: it imports torch while the launcher does
+    loopback.preimport()  # the store's torch, while the ranks wait for the zygote
     from .agent.mail import StoreMail
 
     mail = StoreMail(wids=agent.recent_wids)

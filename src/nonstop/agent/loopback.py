@@ -10,6 +10,7 @@ loopback unless the user chose an interface.
 from __future__ import annotations
 
 import socket
+import threading
 from typing import Any
 
 HOST = "127.0.0.1"
@@ -27,6 +28,20 @@ def listen(backlog: int = 1024) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def preimport() -> threading.Thread:
+    """Import torch.distributed (for ``master_store``) in a thread of its own, now: while the
+    zygote imports it too and the caller waits for that, not after."""
+    def run() -> None:
+        try:
+            import torch.distributed  # noqa: F401
+        except Exception:  # noqa: BLE001 - said again, with its cause, where the store is made
+            pass
+
+    t = threading.Thread(target=run, name="nonstop-import-torch", daemon=True)
+    t.start()
+    return t
 
 
 def master_store(sock: socket.socket | None = None, **kwargs: Any) -> Any:

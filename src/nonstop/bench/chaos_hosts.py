@@ -251,7 +251,11 @@ class Harness:
             wid, pid = held
             f["victim"] = f"rank {f['rank']} (wid {wid}, pid {pid})"
             n = len(self.events("generation"))
-            os.kill(pid, signal.SIGSTOP)
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:  # it ended meanwhile (the job, or a fault of its own)
+                f["victim"] += ": gone before the signal"
+                return
             try:
                 self.wait("a generation without the stopped rank", lambda: any(
                     wid not in g["ranks"].values() for g in self.events("generation")[n:]))
@@ -314,7 +318,8 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
         say(f"  step {f['step']:5d}  {f['kind']:26s} "
             + (f["spec"] if "spec" in f else f"host slot {f['slot']}, rank {f['rank']}"))
     common.fresh(base)
-    script_args = ["--steps", str(steps), "--sleep-ms", str(SLEEP_MS)]
+    slow = base / "slow"  # while it exists, the job's steps are slower (train_timed.py)
+    script_args = ["--steps", str(steps), "--sleep-ms", str(SLEEP_MS), "--slow-file", str(slow)]
     # the fault-free run on one host, beside the job (its sleep changes no number: none here)
     ref_cmd = common.nonstop_cmd(f"--nproc={world}", f"--run-dir={base / 'reference' / 'run'}",
                                  str(SCRIPT), "--steps", str(steps), "--save",
@@ -357,7 +362,11 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
                     if f["kind"] not in HOST_KINDS:
                         continue
                     wait_step(times, f["step"], RUN_TIMEOUT_S, h.alive)
-                    h.settled()
+                    slow.touch()  # the job slows while the hosts come back: it must not end first
+                    try:
+                        h.settled()
+                    finally:
+                        slow.unlink(missing_ok=True)
                     f["fired_step"] = h.step()
                     f["t_abs"] = time.time()
                     f["t"] = round(f["t_abs"] - t0, 3)

@@ -34,7 +34,9 @@ p.add_argument("--input", type=int, default=32, help="input features")
 p.add_argument("--batch", type=int, default=64, help="samples per rank and step")
 p.add_argument("--sharded", action="store_true", help="nonstop mode: ZeRO-1 sharded optimizer")
 p.add_argument("--sleep-ms", type=float, default=20.0)
-p.add_argument("--ckpt-every", type=int, default=20)
+p.add_argument("--ckpt-every", type=int, default=20, help="torchrun mode (0: never)")
+p.add_argument("--ddp", choices=["reproducible", "plain"], default="reproducible",
+               help="the gradient reduction: nonstop.reproducible's, or DDP's own buckets")
 p.add_argument("--kill-rank", type=int, default=-1, help="torchrun mode: SIGKILL this rank...")
 p.add_argument("--kill-step", type=int, default=-1, help="...at the start of this step, first attempt")
 p.add_argument("--kill-steps", default="",
@@ -102,12 +104,16 @@ def save_final(rank):
                    os.path.join(args.out, "final.pt"))
 
 
+def _ddp():
+    return nonstop.reproducible(DDP(model)) if args.ddp == "reproducible" else DDP(model)
+
+
 def run_nonstop():
     state = nonstop.State(model=model, optimizer=optimizer, sharded=args.sharded)
 
     @nonstop.wrap(state)
     def train(ctx):
-        ddp = nonstop.reproducible(DDP(model))
+        ddp = _ddp()
         owner = owners(ctx.world_size) if args.sharded else None
         with open(os.path.join(args.out, f"steps-r{ctx.rank}.txt"), "a") as fh:
             for step in ctx.steps(args.steps):
@@ -125,7 +131,7 @@ def run_torchrun():
 
     attempt, rank, world = tr.join_group(args.collective_timeout)
     ckpt = os.path.join(args.out, "ckpt.pt")
-    ddp = nonstop.reproducible(DDP(model))
+    ddp = _ddp()
     with open(os.path.join(args.out, f"steps-r{rank}.txt"), "a") as fh:
         for step in range(tr.resume(ckpt, model, optimizer), args.steps):
             if rank == args.kill_rank and ((attempt == 0 and step == args.kill_step)
@@ -133,7 +139,7 @@ def run_torchrun():
                 tr.kill_self(args.out, args.kill_signal)
             one_step(ddp, step, rank)
             log_step(fh, step + 1, attempt)
-            if rank == 0 and (step + 1) % args.ckpt_every == 0:
+            if rank == 0 and args.ckpt_every and (step + 1) % args.ckpt_every == 0:
                 tr.save(ckpt, model, optimizer, step + 1)
     save_final(rank)
     dist.destroy_process_group()

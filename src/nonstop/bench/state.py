@@ -298,6 +298,22 @@ def check(args: argparse.Namespace) -> list[str]:
     return phases
 
 
+def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
+    """This machine's copy bandwidth now: the best of a few copies of ``nbytes`` between two
+    buffers already in memory (torch's copy, as a restore's), in GB/s."""
+    import time
+
+    import torch
+
+    a, b = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return round(nbytes / best / 1e9, 2)
+
+
 def main(args: argparse.Namespace) -> int:
     phases = check(args)
     systems, base, say = common.setup(args, SYSTEMS)
@@ -312,6 +328,10 @@ def main(args: argparse.Namespace) -> int:
                               restore_after_fault(kind, args, base))
         say(f"  restore from {kind:6s}: exit {r['exit_code']}, rank {r['rank']} from {r['source']} "
             f"in {r['restore_s']} s, {r['bytes']} bytes")
+        if kind == "memory" and r["bytes"]:  # the limit, measured now, on the same bytes
+            r["memcpy_gbps"] = memcpy_gbps(int(r["bytes"]))
+            r["gbps"] = round(r["bytes"] / r["restore_s"] / 1e9, 2) if r["restore_s"] else None
+            say(f"  memory restore {r['gbps']} GB/s; this machine copies {r['memcpy_gbps']} GB/s")
     results = job_restart(args, systems, base, say) if "restart" in phases else []
     if results is None:
         return 1
@@ -344,8 +364,15 @@ def build(args: argparse.Namespace, n: int, snap: dict[str, Any], restores: dict
         "targets": {"overhead_le_5pct": snap.get("overhead_pct") is not None
                     and snap["overhead_pct"] <= 5,
                     "zero_lost_from_memory": from_memory,
-                    "memory_10x_faster_than_disk": ratio is not None and ratio >= 10},
+                    "memory_10x_faster_than_disk": ratio is not None and ratio >= 10,
+                    "memory_restore_within_2x_of_memcpy": _within(restores.get("memory"), 2.0)},
         "date": common.now_stamp()}
+
+
+def _within(r: dict[str, Any] | None, factor: float) -> bool | None:
+    if not r or not r.get("gbps") or not r.get("memcpy_gbps"):
+        return None
+    return r["memcpy_gbps"] / r["gbps"] <= factor
 
 
 def table(summary: dict[str, Any]) -> str:
@@ -364,6 +391,9 @@ def table(summary: dict[str, Any]) -> str:
         for kind, r in summary["restore"].items():
             lines.append(f"| {kind} | {fmt(r['restore_s'])} | {r['bytes']} | {r['source_ok']} |")
         lines.append(f"\ndisk / memory restore time: {summary['memory_vs_disk']}")
+        mem = summary["restore"].get("memory") or {}
+        if mem.get("memcpy_gbps"):
+            lines.append(f"memory restore {mem['gbps']} GB/s, memcpy {mem['memcpy_gbps']} GB/s")
     if summary["job_restart"]:
         lines += ["", "job restart:", common.table({"results": summary["job_restart"]})]
     lines.append(f"\ntargets: {summary['targets']}")
