@@ -161,10 +161,13 @@ def test_ranks_too_slow_to_reach_a_step_boundary_are_told_to_leave_at_once():
     rs = rank_seen(3, 1)
     s, cmds = mc.step(s, mc.Tick(see(1.0, rs, {0: 1})), P)
     assert cmds == [mc.Regroup(1)]
+    allowance = round(s.deadline - s.t_abort, 3)
     s, cmds = mc.step(s, mc.Tick(see(s.deadline + 0.01, rs, {0: 1})), P)
-    assert cmds == [mc.Abort(1, managed=True)] and s.forced and s.phase is Phase.TEARING_DOWN
+    missed, abort = cmds  # the deadline that fired, as an event, then the abort
+    assert missed == mc.Missed("step_boundary", allowance, 1, (0, 1, 2), missed.detail)
+    assert abort == mc.Abort(1, managed=True) and s.forced and s.phase is Phase.TEARING_DOWN
     s, cmds = mc.step(s, mc.Tick(see(s.deadline + 0.01, rs, {0: 1})), P)
-    assert kinds(cmds) == ["Kill"] * 3  # and then as after any fault
+    assert kinds(cmds) == ["Missed"] + ["Kill"] * 3  # and then as after any fault
 
 
 def test_a_fault_during_the_regroup_is_recovered_as_a_fault():

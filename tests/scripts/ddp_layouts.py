@@ -1,7 +1,7 @@
 """One rank of a gloo group: the averaged gradients of the same inputs under several DDP bucket
 layouts, with and without nonstop.reproducible, saved by rank 0.
 
-    python ddp_layouts.py RANK WORLD STORE_FILE OUT_DIR
+    python ddp_layouts.py RANK WORLD STORE_FILE OUT_DIR    (or main(...) in a forked process)
 """
 
 import sys
@@ -12,8 +12,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nonstop
 
-rank, world, store, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
 
 
 def model():
@@ -22,7 +20,7 @@ def model():
                                torch.nn.Tanh(), torch.nn.Linear(80, 3))
 
 
-def grads(bucket_mb, reproducible, iterations, fixed_mb=25.0):
+def grads(rank, bucket_mb, reproducible, iterations, fixed_mb=25.0):
     """The gradients of the last of ``iterations`` backward passes (the first DDP iteration
     runs with the initial buckets, later ones with the rebuilt layout)."""
     m = model()
@@ -37,12 +35,18 @@ def grads(bucket_mb, reproducible, iterations, fixed_mb=25.0):
     return {n: p.grad.clone() for n, p in m.named_parameters()}
 
 
-results = {}
-for kind in ("plain", "repro", "repro_small"):  # repro_small: several fixed buckets of its own
-    for mb, iters in ((25.0, 1), (25.0, 3), (0.01, 1), (0.01, 3)):
-        results[f"{kind}-{mb}-{iters}"] = grads(mb, kind != "plain", iters,
-                                                0.01 if kind == "repro_small" else 25.0)
-if rank == 0:
-    torch.save(results, f"{out}/grads.pt")
-dist.barrier()
-dist.destroy_process_group()
+def main(rank, world, store, out):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    results = {}
+    for kind in ("plain", "repro", "repro_small"):  # repro_small: several fixed buckets of its own
+        for mb, iters in ((25.0, 1), (25.0, 3), (0.01, 1), (0.01, 3)):
+            results[f"{kind}-{mb}-{iters}"] = grads(rank, mb, kind != "plain", iters,
+                                                    0.01 if kind == "repro_small" else 25.0)
+    if rank == 0:
+        torch.save(results, f"{out}/grads.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
