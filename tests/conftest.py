@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -173,8 +174,17 @@ def no_process_left_behind():
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    """Final weights of fault-free runs, cached by (world size, script arguments)."""
-    cache: dict[tuple, Path] = {}
+    """Final weights of fault-free runs, cached by (world size, script arguments). With several
+    workers (pytest -n), the cache is shared: each reference is computed once, by the first worker
+    that needs it, while the others wait on its lock."""
+    import fcntl
+    import hashlib
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # shared by the workers of this run
+    root = base / "references"
+    root.mkdir(exist_ok=True)
 
     def get(world: int, *script_args: str, script: Path = TRAIN) -> Path:
         # the sleep stands in for accelerator work and changes no number: references skip it
@@ -182,16 +192,18 @@ def reference(tmp_path_factory):
         if "--sleep-ms" in args:
             i = args.index("--sleep-ms")
             args[i + 1] = "0"
-        script_args = tuple(args)
-        key = (world, str(script), script_args)
-        if key not in cache:
-            d = tmp_path_factory.mktemp("reference")
-            out = d / "final.pt"
-            run = run_nonstop(d / "run", f"--nproc={world}", "--quiet", str(script), *script_args,
-                              "--save", str(out))
-            assert run.code == 0, run.stdout + run.stderr
-            cache[key] = out
-        return cache[key]
+        key = json.dumps([world, str(script), args])
+        d = root / hashlib.sha256(key.encode()).hexdigest()[:16]
+        d.mkdir(exist_ok=True)
+        out = d / "final.pt"
+        with open(d / "lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if not out.exists():
+                shutil.rmtree(d / "run", ignore_errors=True)  # what a failed attempt left
+                run = run_nonstop(d / "run", f"--nproc={world}", "--quiet", str(script), *args,
+                                  "--save", str(out))
+                assert run.code == 0, run.stdout + run.stderr
+        return out
 
     return get
 

@@ -460,6 +460,10 @@ _PEERS = textwrap.dedent("""
     dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=2)
     got = restore._all_gather_json({"rank": rank, "steps": [1, 2.5, None], "k": {"1": True}}, 2)
     assert got == [{"rank": r, "steps": [1, 2.5, None], "k": {"1": True}} for r in range(2)], got
+    # one rank's text longer than the one-collective buffer: gathered whole, by a second one
+    big = "x" * (restore.GATHER_BYTES + 10 * rank + 1)
+    assert restore._all_gather_json({"r": rank, "s": big if rank else "y"}, 2) == [
+        {"r": 0, "s": "y"}, {"r": 1, "s": "x" * (restore.GATHER_BYTES + 11)}]
     sd = {"w": torch.arange(5.0), "opt": {"state": {0: {"step": torch.tensor(3.0)}},
                                          "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]}}
 

@@ -105,8 +105,13 @@ def _wait(work, aborted) -> None:
             work.wait(_WAIT_SLICE)
             return
         except RuntimeError:
-            if work.is_completed():  # it failed: its own error
-                raise
+            # The slice ran out ("Operation timed out!"), or the operation failed. One that
+            # completed in between (a slice's end and this look) may well have succeeded: its own
+            # result decides, not the slice's timeout (taken for a peer's failure, it made a
+            # fault of a healthy step about once a run at 8 ranks on 2 cores).
+            if work.is_completed():
+                work.wait()  # raises the operation's own error, if it failed
+                return
             if aborted():
                 raise RuntimeError("gloo: the generation was aborted during the gradient "
                                    "reduction") from None

@@ -61,7 +61,7 @@ class Sdc(_Strict):
 
     enabled: bool = True
     action: Literal["replace", "report"] = "replace"  # report: an event, training goes on
-    max_overhead_pct: float = Field(1.0, gt=0, le=100)  # snapshots spaced out to keep the digest under it
+    max_overhead_pct: float = Field(0.5, gt=0, le=100)  # snapshots spaced out to keep the digest under it
 
 
 Operator = Literal[">", ">=", "<", "<="]
@@ -196,7 +196,7 @@ class Snapshot(_Strict):
 
     enabled: bool = True
     every_steps: Union[Literal["auto"], int] = "auto"
-    max_overhead_pct: float = Field(5.0, gt=0, le=100)  # auto: the interval keeps snapshots under this
+    max_overhead_pct: float = Field(1.0, gt=0, le=100)  # auto: the interval keeps snapshots under this
     replicate: bool = True  # also copy each snapshot to a buddy node's memory
 
     @field_validator("every_steps", mode="before")

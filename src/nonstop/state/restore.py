@@ -183,21 +183,34 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
                                  "confirm": round(t_end - t_moved, 6)})
 
 
+GATHER_BYTES = 4096  # a rank's JSON this long or shorter goes in the one all_gather
+
+
 def _all_gather_json(obj: Any, world: int) -> list[Any]:
     """Every rank's ``obj`` (plain values), gathered as JSON text: like ``all_gather_object``,
-    without its pickle."""
+    without its pickle. One collective when every rank's text fits ``GATHER_BYTES`` (each sends
+    its length ahead of it), a second one with the longest length only when one does not: at 16
+    ranks on few cores each collective is a good part of a restore."""
     import torch
     import torch.distributed as dist
 
     data = json.dumps(obj, separators=(",", ":")).encode()
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64))
-    lengths = [int(s) for s in sizes]
-    padded = torch.zeros(max(lengths), dtype=torch.uint8)
+    head = 8
+    buf = torch.zeros(head + GATHER_BYTES, dtype=torch.uint8)
+    buf[:head] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    first = data[:GATHER_BYTES]
+    if first:
+        buf[head:head + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+    out = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(out, buf)
+    lengths = [int(t[:head].view(torch.int64)) for t in out]
+    if max(lengths) <= GATHER_BYTES:
+        return [json.loads(t[head:head + n].numpy().tobytes()) for t, n in zip(out, lengths)]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)  # a long one: all again, whole
     padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    out = [torch.empty(max(lengths), dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(out, padded)
-    return [json.loads(t[:n].numpy().tobytes()) for t, n in zip(out, lengths)]
+    whole = [torch.empty(max(lengths), dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(whole, padded)
+    return [json.loads(t[:n].numpy().tobytes()) for t, n in zip(whole, lengths)]
 
 
 def _without(offers: list[Offer], failed: list[dict[str, Any]]) -> list[Offer]:
