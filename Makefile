@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(BIN)/nonstop demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 tests
 
 bench: $(STAMP)
 	$(BIN)/nonstop bench crash --ranks 4 --repeat 5 --json
