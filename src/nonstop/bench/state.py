@@ -141,8 +141,10 @@ def restore_after_fault(kind: str, args: argparse.Namespace, base: Path) -> dict
     out, victim = base / f"restore-{kind}", args.ranks - 1
     common.fresh(out)
     fault = "crash" if kind == "memory" else "node_crash"
-    where = "--spares=1" if kind == "memory" else "--nodes=2"
-    cmd = _big(args, out, args.state_steps, where, "--snapshot-every=1",
+    where = ["--spares=1"] if kind == "memory" else [
+        "--nodes=2", "--policy",  # no shrinking without the node: the job restarts
+        _policy(base, "no-scale-in", f"recover:\n  levels:\n    scale_in: {{min_world: {args.ranks}}}\n")]
+    cmd = _big(args, out, args.state_steps, *where, "--snapshot-every=1",
                f"--inject={fault}:rank={victim},step={args.state_steps // 2}", sharded=True)
     code = common.run_child(cmd, out / "output.log", _timeout(args, args.state_steps))
     return _restore_of(kind, code, _entered(out / "run", 1), victim)

@@ -1,8 +1,10 @@
 """Silent data corruption: the data-parallel replicas' parameters compared before each snapshot.
 
-Each rank sums its parameters' bits as integers (a tensor viewed as words of its own width,
-summed in 64 bits): the sum is exact, so bitwise-equal parameters give equal digests on every
-rank whatever the reduction order, and a single flipped bit always changes it. The ranks gather
+Each rank digests its parameters' bits: a tensor in host memory by xxh3 over its bytes (at memory
+speed: 400 MB in about 0.03 s here), one on a device by a sum of its bits as integers (a tensor
+viewed as words of its own width, summed in 64 bits, on the device: exact, so equal whatever the
+reduction order). Either way bitwise-equal parameters give equal digests on every rank, and a
+single flipped bit always changes it. The ranks gather
 their digests (one integer each) and find the odd ones out. Every agreeing check extends a chain
 (SHA-256 over the steps and digests), which the run's summary reports: a certificate that every
 snapshot step's weights agreed across replicas - and a difference, once it exists, persists to
@@ -37,20 +39,29 @@ def digest(modules: list[Any]) -> int:
     are, and changed by any single flipped bit (a sum of words: values moved around within one
     tensor are not seen - not what a bit flip does - but two tensors swapped are)."""
     import torch
+    import xxhash
 
     words = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    sums = []
+    parts: list[Any] = []  # per tensor, in order: an int (hashed here) or a 0-d tensor (a sum)
     for m in modules:
         for p in m.parameters():
             t = p.detach()
             word = words.get(t.element_size())
             if word is None or t.numel() == 0:
                 continue
-            sums.append(torch.sum(t.view(word), dtype=torch.int64))
-    if not sums:
+            if t.device.type == "cpu" and t.is_contiguous():
+                # the sum of a 100M-element tensor in 64 bits ran at 0.6 GB/s: a restore of a
+                # 400 MB model waited 0.7 s for it (nonstop bench state)
+                parts.append(xxhash.xxh3_64_intdigest(memoryview(t.reshape(-1).view(torch.uint8).numpy())))
+            else:
+                parts.append(torch.sum(t.view(word), dtype=torch.int64))
+    if not parts:
         return 0
+    sums = [x for x in parts if not isinstance(x, int)]
+    summed = iter(torch.stack(sums).cpu().tolist() if sums else [])  # one transfer from the device
     out = 0
-    for v in torch.stack(sums).cpu().tolist():  # one transfer from the device
+    for x in parts:
+        v = x if isinstance(x, int) else next(summed)
         out = (out * _MIX + v) % _MOD
     return out - _MOD if out >= _MOD // 2 else out  # all 64 bits, as a signed 64-bit integer
 
