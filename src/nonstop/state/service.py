@@ -15,7 +15,8 @@ from . import checkpoint, wire
 from .memory import own
 from .outcomes import DiskCheckpoints
 
-CONNECT_S = 15.0  # a new keeper has this long to listen (a bare Python start: well under 1 s)
+CONNECT_S = 60.0  # a new keeper has this long to listen: a bare Python start, well under 1 s
+# alone, but 8 hosts starting together on 2 cores (16 torch imports) took over 15 s (bench scale)
 
 
 KEEPER_GRACE_S = 1.0  # a node's memory is gone: its ranks dying within this long make it a lost node
