@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="measure recovery against peers")
     bench.add_argument("scenario",
                        choices=["crash", "hang", "state", "second", "hosts", "elastic", "chaos",
-                                "goodput", "scale", "overhead"])
+                                "goodput", "scale", "overhead", "control-plane"])
     bench.add_argument("--ranks", type=int, help="rank processes (default 4; state: 2)")
     bench.add_argument("--repeat", type=int,
                        help="runs of each system (default 5; hosts, elastic: 3)")
@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--every", type=_positive_float, default=30.0, metavar="S",
                        help="goodput: seconds of training between two faults (default 30)")
     bench.add_argument("--sizes", metavar="LIST",
-                       help="scale: world sizes on this host (default 2,4,8,16)")
+                       help="scale: world sizes on this host (default 2,4,8,16); control-plane: "
+                            "simulated ranks (default 1024,4096,16384)")
     bench.add_argument("--host-sizes", metavar="LIST",
                        help="scale: test host counts, each with --ranks-per-host ranks "
                             "(default 2,4,8)")
@@ -284,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import goodput
 
             return goodput.main(args)
+        if args.command == "bench" and args.scenario == "control-plane":
+            from .bench import control_plane
+
+            return control_plane.main(args)
         if args.command == "bench" and args.scenario == "overhead":
             from .bench import overhead
 

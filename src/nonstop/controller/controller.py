@@ -23,6 +23,7 @@ from ..observe.incidents import Incident
 from ..observe.progress import ProgressLog
 from ..observe.status import StatusWriter
 from ..policy import Policy
+from ..protocol.hosts import progress_every
 from ..state.service import Keepers
 from . import machine as mc
 from .book import IncidentBook
@@ -34,6 +35,7 @@ from .phase import ACTIVE, ENDING, Phase
 from .watchers import Command, Watchers
 from .workers import Worker, WorkerTable
 
+DEFERRED = ("entered", "first_step")  # judged after a run of them (_read_events)
 TICK_BUSY_S = 0.002  # loop period while survivors leave a failed generation
 TICK_WAIT_S = 0.02  # ...while a generation forms
 TICK_IDLE_S = 0.05  # ...while it trains
@@ -73,6 +75,7 @@ class Controller:
         self.metrics: Any = None  # observe.metrics.JobMetrics, with --metrics-port
         self.status = StatusWriter(run_dir)  # for nonstop status
         self._last_entered: dict[str, Any] = {}
+        self._deferred: set[str] = set()  # a run of events judged after its last (_read_events)
         self.outcome = Outcome(policy=policy, log=log, display=display, agent=agent,
                                table=self.table, memory=self.memory, book=self.book,
                                run_dir=run_dir)
@@ -113,6 +116,12 @@ class Controller:
     def total_nodes(self) -> int:
         return self.gens.total_nodes
 
+    @property
+    def _progress_s(self) -> float:
+        """How often the ranks' progress is read: as often as the hosts send it (a big job's
+        less often), never more often than PROGRESS_EVERY_S."""
+        return max(PROGRESS_EVERY_S, progress_every(self.gens.total_nodes))
+
     # == the loop ===============================================================================
     def run(self) -> int:
         if self.gen < 0:  # a new job (a controller taking over has adopted one: see adopt)
@@ -125,10 +134,11 @@ class Controller:
             for proc in exited:
                 self._on_exit(proc)
             now = time.time()
-            if now - self._last_progress >= PROGRESS_EVERY_S:
+            if now - self._last_progress >= self._progress_s:
                 self._last_progress = now
                 self._read_progress()
-                self.display.status(self.snapshot())
+                if self.display.wants_status(now):
+                    self.display.status(self.snapshot())
                 if self.metrics is not None:
                     self.metrics.update(self, now)
                 self.status.maybe(self, now)
@@ -147,14 +157,22 @@ class Controller:
         now = time.time() if now is None else now
         s = self.state
         ranks = []
+        workers, stopped = self.workers, self.agent.stopped
+        rendezvous = s.phase is Phase.RENDEZVOUS
         for rank, wid in sorted(self.plan.items()):
-            w = self.workers[wid]
-            forming = s.phase is Phase.RENDEZVOUS and not w.dead and w.joining >= s.gen > w.entered
-            ranks.append(mc.RankSeen(
+            w = workers[wid]
+            forming = rendezvous and not w.dead and w.joining >= s.gen > w.entered
+            cached = w.seen
+            if cached is not None and not forming and cached[0] == (rank, s.gen, False):
+                ranks.append(cached[1])
+                continue
+            r = mc.RankSeen(
                 rank=rank, wid=wid, node=w.node, dead=w.dead, joining=w.joining, entered=w.entered,
                 left=w.left, done=w.done, retry_step=w.retry_step, retry_loss=w.retry_loss,
-                warm=w.warm_gen == s.gen, stopped=forming and self.agent.stopped(wid),
-                own_code_s=w.same_s if w.hb and w.where == "python" else 0.0, loc=w.loc))
+                warm=w.warm_gen == s.gen, stopped=forming and stopped(wid),
+                own_code_s=w.same_s if w.hb and w.where == "python" else 0.0, loc=w.loc)
+            w.seen = ((rank, s.gen, forming), r)
+            ranks.append(r)
         # a memory whose exit its host's agent reported, while that agent answers, is the memory
         # alone: the host is not lost (one that stopped answering may be the host cut off)
         lost = frozenset(n for n, h in self.memory.keepers.items() if h.lost and not h.killed
@@ -503,10 +521,26 @@ class Controller:
 
     # == worker events ==========================================================================
     def _read_events(self) -> None:
+        # A run of "entered" and "first_step" events is judged once, after its last one: what
+        # the job as a whole does next depends on all of its ranks, and judging after each of
+        # 16,384 ranks would cost the job's size squared. Any other event ends the run first, so
+        # the order of what the controller does is the events' order. (Within a run, a rank's
+        # first step follows its entry: the entries are judged first.)
+        self._deferred = set()
         for ev in self.table.read_events():
-            self._on_event(ev)
+            if self._deferred and ev.get("type") not in DEFERRED:
+                self._judge_deferred()
+            self._on_event(ev, defer=True)
+        self._judge_deferred()
 
-    def _on_event(self, ev: dict[str, Any]) -> None:
+    def _judge_deferred(self) -> None:
+        kinds, self._deferred = self._deferred, set()
+        if "entered" in kinds:
+            self._step(mc.Entered(self._seen()))
+        if "first_step" in kinds:
+            self._first_steps()
+
+    def _on_event(self, ev: dict[str, Any], defer: bool = False) -> None:
         w = self.workers.get(ev.get("wid", -1))
         if w is None:
             return
@@ -540,9 +574,16 @@ class Controller:
                 self.display.warning(f"rank(s) {odd}: live parameters differed from their "
                                      f"replicas' at step {ev.get('step')}: restored from a peer")
             self._last_entered = ev
-            self._step(mc.Entered(self._seen()))
+            if defer:
+                self._deferred.add(kind)
+            else:
+                self._step(mc.Entered(self._seen()))
         elif kind == "first_step":
             self._on_first_step(w, ev)
+            if defer:
+                self._deferred.add(kind)
+            else:
+                self._first_steps()
         elif kind == "left":
             self._on_left(w, ev)
         elif kind == "nan":
@@ -577,6 +618,10 @@ class Controller:
         self.ledger.first_step(stepless)
         self.watchers.signals.on_first_step(w, ev["t"], stepless=stepless)
         self.max_step = max(self.max_step, ev["step"])
+
+    def _first_steps(self) -> None:
+        """After first steps: once every rank has taken one in this generation, the job has
+        grown (or recovered, and the open incident closes)."""
         if self.phase is not Phase.RUNNING:
             return
         ranks = self._ranks()

@@ -96,6 +96,7 @@ class Generations:
         self.world = self.memory.world = len(self.plan)
         self.worlds[gen] = self.world
         self.worlds = {g: w for g, w in self.worlds.items() if g > gen - WORLDS_KEPT}
+        local = self.local_ranks(node_of)
         for rank, wid in sorted(self.plan.items()):
             w = self.workers[wid]
             w.rank = rank
@@ -105,7 +106,7 @@ class Generations:
                 worlds={str(g): w for g, w in self.worlds.items()},
                 replacements=self.replacements[rank],
                 initial=initial, not_after=self.not_after, claimed=dict(self.claimed), **where,
-                **self.local_ranks(rank, node_of)))
+                **local[rank]))
             # processes already running (survivors, ready spares) join within milliseconds
             if w.ready or w.entered >= 0:
                 w.warm_gen = gen
@@ -117,15 +118,19 @@ class Generations:
         self.log.write("generation", gen=gen, level=level,
                        ranks={str(r): w for r, w in sorted(self.plan.items())})
 
-    def local_ranks(self, rank: int, node_of: dict[int, int]) -> dict[str, int]:
-        """torchrun's per-host view of a rank: LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK (the
+    def local_ranks(self, node_of: dict[int, int]) -> dict[int, dict[str, int]]:
+        """torchrun's per-host view of each rank: LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK (the
         index of its host among the hosts that hold ranks, in rank order). Nodes simulated on one
-        host are one host: a rank's LOCAL_RANK picks its device there."""
-        host_of = {r: self.mail.host_of(n) for r, n in node_of.items()}
-        local = sorted(r for r, h in host_of.items() if h == host_of[rank])
-        groups = list(dict.fromkeys(host_of[r] for r in sorted(host_of)))
-        return {"local_rank": local.index(rank), "local_world": len(local),
-                "group_rank": groups.index(host_of[rank])}
+        host are one host: a rank's LOCAL_RANK picks its device there. (All ranks at once: one
+        rank at a time would cost the job's size squared.)"""
+        by_host: dict[int, list[int]] = {}  # in the order of each host's lowest rank
+        for r in sorted(node_of):
+            by_host.setdefault(self.mail.host_of(node_of[r]), []).append(r)
+        out: dict[int, dict[str, int]] = {}
+        for group, ranks in enumerate(by_host.values()):
+            for i, r in enumerate(ranks):
+                out[r] = {"local_rank": i, "local_world": len(ranks), "group_rank": group}
+        return out
 
     def move(self, decision: Decision, placement: dict[int, int], inc: Incident | None,
              isolated: set[int]) -> list[Worker]:
@@ -140,6 +145,7 @@ class Generations:
                 self.table.kill(old, f"rank {rank} moves to a new process")
             node = placement[rank]
             w = self.table.take_spare(node, only=node in spare_nodes)
+            cold = w is None
             if w is None:
                 w = self.table.new(spare=False, node=node)
                 new.append(w)
@@ -148,8 +154,7 @@ class Generations:
             self.replacements[rank] += 1
             if inc is not None:
                 inc.replaced.append(rank)
-            self.log.write("replace", rank=rank, wid=w.wid, node=node, warm=w.ready,
-                           cold=w in new)
+            self.log.write("replace", rank=rank, wid=w.wid, node=node, warm=w.ready, cold=cold)
         return new
 
     def resize(self, decision: Decision, placement: dict[int, int], isolated: set[int]

@@ -50,7 +50,15 @@ class Worker:
     retry_step: int | None = None  # the step it asks to retry (non-finite gradients)
     retry_loss: Any = None
     warm_gen: int = -1  # the generation it was already running for when published
+    # what the state machine last saw of it (controller._seen), and under which (rank, gen,
+    # forming): any write to the record drops it, so a job of 16,384 ranks rebuilds only the
+    # records that changed since the last look, not all of them at every tick
+    seen: Any = dataclasses.field(default=None, repr=False, compare=False)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name != "seen":
+            object.__setattr__(self, "seen", None)
 
     def take_event(self, ev: dict[str, Any]) -> None:
         """What its own event says of it: the record only (what it means for the job is the

@@ -39,7 +39,6 @@ from .memory import HostKeepers, replica_secret
 from .netif import bound_socket, bound_store, interface_of
 
 CONTROLLER_WID = -1  # the standby controller in the agent's process table
-PROGRESS_EVERY_S = 0.1
 DONE_CHECK_S = 1.0
 CLOSED = object()  # in the inbox: the channel it came on is closed
 KEEPER_START_S = 15.0  # the node memory has this long to listen (a bare Python start)
@@ -80,6 +79,7 @@ class HostAgent:
         self._preempt_told = False  # the controller in office knows
         self.shift_s = float(os.environ.get("NONSTOP_TEST_CLOCK_SHIFT_S", "0") or 0)
         self.metrics: Any = None  # observe.metrics.HostServed, with --metrics-port
+        self.progress_s = keys.progress_every(cfg.nnodes_max + cfg.spare_nodes)
 
     def now(self) -> float:
         """This host's clock (shifted in a test that pretends it is wrong)."""
@@ -302,7 +302,7 @@ class HostAgent:
                 self._send(m.Deadlines(records=missed))
             self.keepers.poll()
             now = time.time()
-            if now - self._last_progress >= PROGRESS_EVERY_S:
+            if now - self._last_progress >= self.progress_s:
                 self._last_progress = now
                 self._relay_progress()
                 if self.metrics is not None:

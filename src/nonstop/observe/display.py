@@ -53,6 +53,12 @@ class Display:
         Console(file=sys.stderr, highlight=False, soft_wrap=True).print(
             Text("nonstop: error: ", style="bold red") + Text(one_line(text)))
 
+    def wants_status(self, now: float) -> bool:
+        """Whether a status line would be shown now (its snapshot walks every rank: a job of
+        16,384 ranks builds it only when it is shown)."""
+        return self._live is not None or not (self.quiet or
+                                              now - self._last_status < self.status_every_s)
+
     def status(self, snap: dict[str, Any]) -> None:
         line = format_status(snap)
         if self._live is not None:
