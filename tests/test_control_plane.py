@@ -78,3 +78,27 @@ def test_bench_control_plane_recovers_a_simulated_job_on_the_real_controller(tmp
     for run in runs:
         pid = run["controller_pid"]
         assert pid and not os.path.exists(f"/proc/{pid}"), run
+
+
+def test_a_memory_that_does_not_start_is_the_machines_trouble_not_a_bug():
+    from nonstop.state.service import KeeperHandle, Keepers, KeeperStartError
+
+    def keeper_link(node, name, deadline):
+        raise TimeoutError("no answer")
+
+    h = KeeperHandle(3, "mem-n3", 17)
+    try:
+        Keepers._connect(SimpleNamespace(agent=SimpleNamespace(keeper_link=keeper_link)), h)
+    except KeeperStartError as exc:
+        assert "node 3 did not start" in str(exc)
+        assert isinstance(exc, RuntimeError)  # the handlers of a lost memory still take it
+    else:
+        raise AssertionError("no error")
+    import inspect
+
+    from nonstop import launcher
+    from nonstop.hosts import leader
+
+    # both ends of a job say it as a start failure, not as a bug of nonstop's
+    assert "except KeeperStartError" in inspect.getsource(leader.Leader.run)
+    assert "except KeeperStartError" in inspect.getsource(launcher)

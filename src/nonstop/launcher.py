@@ -200,6 +200,7 @@ def run(cfg: RunConfig) -> int:
     from .observe.display import Display
     from .observe.events import EventLog, mark_logs
     from .state.outcomes import CheckpointsFailing
+    from .state.service import KeeperStartError
 
     display = Display(quiet=cfg.quiet, live=cfg.live)
     log = EventLog(run_dir)
@@ -277,6 +278,10 @@ def run(cfg: RunConfig) -> int:
         if controller.outcome.exit_code is None:  # not already ending (for another reason)
             controller.give_up("checkpoints failing", str(exc))
         code = controller.outcome.exit_code if controller.outcome.exit_code is not None else 1
+    except KeeperStartError as exc:  # the machine's trouble (too slow, out of memory)
+        controller.outcome.diagnosis = f"the job could not start: {exc}"
+        display.error(controller.outcome.diagnosis)
+        code = 1
     finally:
         display.stop()
         for s, h in old.items():

@@ -211,8 +211,18 @@ class Leader:
                          f"{nodes} host(s) + {total - nodes} spare host(s)")
         cluster.on_node_lost = lambda n: controller.node_lost(n, "its lease in etcd expired")
         cluster.on_tick = lambda: self._tick(controller, cluster)
+        from ..state.service import KeeperStartError
+
         try:
             code = controller.run()
+        except KeeperStartError as exc:  # the machine's trouble: said as such, not as a bug
+            controller.outcome.diagnosis = f"the job could not start: {exc}"
+            print(f"nonstop: error: {controller.outcome.diagnosis}", file=sys.stderr, flush=True)
+            code = 1
+            try:
+                controller.agent.end_all(0.0)
+            except Exception:  # noqa: BLE001
+                pass
         except Exception:  # noqa: BLE001 - a fault of nonstop's own: end cleanly, never loop
             import traceback
 

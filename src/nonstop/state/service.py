@@ -22,6 +22,11 @@ CONNECT_S = 60.0  # a new keeper has this long to listen: a bare Python start, w
 KEEPER_GRACE_S = 1.0  # a node's memory is gone: its ranks dying within this long make it a lost node
 
 
+class KeeperStartError(RuntimeError):
+    """A node's memory did not start: the machine's trouble (too slow, out of memory), not a
+    bug of nonstop's."""
+
+
 @dataclasses.dataclass
 class KeeperHandle:
     node: int
@@ -100,8 +105,8 @@ class Keepers:
         try:
             h.link = self.agent.keeper_link(h.node, h.name, time.time() + CONNECT_S)
         except TimeoutError:
-            raise RuntimeError(f"the keeper of node {h.node} did not start within "
-                               f"{CONNECT_S:g} s (see its log)") from None
+            raise KeeperStartError(f"the keeper of node {h.node} did not start within "
+                                   f"{CONNECT_S:g} s (see its log)") from None
         h.tcp = h.link.tcp
 
     def adopt(self, found: list[tuple[int, int, str]]) -> None:
