@@ -535,7 +535,10 @@ class Controller:
 
     def _judge_deferred(self) -> None:
         kinds, self._deferred = self._deferred, set()
-        if "entered" in kinds:
+        # (the machine forms the generation once every rank has entered it, and does nothing
+        # else on an entry: the job's view is built only then)
+        if "entered" in kinds and self.phase is Phase.RENDEZVOUS and \
+                all(self.workers[wid].entered >= self.gen for wid in self.plan.values()):
             self._step(mc.Entered(self._seen()))
         if "first_step" in kinds:
             self._first_steps()

@@ -135,9 +135,15 @@ class WorkerTable:
 
     def refill(self, targets: dict[int, int], failure_budget: int) -> None:
         """Start spares until each node has its target number (nodes not listed get none)."""
+        have: dict[int, int] = {}  # counted once, not once per node (a job of 2,048 nodes)
+        for w in self.spares():
+            have[w.node] = have.get(w.node, 0) + 1
         for node, target in sorted(targets.items()):
-            while len(self.spares(node)) < target and self.spare_failures <= failure_budget:
-                self.spawn(self.new(spare=True, node=node))
+            while have.get(node, 0) < target and self.spare_failures <= failure_budget:
+                w = self.new(spare=True, node=node)
+                self.spawn(w)
+                if w.spare and not w.dead:
+                    have[node] = have.get(node, 0) + 1
 
     def take_spare(self, node: int, only: bool = False, avoid: set[int] | None = None
                    ) -> Worker | None:
