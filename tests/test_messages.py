@@ -29,6 +29,8 @@ SAMPLES = [
     m.KeeperCall(id=None, name="k", msg={"op": "configure", "replicate": {"r0": "10.0.0.2:5"}}),
     m.Signal(wid=3, sig=10),
     m.Send(wid=3, seq=2, msg={"type": "assign", "gen": 1, "rank": 0}),
+    m.Sends(mails=[{"wid": 3, "seq": 2, "msg": {"type": "assign", "gen": 1, "rank": 0}},
+                   {"wid": 4, "seq": 0, "msg": {"type": "exit"}}]),
     m.Abort(gen=1, wids=[3, 4]),
     m.End(code=1, grace_s=0.5, why="etcd unreachable"),
     m.End(code=0, why="node 2 isolated", released=True),

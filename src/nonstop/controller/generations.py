@@ -6,6 +6,7 @@ taken, processes started, nodes isolated, and every rank told its assignment."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -97,19 +98,21 @@ class Generations:
         self.worlds[gen] = self.world
         self.worlds = {g: w for g, w in self.worlds.items() if g > gen - WORLDS_KEPT}
         local = self.local_ranks(node_of)
-        for rank, wid in sorted(self.plan.items()):
-            w = self.workers[wid]
-            w.rank = rank
-            self.table.send(w, protocol.Assign(
-                gen=gen, rank=rank, world=self.world, full_world=self.target,
-                reshard_from=self.trained_world if self.trained_world != self.world else 0,
-                worlds={str(g): w for g, w in self.worlds.items()},
-                replacements=self.replacements[rank],
-                initial=initial, not_after=self.not_after, claimed=dict(self.claimed), **where,
-                **local[rank]))
-            # processes already running (survivors, ready spares) join within milliseconds
-            if w.ready or w.entered >= 0:
-                w.warm_gen = gen
+        batch = getattr(self.mail, "batch", None)  # across hosts: one frame per host
+        with batch() if batch is not None else contextlib.nullcontext():
+            for rank, wid in sorted(self.plan.items()):
+                w = self.workers[wid]
+                w.rank = rank
+                self.table.send(w, protocol.Assign(
+                    gen=gen, rank=rank, world=self.world, full_world=self.target,
+                    reshard_from=self.trained_world if self.trained_world != self.world else 0,
+                    worlds={str(g): w for g, w in self.worlds.items()},
+                    replacements=self.replacements[rank],
+                    initial=initial, not_after=self.not_after, claimed=dict(self.claimed),
+                    **where, **local[rank]))
+                # processes already running (survivors, ready spares) join within milliseconds
+                if w.ready or w.entered >= 0:
+                    w.warm_gen = gen
         for node in usable:  # a node that keeps working after losing its memory gets a new one
             h = self.memory.keepers.get(node)
             if h is not None and h.lost and time.time() >= h.retry_at:

@@ -404,17 +404,16 @@ class HostAgent:
             case m.Signal(wid=wid, sig=sig):
                 self.agent.signal(wid, sig)
             case m.Send(wid=wid, seq=seq, msg=body):
-                try:
-                    mail = protocol.mail_from(body)
-                except ValueError as exc:  # from a newer controller, say
-                    print(f"nonstop: mailbox message for worker {wid} refused: {exc}",
-                          file=sys.stderr, flush=True)
-                    return
-                meta = self.meta.setdefault(wid, {})
-                if isinstance(mail, protocol.Assign):
-                    meta.update(rank=mail.rank, gen=mail.gen, spare=False)
-                meta["seq"] = seq + 1  # a controller taking over goes on from here
-                self.mail.send(wid, seq, body)
+                self._deliver(wid, seq, body)
+            case m.Sends(mails=mails):
+                for item in mails:
+                    try:
+                        wid, seq, body = int(item["wid"]), int(item["seq"]), dict(item["msg"])
+                    except (KeyError, TypeError, ValueError) as exc:
+                        print(f"nonstop: a mailbox message refused: {exc!r}", file=sys.stderr,
+                              flush=True)
+                        continue
+                    self._deliver(wid, seq, body)
             case m.Abort(gen=gen, wids=wids, regroup=regroup):
                 self.mail.abort(gen, [w for w in wids if w in self.agent.procs], regroup)
             case m.OpenStore(gen=gen):
@@ -433,6 +432,20 @@ class HostAgent:
                           "leaves, the job goes on", file=sys.stderr, flush=True)
                 elif why:
                     print(f"nonstop: error: {why}", file=sys.stderr, flush=True)
+
+    def _deliver(self, wid: int, seq: int, body: dict[str, Any]) -> None:
+        """One mailbox message from the controller into its process's mailbox."""
+        try:
+            mail = protocol.mail_from(body)
+        except ValueError as exc:  # from a newer controller, say
+            print(f"nonstop: mailbox message for worker {wid} refused: {exc}", file=sys.stderr,
+                  flush=True)
+            return
+        meta = self.meta.setdefault(wid, {})
+        if isinstance(mail, protocol.Assign):
+            meta.update(rank=mail.rank, gen=mail.gen, spare=False)
+        meta["seq"] = seq + 1  # a controller taking over goes on from here
+        self.mail.send(wid, seq, body)
 
     def _relay_events(self) -> None:
         evs = list(self.mail.events())

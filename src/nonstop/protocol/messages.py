@@ -101,6 +101,15 @@ class Send(Order):
 
 
 @dataclasses.dataclass(frozen=True)
+class Sends(Order):
+    """Mailbox messages for many processes of the host, in order: each ``{wid, seq, msg}`` as in
+    ``Send`` (a new generation's assignments: one frame per host, not one per rank)."""
+
+    op: ClassVar[str] = "sends"
+    mails: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
 class Abort(Order):
     op: ClassVar[str] = "abort"
     gen: int = 0
