@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 
 from conftest import TRAIN, finish, nonstop_cmd, start, wait_for_event
+from nonstop.observe.metrics import ACCOUNT_EVERY_S
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +50,13 @@ def test_metrics_and_status_of_a_running_job(tmp_path):
         url = wait_for_event(run_dir, lambda e: e["type"] == "metrics")["url"]
         inc = wait_for_event(run_dir, lambda e: e["type"] == "incident", timeout=90)
         time.sleep(1.0)  # a few progress ticks after it: the gauges are set
+        # the goodput account is recomputed every ACCOUNT_EVERY_S: the first may predate the
+        # first productive step (then it says 0)
+        deadline = time.time() + 2 * ACCOUNT_EVERY_S
         samples = scrape(url)
+        while not samples.get(("nonstop_goodput_ratio", ())) and time.time() < deadline:
+            time.sleep(0.2)
+            samples = scrape(url)
         evs = events(run_dir)
         st = json.loads(subprocess.run(nonstop_cmd("status", str(run_dir), "--json"),
                                        capture_output=True, text=True, timeout=60).stdout)
