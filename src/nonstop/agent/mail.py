@@ -8,6 +8,7 @@ interface, so its decisions do not depend on where the ranks run.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import time
 from typing import Any, Callable, Iterable, Iterator
@@ -36,6 +37,11 @@ class StoreMail:
 
     def send(self, wid: int, seq: int, msg: dict[str, Any]) -> None:
         self.store.set(protocol.mailbox_key(wid, seq), protocol.dumps(msg))
+
+    def batch(self) -> contextlib.AbstractContextManager[None]:
+        """Messages sent inside go out as they are sent (across hosts they go as one frame per
+        host: ``hosts/cluster.py``)."""
+        return contextlib.nullcontext()
 
     def abort(self, gen: int, wids: list[int], regroup: bool = False) -> None:
         """Tell the ranks to leave generation ``gen``: at once, or (``regroup``) at their next

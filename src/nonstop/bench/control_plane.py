@@ -23,6 +23,7 @@ connection (each rank's requests are its own). JSON printed last on stdout:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import queue
@@ -102,7 +103,7 @@ class _Host:
         if ch is None:
             return
         try:
-            ch.send(m.encode(msg.__class__(**{**msg.__dict__, "now": time.time()})))
+            ch.send(m.encode(dataclasses.replace(msg, now=time.time())))
         except Exception:  # noqa: BLE001 - the controller is gone: the bench ends
             self.ch = None
 
@@ -133,18 +134,14 @@ class Sim:
         self.etcd_url = etcd_url
         self.job_id = f"cp-{os.getpid()}-{hosts}-{secrets.token_hex(3)}"
         self.hosts: list[_Host] = []
-        self.by_fd: dict[int, _Host] = {}
         self.sel = selectors.DefaultSelector()
         self.accepted: "queue.Queue[tuple[_Host, Any]]" = queue.Queue()
         self.stop = threading.Event()
-        self.pool: list[threading.Thread] = []
-        self.marks: dict[str, float] = {}
         self.rdzv_done: dict[int, float] = {}  # gen -> when the last host's ranks met
         self.gen_hosts: dict[int, int] = {}  # gen -> hosts whose ranks met
         self.first: dict[int, int] = {}  # gen -> ranks past their first step
         self.assigned: dict[int, list[float]] = {}  # gen -> when each rank got its assignment
         self.aborted: dict[int, float] = {}  # host -> when its abort arrived (the fault's gen)
-        self.left_n = 0
         self.leader: subprocess.Popen | None = None
         self.world = hosts * PER_HOST
         self.fault_gen: int | None = None
@@ -235,7 +232,6 @@ class Sim:
                     h, ch = self.accepted.get_nowait()
                 except queue.Empty:
                     break
-                self.by_fd[ch.fileno()] = h
                 self.sel.register(ch.fileno(), selectors.EVENT_READ, (h, ch))
             for key, _ in self.sel.select(0.05):
                 h, ch = key.data
@@ -292,7 +288,6 @@ class Sim:
                 with self.lock:
                     if gen == self.fault_gen:
                         self.aborted[h.i] = now
-                        self.left_n += len(evs)
                 h.events(evs)
             case m.Signal(wid=wid, sig=sig):
                 r = h.ranks.get(wid)

@@ -6,7 +6,6 @@ taken, processes started, nodes isolated, and every rank told its assignment."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any
 
@@ -98,8 +97,7 @@ class Generations:
         self.worlds[gen] = self.world
         self.worlds = {g: w for g, w in self.worlds.items() if g > gen - WORLDS_KEPT}
         local = self.local_ranks(node_of)
-        batch = getattr(self.mail, "batch", None)  # across hosts: one frame per host
-        with batch() if batch is not None else contextlib.nullcontext():
+        with self.mail.batch():  # across hosts: one frame per host
             for rank, wid in sorted(self.plan.items()):
                 w = self.workers[wid]
                 w.rank = rank

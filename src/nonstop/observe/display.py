@@ -65,7 +65,7 @@ class Display:
             self._live.update(Text(line, style="bold"))
             return
         now = time.time()
-        if self.quiet or now - self._last_status < self.status_every_s or line == self._last_line:
+        if not self.wants_status(now) or line == self._last_line:
             return
         self._last_status, self._last_line = now, line
         self.console.print(Text("nonstop: ", style="bold cyan") + Text(line, style="dim"))
