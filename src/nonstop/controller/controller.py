@@ -33,16 +33,15 @@ from .ledger import SdcBook, TrainingLedger
 from .requests import Preemptions, Requests
 from .phase import ACTIVE, ENDING, Phase
 from .watchers import Command, Watchers
+from .worker_events import WorkerEvents
 from .workers import Worker, WorkerTable
 
-DEFERRED = ("entered", "first_step")  # judged after a run of them (_read_events)
 TICK_BUSY_S = 0.002  # loop period while survivors leave a failed generation
 TICK_WAIT_S = 0.02  # ...while a generation forms
 TICK_IDLE_S = 0.05  # ...while it trains
-PROGRESS_EVERY_S = 0.1
 
 
-class Controller:
+class Controller(WorkerEvents):
     def __init__(self, *, world: int, spares: int, policy: Policy, mail: Any, agent: Agent,
                  log: EventLog, display: Any, managed: bool, nodes: int = 1, spare_nodes: int = 0,
                  run_dir: Any = None):
@@ -119,8 +118,8 @@ class Controller:
     @property
     def _progress_s(self) -> float:
         """How often the ranks' progress is read: as often as the hosts send it (a big job's
-        less often), never more often than PROGRESS_EVERY_S."""
-        return max(PROGRESS_EVERY_S, progress_every(self.gens.total_nodes))
+        less often; one host's every 0.1 s)."""
+        return progress_every(self.gens.total_nodes)
 
     # == the loop ===============================================================================
     def run(self) -> int:
@@ -519,172 +518,6 @@ class Controller:
             self.display.info(f"node {node} is gone ({why}): it held no rank")
             self._refill_spares()
 
-    # == worker events ==========================================================================
-    def _read_events(self) -> None:
-        # A run of "entered" and "first_step" events is judged once, after its last one: what
-        # the job as a whole does next depends on all of its ranks, and judging after each of
-        # 16,384 ranks would cost the job's size squared. Any other event ends the run first, so
-        # the order of what the controller does is the events' order. (Within a run, a rank's
-        # first step follows its entry: the entries are judged first.)
-        self._deferred = set()
-        for ev in self.table.read_events():
-            if self._deferred and ev.get("type") not in DEFERRED:
-                self._judge_deferred()
-            self._on_event(ev, defer=True)
-        self._judge_deferred()
-
-    def _judge_deferred(self) -> None:
-        kinds, self._deferred = self._deferred, set()
-        # (the machine forms the generation once every rank has entered it, and does nothing
-        # else on an entry: the job's view is built only then)
-        if "entered" in kinds and self.phase is Phase.RENDEZVOUS and \
-                all(self.workers[wid].entered >= self.gen for wid in self.plan.values()):
-            self._step(mc.Entered(self._seen()))
-        if "first_step" in kinds:
-            self._first_steps()
-
-    def _on_event(self, ev: dict[str, Any], defer: bool = False) -> None:
-        w = self.workers.get(ev.get("wid", -1))
-        if w is None:
-            return
-        kind = ev["type"]
-        gen = ev.get("gen")
-        if kind in ("ready", "entered", "left", "done", "inject", "exit", "first_step", "wrapped",
-                    "joining", "snapshot_interval", "snapshot_failed", "no_steps", "bitflip",
-                    "group_kept", "sdc_mismatch") \
-                and not ev.get("replay"):  # a replayed one is in the log of the controller before
-            self.log.write(f"rank_{kind}", **{k: v for k, v in ev.items() if k != "type"})
-        about_gen = kind in ("entered", "first_step", "left", "nan", "loss_rule", "done")
-        if about_gen and (gen != self.gen or self.plan.get(ev.get("rank", -1)) != w.wid):
-            return  # about an older generation
-        w.take_event(ev)
-        if kind == "ready" and w.spare:
-            self.table.spare_failures = 0
-        elif kind == "wrapped":
-            self.ledger.managed = True
-        elif kind == "inject":
-            self._on_inject(w, ev)
-        elif kind == "sdc_mismatch" and self.sdc.mismatch(gen, ev["step"], ev["suspects"], False):
-            self.display.warning(f"the replicas' parameters differ at step {ev['step']} (rank(s) "
-                                 f"{ev['suspects']}); detect.sdc.action is report: training goes on")
-        elif kind == "no_steps":
-            self._on_no_steps(ev)
-        elif kind == "entered":
-            if ev.get("sharded") is not None:
-                self.memory.sharded = bool(ev["sharded"])
-            odd = [s["rank"] for s in ev.get("skipped") or () if "(sdc)" in str(s.get("why"))]
-            if odd and self.sdc.mismatch(gen, ev.get("step") or 0, odd):  # found at the restore
-                self.display.warning(f"rank(s) {odd}: live parameters differed from their "
-                                     f"replicas' at step {ev.get('step')}: restored from a peer")
-            self._last_entered = ev
-            if defer:
-                self._deferred.add(kind)
-            else:
-                self._step(mc.Entered(self._seen()))
-        elif kind == "first_step":
-            self._on_first_step(w, ev)
-            if defer:
-                self._deferred.add(kind)
-            else:
-                self._first_steps()
-        elif kind == "left":
-            self._on_left(w, ev)
-        elif kind == "nan":
-            self._step(mc.RetryAsked(self._seen()))
-        elif kind == "loss_rule":
-            self._on_loss_rule(ev)
-        elif kind == "done":
-            self.ledger.done(ev)
-            self.sdc.report(gen, ev.get("sdc"))
-            if ev.get("final_persist") is not None:
-                self.final_persist = max(self.final_persist or 0, ev["final_persist"])
-            self.max_step = max(self.max_step, ev.get("step") or 0)
-            if self.phase is Phase.RUNNING and all(self.workers[x].done >= self.gen
-                                                   for x in self.plan.values()):
-                if self.incident is not None:
-                    self._close_incident(ev["t"], ev.get("step"))
-                self._training_complete(ev["t"])
-
-    def _on_inject(self, w: Worker, ev: dict[str, Any]) -> None:
-        if not ev.get("replay"):  # an old one, replayed to a controller taking over: no start
-            self.book.injected(ev["t"], ev.get("kind"))
-        if ev.get("index") is not None:  # fired once in the job: never again (any host)
-            key = str(ev["index"])
-            self.gens.claimed[key] = self.gens.claimed.get(key, 0) + 1
-        if ev.get("kind") == "node_crash":  # the rest of the node dies with it
-            for x in self.workers.values():
-                if x.node == w.node and not x.dead:
-                    self.agent.signal(x.wid)
-
-    def _on_first_step(self, w: Worker, ev: dict[str, Any]) -> None:
-        stepless = ev.get("steps") is False  # its marks are its steps (no ctx.steps)
-        self.ledger.first_step(stepless)
-        self.watchers.signals.on_first_step(w, ev["t"], stepless=stepless)
-        self.max_step = max(self.max_step, ev["step"])
-
-    def _first_steps(self) -> None:
-        """After first steps: once every rank has taken one in this generation, the job has
-        grown (or recovered, and the open incident closes)."""
-        if self.phase is not Phase.RUNNING:
-            return
-        ranks = self._ranks()
-        if all(x.first_gen == self.gen for x in ranks):  # sharded state now has this size
-            self.gens.trained_world = len(ranks)
-        if self.incident is None:
-            if all(x.first_gen == self.gen for x in ranks):
-                self.book.grown(max(x.t_first for x in ranks), self.gen, len(ranks))
-            return
-        if all(x.first_gen == self.gen for x in ranks):
-            self._close_incident(max(x.t_first for x in ranks), self.incident.resume_step)
-
-    def _on_loss_rule(self, ev: dict[str, Any]) -> None:
-        text, action = self.watchers.loss_rule_fired(ev)
-        if action == "restart":
-            self._fault(Fault("loss_rule", rank=ev.get("rank"), message=text))
-        elif action == "fail":
-            self._fail(Decision(Level.FAIL, reason="loss rule", diagnosis=text))
-
-    def _on_left(self, w: Worker, ev: dict[str, Any]) -> None:
-        self.max_step = max(self.max_step, ev.get("step") or 0)
-        self.sdc.report(ev.get("gen", self.gen), ev.get("sdc"))
-        if self.incident is not None:
-            self.incident.step_before = max(self.incident.step_before, ev.get("step") or 0)
-        reason = ev.get("reason")
-        if reason == "regroup":
-            self.book.left_to_grow(ev.get("t_caught") or ev["t"], ev.get("step") or 0)
-        elif reason == "exception":
-            self._fault(Fault("exception", rank=w.rank, message=ev.get("error", ""),
-                              traceback=ev.get("traceback")))
-        elif reason == "sdc":
-            self._on_sdc(ev)
-        elif reason == "no_state":
-            self._fault(Fault("no_state", rank=w.rank, message=ev.get("error", "")))
-        elif self.phase in ACTIVE:
-            self._fault(Fault("peer", rank=w.rank, message=ev.get("error", "")))
-        if self.incident is not None and ev.get("t_pg") is not None:  # after any fault it raised
-            self.incident.group_formed(ev["t_pg"])
-
-    def _on_sdc(self, ev: dict[str, Any]) -> None:
-        """The replicas' parameters differ (every rank found the same, at a snapshot step): the
-        ranks that differ are at fault, and no rank may resume from state newer than the last
-        snapshot, which was compared and agreed."""
-        step, suspects = int(ev["sdc_step"]), list(ev.get("suspects") or [])
-        if not self.sdc.mismatch(self.gen, step, suspects):
-            return
-        self.gens.not_after = step - 1
-        for r in suspects:
-            self._fault(Fault("sdc", rank=r, message=(
-                f"its parameters differ from its replicas' at step {step} (digests "
-                f"{ev.get('digests')}): every rank resumes from the last snapshot that agreed")))
-
-    def _on_no_steps(self, ev: dict[str, Any]) -> None:
-        diagnosis, warning = self.ledger.no_steps(ev)
-        if diagnosis is not None and self.outcome.exit_code is None:
-            self._fail(Decision(Level.FAIL, reason="injected faults cannot fire", usage_error=True,
-                                diagnosis=diagnosis))
-        elif warning is not None:
-            self.display.warning(warning)
-
     # == deadlines ==============================================================================
     def _check(self, now: float) -> None:
         self.table.kill_due(now)
@@ -750,21 +583,3 @@ class Controller:
 
     def _ranks(self) -> list[Worker]:
         return [self.workers[wid] for wid in self.plan.values()]
-
-    # == progress ===============================================================================
-    def _read_progress(self) -> None:
-        ranks = self._ranks()
-        for w, rec in self.table.read_progress(ranks):
-            self.max_step = max(self.max_step, w.take_progress(rec, self.gen))
-            self.progress.take(w.wid, w.rank, w.node, rec)
-            if w.rank == 0 and rec.get("snap"):
-                self.snap_stats = rec["snap"]
-            self.watchers.signals.on_progress(w, rec, self.gen)
-        tuned = self.watchers.signals.timeout_changed()
-        if tuned is not None:
-            self.log.write("hang_timeout", timeout_s=round(tuned, 3),
-                           first_step_s=round(self.watchers.signals.hang.first_step_timeout(), 3))
-
-    def snapshot(self) -> dict[str, Any]:
-        return {"gen": self.gen, "phase": self.phase, **self.table.status(self.plan),
-                "incidents": self.book.count, "max_step": self.max_step}

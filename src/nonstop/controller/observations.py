@@ -1,0 +1,134 @@
+"""What the controller saw, as the state machine (``machine.py``) takes it: the job at one moment
+(``Seen``, a ``RankSeen`` per rank) and the observations that carry it (``Tick``, ``Faulted``...)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Union
+
+from ..decide.ladder import Fault
+
+# == what the controller saw ======================================================================
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSeen:
+    """One rank's process as the controller knows it (generations are the newest it reached)."""
+
+    rank: int
+    wid: int
+    node: int
+    dead: bool = False
+    joining: int = -1  # started to join
+    entered: int = -1  # entered the training function (its group formed, its state restored)
+    left: int = -1
+    done: int = -1
+    retry_step: int | None = None  # waits to redo this step (non-finite gradients)
+    retry_loss: Any = None
+    warm: bool = False  # already running when its generation was published
+    stopped: bool = False  # the kernel says it is stopped (asked only while a group forms)
+    own_code_s: float = 0.0  # how long its main thread has stayed at one place of its own code
+    loc: str = ""  # ...that place
+
+
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """The job at one moment: the time, the ranks of the plan, the nodes."""
+
+    now: float
+    ranks: tuple[RankSeen, ...] = ()
+    managed: bool = True  # the ranks run inside nonstop.wrap (they can leave a collective)
+    total_nodes: int = 1
+    slots: int = 1  # ranks per node
+    lost_memory: frozenset[int] = frozenset()  # nodes whose memory died, not ended by nonstop
+    slowest_step_s: float = 0.0
+    target_world: int = 0  # the world the job was started with (0: the ranks seen)
+    ready_spares: dict[int, int] = dataclasses.field(default_factory=dict)  # node -> warm, ready
+
+    @property
+    def target(self) -> int:
+        return self.target_world or len(self.ranks)
+
+    @property
+    def node_of(self) -> dict[int, int]:
+        return {r.rank: r.node for r in self.ranks}
+
+
+# observations: one of these, with what was seen
+@dataclasses.dataclass(frozen=True)
+class Tick:
+    seen: Seen
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """The first generation is published (its processes are started)."""
+    seen: Seen
+
+
+@dataclasses.dataclass(frozen=True)
+class Faulted:
+    """A fault found outside the machine: an exit, a report, a detector, a lost host."""
+    seen: Seen
+    fault: Fault
+    t_fault: float | None = None  # when it began, where known better than now (a hang)
+
+
+@dataclasses.dataclass(frozen=True)
+class Entered:
+    """A rank entered the training function of the current generation."""
+    seen: Seen
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryAsked:
+    """A rank skipped its optimizer step (non-finite gradients) and waits."""
+    seen: Seen
+
+
+@dataclasses.dataclass(frozen=True)
+class Isolate:
+    """A node that holds no rank failed (a health check, its host lost): never used again."""
+    seen: Seen
+    node: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Drain:
+    """Move ``ranks`` (or every rank of ``node``, which is then released) to warm spares at the
+    ranks' next step boundary: a planned migration, no fault."""
+    seen: Seen
+    ranks: tuple[int, ...] = ()
+    node: int | None = None
+    why: str = "asked"
+    shrink: bool = False  # a node with no spare node to go to: the world goes on without it
+
+
+@dataclasses.dataclass(frozen=True)
+class Recovered:
+    """Every rank stepped again: the open incident is closed (``progressed``: steps were seen)."""
+    seen: Seen
+    progressed: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Completed:
+    """Every rank finished training."""
+    seen: Seen
+    finish_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Settled:
+    """While finishing: whether every rank ended and the last checkpoint is written."""
+    seen: Seen
+    settled: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Over:
+    """The exit code is known."""
+
+
+Observation = Union[Tick, Start, Faulted, Entered, RetryAsked, Isolate, Recovered, Completed,
+                    Settled, Over, Drain]
