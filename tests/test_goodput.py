@@ -3,6 +3,7 @@ synthetic timelines and on a real run whose rollback makes steps be done again."
 
 from __future__ import annotations
 
+import json
 import pytest
 
 from nonstop.observe import goodput
@@ -97,11 +98,13 @@ def test_a_real_rollback_is_accounted(tmp_path):
     s = run.summary
     (inc,) = s["incident_list"]
     lost = inc["steps_lost"]
-    assert lost >= 2, inc
+    # exact, though the ranks were killed between two publishes of their progress: their agent
+    # read the last step each completed (protocol.last_step)
+    assert inc["step_before"] == 27 and inc["resume_step"] == 20 and lost == 7, json.dumps(inc)
     c = s["time_s"]  # (conftest checks that the categories add up to the wall time)
     step_s = c["productive"] / 60  # rank 0's steps that advanced the job: 60 of them
     assert 0.015 < step_s < 0.5, c
-    assert inc["recomputed_s"] == pytest.approx((lost - 1) * step_s, rel=0.5), (inc, c)
+    assert inc["recomputed_s"] == pytest.approx((lost - 1) * step_s, rel=0.5), json.dumps([inc, c])
     assert c["recomputed"] == pytest.approx(inc["recomputed_s"], abs=1e-3)
     assert sum(c["recovery"].values()) == pytest.approx(inc["mttr_s"], abs=1e-3)
     assert s["goodput"] == pytest.approx(c["productive"] / s["wall_s"], abs=1e-3)

@@ -67,3 +67,40 @@ def test_faults_past_the_last_step_are_named():
                           lambda i, f: True, lambda f, s: None)
     assert [f.describe() for f in inj.unreached(rank=1, step=40)] == ["crash:rank=1,step=40"]
     assert [f.describe() for f in inj.unreached(rank=0, step=40)] == ["exit:rank=0,step=90"]
+
+
+def test_the_last_step_survives_its_writer_and_a_torn_write_leaves_the_one_before(tmp_path):
+    import math
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from nonstop.protocol import last_step
+
+    path = str(tmp_path / "w.last")
+    last_step.create(path)
+    assert last_step.read(path, remove=False) is None  # no step completed yet
+    w = last_step.Writer(path)
+    w.write(0, 1, 10.0, 0.5, 0.0)
+    w.write(0, 2, 11.0, 1.0, 0.25)
+    assert last_step.read(path, remove=False) == {"gen": 0, "step": 2, "t": 11.0, "busy": 1.0,
+                                                  "stall": 0.25}
+    # the next record half written (the header not yet moved): the one before is read
+    with open(path, "r+b") as f:
+        f.seek(last_step._HEAD.size + (3 % 2) * last_step._REC.size)
+        f.write(last_step._REC.pack(1, 99, 12.0, 2.0, 0.0)[:12])
+    assert last_step.read(path, remove=False)["step"] == 2
+    # a writer that opens the file again goes on from its count; a mark has no busy time
+    last_step.Writer(path).write(1, 3, 13.0, math.nan, math.nan)
+    assert last_step.read(path) == {"gen": 1, "step": 3, "t": 13.0, "busy": None, "stall": None}
+    assert not os.path.exists(path)  # read once, gone
+    assert last_step.read(path) is None and last_step.Writer(path).write(0, 1, 0, 0, 0) is None
+    # a process killed by SIGKILL right after its write: the page is the file's, not its own
+    last_step.create(path)
+    code = ("import os, signal, sys; from nonstop.protocol import last_step as l; "
+            "w = l.Writer(sys.argv[1]); [w.write(2, s, float(s), 0.0, 0.0) for s in range(1, 5001)]; "
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    p = subprocess.run([sys.executable, "-c", code, path], timeout=60)
+    assert p.returncode == -signal.SIGKILL
+    assert last_step.read(path)["step"] == 5000

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import protocol
+from ..protocol import last_step
 from ..observe.console import ConsoleFilter
 
 LATE_S = 10.0  # a process's events are read for this long after it ended
@@ -36,6 +37,8 @@ class Proc:
     t_exit: float | None = None
     _partial: bytes = b""
     console: ConsoleFilter | None = None
+    last_step_path: str | None = None  # where a rank writes its last step (protocol.last_step)
+    last: dict[str, Any] | None = None  # ...read there once it exited
 
     @property
     def pid(self) -> int:
@@ -89,14 +92,25 @@ class Agent:
             env[protocol.ENV_KEEPER] = keeper
         if spare_mode:
             env[protocol.ENV_SPARE_MODE] = spare_mode
+        path = str(self.logs / f"worker-{wid}.last")
+        try:
+            last_step.create(path)
+            env[last_step.ENV] = path
+        except OSError:
+            path = None
+        proc = None
         zygote = self._zygote()
         if zygote is not None:
             try:
-                return self._fork(zygote, wid, env, f"worker-{wid}.log", spare)
+                proc = self._fork(zygote, wid, env, f"worker-{wid}.log", spare)
             except OSError as exc:  # started the slow way from now on
                 self.zygote_error = f"{type(exc).__name__}: {exc}"
-        cmd = [sys.executable, "-u", "-m", "nonstop.runtime.bootstrap", self.script, *self.script_args]
-        return self._start(wid, cmd, env, f"worker-{wid}.log", spare)
+        if proc is None:
+            cmd = [sys.executable, "-u", "-m", "nonstop.runtime.bootstrap", self.script,
+                   *self.script_args]
+            proc = self._start(wid, cmd, env, f"worker-{wid}.log", spare)
+        proc.last_step_path = path
+        return proc
 
     def start_zygote(self) -> None:
         """Start the process ranks are forked from (``zygote.py``): it imports torch meanwhile."""
@@ -282,6 +296,8 @@ class Agent:
     def _reap(self, proc: Proc) -> None:
         proc.returncode = proc.popen.returncode
         proc.t_exit = time.time()
+        if proc.last_step_path is not None:
+            proc.last = last_step.read(proc.last_step_path)
         if proc.pidfd is not None:
             try:
                 self._sel.unregister(proc.pidfd)

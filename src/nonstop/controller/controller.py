@@ -418,7 +418,12 @@ class Controller(WorkerEvents):
         was_killed = w.killed
         w.dead = True
         code = proc.returncode
-        self.log.write("exit", wid=w.wid, rank=w.rank, spare=w.spare, code=code, killed=was_killed)
+        last = getattr(proc, "last", None)
+        self.log.write("exit", wid=w.wid, rank=w.rank, spare=w.spare, code=code, killed=was_killed,
+                       **({"last_step": last.get("step"), "last_gen": last.get("gen")}
+                          if last else {}))
+        if last and w.rank is not None and not w.spare:
+            self._take_last_step(w, last)
         if w.spare:
             self._on_spare_exit(w, code)
             return
@@ -436,6 +441,15 @@ class Controller(WorkerEvents):
                 self._training_complete(time.time())
             return
         self._fault(self._exit_fault(w, code))
+
+    def _take_last_step(self, w: Any, last: dict[str, Any]) -> None:
+        """The step a rank that is gone completed last, read by its agent: steps it completed
+        since it last published count as reached (and, if rolled back, as lost)."""
+        step = w.take_progress(last, self.gen)
+        self.max_step = max(self.max_step, step)
+        self.progress.take(w.wid, w.rank, w.node, last)
+        if self.incident is not None and step:
+            self.incident.step_before = max(self.incident.step_before, step)
 
     def _on_keeper_exit(self, proc: Proc) -> None:
         """A node's memory is gone. With its ranks gone too, the node is lost (the next decision

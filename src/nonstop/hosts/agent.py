@@ -309,6 +309,8 @@ class HostAgent(Fencing):
         if self.meta.get(proc.wid, {}).get("keeper"):
             self.keepers.gone(self.meta[proc.wid]["keeper"])
         rec = {"wid": proc.wid, "code": proc.returncode}
+        if proc.last is not None:
+            rec["last"] = proc.last
         if not self._send(m.Exits(exits=[rec])):
             self._unsent_exits.append(rec)
 

@@ -38,6 +38,7 @@ class RemoteProc:
     pid: int | None = None
     returncode: int | None = None
     t_exit: float | None = None
+    last: dict[str, Any] | None = None  # the last step it completed (protocol.last_step)
 
     @property
     def alive(self) -> bool:
@@ -318,6 +319,7 @@ class Cluster:
                     if p is not None and p.alive:
                         p.returncode = e["code"] if e.get("code") is not None else HOST_LOST_CODE
                         p.t_exit = now
+                        p.last = e.get("last") if isinstance(e.get("last"), dict) else None
                         self._exited.append(p)
             case m.Events(events=events, replay=replay):
                 for ev in events:

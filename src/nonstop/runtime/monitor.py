@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .. import protocol
+from ..protocol import last_step
 
 if TYPE_CHECKING:
     from .pg import GenerationGroup
@@ -58,6 +59,8 @@ class Monitor:
         self._life: tuple[int, float] | None = None  # (gen, time) of the last sign of life
         self._traffic: tuple[int, int] | None = None  # (gen, bytes) the group had moved
         self._t_traffic = 0.0
+        # the last step completed, where the agent reads it once this process is gone
+        self._last_step = last_step.Writer(os.environ.get(last_step.ENV))
 
     def start(self) -> None:
         if self._started:
@@ -154,6 +157,7 @@ class Monitor:
         self._compute = compute_s if self._compute is None else 0.8 * self._compute + 0.2 * compute_s
         self._progress = {"gen": gen, "rank": rank, "step": step, "t": now, "loss": loss,
                           "busy": busy, "stall": stall, "step_s": step_s}
+        self._last_step.write(gen, step, now, busy, stall)
         if first:
             self._stepped_gen = gen
             self._first_step = {"gen": gen, "rank": rank, "step": step, "t": now}
@@ -191,6 +195,7 @@ class Monitor:
         rt = self._rt
         loss = rt.last_loss
         self._progress = {"gen": gen, "rank": rt.rank, "step": step, "t": now, "loss": loss}
+        self._last_step.write(gen, step, now, math.nan, math.nan)
         if self._stepped_gen != gen:
             self._stepped_gen = gen
             self._first_step = {"gen": gen, "rank": rt.rank, "step": step, "t": now,

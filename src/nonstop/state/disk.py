@@ -97,10 +97,9 @@ class DiskWrites:
                 with self.slots.changed:
                     self._unlease_stager(h, i)
             if staged is not None:
+                # a failed step's kept copy stays until a newer step is written (or fails and
+                # is kept instead): its retry may already be on its way
                 with self.slots.lock:
-                    kept = self.kept.get(job["holder"])
-                    if kept is not None and kept[0]["step"] < job["step"]:
-                        self._forget(job["holder"])  # a newer step supersedes the failed one
                     self.write_queue.append((job, info, staged))
             self.wake()
 
@@ -180,6 +179,10 @@ class DiskWrites:
         self.writer_job = None
         if msg["op"] == "done":
             os.close(fd)  # the staged copy: freed once the writer unmaps it too
+            with self.slots.lock:
+                kept = self.kept.get(job["holder"])
+                if kept is not None and kept[0]["step"] <= job["step"]:
+                    self._forget(job["holder"])  # a newer step written supersedes the failed one
             self.emit({"ev": "part_done", "job": job, "part": msg.get("part")})
             return
         self._keep(job, info, fd)

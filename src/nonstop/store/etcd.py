@@ -351,18 +351,22 @@ class Etcd:
              timeout_s: float) -> list[tuple[str, bytes | None, int]]:
         """The changes under ``key_prefix`` after ``after_revision``: (relative key, value or
         None for a delete, mod_revision), as soon as there is one, or [] after ``timeout_s``
-        (at least 0.1 s: a poll still sees changes already made). Raises :class:`Compacted` when
-        that history is gone, :class:`StoreUnavailable` when no endpoint took the watch within
-        the client's timeout_s."""
+        (at least 0.1 s once the watch is live, however long it took to open it: a poll still
+        sees changes already made). Raises :class:`Compacted` when that history is gone,
+        :class:`StoreUnavailable` when no endpoint took the watch within the client's
+        timeout_s."""
         k = self._key(key_prefix)
         events = self._watch(k, _prefix_end(k), int(after_revision) + 1,
-                             time.monotonic() + max(0.1, timeout_s))
+                             time.monotonic() + max(0.1, timeout_s), live_for_s=0.1)
         return [(self._rel(key), value, rev) for key, value, rev in events]
 
     def _watch(self, key: bytes, range_end: bytes | None, start_revision: int, deadline: float,
-               stop: threading.Event | None = None) -> list[tuple[str, bytes | None, int]]:
+               stop: threading.Event | None = None,
+               live_for_s: float = 0.0) -> list[tuple[str, bytes | None, int]]:
         """Events (base64 key, value or None, mod_revision) from ``start_revision`` on, or []
-        at the deadline or once ``stop`` is set. When the stream breaks it is opened again,
+        at the deadline or once ``stop`` is set. With ``live_for_s``, the deadline is at least
+        that long after the watch went live (etcd sends its history then), and opening it may
+        take the client's timeout_s. When the stream breaks it is opened again,
         from the same revision (nothing is skipped), on the next endpoint; no watch for the
         client's timeout_s, or none at all by the deadline, is StoreUnavailable."""
         create: dict[str, Any] = {"key": _b64(key), "start_revision": max(1, start_revision)}
@@ -380,11 +384,12 @@ class Etcd:
             now = time.monotonic()
             if stop is not None and stop.is_set():
                 return []
-            if now >= unwatched_until or (now >= deadline and not ever_live):
+            if now >= unwatched_until or (now >= deadline and not ever_live and not live_for_s):
                 raise StoreUnavailable(self._unavailable(last))
-            if now >= deadline:
+            if now >= deadline and ever_live:
                 return []  # the watch broke near the end; the caller asks again from `rev`
-            remaining = min(deadline, unwatched_until) - now
+            remaining = (unwatched_until if live_for_s and not ever_live
+                         else min(deadline, unwatched_until)) - now
             if failures and failures % n == 0 and slept < failures:  # a round failed: pause
                 slept = failures
                 time.sleep(min(delay, remaining))
@@ -396,7 +401,7 @@ class Etcd:
                 resp = client.session.post(
                     client.get_url("/watch"), json={"create_request": create}, stream=True,
                     verify=client.session.verify,
-                    timeout=(min(remaining, self._attempt_s), deadline - now + 1.0))
+                    timeout=(min(remaining, self._attempt_s), max(deadline - now, 0.0) + 1.0))
             except (requests.Timeout, requests.ConnectionError) as e:
                 last, failures = f"{self._name(idx)}: {type(e).__name__}: {e}", failures + 1
                 continue
@@ -447,6 +452,7 @@ class Etcd:
                         raise StoreError(f"etcd watch canceled: {reason}")
                     if result.get("created"):
                         ever_live, unwatched_until = True, math.inf
+                        deadline = max(deadline, time.monotonic() + live_for_s)
                         self._current = idx
                         continue
                     events = [self._event(ev) for ev in result.get("events") or []]
