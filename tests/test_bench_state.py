@@ -37,3 +37,20 @@ def test_bench_state_bad_input():
     proc = subprocess.run(nonstop_cmd("bench", "state", "--phases", "snapshots"),
                           capture_output=True, text=True, timeout=60)
     assert_one_line_error(proc, "--phases takes snapshot, restore, restart")
+
+
+def test_the_spare_pool_refill_is_timed_from_the_fault_to_a_new_spare_ready(tmp_path):
+    import json
+
+    from nonstop.bench.common import spare_refill_s
+
+    evs = [{"t": 1.0, "type": "spawn", "wid": 3, "spare": True},   # the spare of the start
+           {"t": 2.0, "type": "rank_ready", "wid": 3},
+           {"t": 5.0, "type": "rank_inject", "wid": 1},              # the fault
+           {"t": 5.1, "type": "spawn", "wid": 4, "spare": False},
+           {"t": 5.2, "type": "spawn", "wid": 5, "spare": True},     # the pool's refill
+           {"t": 5.3, "type": "rank_ready", "wid": 4},
+           {"t": 5.9, "type": "rank_ready", "wid": 5}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evs))
+    assert spare_refill_s(tmp_path, 5.0) == 0.9
+    assert spare_refill_s(tmp_path, 6.0) is None  # no spare started after that

@@ -283,10 +283,18 @@ def _script(path: Path, body: str) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_port_pair() -> int:
+    """A port the OS gave whose next one is free too (etcd's client port and its peers')."""
+    for _ in range(100):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two free ports in a row")
 
 
 class FakeSlurm:
@@ -423,7 +431,7 @@ def _etcd_or_skip() -> str:
 def test_sbatch_starts_its_own_etcd_and_stops_it(tmp_path):
     _etcd_or_skip()
     slurm = FakeSlurm(tmp_path, ["n1", "n2"])
-    port = _free_port()
+    port = _free_port_pair()
     proc = slurm.run("--spare-nodes", "1", "train.py", NONSTOP_ETCD_HOST="127.0.0.1",
                      NONSTOP_ETCD_PORT=str(port), FAKE_CHECK_ETCD="1",
                      TMPDIR=str(tmp_path))
@@ -450,7 +458,7 @@ def test_sbatch_end_to_end_with_real_nonstop(tmp_path):
         pytest.skip("no nonstop console script next to this Python")
     proc = slurm.run("--spare-nodes", "1", "--nproc-per-node", "1", "--no-live", str(TRAIN),
                      "--steps", "20", timeout=240, NONSTOP=str(nonstop),
-                     NONSTOP_ETCD_HOST="127.0.0.1", NONSTOP_ETCD_PORT=str(_free_port()),
+                     NONSTOP_ETCD_HOST="127.0.0.1", NONSTOP_ETCD_PORT=str(_free_port_pair()),
                      TMPDIR=str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 rank(s) on 1 host(s) + 1 spare host(s)" in proc.stdout

@@ -84,3 +84,22 @@ def test_an_event_log_keeps_every_attempt(tmp_path):
     events = list(read(tmp_path))
     assert len(events) == len(lines) + 1 and events[-1]["attempt"] == 3  # the torn line skipped
     assert path.read_text().startswith(json.dumps(lines[0]))  # nothing earlier was lost
+
+
+def test_the_event_log_is_buffered_within_a_turn_and_flushed_by_the_next(tmp_path, monkeypatch):
+    from nonstop.observe import events
+
+    log = events.EventLog(tmp_path)
+    log.write("a", n=1)
+    log.write("b", n=2)
+    assert [e["type"] for e in events.read(tmp_path)] == []  # one turn's events: not yet
+    log.flush()  # the controller's loop, once per turn
+    assert [e["type"] for e in events.read(tmp_path)] == ["a", "b"]
+    # a write long after the last flush flushes itself (a thread that writes between turns)
+    monkeypatch.setattr(events, "FLUSH_S", 0.0)
+    log.write("c", n=3)
+    assert [e["type"] for e in events.read(tmp_path)] == ["a", "b", "c"]
+    monkeypatch.setattr(events, "FLUSH_S", 3600.0)
+    log.write("d", n=4)
+    log.close()
+    assert [e["n"] for e in events.read(tmp_path)] == [1, 2, 3, 4]

@@ -149,6 +149,18 @@ def inject_time(run_dir: Path) -> float | None:
     return None
 
 
+def spare_refill_s(run_dir: Path, t_fault: float) -> float | None:
+    """Seconds from the fault to the first warm spare started after it being ready: the pool
+    refilled (None: no spare was started after the fault, or none became ready)."""
+    new: set[int] = set()
+    for ev in events(run_dir):
+        if ev.get("type") == "spawn" and ev.get("spare") and ev["t"] >= t_fault:
+            new.add(ev.get("wid"))
+        elif ev.get("type") == "rank_ready" and ev.get("wid") in new:
+            return round(ev["t"] - t_fault, 4)
+    return None
+
+
 def measure(system: str, cmd: list[str], out: Path, timeout_s: float) -> dict[str, Any]:
     """Run one job and measure its recovery from the step logs. The fault's moment comes from
     the job itself (torchrun: ``kill.txt``) or from nonstop's event log (the injection)."""
@@ -165,6 +177,8 @@ def measure(system: str, cmd: list[str], out: Path, timeout_s: float) -> dict[st
         result.update(mttr_s=None, lost_steps=None)
     else:
         result.update(recovery(read_steps(out), t_fault))
+        if system != "torchrun":
+            result["spare_refill_s"] = spare_refill_s(out / "run", t_fault)
     return result
 
 

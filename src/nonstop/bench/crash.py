@@ -13,6 +13,8 @@ from typing import Any
 from . import common
 
 SYSTEMS = ("nonstop-spare", "nonstop-cold", "torchrun")
+# from the fault to a new warm spare ready (the pool refilled): nonstop-spare only
+EXTRA = ("spare_refill_s",)
 TIMEOUT_S = 300.0
 
 
@@ -57,9 +59,11 @@ def main(args: argparse.Namespace) -> int:
                 ref_params, out / "final.pt")
             runs.append(r)
             mttr = "-" if r["mttr_s"] is None else f"{r['mttr_s']:.3f} s"
+            refill = r.get("spare_refill_s")
             say(f"  {system:14s} run {i + 1}/{args.repeat}: exit {r['exit_code']}, MTTR {mttr}, "
-                f"steps lost {r['lost_steps']}, weights match: {r['params_match_reference']}")
-        results.append(common.aggregate(system, runs))
+                f"steps lost {r['lost_steps']}, weights match: {r['params_match_reference']}"
+                + ("" if refill is None else f", spare pool refilled in {refill:.3f} s"))
+        results.append(common.aggregate(system, runs, EXTRA))
     summary = {"scenario": "crash", "ranks": args.ranks, "repeat": args.repeat, "steps": args.steps,
                "kill_step": args.kill_step, "date": common.now_stamp(), "results": results}
     ratio = common.mttr_ratio(results, "torchrun", "nonstop-spare")
@@ -69,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def table(summary: dict[str, Any]) -> str:
-    text = common.table(summary)
+    text = common.table(summary, EXTRA)
     if summary.get("torchrun_over_nonstop_spare"):
         text += f"\n\ntorchrun / nonstop-spare MTTR ratio: {summary['torchrun_over_nonstop_spare']}"
     return text

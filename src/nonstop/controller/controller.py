@@ -148,6 +148,7 @@ class Controller(WorkerEvents):
                                                     set(self.gens.node_of().values())))
             self.memory.poll()
             self._check_keepers(now)
+            self.log.flush()
         self.watchers.close()
         return self.outcome.exit_code
 

@@ -21,16 +21,23 @@ _STEP_EVENTS = ("rank_first_step", "rank_done", "rank_left", "training_complete"
                 "restore")
 
 
+FLUSH_S = 0.05  # a write this long after the last flush flushes itself
+
+
 class EventLog:
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / FILENAME
         self.previous = attempts(self.path) if self.path.exists() else []  # earlier attempts
         self.attempt = len(self.previous) + 1
         torn = self.path.exists() and _ends_mid_line(self.path)
-        self._fh = open(self.path, "a", buffering=1)
+        # buffered: the controller's loop flushes once per turn (a recovery of thousands of
+        # ranks writes thousands of events in one turn); a write long after the last flush
+        # flushes itself
+        self._fh = open(self.path, "a", buffering=1 << 16)
         if torn:  # a launcher killed mid-line: start ours on a line of its own
             self._fh.write("\n")
         self._lock = threading.Lock()
+        self._flushed = time.monotonic()
         self.listeners: list[Any] = []  # called with every record written (the metrics)
 
     def write(self, event_type: str, /, **fields: Any) -> dict[str, Any]:
@@ -38,6 +45,8 @@ class EventLog:
         line = json.dumps(record, default=str, separators=(",", ":"))
         with self._lock:
             self._fh.write(line + "\n")
+            if time.monotonic() - self._flushed >= FLUSH_S:
+                self._flush()
         for listener in self.listeners:
             try:
                 listener(record)
@@ -50,8 +59,21 @@ class EventLog:
         return self.write("deadline", what=what,
                           limit_s=None if limit_s is None else round(limit_s, 3), **fields)
 
+    def flush(self) -> None:
+        """What was written is in the file (the controller's loop calls this every turn)."""
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
+        self._flushed = time.monotonic()
+        try:
+            self._fh.flush()
+        except (OSError, ValueError):  # a full disk, or closed: the job goes on without it
+            pass
+
     def close(self) -> None:
         with self._lock:
+            self._flush()
             self._fh.close()
 
 
