@@ -14,8 +14,10 @@ the rendezvous of the new generation complete for all, and every rank past its f
 incident closed). At 1,024, 4,096 and 16,384 ranks by default.
 
 What one machine cannot show: the hosts' work runs here on the same cores as the controller and
-etcd; on a cluster it runs on the hosts. The simulated ranks of a host share one store
-connection (each rank's requests are its own). JSON printed last on stdout:
+etcd; on a cluster it runs on the hosts. The simulated ranks share a pool of store connections
+(``STORE_CONNS``; thousands of connections from one process stall here): each rank's add is its
+own request, and the hosts of a group (one in ``STORE_CONNS``) wait for the generation to open
+with one request. JSON printed last on stdout:
 ``{"scenario": "control_plane", "results": [{"ranks": N, "store": "etcd", "recovery_s":
 {"median": ..}, ...}]}``.
 """
@@ -59,6 +61,7 @@ STACK = 256 << 10
 TIMEOUT_S = 300.0  # each wait of a run
 TEARDOWN_S = 10.0
 CONNECTORS = 64
+STORE_CONNS = 64  # the simulated ranks' connections to the rendezvous store (and as many waits)
 
 
 class _Rank:
@@ -83,14 +86,9 @@ class _Host:
         self.listener = channel.Listener("127.0.0.1", sim.secret, backlog=4)
         self.ch: Any = None
         self.ranks: dict[int, _Rank] = {}
-        self.store: Any = None  # this host's connection to the rendezvous store
         self.lease: Any = None
         self.ended = False
-        self.joins: "queue.Queue[_Rank | None]" = queue.Queue()  # assigned: to join
-        self.waits: "queue.Queue[int | None]" = queue.Queue()  # generations to wait for
-        self.joined: dict[int, list[_Rank]] = {}
-        self.waiting: set[int] = set()
-        self.waiter: Any = None  # a second connection: one waits while the other adds
+        self.joined: dict[int, list[_Rank]] = {}  # gen -> its ranks that joined it
         self.lock = threading.Lock()
 
     def record(self) -> keys.HostRecord:
@@ -146,6 +144,11 @@ class Sim:
         self.world = hosts * PER_HOST
         self.fault_gen: int | None = None
         self.lock = threading.Lock()
+        # the rendezvous: ranks assigned, to join (host, ranks); each group's generations to wait for
+        self.groups = min(STORE_CONNS, hosts)
+        self.joins: "queue.Queue[tuple[_Host, list[_Rank]] | None]" = queue.Queue()
+        self.waits: list["queue.Queue[int | None]"] = [queue.Queue() for _ in range(self.groups)]
+        self.waited: list[set[int]] = [set() for _ in range(self.groups)]
 
     # -- set-up ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -156,18 +159,19 @@ class Sim:
         self.etcd = Etcd.from_url(self.etcd_url, self.job_id, timeout_s=10.0)
         self.hosts = [_Host(self, i) for i in range(self.n)]
 
-        def connect(h: _Host) -> None:
-            h.store = TCPStore("127.0.0.1", self.store_port, None, False, timedelta(60))
-            h.waiter = TCPStore("127.0.0.1", self.store_port, None, False, timedelta(60))
+        def connect(_: int) -> Any:
+            return TCPStore("127.0.0.1", self.store_port, None, False, timedelta(60))
 
         # side by side: here a store connection now and then waits out a connect timeout (5 s)
         # before it succeeds; the set-up is not what is measured
         with ThreadPoolExecutor(CONNECTORS) as pool:
-            list(pool.map(connect, self.hosts))
+            conns = list(pool.map(connect, range(2 * self.groups)))
         for h in self.hosts:
             threading.Thread(target=self._accept, args=(h,), daemon=True).start()
-            threading.Thread(target=self._adder, args=(h,), daemon=True).start()
-            threading.Thread(target=self._waiter, args=(h,), daemon=True).start()
+        for k in range(self.groups):
+            threading.Thread(target=self._adder, args=(conns[k],), daemon=True).start()
+            threading.Thread(target=self._waiter, args=(k, conns[self.groups + k]),
+                             daemon=True).start()
         for h in self.hosts:  # in order: the controller numbers hosts as they joined
             h.lease = self.etcd.lease(HOST_TTL_S)
             if not self.etcd.create(keys.host_key(h.host_id), h.record().dumps(), lease=h.lease):
@@ -216,7 +220,7 @@ class Sim:
     def _accept(self, h: _Host) -> None:
         while not self.stop.is_set() and not h.ended:
             try:
-                ch = h.listener.accept(timeout=1.0)
+                ch = h.listener.accept(timeout=5.0)
             except Exception:  # noqa: BLE001 - closed: the bench ends
                 return
             if ch is not None:
@@ -271,10 +275,14 @@ class Sim:
                     evs += [_ev("wrapped", wid, pid=wid), _ev("ready", wid, pid=wid, mode="script")]
                 h.events(evs)
             case m.Send(wid=wid, msg=body):
-                self._mail(h, wid, body)
+                r = self._mail(h, wid, body)
+                if r is not None:
+                    self.joins.put((h, [r]))
             case m.Sends(mails=mails):
-                for item in mails:
-                    self._mail(h, int(item["wid"]), item["msg"])
+                batch = [self._mail(h, int(item["wid"]), item["msg"]) for item in mails]
+                batch = [r for r in batch if r is not None]
+                if batch:
+                    self.joins.put((h, batch))
             case m.Abort(gen=gen, wids=wids):
                 now = time.time()
                 evs = []
@@ -301,81 +309,83 @@ class Sim:
             case _:
                 pass
 
-    def _mail(self, h: _Host, wid: int, body: dict[str, Any]) -> None:
+    def _mail(self, h: _Host, wid: int, body: dict[str, Any]) -> _Rank | None:
+        """A rank's mail; the rank when it was assigned (it joins its generation)."""
         r = h.ranks.get(wid)
         if r is None or not r.alive:
-            return
+            return None
         mail = protocol.mail_from(body)
         if isinstance(mail, protocol.Assign):
             r.rank, r.gen, r.world, r.spare = mail.rank, mail.gen, mail.world, False
             r.t_assigned = time.time()
             with self.lock:
                 self.assigned.setdefault(mail.gen, []).append(r.t_assigned)
-            h.joins.put(r)
-        elif isinstance(mail, (protocol.Complete, protocol.Exit)):
+            return r
+        if isinstance(mail, (protocol.Complete, protocol.Exit)):
             r.alive = False
             h.send(m.Exits(exits=[{"wid": wid, "code": 0}]))
+        return None
 
-    def _adder(self, h: _Host) -> None:
-        """The ranks of one host join their generations as their assignments arrive: each
-        announces itself on the generation's store; the last of the world opens it."""
+    def _adder(self, store: Any) -> None:
+        """Ranks join their generations as their assignments arrive: each announces itself on
+        the generation's store; the last of the world opens it."""
         while True:
-            r = h.joins.get()
-            if r is None:
+            item = self.joins.get()
+            if item is None:
                 return
-            batch = [r]
-            while True:
-                try:
-                    more = h.joins.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    return
-                batch.append(more)
+            h, batch = item
             h.events([_ev("wrapped", x.wid, pid=x.wid) for x in batch] +
                      [_ev("joining", x.wid, gen=x.gen, rank=x.rank) for x in batch])
+            k = h.i % self.groups
             for x in batch:
                 with h.lock:
                     h.joined.setdefault(x.gen, []).append(x)
-                    first = x.gen not in h.waiting
-                    h.waiting.add(x.gen)
+                with self.lock:
+                    first = x.gen not in self.waited[k]
+                    self.waited[k].add(x.gen)
                 if first:
-                    h.waits.put(x.gen)
+                    self.waits[k].put(x.gen)
                 prefix = protocol.pg_prefix(x.gen)
                 try:
-                    if h.store.add(prefix + "bench/arrived", 1) == x.world:
-                        h.store.set(prefix + "bench/open", b"1")
+                    if store.add(prefix + "bench/arrived", 1) == x.world:
+                        store.set(prefix + "bench/open", b"1")
                 except Exception:  # noqa: BLE001 - the bench ends
                     return
 
-    def _waiter(self, h: _Host) -> None:
-        """...and wait for it to open, then enter and take their first step."""
+    def _waiter(self, k: int, store: Any) -> None:
+        """...and the hosts of group ``k`` wait for it to open, then their ranks enter and take
+        their first step (every rank has joined by then: the last one opened it)."""
+        hosts = self.hosts[k::self.groups]
         while True:
-            gen = h.waits.get()
+            gen = self.waits[k].get()
             if gen is None:
                 return
             try:
-                h.waiter.wait([protocol.pg_prefix(gen) + "bench/open"], timedelta(seconds=120))
+                store.wait([protocol.pg_prefix(gen) + "bench/open"], timedelta(seconds=120))
             except Exception:  # noqa: BLE001 - the bench ends, or a newer generation came
                 continue
             now = time.time()
-            with h.lock:
-                joined = h.joined.pop(gen, [])
-            world = joined[0].world if joined else 0
-            with self.lock:
-                self.gen_hosts[gen] = self.gen_hosts.get(gen, 0) + len(joined)
-                if joined and self.gen_hosts[gen] >= world:
-                    self.rdzv_done[gen] = now
-            entered = [_ev("entered", r.wid, gen=gen, rank=r.rank, step=r.step, source="memory",
-                           holder=None, receivers=[], sources={}, skipped=[], nbytes=0,
-                           restore_s=0.0, restore_phases={}, sharded=False,
-                           t_assigned=r.t_assigned, t_pg=now, t_restored=now) for r in joined]
-            for r in joined:
-                r.step += 1
-            steps = [_ev("first_step", r.wid, gen=gen, rank=r.rank, step=r.step) for r in joined]
-            h.events(entered + steps)
-            with self.lock:
-                self.first[gen] = self.first.get(gen, 0) + len(joined)
+            for h in hosts:
+                with h.lock:
+                    joined = h.joined.pop(gen, [])
+                if not joined:
+                    continue
+                world = joined[0].world
+                with self.lock:
+                    self.gen_hosts[gen] = self.gen_hosts.get(gen, 0) + len(joined)
+                    if self.gen_hosts[gen] >= world:
+                        self.rdzv_done[gen] = now
+                entered = [_ev("entered", r.wid, gen=gen, rank=r.rank, step=r.step,
+                               source="memory", holder=None, receivers=[], sources={}, skipped=[],
+                               nbytes=0, restore_s=0.0, restore_phases={}, sharded=False,
+                               t_assigned=r.t_assigned, t_pg=now, t_restored=now) for r in joined]
+                for r in joined:
+                    r.step += 1
+                steps = [_ev("first_step", r.wid, gen=gen, rank=r.rank, step=r.step)
+                         for r in joined]
+                h.events(entered + steps)
+                with self.lock:
+                    self.first[gen] = self.first.get(gen, 0) + len(joined)
 
     # -- the measurement ---------------------------------------------------------------------------
     def wait(self, what: str, cond: Any, timeout_s: float) -> float:
@@ -453,10 +463,12 @@ class Sim:
             except ProcessLookupError:
                 pass
             self.leader.wait(10)
+        for _ in range(self.groups):
+            self.joins.put(None)
+        for q in self.waits:
+            q.put(None)
         for h in self.hosts:
             h.ended = True
-            h.joins.put(None)
-            h.waits.put(None)
             if h.ch is not None:
                 h.ch.close()
             h.listener.close()
