@@ -570,3 +570,59 @@ def test_a_frame_that_stops_midway_closes_the_channel(relayed):
     with pytest.raises(ChannelClosed, match="stalled"):
         srv.recv(timeout=5)
     assert time.monotonic() - t0 < 3 and srv.closed
+
+
+def test_recv_ready_never_waits_and_returns_frames_as_they_complete(relayed):
+    # the relay holds back the second half of the first frame until the second frame passes,
+    # and tampers with the third
+    held: list[bytes] = []
+
+    def edit(i, frame):
+        if i == 0:
+            held.append(frame[len(frame) // 2:])
+            return [frame[:len(frame) // 2]]
+        if i == 2:
+            frame = bytearray(frame)
+            frame[-1] ^= 0x01
+            return [bytes(frame)]
+        return [held.pop(), frame]
+
+    cli, srv = relayed(edit)
+    sel = selectors.DefaultSelector()
+    sel.register(srv, selectors.EVENT_READ)
+    assert srv.recv_ready() == []  # nothing yet: an empty list, at once
+    cli.send({"op": "a", "n": 1}, b"x" * 3000)
+    assert sel.select(5.0)  # half a frame has come
+    t0 = time.monotonic()
+    assert srv.recv_ready() == [] and time.monotonic() - t0 < 0.5  # kept, not waited for
+    cli.send({"op": "b"})
+    got: list = []
+    deadline = time.monotonic() + 10
+    while len(got) < 2 and time.monotonic() < deadline:
+        if sel.select(1.0):
+            got += srv.recv_ready()
+    assert [m for m, _ in got] == [{"op": "a", "n": 1}, {"op": "b"}]
+    assert bytes(got[0][1]) == b"x" * 3000 and bytes(got[1][1]) == b""
+    # both ends still in step: a reply goes the other way as usual
+    srv.send({"op": "ok"})
+    assert cli.recv(timeout=5)[0] == {"op": "ok"}
+    cli.send({"op": "c"})  # the relay tampers with this one
+    with pytest.raises(AuthError):
+        while time.monotonic() < deadline:
+            sel.select(1.0)
+            srv.recv_ready()
+    assert srv.closed
+    sel.close()
+
+
+def test_recv_ready_returns_the_last_frames_then_channel_closed(pair):
+    cli, srv = pair
+    cli.send({"op": "last"})
+    cli.close()
+    deadline = time.monotonic() + 10
+    got: list = []
+    with pytest.raises(ChannelClosed):
+        while time.monotonic() < deadline:
+            got += srv.recv_ready()
+            time.sleep(0.01)
+    assert [m for m, _ in got] == [{"op": "last"}]

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 
 from ..protocol import hosts as keys
 from ..protocol import messages as m
+from .readers import Readers
 
 RECONNECT_S = 0.2
 HOST_LOST_CODE = -int(signal.SIGKILL)  # what a lost host's processes are reported to exit with
@@ -89,6 +90,7 @@ class Cluster:
         self.on_tick: Callable[[], None] | None = None  # the leader's own work, once per poll
         self.grace_s = 0.0
         self.health = RemoteHealth()  # each host's agent runs its own checks
+        self._readers = Readers(self._deliver, self._reconnect, self._stop)
 
     # == hosts ==================================================================================
     def add_host(self, node: int, rec: keys.HostRecord, timeout_s: float = 5.0,
@@ -102,8 +104,7 @@ class Cluster:
         else:
             link.ch = ch
             ch.send(m.encode(m.Hello(epoch=self.epoch)))
-        threading.Thread(target=self._read_loop, args=(link,), daemon=True,
-                         name=f"nonstop-host-{node}").start()
+        self._readers.watch(link)
         return link
 
     def _connect(self, link: HostLink, timeout_s: float) -> None:
@@ -112,36 +113,37 @@ class Cluster:
         link.ch = channel.connect(link.rec.addr, link.rec.ctl_port, self.secret, timeout_s=timeout_s)
         link.ch.send(m.encode(m.Hello(epoch=self.epoch)))
 
-    def _read_loop(self, link: HostLink) -> None:
-        from ..net.channel import AuthError, ChannelClosed
-
-        while not self._stop.is_set() and not link.lost:
-            try:
-                msg, _ = link.ch.recv(timeout=1.0)
-            except TimeoutError:
-                continue
-            except (ChannelClosed, AuthError, OSError):
-                if self._stop.is_set() or link.lost:
-                    return
-                time.sleep(RECONNECT_S)  # the agent may be fine: our link was not
+    def _reconnect(self, link: HostLink) -> None:
+        """The channel to a host broke: the agent may be fine (our link was not), so it is
+        connected again, in a thread of its own, until it is or the host is lost."""
+        def run() -> None:
+            while not self._stop.is_set() and not link.lost:
+                time.sleep(RECONNECT_S)
                 try:
                     self._connect(link, timeout_s=2.0)
-                    link.unreachable = False
                 except Exception:  # noqa: BLE001 - etcd decides whether the host is lost
                     link.unreachable = True
-                continue
-            try:
-                report = m.decode(msg)
-            except m.BadMessage as exc:  # an agent with the secret but another nonstop
-                print(f"nonstop: a message from host {link.rec.host_id} refused: {exc}",
-                      file=sys.stderr, flush=True)
-                continue
-            if isinstance(report, m.Reply) and report.id in self._replies:
-                waiter, answer = self._replies[report.id]
-                answer.append(report)
-                waiter.set()
-                continue
-            self.inbox.put((link.node, report))
+                    continue
+                link.unreachable = False
+                self._readers.watch(link)
+                return
+
+        threading.Thread(target=run, daemon=True, name=f"nonstop-host-{link.node}").start()
+
+    def _deliver(self, link: HostLink, msg: dict[str, Any]) -> None:
+        """A frame from a host (in the readers' thread)."""
+        try:
+            report = m.decode(msg)
+        except m.BadMessage as exc:  # an agent with the secret but another nonstop
+            print(f"nonstop: a message from host {link.rec.host_id} refused: {exc}",
+                  file=sys.stderr, flush=True)
+            return
+        if isinstance(report, m.Reply) and report.id in self._replies:
+            waiter, answer = self._replies[report.id]
+            answer.append(report)
+            waiter.set()
+            return
+        self.inbox.put((link.node, report))
 
     def host_gone(self, node: int) -> None:
         """The host's lease is gone: every process it held is gone with it."""
@@ -371,6 +373,7 @@ class Cluster:
 
     def close(self) -> None:
         self._stop.set()
+        self._readers.wake()
         for link in self.links.values():
             if link.ch is not None:
                 link.ch.close()
