@@ -6,6 +6,7 @@ taken, processes started, nodes isolated, and every rank told its assignment."""
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Any
 
@@ -234,10 +235,10 @@ class Generations:
         targets = {n: 0 for n in busy}
         for i in range(self.spares_target if busy else 0):
             targets[busy[i % len(busy)]] += 1
-        for n in busy:  # after a scale-in: a process for each place left, to grow back
-            held = sum(1 for x in node_of.values() if x == n)
-            if len(node_of) < self.target:
-                targets[n] += max(self.slots - held, 0)
+        if len(node_of) < self.target:  # after a scale-in: a process for each place left
+            held = collections.Counter(node_of.values())  # (counted once: 16,384 ranks)
+            for n in busy:
+                targets[n] += max(self.slots - held[n], 0)
         for n in self.spare_nodes(isolated):
             targets[n] = self.slots
         self.table.refill(targets, self.policy.rules.spare_failures)

@@ -9,6 +9,7 @@ JSON with ``--json``.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import time
@@ -75,8 +76,8 @@ def snapshot(controller: Any, now: float | None = None) -> dict[str, Any]:
                   "spare": max(0, controller.total_nodes - len(used | isolated)),
                   "isolated": sorted(isolated)},
         "spares": {"total": table["spares"], "ready": table["spares_ready"],
-                   "by_node": {str(n): sum(1 for w in spares if w.node == n)
-                               for n in sorted({w.node for w in spares})}},
+                   "by_node": {str(n): k for n, k in
+                               sorted(collections.Counter(w.node for w in spares).items())}},
         "step": controller.max_step, "rate_steps_per_s": rate(controller.progress.rank0, now),
         "incidents": controller.book.count,
         "incident": None if inc is None else {
