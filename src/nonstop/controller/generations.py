@@ -98,16 +98,18 @@ class Generations:
         self.worlds[gen] = self.world
         self.worlds = {g: w for g, w in self.worlds.items() if g > gen - WORLDS_KEPT}
         local = self.local_ranks(node_of)
+        worlds = {str(g): n for g, n in self.worlds.items()}  # (shared by every rank's record)
+        claimed = dict(self.claimed)
+        reshard_from = self.trained_world if self.trained_world != self.world else 0
         with self.mail.batch():  # across hosts: one frame per host
             for rank, wid in sorted(self.plan.items()):
                 w = self.workers[wid]
                 w.rank = rank
                 self.table.send(w, protocol.Assign(
                     gen=gen, rank=rank, world=self.world, full_world=self.target,
-                    reshard_from=self.trained_world if self.trained_world != self.world else 0,
-                    worlds={str(g): w for g, w in self.worlds.items()},
+                    reshard_from=reshard_from, worlds=worlds,
                     replacements=self.replacements[rank],
-                    initial=initial, not_after=self.not_after, claimed=dict(self.claimed),
+                    initial=initial, not_after=self.not_after, claimed=claimed,
                     **where, **local[rank]))
                 # processes already running (survivors, ready spares) join within milliseconds
                 if w.ready or w.entered >= 0:

@@ -123,9 +123,19 @@ Mail = Union[Assign, Complete, Exit, Retry]
 _MAIL: dict[str, type] = {ASSIGN: Assign, COMPLETE: Complete, EXIT: Exit, RETRY: Retry}
 
 
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
 def mail_record(msg: Mail) -> dict[str, Any]:
-    """The JSON record of a mailbox message."""
-    return {"type": msg.type, **dataclasses.asdict(msg)}
+    """The JSON record of a mailbox message. Its fields as they are (plain values; a dict in
+    one is shared, not copied: a generation's 16,384 assignments share one ``worlds``)."""
+    names = _FIELDS.get(type(msg))
+    if names is None:
+        names = _FIELDS[type(msg)] = tuple(f.name for f in dataclasses.fields(msg))
+    rec = {"type": msg.type}
+    for name in names:
+        rec[name] = getattr(msg, name)
+    return rec
 
 
 def mail_from(rec: dict[str, Any]) -> Mail:
