@@ -107,3 +107,13 @@ def test_mailbox_messages_round_trip_and_refuse_what_they_do_not_know():
             protocol.mail_from(bad)
     with pytest.raises(ValueError, match="rank"):  # fields it must have are missing
         protocol.mail_from({"type": "assign", "gen": 1})
+
+
+def test_a_remote_records_times_are_moved_onto_this_hosts_clock():
+    from nonstop.protocol.hosts import shift_times
+
+    rec = {"t": 10.0, "hb": 11, "t_pg": 12.5, "t_flag": True, "type": "entered", "step": 7,
+           "tail": 3.0, "": 1, "life": [4, 13.0]}
+    assert shift_times(rec, 0.5) == {"t": 10.5, "hb": 11.5, "t_pg": 13.0, "t_flag": True,
+                                     "type": "entered", "step": 7, "tail": 3.0, "": 1,
+                                     "life": [4, 13.5]}

@@ -75,9 +75,9 @@ def shift_times(obj: dict[str, Any], offset: float) -> dict[str, Any]:
     """A record from another host, with its times moved onto this host's clock (``offset`` =
     this host's clock minus the sender's, taken when the message arrived). No decision compares
     two hosts' clocks: the sender's times are only ever read relative to its own clock."""
-    for key, value in obj.items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and \
-                (key in TIME_FIELDS or key.startswith("t_")):
+    for key, value in obj.items():  # (the name first: most fields are not times)
+        if key[:1] in "th" and (key in TIME_FIELDS or key.startswith("t_")) and \
+                isinstance(value, (int, float)) and not isinstance(value, bool):
             obj[key] = value + offset
     life = obj.get("life")
     if isinstance(life, list) and len(life) == 2 and isinstance(life[1], (int, float)):
