@@ -331,3 +331,22 @@ def test_with_no_spare_node_a_lost_nodes_rank_goes_where_a_node_has_a_place_left
     v2 = mc.view(running(), seen(0.0, rs2, nodes=2))
     d2 = ladder.decide([Fault("node_lost", node=1)], {2, 3}, v2, P, Counters(), 10.0)
     assert d2.level is not Level.REPLACE_NODE
+
+
+def test_a_rank_still_to_leave_is_told_alike_from_its_view_and_its_record():
+    from nonstop.controller.machine import still_to_leave
+    from nonstop.controller.workers import Worker
+
+    gen = 4
+    cases = [dict(), dict(dead=True), dict(left=4), dict(done=4), dict(retry_step=9),
+             dict(joining=3), dict(left=3, joining=4)]
+    for fields in cases:
+        w = Worker(wid=1, spare=False, rank=0)
+        w.joining = 4
+        for k, v in fields.items():
+            setattr(w, k, v)
+        expect = not (w.dead or w.left >= gen or w.done >= gen or w.retry_step is not None
+                      or w.joining < gen)
+        assert still_to_leave(w, gen, managed=True) is expect, fields
+    w = Worker(wid=1, spare=False, rank=0)  # a plain script's ranks never say they joined
+    assert still_to_leave(w, gen, managed=False) and not still_to_leave(w, gen, managed=True)

@@ -158,16 +158,17 @@ def teardown_allowance(faults: tuple[Fault, ...], slowest_step_s: float, policy:
     return base + 2 * slowest_step_s
 
 
+def still_to_leave(r: Any, gen: int, managed: bool) -> bool:
+    """Whether a rank (a ``RankSeen``, or a worker's record: the same fields) has still to leave
+    the aborted generation ``gen``."""
+    if r.dead or r.left >= gen or r.done >= gen or r.retry_step is not None:
+        return False
+    return not (managed and r.joining < gen)  # never joined: it will take the newest assignment
+
+
 def pending_teardown(s: JobState, seen: Seen) -> list[RankSeen]:
     """The ranks still to leave the aborted generation."""
-    out = []
-    for r in seen.ranks:
-        if r.dead or r.left >= s.gen or r.done >= s.gen or r.retry_step is not None:
-            continue
-        if seen.managed and r.joining < s.gen:
-            continue  # never joined: it will take the newest assignment
-        out.append(r)
-    return out
+    return [r for r in seen.ranks if still_to_leave(r, s.gen, seen.managed)]
 
 
 def _tick(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]]:
