@@ -181,6 +181,23 @@ class WorkerEvents:
         elif warning is not None:
             self.display.warning(warning)
 
+    def _waiting_for_a_rank_to_leave(self, now: float) -> bool:
+        """A generation tears down, before its deadline, and a rank has still to leave it: the
+        machine's tick has nothing to do. Told from the workers' records, from the rank the
+        last look stopped at (a job of 16,384 ranks would otherwise be judged whole every turn
+        of the loop, 2 ms apart, while their events come in)."""
+        s = self.state
+        if s.phase is not Phase.TEARING_DOWN or now > s.deadline:
+            return False
+        wids = list(self.plan.values())
+        start = self._leave_hint % len(wids) if wids else 0
+        for i in range(len(wids)):
+            k = (start + i) % len(wids)
+            if mc.still_to_leave(self.workers[wids[k]], s.gen, self.managed):
+                self._leave_hint = k
+                return True
+        return False
+
     # == progress ===============================================================================
     def _read_progress(self) -> None:
         ranks = self._ranks()

@@ -41,6 +41,7 @@ from .etcd_lease import Leadership, Lease  # noqa: F401
 
 ROOT = "/nonstop/"
 _MIN_ATTEMPT_S = 0.5  # one endpoint's share of a deadline, when there are others to try
+HISTORY_S = 1.0  # a short wait whose history may hold changes gets this long once its watch is live
 
 
 class Etcd:
@@ -351,8 +352,9 @@ class Etcd:
              timeout_s: float) -> list[tuple[str, bytes | None, int]]:
         """The changes under ``key_prefix`` after ``after_revision``: (relative key, value or
         None for a delete, mod_revision), as soon as there is one, or [] after ``timeout_s``
-        (at least 0.1 s once the watch is live, however long it took to open it: a poll still
-        sees changes already made). Raises :class:`Compacted` when that history is gone,
+        (at least 0.1 s once the watch is live, however long it took to open it, and up to
+        ``HISTORY_S`` when the store has changed since ``after_revision``: a poll still sees
+        changes already made; it may take that long when they were not under the prefix). Raises :class:`Compacted` when that history is gone,
         :class:`StoreUnavailable` when no endpoint took the watch within the client's
         timeout_s."""
         k = self._key(key_prefix)
@@ -452,7 +454,12 @@ class Etcd:
                         raise StoreError(f"etcd watch canceled: {reason}")
                     if result.get("created"):
                         ever_live, unwatched_until = True, math.inf
-                        deadline = max(deadline, time.monotonic() + live_for_s)
+                        # history made before the watch (the store is past our start) comes
+                        # after this answer: on a loaded machine, well after it
+                        past = int((result.get("header") or body.get("header") or {})
+                                   .get("revision", 0) or 0) >= start_revision
+                        deadline = max(deadline, time.monotonic()
+                                       + (HISTORY_S if past and live_for_s else live_for_s))
                         self._current = idx
                         continue
                     events = [self._event(ev) for ev in result.get("events") or []]
