@@ -15,8 +15,7 @@ import time
 from typing import Any
 
 from .. import protocol
-from ..agent.agent import Agent, Proc
-from ..decide.faults import exit_fault
+from ..agent.agent import Agent
 from ..decide.ladder import Counters, Decision, Fault, Level
 from ..observe.events import EventLog
 from ..observe.incidents import Incident
@@ -33,6 +32,7 @@ from .ledger import SdcBook, TrainingLedger
 from .requests import Preemptions, Requests
 from .phase import ACTIVE, ENDING, Phase
 from .watchers import Command, Watchers
+from .exits import ProcessExits
 from .worker_events import WorkerEvents
 from .workers import Worker, WorkerTable
 
@@ -41,7 +41,7 @@ TICK_WAIT_S = 0.02  # ...while a generation forms
 TICK_IDLE_S = 0.05  # ...while it trains
 
 
-class Controller(WorkerEvents):
+class Controller(ProcessExits, WorkerEvents):
     def __init__(self, *, world: int, spares: int, policy: Policy, mail: Any, agent: Agent,
                  log: EventLog, display: Any, managed: bool, nodes: int = 1, spare_nodes: int = 0,
                  run_dir: Any = None):
@@ -408,80 +408,6 @@ class Controller(WorkerEvents):
             return
         self.preempts.done(node)
         self._step(mc.Drain(self._seen(), (), node, "preempted (SIGTERM)", shrink=True))
-
-    def _on_exit(self, proc: Proc) -> None:
-        if self.memory.node_of_wid(proc.wid) is not None:
-            self._on_keeper_exit(proc)
-            return
-        w = self.workers.get(proc.wid)
-        if w is None:  # not ours: a predecessor's process whose exit its host reported late
-            self.log.write("exit", wid=proc.wid, code=proc.returncode, unknown=True)
-            return
-        was_killed = w.killed
-        w.dead = True
-        code = proc.returncode
-        last = getattr(proc, "last", None)
-        self.log.write("exit", wid=w.wid, rank=w.rank, spare=w.spare, code=code, killed=was_killed,
-                       **({"last_step": last.get("step"), "last_gen": last.get("gen")}
-                          if last else {}))
-        if last and w.rank is not None and not w.spare:
-            self._take_last_step(w, last)
-        if w.spare:
-            self._on_spare_exit(w, code)
-            return
-        if self.phase is Phase.FINISHING:
-            # a process nonstop ended (a hung rank, replaced) may exit after the others finished
-            if code != 0 and not was_killed and self.outcome.diagnosis is None:
-                self.outcome.diagnosis = (f"rank {w.rank} exited with code {code} after "
-                                          "training completed")
-            return
-        if was_killed or w.rank is None or self.plan.get(w.rank) != w.wid:
-            return  # an exit we caused or expected
-        if not self.managed and code == 0:
-            w.done = self.gen
-            if all(self.workers[x].done >= self.gen for x in self.plan.values()):
-                self._training_complete(time.time())
-            return
-        self._fault(self._exit_fault(w, code))
-
-    def _take_last_step(self, w: Any, last: dict[str, Any]) -> None:
-        """The step a rank that is gone completed last, read by its agent: steps it completed
-        since it last published count as reached (and, if rolled back, as lost)."""
-        step = w.take_progress(last, self.gen)
-        self.max_step = max(self.max_step, step)
-        self.progress.take(w.wid, w.rank, w.node, last)
-        if self.incident is not None and step:
-            self.incident.step_before = max(self.incident.step_before, step)
-
-    def _on_keeper_exit(self, proc: Proc) -> None:
-        """A node's memory is gone. With its ranks gone too, the node is lost (the next decision
-        says so); otherwise a new, empty memory takes over and training goes on."""
-        h = self.memory.on_exit(proc.wid, proc.returncode)
-        if h is None or h.killed or self.phase in ENDING:
-            return
-        self.display.info(f"node {h.node}: its memory (keeper) is gone (code {proc.returncode})")
-        # the other nodes stop copying their snapshots to it now, not once it is replaced
-        self.memory.configure(self.gens.node_of(), self.state.usable_nodes(self.total_nodes))
-
-    def _check_keepers(self, now: float) -> None:
-        if self.phase in ENDING:
-            return
-        occupied = {w.node for w in self.workers.values() if not w.dead}
-        self.memory.revive(now, occupied, self.phase is Phase.RUNNING and self.incident is None,
-                           self.gens.node_of(), self.state.usable_nodes(self.total_nodes))
-
-    def _exit_fault(self, w: Worker, code: int | None) -> Fault:
-        report = w.exit_report
-        if report is not None and report.get("import_error") and not report.get("assigned"):
-            self.gens.spares_wait(report)  # it ran the script without its rank: spares must not
-        first = self.max_step == 0 if self.managed else self.gen == 0
-        return exit_fault(report, code, w.rank, before_any_step=first)
-
-    def _on_spare_exit(self, w: Worker, code: int | None) -> None:
-        if self.phase in ENDING or w.killed:
-            return
-        self.gens.spare_lost(w, code)
-        self._refill_spares()
 
     # == taking over a running job (across hosts) ===============================================
     def adopt(self, adoption: Any, seen: list[Any], journal: dict[str, Any] | None,
