@@ -147,6 +147,7 @@ class Sim:
         # the rendezvous: ranks assigned, to join (host, ranks); each group's generations to wait for
         self.groups = min(STORE_CONNS, hosts)
         self.joins: "queue.Queue[tuple[_Host, list[_Rank]] | None]" = queue.Queue()
+        self.to_join: list[tuple[_Host, list[_Rank]]] = []  # (the hosts' loop only)
         self.waits: list["queue.Queue[int | None]"] = [queue.Queue() for _ in range(self.groups)]
         self.waited: list[set[int]] = [set() for _ in range(self.groups)]
 
@@ -249,6 +250,11 @@ class Sim:
                         h.ch = None
                     continue
                 self._order(h, ch, m.decode(msg))
+            # the ranks assigned in this round join once every frame that had come is read: the
+            # joining ranks' threads would otherwise take the interpreter from this reading
+            for item in self.to_join:
+                self.joins.put(item)
+            self.to_join.clear()
             now = time.time()
             if now - last_progress >= every:
                 last_progress = now
@@ -277,12 +283,12 @@ class Sim:
             case m.Send(wid=wid, msg=body):
                 r = self._mail(h, wid, body)
                 if r is not None:
-                    self.joins.put((h, [r]))
+                    self.to_join.append((h, [r]))
             case m.Sends(mails=mails):
                 batch = [self._mail(h, int(item["wid"]), item["msg"]) for item in mails]
                 batch = [r for r in batch if r is not None]
                 if batch:
-                    self.joins.put((h, batch))
+                    self.to_join.append((h, batch))
             case m.Abort(gen=gen, wids=wids):
                 now = time.time()
                 evs = []
@@ -334,7 +340,9 @@ class Sim:
             if item is None:
                 return
             h, batch = item
-            h.events([_ev("wrapped", x.wid, pid=x.wid) for x in batch] +
+            # (a rank says it runs inside nonstop.wrap once in its life: a spare at its start,
+            # a rank of the first generation when it first joins)
+            h.events([_ev("wrapped", x.wid, pid=x.wid) for x in batch if x.gen == 0] +
                      [_ev("joining", x.wid, gen=x.gen, rank=x.rank) for x in batch])
             k = h.i % self.groups
             for x in batch:

@@ -146,7 +146,7 @@ class Controller(ProcessExits, WorkerEvents):
             if self.outcome.exit_code is None:
                 # a node already faulted in the open incident is not reported again
                 self._act(self.watchers.poll_health(now, self.state.faulty_nodes,
-                                                    set(self.gens.node_of().values())))
+                                                    self.gens.busy_nodes))
             self.memory.poll()
             self._check_keepers(now)
             self.log.flush()
@@ -390,7 +390,7 @@ class Controller(ProcessExits, WorkerEvents):
         the new generation formed). While the job is busy, tried again."""
         if node in self.counters.isolated:
             return self.preempts.done(node)
-        if not any(n == node for n in self.gens.node_of().values()):
+        if node not in self.gens.busy_nodes():
             self.preempts.done(node)
             self._isolate(node)
             self._release.discard(node)
@@ -478,7 +478,9 @@ class Controller(ProcessExits, WorkerEvents):
         if self.phase is Phase.FINISHING:
             self._step(mc.Settled(self._seen(now), self.memory.settled(self.final_persist)))
             return
-        if not self._waiting_for_a_rank_to_leave(now):  # (the tick would do nothing then)
+        # (a tick would do nothing while a rank has still to leave, or while the job trains
+        # with no deadline due: the view of every rank is not built then)
+        if not self._waiting_for_a_rank_to_leave(now) and not mc.idle(self.state, now, self.policy):
             self._step(mc.Tick(self._seen(now)))
         if self.outcome.exit_code is None and self.phase is Phase.RUNNING and self.managed \
                 and self.state.retry_deadline is None:

@@ -73,9 +73,9 @@ class ProcessExits:
     def _check_keepers(self, now: float) -> None:
         if self.phase in ENDING:
             return
-        occupied = {w.node for w in self.workers.values() if not w.dead}
-        self.memory.revive(now, occupied, self.phase is Phase.RUNNING and self.incident is None,
-                           self.gens.node_of(), self.state.usable_nodes(self.total_nodes))
+        self.memory.revive(now, lambda: {w.node for w in self.workers.values() if not w.dead},
+                           self.phase is Phase.RUNNING and self.incident is None,
+                           self.gens.node_of, lambda: self.state.usable_nodes(self.total_nodes))
 
     def _exit_fault(self, w: Worker, code: int | None) -> Fault:
         report = w.exit_report

@@ -20,6 +20,32 @@ from .workers import Worker, WorkerTable
 WORLDS_KEPT = 64  # generations whose world size each assignment carries (snapshots' sizes)
 
 
+class Plan(dict):
+    """rank -> wid, for the current generation; ``version`` changes with every change."""
+
+    version = 0
+
+    def __setitem__(self, rank: int, wid: int) -> None:
+        self.version += 1
+        super().__setitem__(rank, wid)
+
+    def __delitem__(self, rank: int) -> None:
+        self.version += 1
+        super().__delitem__(rank)
+
+    def clear(self) -> None:
+        self.version += 1
+        super().clear()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self.version += 1
+        super().update(*args, **kwargs)
+
+    def pop(self, *args: Any) -> Any:
+        self.version += 1
+        return super().pop(*args)
+
+
 class Generations:
     def __init__(self, *, world: int, spares: int, nodes: int, spare_nodes: int, policy: Any,
                  mail: Any, table: WorkerTable, memory: Any, watchers: Any, log: Any,
@@ -35,12 +61,23 @@ class Generations:
         self.policy, self.mail, self.table, self.memory = policy, mail, table, memory
         self.watchers, self.log, self.display = watchers, log, display
         self.workers = table.workers
-        self.plan: dict[int, int] = {}  # rank -> wid
+        self.plan: Plan = Plan()  # rank -> wid
         self.replacements = [0] * world
         self.claimed: dict[str, int] = {}  # injected faults fired: index -> times
+        self._nodes: tuple[int, dict[int, int], frozenset[int]] = (-1, {}, frozenset())
 
     def node_of(self) -> dict[int, int]:
-        return {r: self.workers[wid].node for r, wid in self.plan.items()}
+        """Each rank's node (not to be changed: it is kept until the plan changes; the loop
+        asks every turn, and a job of 16,384 ranks would build it every 2 ms)."""
+        if self._nodes[0] != self.plan.version:
+            node_of = {r: self.workers[wid].node for r, wid in self.plan.items()}
+            self._nodes = (self.plan.version, node_of, frozenset(node_of.values()))
+        return self._nodes[1]
+
+    def busy_nodes(self) -> frozenset[int]:
+        """The nodes that hold ranks."""
+        self.node_of()
+        return self._nodes[2]
 
     def first_plan(self) -> None:
         """The first generation's processes: ranks in order, ``slots`` per node."""

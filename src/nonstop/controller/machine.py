@@ -200,15 +200,14 @@ def _tick(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]
         s, cmds = _check_rendezvous(s, seen, policy)
         if cmds:
             return s, cmds
-    if s.incident and s.level_deadline is not None and seen.now > s.level_deadline \
-            and s.phase in ACTIVE:
+    if _level_due(s, seen.now):
         level = s.level
         limit = ladder.level_policy(policy, Level(level)).deadline_s if level else None
         s = _with(s, level_deadline=None)
         s, cmds = fault(s, Fault("deadline", message=f"{level} did not recover within its deadline "
                                                   "(recover.levels)"), seen, policy)
         return s, [Missed("recovery_level", limit, s.gen, detail=f"{level}: escalated")] + cmds
-    if s.phase is Phase.RUNNING and s.retry_deadline is not None and seen.now > s.retry_deadline:
+    if _retry_due(s, seen.now):
         s = _with(s, retry_deadline=None)  # not every rank saw it: the coarse way
         missed = Missed("step_retry", policy.levels.step_retry.deadline_s, s.gen,
                         tuple(r.rank for r in seen.ranks if r.retry_step is None),
@@ -216,12 +215,32 @@ def _tick(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]
         s, cmds = fault(s, Fault("nan", message="not every rank reported the non-finite step"),
                         seen, policy)
         return s, [missed] + cmds
-    if s.phase is Phase.RUNNING and not s.incident and s.retry_deadline is None and seen.managed \
-            and elastic.due(s.degraded_since, seen.now, policy) and _growth(s, seen, policy):
+    if _growth_due(s, seen.now, policy) and seen.managed and _growth(s, seen, policy):
         deadline = seen.now + policy.timeouts.teardown_s + 3 * seen.slowest_step_s
         return (_with(s, phase=Phase.TEARING_DOWN, deadline=deadline, t_abort=seen.now,
                       probed=False, regroup=True, forced=False), [Regroup(s.gen)])
     return s, cmds
+
+
+def idle(s: JobState, now: float, policy: Any) -> bool:
+    """Whether a tick now does nothing, whatever the ranks are: the job trains and no deadline
+    or growth is due (the controller then does not build its view of every rank)."""
+    return s.phase is Phase.RUNNING and not _level_due(s, now) and not _retry_due(s, now) \
+        and not _growth_due(s, now, policy)
+
+
+def _level_due(s: JobState, now: float) -> bool:
+    return bool(s.incident) and s.level_deadline is not None and now > s.level_deadline \
+        and s.phase in ACTIVE
+
+
+def _retry_due(s: JobState, now: float) -> bool:
+    return s.phase is Phase.RUNNING and s.retry_deadline is not None and now > s.retry_deadline
+
+
+def _growth_due(s: JobState, now: float, policy: Any) -> bool:
+    return s.phase is Phase.RUNNING and not s.incident and s.retry_deadline is None \
+        and elastic.due(s.degraded_since, now, policy)
 
 
 def _growth(s: JobState, seen: Seen, policy: Any) -> dict[int, int]:

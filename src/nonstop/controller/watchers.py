@@ -7,7 +7,7 @@ watchers themselves change nothing in the job.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable
+from typing import Any, Callable, Collection, Iterable
 
 from ..decide.ladder import Fault
 from ..decide.liveness import Signals
@@ -67,8 +67,10 @@ class Watchers:
         if self.health is not None:
             self.health.remove_node(node)
 
-    def poll_health(self, now: float, isolated: set[int], busy: set[int]) -> list[Command]:
-        """Finished health checks; ``busy``: the nodes that hold ranks."""
+    def poll_health(self, now: float, isolated: set[int],
+                    busy: Callable[[], Collection[int]]) -> list[Command]:
+        """Finished health checks; ``busy()``: the nodes that hold ranks (asked only when a
+        check failed)."""
         out: list[Command] = []
         for r in self.health.poll(now) if self.health is not None else ():
             if r.ok or r.node in isolated:
@@ -78,7 +80,7 @@ class Watchers:
                 self.log.deadline("health_check", r.limit_s, waited_s=round(r.seconds, 3),
                                   check=r.check, node=r.node)
             message = f"health check {r.check!r} failed: {r.detail}"
-            if r.node not in busy:
+            if r.node not in busy():
                 self.display.info(f"node {r.node}: {message}")
                 out.append(Command("isolate", node=r.node))
                 continue

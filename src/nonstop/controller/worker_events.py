@@ -49,7 +49,7 @@ class WorkerEvents:
                     "joining", "snapshot_interval", "snapshot_failed", "no_steps", "bitflip",
                     "group_kept", "sdc_mismatch") \
                 and not ev.get("replay"):  # a replayed one is in the log of the controller before
-            self.log.write(f"rank_{kind}", **{k: v for k, v in ev.items() if k != "type"})
+            self.log.write_record("rank_" + kind, ev)
         about_gen = kind in ("entered", "first_step", "left", "nan", "loss_rule", "done")
         if about_gen and (gen != self.gen or self.plan.get(ev.get("rank", -1)) != w.wid):
             return  # about an older generation

@@ -15,6 +15,11 @@ from ..observe.events import EventLog
 DUMP_GRACE_S = 0.3  # between asking a stuck process for its stacks and killing it
 
 
+# the fields of a worker that what the state machine sees of it is made of (controller._seen)
+SEEN_FIELDS = frozenset({"node", "dead", "joining", "entered", "left", "done", "retry_step",
+                         "retry_loss", "warm_gen", "hb", "where", "loc", "same_s"})
+
+
 @dataclasses.dataclass
 class Worker:
     """What the controller knows of one process (a rank, or a warm spare)."""
@@ -51,13 +56,13 @@ class Worker:
     retry_loss: Any = None
     warm_gen: int = -1  # the generation it was already running for when published
     # what the state machine last saw of it (controller._seen), and under which (rank, gen,
-    # forming): any write to the record drops it, so a job of 16,384 ranks rebuilds only the
-    # records that changed since the last look, not all of them at every tick
+    # forming): a write to a field it is made of (SEEN_FIELDS) drops it, so a job of 16,384
+    # ranks rebuilds only the records that changed since the last look, not all of them
     seen: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
-        if name != "seen":
+        if name in SEEN_FIELDS:
             object.__setattr__(self, "seen", None)
 
     def take_event(self, ev: dict[str, Any]) -> None:
@@ -88,13 +93,25 @@ class Worker:
 
     def take_progress(self, rec: dict[str, Any], gen: int) -> int:
         """A progress record it published; returns the step it reports for ``gen`` (else 0)."""
+        # (written past __setattr__: none of these is in what the machine sees, and 16,384 ranks
+        # report every second)
+        d = self.__dict__
         step = rec.get("step") if rec.get("gen") == gen else None
         if step is not None and (self.step_gen != gen or step >= (self.step or 0)):
-            self.step, self.step_gen, self.t_step = step, gen, rec["t"]
+            d["step"], d["step_gen"], d["t_step"] = step, gen, rec["t"]
         loss = rec.get("loss")
-        self.loss = loss if isinstance(loss, (int, float)) else None
-        self.busy = rec.get("busy", self.busy)
+        d["loss"] = loss if isinstance(loss, (int, float)) else None
+        d["busy"] = rec.get("busy", self.busy)
         return step or 0
+
+    def take_liveness(self, hb: float, where: str, loc: str, same_s: float,
+                      paused: str | None) -> None:
+        """Its heartbeat and where its main thread is; what the machine saw of it is dropped
+        only when that changed."""
+        d = self.__dict__
+        if (bool(hb), where, loc, same_s) != (bool(self.hb), self.where, self.loc, self.same_s):
+            d["seen"] = None
+        d["hb"], d["where"], d["loc"], d["same_s"], d["paused"] = hb, where, loc, same_s, paused
 
 
 class WorkerTable:

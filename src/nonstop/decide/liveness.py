@@ -27,9 +27,8 @@ class Signals:
     def on_progress(self, w: Worker, rec: dict[str, Any], gen: int) -> None:
         """A rank's progress record (read from the store): heartbeat, where its main thread is,
         its slowest recent step, its compute time."""
-        w.hb = rec.get("hb", w.hb)
-        w.where, w.loc, w.same_s = rec.get("where", ""), rec.get("loc", ""), rec.get("same_s", 0.0)
-        w.paused = rec.get("paused")
+        w.take_liveness(rec.get("hb", w.hb), rec.get("where", ""), rec.get("loc", ""),
+                        rec.get("same_s", 0.0), rec.get("paused"))
         life = rec.get("life")
         if life and life[0] == gen:
             self._life[w.wid] = (life[0], life[1])

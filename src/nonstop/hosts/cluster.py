@@ -394,16 +394,20 @@ class Cluster:
         generation's assignments: a job of 16,384 ranks on 2,048 hosts sends 2,048 frames, not
         16,384)."""
         self._held = {}
-        try:
-            yield
-        finally:
-            held, self._held = self._held, None
-            for node, mails in held.items():
-                if len(mails) == 1:
-                    self._to(node, m.Send(wid=mails[0]["wid"], seq=mails[0]["seq"],
-                                          msg=mails[0]["msg"]))
-                else:
-                    self._to(node, m.Sends(mails=mails))
+        with self._readers.hold():  # (the hosts' answers wait: see Readers.hold)
+            try:
+                yield
+            finally:
+                held, self._held = self._held, None
+                self._send_held(held)
+
+    def _send_held(self, held: dict[int, list[dict[str, Any]]]) -> None:
+        for node, mails in held.items():
+            if len(mails) == 1:
+                self._to(node, m.Send(wid=mails[0]["wid"], seq=mails[0]["seq"],
+                                      msg=mails[0]["msg"]))
+            else:
+                self._to(node, m.Sends(mails=mails))
 
     def abort(self, gen: int, wids: list[int], regroup: bool = False) -> None:
         by_node: dict[int, list[int]] = {}
@@ -411,8 +415,9 @@ class Cluster:
             p = self.procs.get(wid)
             if p is not None:
                 by_node.setdefault(p.node, []).append(wid)
-        for node, mine in by_node.items():
-            self._to(node, m.Abort(gen=gen, wids=mine, regroup=regroup))
+        with self._readers.hold():
+            for node, mine in by_node.items():
+                self._to(node, m.Abort(gen=gen, wids=mine, regroup=regroup))
 
     def events(self) -> Iterator[dict[str, Any]]:
         evs, self._events = self._events, []

@@ -26,7 +26,8 @@ from ..decide import takeover
 from .config import HostConfig
 from .journal import Journal
 
-HOSTS_EVERY_S = 0.2  # how often the host list is read from etcd while the job runs
+HOSTS_EVERY_S = 0.2  # how often etcd is asked whether the host list changed while the job runs
+HOSTS_FULL_S = 2.0  # ...and how often it is read whole all the same
 
 
 def _die_with_parent() -> None:
@@ -442,6 +443,7 @@ class Leader:
         controller's thread through the cluster's inbox."""
         from ..store.etcd import Fenced
 
+        seen_rev, full_due = -1, 0.0  # the list is read again only when etcd changed (2,048 hosts)
         while True:
             time.sleep(HOSTS_EVERY_S)
             if self.office.down_since is not None:
@@ -465,9 +467,13 @@ class Leader:
                 except Exception:  # noqa: BLE001 - etcd away or a newer controller: not ours to say
                     pass
             try:
+                rev = self.etcd.revision()
+                if rev == seen_rev and time.monotonic() < full_due:
+                    continue
                 rows = self.etcd.get_prefix(keys.HOSTS)
             except Exception:  # noqa: BLE001 - etcd away: nothing is decided without it
                 continue
+            seen_rev, full_due = rev, time.monotonic() + HOSTS_FULL_S
             alive = {}
             for _, raw, _, _ in rows:
                 rec = keys.HostRecord.loads(raw)

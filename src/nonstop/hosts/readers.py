@@ -11,13 +11,16 @@ thread), so a host that stops mid-frame holds up no other.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import selectors
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..net.channel import AuthError, ChannelClosed
+
+HOLD_MAX_S = 1.0  # the longest the reading waits for the controller's fan-out
 
 
 class Readers:
@@ -33,6 +36,20 @@ class Readers:
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._gate = threading.Lock()  # held while the controller fans out (see ``hold``)
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """While the controller sends every host its part of a generation (or an abort), this
+        thread reads nothing: what the hosts say meanwhile waits in their sockets. Both threads
+        need the interpreter, and the hosts answer at once: with 2,048 hosts, reading their
+        answers halved the speed of sending the rest. Never longer than ``HOLD_MAX_S``."""
+        got = self._gate.acquire(timeout=HOLD_MAX_S)
+        try:
+            yield
+        finally:
+            if got:
+                self._gate.release()
 
     def watch(self, link: Any) -> None:
         """Read ``link.ch`` from now on (from any thread)."""
@@ -72,7 +89,10 @@ class Readers:
         try:
             while not self._stop.is_set():
                 self._take_new()
-                for key, _ in self._sel.select(1.0):
+                ready = self._sel.select(1.0)
+                if self._gate.acquire(timeout=HOLD_MAX_S):  # (see ``hold``)
+                    self._gate.release()
+                for key, _ in ready:
                     if key.data is None:
                         try:
                             os.read(self._wake_r, 4096)

@@ -22,6 +22,7 @@ _STEP_EVENTS = ("rank_first_step", "rank_done", "rank_left", "training_complete"
 
 
 FLUSH_S = 0.05  # a write this long after the last flush flushes itself
+_encode = json.JSONEncoder(default=str, separators=(",", ":")).encode  # (built once, not per line)
 
 
 class EventLog:
@@ -41,8 +42,16 @@ class EventLog:
         self.listeners: list[Any] = []  # called with every record written (the metrics)
 
     def write(self, event_type: str, /, **fields: Any) -> dict[str, Any]:
-        record = {"t": fields.pop("t", None) or time.time(), "type": event_type, **fields}
-        line = json.dumps(record, default=str, separators=(",", ":"))
+        return self.write_record(event_type, fields)
+
+    def write_record(self, event_type: str, fields: dict[str, Any]) -> dict[str, Any]:
+        """``write`` with the fields as a dict (a rank's event, as it came: not copied twice;
+        its own ``type`` is replaced)."""
+        record = {"t": fields.get("t") or time.time(), "type": event_type}
+        for key, value in fields.items():
+            if key != "t" and key != "type":
+                record[key] = value
+        line = _encode(record)
         with self._lock:
             self._fh.write(line + "\n")
             if time.monotonic() - self._flushed >= FLUSH_S:

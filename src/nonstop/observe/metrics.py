@@ -162,7 +162,7 @@ class JobMetrics:
         self.ranks.labels("dead").set(len(status["ranks"]) - alive)
         self.spares.labels("ready").set(status["spares_ready"])
         self.spares.labels("warming").set(status["spares"] - status["spares_ready"])
-        used = set(controller.gens.node_of().values()) | set(controller.counters.isolated)
+        used = set(controller.gens.busy_nodes()) | set(controller.counters.isolated)
         self.spare_hosts.set(max(0, controller.total_nodes - len(used)))
         for phase in type(controller.phase):
             self.phase.labels(phase.value).set(1 if phase is controller.phase else 0)

@@ -144,19 +144,24 @@ class Keepers:
             self.log.write("keeper_error", node=node, op="restart", error=str(exc))
             return False
 
-    def revive(self, now: float, occupied: set[int], quiet: bool, node_of: dict[int, int],
-               usable: list[int]) -> None:
+    def revive(self, now: float, occupied: Callable[[], set[int]], quiet: bool,
+               node_of: Callable[[], dict[int, int]], usable: Callable[[], list[int]]) -> None:
         """A new, empty memory for each usable node that needs one: a node that lost only its
         memory (its ranks still run ``KEEPER_GRACE_S`` later, while the job trains with no
         incident open: ``quiet``; had they died too, the node is lost and the next decision
         moves them), or a node whose keeper nonstop ended where processes run again
-        (``occupied``)."""
-        for h in list(self.keepers.values()):
-            if not h.lost or h.node not in usable or now < h.retry_at:
+        (``occupied()``). The job's view is asked for only when a lost memory is due (this
+        runs every turn of the controller's loop)."""
+        due = [h for h in self.keepers.values() if h.lost and now >= h.retry_at]
+        if not due:
+            return
+        nodes, busy = usable(), occupied()
+        for h in due:
+            if h.node not in nodes:
                 continue
-            needed = (h.node in occupied) if h.killed else (quiet and now - h.lost_at > KEEPER_GRACE_S)
+            needed = (h.node in busy) if h.killed else (quiet and now - h.lost_at > KEEPER_GRACE_S)
             if needed and self.try_restart(h.node):
-                self.configure(node_of, usable)
+                self.configure(node_of(), nodes)
 
     def on_exit(self, wid: int, code: int | None) -> KeeperHandle | None:
         """A keeper ended; returns its handle (None: not a keeper)."""
