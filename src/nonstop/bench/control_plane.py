@@ -61,7 +61,7 @@ STACK = 256 << 10
 TIMEOUT_S = 300.0  # each wait of a run
 TEARDOWN_S = 10.0
 CONNECTORS = 64
-STORE_CONNS = 64  # the simulated ranks' connections to the rendezvous store (and as many waits)
+STORE_CONNS = 16  # the simulated ranks' connections to the rendezvous store (and as many waits)
 
 
 class _Rank:

@@ -34,7 +34,7 @@ class WorkerEvents:
         # (the machine forms the generation once every rank has entered it, and does nothing
         # else on an entry: the job's view is built only then)
         if "entered" in kinds and self.phase is Phase.RENDEZVOUS and \
-                all(self.workers[wid].entered >= self.gen for wid in self.plan.values()):
+                not self._some_rank("enter", lambda w: w.entered < self.gen):
             self._step(mc.Entered(self._seen()))
         if "first_step" in kinds:
             self._first_steps()
@@ -121,16 +121,14 @@ class WorkerEvents:
     def _first_steps(self) -> None:
         """After first steps: once every rank has taken one in this generation, the job has
         grown (or recovered, and the open incident closes)."""
-        if self.phase is not Phase.RUNNING:
-            return
+        if self.phase is not Phase.RUNNING or \
+                self._some_rank("first_step", lambda w: w.first_gen != self.gen):
+            return  # (not every rank has stepped: nothing to do yet)
         ranks = self._ranks()
-        if all(x.first_gen == self.gen for x in ranks):  # sharded state now has this size
-            self.gens.trained_world = len(ranks)
+        self.gens.trained_world = len(ranks)  # sharded state now has this size
         if self.incident is None:
-            if all(x.first_gen == self.gen for x in ranks):
-                self.book.grown(max(x.t_first for x in ranks), self.gen, len(ranks))
-            return
-        if all(x.first_gen == self.gen for x in ranks):
+            self.book.grown(max(x.t_first for x in ranks), self.gen, len(ranks))
+        else:
             self._close_incident(max(x.t_first for x in ranks), self.incident.resume_step)
 
     def _on_loss_rule(self, ev: dict[str, Any]) -> None:
@@ -183,18 +181,27 @@ class WorkerEvents:
 
     def _waiting_for_a_rank_to_leave(self, now: float) -> bool:
         """A generation tears down, before its deadline, and a rank has still to leave it: the
-        machine's tick has nothing to do. Told from the workers' records, from the rank the
-        last look stopped at (a job of 16,384 ranks would otherwise be judged whole every turn
-        of the loop, 2 ms apart, while their events come in)."""
+        machine's tick has nothing to do. Told from the workers' records (a job of 16,384 ranks
+        would otherwise be judged whole every turn of the loop, 2 ms apart, while their events
+        come in)."""
         s = self.state
         if s.phase is not Phase.TEARING_DOWN or now > s.deadline:
             return False
+        return self._some_rank("leave", lambda w: mc.still_to_leave(w, s.gen, self.managed))
+
+    def _some_rank(self, what: str, pred: Any) -> bool:
+        """Whether ``pred`` holds for some rank of the plan, looked for from the rank where the
+        last look for ``what`` found one: asked after every batch of events while thousands of
+        ranks report one by one, this stays about one test per rank in all, not one per rank
+        per batch."""
         wids = list(self.plan.values())
-        start = self._leave_hint % len(wids) if wids else 0
+        if not wids:
+            return False
+        start = self._hints.get(what, 0) % len(wids)
         for i in range(len(wids)):
             k = (start + i) % len(wids)
-            if mc.still_to_leave(self.workers[wids[k]], s.gen, self.managed):
-                self._leave_hint = k
+            if pred(self.workers[wids[k]]):
+                self._hints[what] = k
                 return True
         return False
 

@@ -174,7 +174,11 @@ class WorkerTable:
         return others[0] if others else None
 
     def send(self, w: Worker, msg: protocol.Mail) -> None:
-        self.mail.send(w.wid, w.seq, protocol.mail_record(msg))
+        self.send_record(w, protocol.mail_record(msg))
+
+    def send_record(self, w: Worker, rec: dict[str, Any]) -> None:
+        """A message already made a record (``protocol.mail_record``)."""
+        self.mail.send(w.wid, w.seq, rec)
         w.seq += 1
 
     def kill(self, w: Worker, why: str, dump: bool = False) -> None:
