@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import queue
@@ -241,15 +242,14 @@ class Sim:
             for key, _ in self.sel.select(0.05):
                 h, ch = key.data
                 try:
-                    msg, _ = ch.recv(timeout=0.0)
-                except TimeoutError:
-                    continue
+                    frames = ch.recv_ready()  # (what has come, in one read)
                 except Exception:  # noqa: BLE001 - the controller closed it
                     self.sel.unregister(key.fd)
                     if h.ch is ch:
                         h.ch = None
                     continue
-                self._order(h, ch, m.decode(msg))
+                for msg, _ in frames:
+                    self._order(h, ch, m.decode(msg))
             # the ranks assigned in this round join once every frame that had come is read: the
             # joining ranks' threads would otherwise take the interpreter from this reading
             for item in self.to_join:
@@ -432,6 +432,7 @@ class Sim:
 
         self.wait("the controller read the start", caught_up, timeout_s)
         settled = time.time() - t0
+        gc.freeze()  # the simulated hosts' records: no full collection of them in the measure
         gen = self.current_gen()
         ranks = [(h, r) for h in self.hosts for r in h.ranks.values()
                  if r.alive and r.rank is not None and r.gen == gen]

@@ -175,7 +175,7 @@ class Controller(ProcessExits, WorkerEvents):
                 left=w.left, done=w.done, retry_step=w.retry_step, retry_loss=w.retry_loss,
                 warm=w.warm_gen == s.gen, stopped=forming and stopped(wid),
                 own_code_s=w.same_s if w.hb and w.where == "python" else 0.0, loc=w.loc)
-            w.seen = ((rank, s.gen, forming), r)
+            w.__dict__["seen"] = ((rank, s.gen, forming), r)  # (past __setattr__: not a change)
             ranks.append(r)
         # a memory whose exit its host's agent reported, while that agent answers, is the memory
         # alone: the host is not lost (one that stopped answering may be the host cut off)

@@ -11,9 +11,11 @@ from ..decide.ladder import Fault
 # == what the controller saw ======================================================================
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class RankSeen:
-    """One rank's process as the controller knows it (generations are the newest it reached)."""
+    """One rank's process as the controller knows it (generations are the newest it reached).
+    Never changed once made (not frozen only because a frozen one takes 3x as long to make, and
+    a view of 16,384 ranks is made whole after a teardown)."""
 
     rank: int
     wid: int

@@ -71,6 +71,7 @@ _SEQ = struct.Struct(">Q")
 # transfer and the hashing on the other side instead of following them.
 _CHUNK = 1 << 19
 _READ = 1 << 16  # recv_ready reads this much at a time
+_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # (made once)
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)  # a dead peer is an error, never a SIGPIPE
 
 
@@ -265,7 +266,7 @@ class Channel:
         is too big is refused here, before anything is written."""
         if not isinstance(msg, dict):
             raise TypeError(f"a message is a dict, not {type(msg).__name__}")
-        header = json.dumps(msg, ensure_ascii=False, separators=(",", ":"))
+        header = _encode(msg)
         header_b = header.encode("utf-8", "surrogatepass")  # as json.loads decodes bytes
         if len(header_b) > MAX_HEADER:
             raise ValueError(f"message of {len(header_b)} bytes of JSON; the limit is {MAX_HEADER}")
