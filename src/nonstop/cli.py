@@ -188,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sizes", metavar="LIST",
                        help="scale: world sizes on this host (default 2,4,8,16); control-plane: "
                             "simulated ranks (default 1024,4096,16384)")
+    bench.add_argument("--placement", metavar="LIST",
+                       help="control-plane: shared (every process on every core) and/or split "
+                            "(the controller and etcd on core 0, the simulated hosts on the "
+                            "others, as on a cluster); default shared,split")
     bench.add_argument("--host-sizes", metavar="LIST",
                        help="scale: test host counts, each with --ranks-per-host ranks "
                             "(default 2,4,8)")

@@ -118,7 +118,9 @@ def _ev(kind: str, wid: int, **fields: Any) -> dict[str, Any]:
 class Sim:
     """H simulated hosts and the real controller, around one real etcd."""
 
-    def __init__(self, hosts: int, spares: int, base: Path, etcd_url: str, seed: int):
+    def __init__(self, hosts: int, spares: int, base: Path, etcd_url: str, seed: int,
+                 pin: tuple[str, ...] = ()):
+        self.pin = pin  # a command prefix that puts the controller on its core (split placement)
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # (the polled waits' timeouts)
         import torch.distributed as dist
 
@@ -214,7 +216,8 @@ class Sim:
         pkg_parent = str(Path(__file__).resolve().parent.parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_parent, env.get("PYTHONPATH")]))
         self.out = open(run_dir / "controller.out", "wb")
-        self.leader = subprocess.Popen([sys.executable, "-u", "-m", "nonstop.hosts.leader",
+        self.leader = subprocess.Popen([*self.pin, sys.executable, "-u", "-m",
+                                        "nonstop.hosts.leader",
                                         str(conf)], env=env, stdout=self.out,
                                        stderr=subprocess.STDOUT, start_new_session=True)
         self.run_dir = run_dir
@@ -496,9 +499,9 @@ class Sim:
 
 
 def measure(ranks: int, spares: int, base: Path, etcd_url: str, seed: int,
-            timeout_s: float) -> dict[str, Any]:
+            timeout_s: float, pin: tuple[str, ...] = ()) -> dict[str, Any]:
     hosts = max(1, ranks // PER_HOST)
-    sim = Sim(hosts, spares, base / f"r{ranks}", etcd_url, seed)
+    sim = Sim(hosts, spares, base / f"r{ranks}", etcd_url, seed, pin)
     try:
         sim.start()
         return sim.run(timeout_s)
@@ -513,40 +516,55 @@ def _raise_fd_limit(need: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
-def main(args: argparse.Namespace) -> int:
-    from ..errors import UsageError
-    from ..store.etcd_server import EtcdCluster, etcd_binary
-    from .scale import _ints
+PLACEMENTS = ("shared", "split")
 
-    sizes = _ints(args.sizes, SIZES, "--sizes")
-    if min(sizes) < PER_HOST or any(n % PER_HOST for n in sizes):
-        raise UsageError(f"--sizes: multiples of {PER_HOST} ranks (simulated hosts of {PER_HOST})")
-    repeat = args.repeat or 1  # a run of thousands of simulated ranks takes minutes
-    spares = 1
-    try:
-        etcd_binary()
-    except Exception as exc:  # noqa: BLE001
-        raise UsageError(f"bench control-plane needs etcd: {exc}") from None
-    _raise_fd_limit(12 * max(sizes) // PER_HOST + 4096)
-    base = Path(tempfile.mkdtemp(prefix="nonstop-cp-"))
+
+def _placements(text: str | None) -> list[str]:
+    from ..errors import UsageError
+
+    names = [p.strip() for p in (text or ",".join(PLACEMENTS)).split(",") if p.strip()]
+    bad = [p for p in names if p not in PLACEMENTS]
+    if bad or not names:
+        raise UsageError(f"--placement: {', '.join(bad) or 'none'}: not one of "
+                         f"{', '.join(PLACEMENTS)}")
+    if "split" in names and len(os.sched_getaffinity(0)) < 2:
+        raise UsageError("--placement split needs 2 cores or more")
+    return names
+
+
+def _measure_all(sizes: list[int], repeat: int, spares: int, base: Path, placement: str,
+                 seed: int | None) -> list[dict[str, Any]]:
+    """Every size, ``repeat`` times, with one etcd. ``split``: the controller and etcd run on the
+    first core, this process (the simulated hosts and the rendezvous store) on the others, as on
+    a cluster, where the hosts' work runs on the hosts; ``shared``: every process on every core."""
+    from ..store.etcd_server import EtcdCluster
+
+    cores = os.sched_getaffinity(0)
+    pin: tuple[str, ...] = ()
+    if placement == "split":
+        pin = ("taskset", "-c", str(min(cores)))
     results = []
-    etcd = EtcdCluster([("e0", "127.0.0.1", ())], base / "etcd")
+    etcd = EtcdCluster([("e0", "127.0.0.1", pin)], base / "etcd")
     try:
         etcd.start()
+        if pin:  # (this thread's threads, made from now on, inherit it)
+            os.sched_setaffinity(0, cores - {min(cores)})
         for n in sizes:
             runs, errors = [], []
             for k in range(repeat):
                 try:
-                    r = measure(n, spares, base / f"k{k}", etcd.url, (args.seed or 0) + k,
-                                timeout_s=TIMEOUT_S)
+                    r = measure(n, spares, base / f"k{k}", etcd.url, (seed or 0) + k,
+                                timeout_s=TIMEOUT_S, pin=pin)
                 except (RuntimeError, TimeoutError, OSError) as exc:  # said, and the next size
                     errors.append(str(exc).strip().splitlines()[0])
-                    print(f"nonstop bench control-plane: {n} ranks: {errors[-1]}",
+                    print(f"nonstop bench control-plane: {n} ranks ({placement}): {errors[-1]}",
                           file=sys.stderr, flush=True)
                     continue
+                r["placement"] = placement
                 runs.append(r)
                 print(json.dumps(r), file=sys.stderr, flush=True)
-            rec: dict[str, Any] = {"ranks": n, "hosts": n // PER_HOST, "store": "etcd"}
+            rec: dict[str, Any] = {"ranks": n, "hosts": n // PER_HOST, "store": "etcd",
+                                   "placement": placement}
             if runs:
                 rec.update({
                     "recovery_s": {"median": round(statistics.median(
@@ -560,7 +578,33 @@ def main(args: argparse.Namespace) -> int:
                 rec["errors"] = errors
             results.append(rec)
     finally:
+        os.sched_setaffinity(0, cores)
         etcd.stop()
+    return results
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..errors import UsageError
+    from ..store.etcd_server import etcd_binary
+    from .scale import _ints
+
+    sizes = _ints(args.sizes, SIZES, "--sizes")
+    if min(sizes) < PER_HOST or any(n % PER_HOST for n in sizes):
+        raise UsageError(f"--sizes: multiples of {PER_HOST} ranks (simulated hosts of {PER_HOST})")
+    repeat = args.repeat or 1  # a run of thousands of simulated ranks takes minutes
+    spares = 1
+    try:
+        etcd_binary()
+    except Exception as exc:  # noqa: BLE001
+        raise UsageError(f"bench control-plane needs etcd: {exc}") from None
+    _raise_fd_limit(12 * max(sizes) // PER_HOST + 4096)
+    placements = _placements(args.placement)
+    base = Path(tempfile.mkdtemp(prefix="nonstop-cp-"))
+    results = []
+    try:
+        for placement in placements:
+            results += _measure_all(sizes, repeat, spares, base / placement, placement, args.seed)
+    finally:
         shutil.rmtree(base, ignore_errors=True)
     out = {"scenario": "control_plane", "per_host": PER_HOST, "target_s": TARGET_S,
            "results": results}

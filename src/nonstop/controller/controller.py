@@ -165,17 +165,18 @@ class Controller(ProcessExits, WorkerEvents):
         rendezvous = s.phase is Phase.RENDEZVOUS
         for rank, wid in sorted(self.plan.items()):
             w = workers[wid]
-            forming = rendezvous and not w.dead and w.joining >= s.gen > w.entered
+            # whether the kernel has it stopped is asked only while it forms a group
+            st = rendezvous and not w.dead and w.joining >= s.gen > w.entered and stopped(wid)
             cached = w.seen
-            if cached is not None and not forming and cached[0] == (rank, s.gen, False):
+            if cached is not None and cached[0] == (rank, s.gen, st):
                 ranks.append(cached[1])
                 continue
             r = mc.RankSeen(
                 rank=rank, wid=wid, node=w.node, dead=w.dead, joining=w.joining, entered=w.entered,
                 left=w.left, done=w.done, retry_step=w.retry_step, retry_loss=w.retry_loss,
-                warm=w.warm_gen == s.gen, stopped=forming and stopped(wid),
+                warm=w.warm_gen == s.gen, stopped=st,
                 own_code_s=w.same_s if w.hb and w.where == "python" else 0.0, loc=w.loc)
-            w.__dict__["seen"] = ((rank, s.gen, forming), r)  # (past __setattr__: not a change)
+            w.__dict__["seen"] = ((rank, s.gen, st), r)  # (past __setattr__: not a change)
             ranks.append(r)
         # a memory whose exit its host's agent reported, while that agent answers, is the memory
         # alone: the host is not lost (one that stopped answering may be the host cut off)

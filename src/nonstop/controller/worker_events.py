@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..decide.ladder import Decision, Fault, Level
+from ..observe.progress import sample_every
 from . import machine as mc
 from .phase import ACTIVE, Phase
 from .workers import Worker
@@ -208,6 +209,7 @@ class WorkerEvents:
     # == progress ===============================================================================
     def _read_progress(self) -> None:
         ranks = self._ranks()
+        self.progress.every_s = sample_every(len(ranks))
         for w, rec in self.table.read_progress(ranks):
             self.max_step = max(self.max_step, w.take_progress(rec, self.gen))
             self.progress.take(w.wid, w.rank, w.node, rec)

@@ -61,9 +61,10 @@ class Signals:
         if not ranks or any(w.paused for w in ranks):
             return None, {}
         stalled, limit, last = [], 0.0, 0.0
+        steady, first = self.hang.steady_timeout(), self.hang.first_step_timeout()  # (once)
         for w in ranks:
             stepped = w.first_gen == gen
-            timeout = self.hang.steady_timeout() if stepped else self.hang.first_step_timeout()
+            timeout = steady if stepped else first
             since = w.t_step if stepped else t_running
             life = self._life.get(w.wid)
             if life is not None and life[0] == gen and (not stepped or w.wid in self._stepless):

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
 import os
 import secrets
@@ -48,6 +47,8 @@ import threading
 import time
 import warnings
 from typing import Any, Mapping
+
+from ..protocol import fastjson
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,6 @@ _SEQ = struct.Struct(">Q")
 # transfer and the hashing on the other side instead of following them.
 _CHUNK = 1 << 19
 _READ = 1 << 16  # recv_ready reads this much at a time
-_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # (made once)
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)  # a dead peer is an error, never a SIGPIPE
 
 
@@ -266,8 +266,7 @@ class Channel:
         is too big is refused here, before anything is written."""
         if not isinstance(msg, dict):
             raise TypeError(f"a message is a dict, not {type(msg).__name__}")
-        header = _encode(msg)
-        header_b = header.encode("utf-8", "surrogatepass")  # as json.loads decodes bytes
+        header_b = fastjson.dumps(msg)
         if len(header_b) > MAX_HEADER:
             raise ValueError(f"message of {len(header_b)} bytes of JSON; the limit is {MAX_HEADER}")
         pv = memoryview(b"" if payload is None else payload)
@@ -431,7 +430,7 @@ class Channel:
                 "(tampered, replayed or out of order)"))
         self._recv_seq += 1
         try:
-            msg = json.loads(header)
+            msg = fastjson.loads(header)
         except ValueError:
             msg = None
         if not isinstance(msg, dict):

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..protocol import fastjson
+
 FILENAME = "events.jsonl"
 # events whose `step` (or `step_before`) is a step the run had reached
 _STEP_EVENTS = ("rank_first_step", "rank_done", "rank_left", "training_complete", "checkpoint",
@@ -22,7 +24,6 @@ _STEP_EVENTS = ("rank_first_step", "rank_done", "rank_left", "training_complete"
 
 
 FLUSH_S = 0.05  # a write this long after the last flush flushes itself
-_encode = json.JSONEncoder(default=str, separators=(",", ":")).encode  # (built once, not per line)
 
 
 class EventLog:
@@ -51,7 +52,7 @@ class EventLog:
         for key, value in fields.items():
             if key != "t" and key != "type":
                 record[key] = value
-        line = _encode(record)
+        line = fastjson.dumps(record, default=str).decode("utf-8", "surrogatepass")
         with self._lock:
             self._fh.write(line + "\n")
             if time.monotonic() - self._flushed >= FLUSH_S:
