@@ -196,7 +196,7 @@ class Snapshot(_Strict):
 
     enabled: bool = True
     every_steps: Union[Literal["auto"], int] = "auto"
-    max_overhead_pct: float = Field(1.0, gt=0, le=100)  # auto: the interval keeps snapshots under this
+    max_overhead_pct: float = Field(1.0, gt=0, le=100)  # auto: snapshots and their digests under this
     replicate: bool = True  # also copy each snapshot to a buddy node's memory
 
     @field_validator("every_steps", mode="before")
