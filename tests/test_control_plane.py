@@ -62,7 +62,9 @@ def test_bench_control_plane_recovers_a_simulated_job_on_the_real_controller(tmp
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["scenario"] == "control_plane"
-    assert [r["ranks"] for r in res["results"]] == [16, 64]
+    # both placements: every process on every core, and the controller on a core of its own
+    assert [(r["placement"], r["ranks"]) for r in res["results"]] == \
+        [("shared", 16), ("shared", 64), ("split", 16), ("split", 64)]
     for r in res["results"]:
         assert r["store"] == "etcd" and r["hosts"] == r["ranks"] // 8
         rec = r["recovery_s"]["median"]
@@ -74,10 +76,19 @@ def test_bench_control_plane_recovers_a_simulated_job_on_the_real_controller(tmp
         assert abs(phases["decide_abort"] + phases["assign"] + phases["rendezvous"] - rec) < 0.01
     # each run's controller (its pid in the run's line on stderr) is gone
     runs = [json.loads(line) for line in out.stderr.splitlines() if line.startswith("{")]
-    assert len(runs) == 2
+    assert len(runs) == 4
     for run in runs:
         pid = run["controller_pid"]
         assert pid and not os.path.exists(f"/proc/{pid}"), run
+
+
+def test_bench_control_plane_refuses_an_unknown_placement(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "nonstop", "bench", "control-plane", "--sizes", "16",
+         "--placement", "shared,elsewhere"], capture_output=True, text=True, timeout=60,
+        cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "elsewhere" in out.stderr, out.stderr
 
 
 def test_a_memory_that_does_not_start_is_the_machines_trouble_not_a_bug():
