@@ -350,3 +350,19 @@ def test_a_rank_still_to_leave_is_told_alike_from_its_view_and_its_record():
         assert still_to_leave(w, gen, managed=True) is expect, fields
     w = Worker(wid=1, spare=False, rank=0)  # a plain script's ranks never say they joined
     assert still_to_leave(w, gen, managed=False) and not still_to_leave(w, gen, managed=True)
+
+
+def test_idle_says_when_a_tick_cannot_act_whatever_the_ranks_are():
+    s = running(gen=0, now=10.0)
+    assert mc.idle(s, 11.0, P)  # training, nothing due: the controller builds no view
+    retry = dataclasses.replace(s, retry_deadline=12.0)
+    assert mc.idle(retry, 11.0, P) and not mc.idle(retry, 12.5, P)  # a step retry overdue
+    level = dataclasses.replace(s, incident=True, level="rank_replace", level_deadline=20.0)
+    assert mc.idle(level, 19.0, P) and not mc.idle(level, 21.0, P)  # a recovery level overdue
+    grown = dataclasses.replace(s, degraded_since=0.0)  # degraded long enough to grow back
+    assert not mc.idle(grown, 10.0 + P.levels.scale_in.grow_after_s, P)
+    for phase in (Phase.RENDEZVOUS, Phase.TEARING_DOWN, Phase.FINISHING):
+        assert not mc.idle(dataclasses.replace(s, phase=phase), 11.0, P)
+    # and where idle says so, a tick indeed does nothing
+    for st, now in ((s, 11.0), (retry, 11.0), (level, 19.0)):
+        assert mc.step(st, mc.Tick(seen(now, ranks(0))), P) == (st, [])

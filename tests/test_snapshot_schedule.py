@@ -47,3 +47,18 @@ def test_a_rank_without_memory_or_whose_memory_fails_snapshots_at_the_same_steps
     expected = [3, 6, 9, 12, 15, 18]
     assert _due_steps(None) == expected
     assert _due_steps(_Gone()) == expected
+
+
+def test_one_share_of_the_steps_covers_the_copy_its_replication_and_the_digest():
+    cfg = {"snapshot": {"enabled": True, "every_steps": "auto", "max_overhead_pct": 1.0},
+           "checkpoint": {"dir": None, "every_steps": 100, "at_end": False}}
+    snaps = Snapshots(cfg, None)
+    step_s = 0.025  # 1% of it: 0.25 ms a step
+    assert snaps._interval(0.001, step_s, 0.0) == 4  # a 1 ms snapshot: every 4 steps
+    assert snaps._interval(0.001, step_s, 0.0005) == 6  # ...and its replication
+    snaps = Snapshots(cfg, None, sdc={"enabled": True, "action": "replace",
+                                      "max_overhead_pct": 0.5})
+    # the digest joins the same share (it had one of its own: 1% and 0.5% beside each other)
+    assert snaps._interval(0.001, step_s, 0.0005, 0.0005) == 8
+    # ...and stays within its own share too
+    assert snaps._interval(0.0001, step_s, 0.0, 0.001) == 8

@@ -6,7 +6,8 @@ controller of 16,384 ranks spent a third of its time in JSON during a recovery. 
 not take (an integer wider than 64 bits) falls back to the standard library, and so does a text
 orjson refuses (``NaN``, which the standard library writes for a float that is not finite). Two
 differences remain, both harmless here: a float that is not finite is written as ``null``, and
-a dict's non-string keys are written as strings (as the standard library does too).
+an integer wider than 64 bits is read back as a float (nonstop sends none: its digests are
+64-bit). A dict's non-string keys are written as strings, as the standard library does.
 """
 
 from __future__ import annotations
