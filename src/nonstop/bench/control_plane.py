@@ -15,9 +15,9 @@ incident closed). At 1,024, 4,096 and 16,384 ranks by default.
 
 What one machine cannot show: the hosts' work runs here on the same cores as the controller and
 etcd; on a cluster it runs on the hosts. The simulated ranks share a pool of store connections
-(``control_plane_sim.STORE_CONNS``; thousands of connections from one process stall here): each rank's add is its
-own request, and the hosts of a group (one in ``STORE_CONNS``) wait for the generation to open
-with one request. JSON printed last on stdout:
+(``control_plane_sim.STORE_CONNS``; thousands of connections from one process stall here):
+each rank's add is its own request, and the hosts of a group (one in ``STORE_CONNS``) wait for
+the generation to open with one request. JSON printed last on stdout:
 ``{"scenario": "control_plane", "results": [{"ranks": N, "store": "etcd", "recovery_s":
 {"median": ..}, ...}]}``.
 """

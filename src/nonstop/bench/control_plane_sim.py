@@ -120,7 +120,8 @@ class Sim:
         self.world = hosts * PER_HOST
         self.fault_gen: int | None = None
         self.lock = threading.Lock()
-        # the rendezvous: ranks assigned, to join (host, ranks); each group's generations to wait for
+        # the rendezvous: ranks assigned, to join (host, ranks); each group's generations to
+        # wait for
         self.groups = min(STORE_CONNS, hosts)
         self.joins: "queue.Queue[tuple[_Host, list[_Rank]] | None]" = queue.Queue()
         self.to_join: list[tuple[_Host, list[_Rank]]] = []  # (the hosts' loop only)

@@ -494,7 +494,8 @@ class Controller(ProcessExits, WorkerEvents):
             self._next_scan = now + SCAN_PER_RANK_S * len(self.plan)
         # (a tick would do nothing while a rank has still to leave, or while the job trains
         # with no deadline due: the view of every rank is not built then)
-        if not self._waiting_for_a_rank_to_leave(now) and not mc.idle(self.state, now, self.policy) \
+        if not self._waiting_for_a_rank_to_leave(now) \
+                and not mc.idle(self.state, now, self.policy) \
                 and (scan or self.phase is not Phase.RENDEZVOUS):
             self._step(mc.Tick(self._seen(now)))
         if self.outcome.exit_code is None and self.phase is Phase.RUNNING and self.managed \

@@ -45,6 +45,18 @@ class Plan(dict):
         self.version += 1
         return super().pop(*args)
 
+    def popitem(self) -> tuple[int, int]:
+        self.version += 1
+        return super().popitem()
+
+    def setdefault(self, rank: int, wid: int) -> int:  # type: ignore[override]
+        self.version += 1
+        return super().setdefault(rank, wid)
+
+    def __ior__(self, other: Any) -> "Plan":  # type: ignore[override]
+        self.update(other)
+        return self
+
 
 class Generations:
     def __init__(self, *, world: int, spares: int, nodes: int, spare_nodes: int, policy: Any,

@@ -56,8 +56,8 @@ class Worker:
     retry_loss: Any = None
     warm_gen: int = -1  # the generation it was already running for when published
     # what the state machine last saw of it (controller._seen), and under which (rank, gen,
-    # stopped while forming): a write to a field it is made of (SEEN_FIELDS) drops it, so a job of 16,384
-    # ranks rebuilds only the records that changed since the last look, not all of them
+    # stopped while forming): a write to a field it is made of (SEEN_FIELDS) drops it, so a
+    # job of 16,384 ranks rebuilds only the records that changed since the last look
     seen: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def __setattr__(self, name: str, value: Any) -> None:

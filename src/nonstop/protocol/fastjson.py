@@ -33,9 +33,13 @@ def dumps(obj: Any, default: Callable[[Any], Any] | None = None) -> bytes:
             return orjson.dumps(obj, default=default, option=_OPTS)
         except TypeError:  # (orjson.JSONEncodeError is one) an integer wider than 64 bits
             pass
-    return (_std_default if default is str else
-            json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=default)
-            if default is not None else _std).encode(obj).encode("utf-8", "surrogatepass")
+    if default is None:
+        enc = _std
+    elif default is str:
+        enc = _std_default
+    else:
+        enc = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=default)
+    return enc.encode(obj).encode("utf-8", "surrogatepass")
 
 
 def loads(data: bytes | bytearray | memoryview | str) -> Any:

@@ -354,7 +354,8 @@ class Etcd:
         None for a delete, mod_revision), as soon as there is one, or [] after ``timeout_s``
         (at least 0.1 s once the watch is live, however long it took to open it, and up to
         ``HISTORY_S`` when the store has changed since ``after_revision``: a poll still sees
-        changes already made; it may take that long when they were not under the prefix). Raises :class:`Compacted` when that history is gone,
+        changes already made; it may take that long when they were not under the prefix).
+        Raises :class:`Compacted` when that history is gone,
         :class:`StoreUnavailable` when no endpoint took the watch within the client's
         timeout_s."""
         k = self._key(key_prefix)
