@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import EXAMPLES, bitwise_equal, run_nonstop
+from conftest import EXAMPLES, bitwise_equal, rank_wids, run_nonstop
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -52,7 +52,32 @@ def test_nccl_backend_carries_nonstops_own_collectives_on_gloo(tmp_path):
         return r, out
 
     _, ref = one("nccl-reference")
-    r, out = one("nccl-crash", "--spares=1", "--inject=crash:rank=0,step=25")
+    r, out = one("nccl-crash", "--spares=1", "--snapshot-every=1",
+                 "--inject=crash:rank=0,step=25")
     (restore,) = [e for e in r.of("restore") if e["gen"] > 0]
-    assert restore["sources"] == {"0": "memory"} and restore["step"] > 10
+    assert restore["sources"] == {"0": "memory"} and restore["step"] == 25
+    assert bitwise_equal(out, ref)
+
+
+@pytest.mark.parametrize("fault", ["stop:rank=1,step=25", "cuda_assert:rank=1,step=25"])
+def test_two_nccl_ranks_on_one_gpu_survive_a_frozen_peer_and_a_device_assert(tmp_path, fault,
+                                                                           monkeypatch):
+    """Two rank processes share the one GPU (``NONSTOP_SHARE_GPU``: NCCL over its socket
+    transport). A frozen rank 1 leaves rank 0 blocked in NCCL collectives until the abort of its
+    communicators; a device-side assert ends rank 1's process. Either way rank 1 gets a new
+    process, rank 0 restarts in place, and the weights are the fault-free ones."""
+    monkeypatch.setenv("NONSTOP_SHARE_GPU", "1")
+    args = (*ARGS, "--backend", "nccl")
+
+    def two(name, *flags):
+        out = tmp_path / f"{name}.pt"
+        r = run_nonstop(tmp_path / name, "--nproc=2", "--snapshot-every=1", *flags, str(SHARDED),
+                        *args, "--save", str(out))
+        assert r.code == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return r, out
+
+    _, ref = two("reference")
+    r, out = two("fault", "--spares=1", f"--inject={fault}")
+    held = rank_wids(r)
+    assert len(held[1]) == 2 and len(held[0]) == 1
     assert bitwise_equal(out, ref)

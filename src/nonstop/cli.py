@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="measure recovery against peers")
     bench.add_argument("scenario",
                        choices=["crash", "hang", "state", "second", "hosts", "elastic", "chaos",
-                                "goodput", "scale", "overhead", "control-plane"])
+                                "goodput", "scale", "overhead", "control-plane", "gpu"])
     bench.add_argument("--ranks", type=int, help="rank processes (default 4; state: 2)")
     bench.add_argument("--repeat", type=int,
                        help="runs of each system (default 5; hosts, elastic: 3)")
@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--snapshot-steps", type=int, default=100,
                        help="state: steps of each snapshot-cost run; steps from 31 on are timed "
                             "(default 100)")
+    bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                       help="state: where the state lives (cuda: the GPU copies, against the "
+                            "device's own memcpy bandwidth)")
     bench.add_argument("--phases", default="snapshot,restore,restart",
                        help="state: which measurements (default all: snapshot,restore,restart)")
     bench.add_argument("--hosts", type=int, metavar="H",
@@ -175,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--cases", metavar="LIST",
                        help="hosts: comma-separated subset of rank_crash,host_loss,partition,"
                             "controller_kill,etcd_restart (default: all); elastic --hosts: "
-                            "rank_crash (default) or host_loss")
+                            "rank_crash (default) or host_loss; gpu: a subset of crash,frozen,"
+                            "assert,oom,state (default: all)")
     bench.add_argument("--sleep-ms", type=float, metavar="MS",
                        help="hosts: sleep per step, a stand-in for accelerator work (default 15)")
     bench.add_argument("--grow-after", type=float, default=1.0, metavar="S",
@@ -293,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import control_plane
 
             return control_plane.main(args)
+        if args.command == "bench" and args.scenario == "gpu":
+            from .bench import gpu
+
+            return gpu.main(args)
         if args.command == "bench" and args.scenario == "overhead":
             from .bench import overhead
 

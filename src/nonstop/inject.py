@@ -40,6 +40,9 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "node_crash": ("the rank's whole node dies: its keeper (the node's memory), then every process "
                    "of the node", ()),
     "keeper_crash": ("the rank's node memory (its keeper) is killed; the rank trains on", ()),
+    "cuda_assert": ("a device-side assert fires in a kernel of the rank (an index out of range): "
+                    "its CUDA context is unusable from then on", ()),
+    "cuda_oom": ("the rank asks its GPU for more memory than it has (CUDA out of memory)", ()),
 }
 STEP_POINTS = ("start", "optimizer", "snapshot")  # snapshot: half-way through writing the step's snapshot
 #: points inside a recovery, keyed by generation: the new rank process holds its assignment
@@ -336,3 +339,29 @@ def fire(f: FaultSpec) -> None:
     elif f.kind == "hang":
         while True:  # a real hang: nothing here returns or raises
             time.sleep(3600)
+    elif f.kind in ("cuda_assert", "cuda_oom"):
+        _cuda_fault(f)
+
+
+def _cuda_fault(f: FaultSpec) -> None:
+    """The real error on the rank's GPU (an out-of-range index read by a kernel; an allocation
+    larger than the device). Where the rank has no GPU (a CPU job, a machine without one), the
+    exception PyTorch raises for it on a GPU, with its text: what nonstop reads is the same."""
+    import torch
+
+    on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if f.kind == "cuda_oom":
+        if on_gpu:
+            free, total = torch.cuda.mem_get_info()
+            torch.empty(total * 4, dtype=torch.uint8, device="cuda")
+        raise torch.OutOfMemoryError(
+            f"CUDA out of memory. Tried to allocate a tensor larger than the GPU "
+            f"(injected fault {f.describe()})")
+    if on_gpu:
+        x = torch.zeros(4, device="cuda")
+        x[torch.tensor([1 << 20], device="cuda")].sum().item()  # the assert fires here
+        torch.cuda.synchronize()
+    raise getattr(torch, "AcceleratorError", RuntimeError)(
+        "CUDA error: device-side assert triggered\nSearch for `cudaErrorAssert' in "
+        "https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__TYPES.html for more "
+        f"information. (injected fault {f.describe()}, without a GPU)")

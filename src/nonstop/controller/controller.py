@@ -51,6 +51,7 @@ class Controller(ProcessExits, WorkerEvents):
         self.watchers = Watchers(policy, log, display)
         self.ledger = TrainingLedger(managed)
         self.sdc = SdcBook()  # the replicas' comparisons, for the summary
+        self.nccl = False  # a rank said its groups run NCCL
         self.policy = policy
         self.mail = mail
         self.agent = agent
@@ -185,6 +186,7 @@ class Controller(ProcessExits, WorkerEvents):
         return mc.Seen(now=now, ranks=tuple(ranks), managed=self.managed,
                        total_nodes=self.gens.total_nodes, slots=self.gens.slots, lost_memory=lost,
                        slowest_step_s=self.watchers.signals.hang.slowest_step(),
+                       abort_s=self.policy.timeouts.abort_s if self.nccl else 0.0,
                        target_world=self.gens.target, ready_spares=self.gens.ready_spares())
 
     def _step(self, ob: mc.Observation) -> None:

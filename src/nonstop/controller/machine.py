@@ -141,18 +141,20 @@ def _attempt_phase(s: JobState, seen: Seen) -> str:
 def _abort(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]]:
     now = seen.now
     if seen.managed:
-        deadline = now + teardown_allowance(s.round, seen.slowest_step_s, policy)
+        deadline = now + teardown_allowance(s.round, seen.slowest_step_s, policy, seen.abort_s)
     else:  # a plain script cannot leave a collective: its ranks are ended
         deadline = now + policy.timeouts.terminate_grace_s
     return (_with(s, phase=Phase.TEARING_DOWN, deadline=deadline, t_abort=now, probed=False),
             [Abort(s.gen, seen.managed)])
 
 
-def teardown_allowance(faults: tuple[Fault, ...], slowest_step_s: float, policy: Any) -> float:
+def teardown_allowance(faults: tuple[Fault, ...], slowest_step_s: float, policy: Any,
+                       abort_s: float = 0.0) -> float:
     """How long survivors get to leave. In a hang the survivors are already blocked in a
     collective and leave within milliseconds; after a crash one may be mid-step and only notices
-    at its next collective."""
-    base = policy.timeouts.teardown_s
+    at its next collective. With NCCL, a rank leaves once the abort of its communicators has
+    returned (~0.5 s measured): ``abort_s``, the abort's own deadline, is allowed on top."""
+    base = policy.timeouts.teardown_s + abort_s
     if any(f.kind == "hang" for f in faults):
         return base
     return base + 2 * slowest_step_s

@@ -44,6 +44,7 @@ class Seen:
     slots: int = 1  # ranks per node
     lost_memory: frozenset[int] = frozenset()  # nodes whose memory died, not ended by nonstop
     slowest_step_s: float = 0.0
+    abort_s: float = 0.0  # what an abort of the ranks' communicators may take (NCCL's)
     target_world: int = 0  # the world the job was started with (0: the ranks seen)
     ready_spares: dict[int, int] = dataclasses.field(default_factory=dict)  # node -> warm, ready
 

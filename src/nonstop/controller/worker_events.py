@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..decide.cuda import CudaFault
 from ..decide.ladder import Decision, Fault, Level
 from ..observe.progress import sample_every
 from . import machine as mc
@@ -69,6 +70,8 @@ class WorkerEvents:
         elif kind == "entered":
             if ev.get("sharded") is not None:
                 self.memory.sharded = bool(ev["sharded"])
+            if ev.get("nccl"):  # its aborts take NCCL's time: the teardown allows for it
+                self.nccl = True
             odd = [s["rank"] for s in ev.get("skipped") or () if "(sdc)" in str(s.get("why"))]
             if odd and self.sdc.mismatch(gen, ev.get("step") or 0, odd):  # found at the restore
                 self.display.warning(f"rank(s) {odd}: live parameters differed from their "
@@ -152,6 +155,10 @@ class WorkerEvents:
                               traceback=ev.get("traceback")))
         elif reason == "sdc":
             self._on_sdc(ev)
+        elif reason == "cuda_oom":
+            cuda = CudaFault.from_record(ev["cuda"])
+            self._fault(Fault(cuda.kind, rank=w.rank, message=cuda.describe(), tag=cuda.name,
+                              traceback=ev.get("traceback")))
         elif reason == "no_state":
             self._fault(Fault("no_state", rank=w.rank, message=ev.get("error", "")))
         elif self.phase in ACTIVE:

@@ -42,6 +42,17 @@ KINDS: dict[str, tuple[Domain, Attribution, str]] = {
     "takeover": (Domain.JOB, Attribution.INFRA, "a controller took over a generation still forming"),
     "sdc": (Domain.RANK, Attribution.INFRA, "a rank's parameters silently differ from its replicas' "
             "(a bit flip, a faulty device)"),
+    # CUDA (decide/cuda.py): the first three leave the process's CUDA context unusable
+    "cuda_assert": (Domain.RANK, Attribution.USER, "a device-side assert in the training code's "
+                    "kernels (an index out of range...): the process is replaced"),
+    "cuda_error": (Domain.RANK, Attribution.UNKNOWN, "a sticky CUDA error (an illegal address, a "
+                   "launch failure...): the process is replaced"),
+    "gpu_hardware": (Domain.RANK, Attribution.INFRA, "the GPU reported a hardware fault "
+                     "(uncorrectable ECC, NVLink, fell off the bus): the process is replaced"),
+    "cuda_oom": (Domain.RANK, Attribution.USER, "the GPU ran out of memory: retried in the same "
+                 "process once (caches freed), then in a new one"),
+    "abort_timeout": (Domain.RANK, Attribution.INFRA, "a rank's communicators did not abort in "
+                      "time (NCCL): its process was ended and is replaced"),
 }
 
 
@@ -110,6 +121,14 @@ def exit_fault(report: dict | None, code: int | None, rank: int | None, before_a
         # before (then something changed: the ladder retries).
         kind = "import_error" if before_any_step and report.get("assigned") else "exception"
         return Fault(kind, rank=rank, code=code, message=report.get("error", ""),
+                     traceback=report.get("traceback"))
+    if report is not None and report.get("abort_hung"):
+        return Fault("abort_timeout", rank=rank, code=code, message=report.get("error", ""))
+    if report is not None and report.get("cuda") is not None:
+        from .cuda import CudaFault
+
+        cuda = CudaFault.from_record(report["cuda"])
+        return Fault(cuda.kind, rank=rank, code=code, message=cuda.describe(), tag=cuda.name,
                      traceback=report.get("traceback"))
     if report is not None and report.get("collective"):
         return Fault("peer", rank=rank, code=code, message=report.get("error", ""))

@@ -38,7 +38,9 @@ _FIELD = {Level.STEP_RETRY: "step_retry", Level.IN_PROCESS: "in_process",
           Level.REPLACE_RANK: "rank_replacement", Level.REPLACE_NODE: "node_replacement",
           Level.SCALE_IN: "scale_in", Level.JOB_RESTART: "job_restart"}
 _ESCALATING = ("rendezvous_timeout", "deadline")  # faults that mean "this level did not work"
-_NEW_PROCESS = ("sdc",)  # faults whose rank is given a new process even when it is alive
+# faults whose rank is given a new process even when it is alive: its parameters cannot be
+# trusted, its CUDA context is unusable, or its communicators would not abort
+_NEW_PROCESS = ("sdc", "cuda_assert", "cuda_error", "gpu_hardware", "abort_timeout")
 
 
 def level_policy(policy: Policy, level: Level) -> Any:
@@ -168,6 +170,8 @@ def decide(faults: list[Fault], dead: set[int], view: JobView, policy: Policy,
     rules = policy.rules
     # a rank whose process cannot be trusted (its parameters silently differ) gets a new one
     dead = set(dead) | {f.rank for f in faults if f.kind in _NEW_PROCESS and f.rank is not None}
+    if counters.user_errors_in_a_row:  # out of GPU memory again: a new process, a new allocator
+        dead |= {f.rank for f in faults if f.kind == "cuda_oom" and f.rank is not None}
     user = [f for f in faults if f.attribution is Attribution.USER]
     infra = [f for f in faults if f.attribution is Attribution.INFRA]
     imports = [f for f in faults if f.kind == "import_error"]

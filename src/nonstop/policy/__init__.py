@@ -166,6 +166,9 @@ class Timeouts(_Strict):
     join_s: float = Field(5.0, gt=0, le=604800.0)  # a running process must start joining a generation by then
     rendezvous_s: float = Field(120.0, gt=0, le=604800.0)  # a new generation must form by then
     collective_s: float = Field(600.0, gt=0, le=604800.0)  # the process group's own timeout
+    # NCCL: the abort of a rank's communicators must return by then (else its process is
+    # replaced); a generation's teardown allows this much more
+    abort_s: float = Field(5.0, gt=0, le=3600.0)
     terminate_grace_s: float = Field(2.0, ge=0)  # SIGTERM to SIGKILL when ending processes
     finish_s: float = Field(600.0, gt=0, le=604800.0)  # for the script to end after training completed
 

@@ -23,6 +23,10 @@ ENV_INJECT = "NONSTOP_INJECT"  # JSON list of fault specs, see inject.py
 ENV_NODE = "NONSTOP_NODE"  # the node (agent group) the process belongs to
 ENV_KEEPER = "NONSTOP_KEEPER"  # the abstract socket name of the node's keeper (its memory)
 
+# -- exit codes of a rank process that ends itself so that its rank gets a new process ----------
+EXIT_CUDA = 86  # a sticky CUDA error: its CUDA context is unusable
+EXIT_ABORT_HUNG = 87  # its NCCL communicators would not abort in time
+
 # -- store keys ---------------------------------------------------------------------------------
 JOB_KEY = "job"  # JSON: settings the runtime needs
 EVENT_COUNT_KEY = "ev/n"  # a doorbell: a worker adds 1 after writing an event

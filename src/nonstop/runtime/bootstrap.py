@@ -25,6 +25,7 @@ import traceback
 from typing import Any
 
 from .. import protocol
+from ..decide.cuda import of_exception
 
 PR_SET_PDEATHSIG = 1
 _GROUP_INIT: list[bool] = []  # not empty once a plain script called init_process_group
@@ -197,9 +198,10 @@ def run_script(rt: Any, script: str, args: list[str]) -> None:
     except BaseException as exc:  # noqa: BLE001 - report the user's error to the launcher, once
         error, text = _describe(exc, script)
         at_import = _before_training(rt)
+        cuda = None if at_import else of_exception(exc)
         rt.emit("exit", code=1, error=error, traceback=text, import_error=at_import,
                 assigned=assigned, collective=not at_import and worker.is_collective_error(exc),
-                **_assigned_to(rt))
+                cuda=cuda.record() if cuda is not None else None, **_assigned_to(rt))
         _end(1)
     _end(0, kept)
 

@@ -98,6 +98,9 @@ class Context:
                 state.compute_s = 0.0
                 t0 = time.monotonic()
                 yield step
+                if rt is not None and rt.monitor.void_step():
+                    raise RuntimeError(f"generation {self.generation} was aborted during step "
+                                       f"{step}: its NCCL collectives did not complete")
                 state.step = step + 1
                 state.dirty = False
                 if rt is not None:

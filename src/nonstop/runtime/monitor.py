@@ -29,6 +29,39 @@ _TORCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__import__("torch")
 _RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
+class DeviceValue:
+    """A number on the GPU (a loss), readable from another thread without waiting for the GPU:
+    copied to the host behind the step's work, read once that copy has ended. The publisher
+    must never wait on the GPU: a step stuck in an NCCL collective (a frozen peer) would stop
+    its heartbeats, and the rank would be taken for frozen itself."""
+
+    __slots__ = ("_host", "_ready")
+
+    def __init__(self, value: Any):
+        import torch
+
+        self._host = value.detach().to("cpu", non_blocking=True)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+
+    def get(self) -> float | None:
+        """The number, or None while it is still on its way (or the GPU failed)."""
+        try:
+            return float(self._host) if self._ready.query() else None
+        except Exception:  # noqa: BLE001 - a broken CUDA context: no loss to show
+            return None
+
+
+def _readable(loss: Any) -> Any:
+    """What the publisher may read of a reported loss: a GPU tensor becomes a DeviceValue."""
+    if getattr(loss, "is_cuda", False):
+        try:
+            return DeviceValue(loss)
+        except Exception:  # noqa: BLE001 - the step's own CUDA calls will report it
+            return None
+    return loss
+
+
 class Monitor:
     def __init__(self, rt: "WorkerRuntime"):
         self._rt = rt
@@ -94,6 +127,12 @@ class Monitor:
         with self._lock:
             return gen in self._aborted
 
+    def void_step(self) -> bool:
+        """Whether the step that just ended on the CPU cannot count: its generation's NCCL
+        communicators were aborted, and an aborted NCCL collective returns no error."""
+        group = self._group
+        return group is not None and group.nccl and self.current_aborted()
+
     def current_aborted(self) -> bool:
         """Whether the generation this rank is in has been aborted (cheap: no store access)."""
         gen = self._gen
@@ -153,9 +192,12 @@ class Monitor:
         """Called by the training loop after each step: stores numbers, wakes the publisher only
         when it is due (or for a generation's first step, published at once)."""
         now = time.time()
+        group = self._group
+        if group is not None and group.nccl:
+            group.mark_step(step)
         self._max_step_s = max(self._max_step_s, step_s)
         self._compute = compute_s if self._compute is None else 0.8 * self._compute + 0.2 * compute_s
-        self._progress = {"gen": gen, "rank": rank, "step": step, "t": now, "loss": loss,
+        self._progress = {"gen": gen, "rank": rank, "step": step, "t": now, "loss": _readable(loss),
                           "busy": busy, "stall": stall, "step_s": step_s}
         self._last_step.write(gen, step, now, busy, stall)
         if first:
@@ -193,8 +235,8 @@ class Monitor:
             self._max_step_s = max(self._max_step_s, mono - self._t_mark)
         self._t_mark = mono
         rt = self._rt
-        loss = rt.last_loss
-        self._progress = {"gen": gen, "rank": rt.rank, "step": step, "t": now, "loss": loss}
+        self._progress = {"gen": gen, "rank": rt.rank, "step": step, "t": now,
+                          "loss": _readable(rt.last_loss)}
         self._last_step.write(gen, step, now, math.nan, math.nan)
         if self._stepped_gen != gen:
             self._stepped_gen = gen
@@ -269,6 +311,8 @@ class Monitor:
             if progress is not None:
                 record.update(progress)
                 loss = progress.get("loss")
+                if isinstance(loss, DeviceValue):
+                    record["loss"] = loss = loss.get()
                 if loss is not None and not isinstance(loss, (int, float)):
                     try:
                         record["loss"] = float(loss)

@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Callable, Iterator
 
+from . import nccl
+
 
 def socket_fds() -> dict[int, str]:
     """This process's socket descriptors, fd -> 'socket:[inode]'."""
@@ -88,6 +90,7 @@ def with_cpu_backend(backend: str) -> str:
     return "cpu:gloo,cuda:nccl" if backend.strip().lower() == "nccl" else backend
 
 
+NCCL_QUIET_S = 30.0  # an aborted NCCL group is ended no sooner (its watchdog is then idle)
 DRAIN_OPS = 2  # gloo's worker threads per group (torch's default), when they cannot be told
 DRAIN_S = 0.5  # how long a kept group may take to drain before it is kept for now
 DRAIN_HOLD_S = 0.005  # a worker that ran a probe is held this long: the next goes to another
@@ -152,6 +155,10 @@ def _drain(kept, fds: dict[int, str] | None, workers: set[int], budget_s: float)
     time.sleep(DRAIN_HOLD_S)  # the workers let go of the probes' callbacks (that takes the GIL)
     return True
 
+def _cannot_escalate(why: str) -> None:
+    raise RuntimeError(f"{why}, and nothing here can replace this process")
+
+
 SWEEP_EVERY_S = 0.02  # an aborted group still forming: how often its new sockets are shut...
 SWEEP_LIMIT_S = 10.0  # ...and for how long at most
 
@@ -171,12 +178,28 @@ def _reset_group_names() -> None:
 
 
 class GenerationGroup:
-    """torch.distributed's default group for one generation, under a fresh store prefix."""
+    """torch.distributed's default group for one generation, under a fresh store prefix.
+
+    With NCCL, the group is bound to the rank's GPU so that its communicators are created while
+    it forms (every peer was just seen alive), and an abort also aborts every NCCL communicator
+    of the process, in a thread with a deadline (``nccl.Abort``): ``escalate`` is called with
+    the reason when one does not return in time (the process must then be replaced)."""
 
     def __init__(self, host: str, port: int, gen: int, rank: int, world: int, backend: str,
-                 prefix: str, rendezvous_timeout_s: float, collective_timeout_s: float):
+                 prefix: str, rendezvous_timeout_s: float, collective_timeout_s: float,
+                 escalate: Callable[[str], None] | None = None,
+                 abort_s: float = nccl.ABORT_S):
         self.host, self.port, self.gen, self.rank, self.world = host, port, gen, rank, world
         self.backend, self.prefix = with_cpu_backend(backend), prefix
+        self.nccl = nccl.uses_nccl(self.backend)
+        self._escalate = escalate if escalate is not None else _cannot_escalate
+        self.nccl_abort = nccl.Abort(self._escalate, abort_s) if self.nccl else None
+        self.nccl_env: dict[str, str] = {}  # what nonstop set for NCCL in this process
+        self._deferred = False  # left while its NCCL abort ran: destroyed by ``settle``
+        # NCCL: (steps done, a CUDA event after their work) of the last step, and the newest
+        # step whose work had ended on the GPU when the communicators were aborted
+        self._mark: tuple[int, object] | None = None
+        self.trusted_step: int | None = None
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.collective_timeout_s = collective_timeout_s
         self._lock = threading.Lock()
@@ -189,6 +212,7 @@ class GenerationGroup:
         self.sockets_shut = 0
         self.collected = 0
         self._kept = None
+        self._kept_all: list = []  # every group of an aborted NCCL generation, until released
         self._new_threads: set[int] = set()  # threads that appeared while the group formed
         self.undrained = 0  # times ``release`` found a worker still busy
         self._forming_done = threading.Event()  # init_process_group returned or raised
@@ -219,6 +243,10 @@ class GenerationGroup:
         if joined_store is not None:
             joined_store()
         _reset_group_names()
+        gpu = None
+        if self.nccl:
+            self.nccl_env = nccl.prepare()
+            gpu = nccl.device()
         threads_before = _threads()
         try:
             dist.init_process_group(
@@ -236,6 +264,38 @@ class GenerationGroup:
                 self.sockets_shut += shutdown_sockets(self._group_fds)
         if self.aborted:
             raise RuntimeError(f"generation {self.gen} was aborted during rendezvous")
+        if gpu is not None:
+            # now, every peer just seen alive (not in the script's first collective); after the
+            # gloo half's sockets were noted, so that an abort never shuts NCCL's own
+            nccl.connect(dist.distributed_c10d._get_default_group(), gpu)
+            if self.aborted:
+                raise RuntimeError(f"generation {self.gen} was aborted during rendezvous")
+
+    def mark_step(self, step: int) -> None:
+        """NCCL: ``step`` steps are done on the CPU; their GPU work (collectives included) is
+        queued behind an event, so that an abort can tell whether it had ended."""
+        if self.nccl and self.is_open:
+            import torch
+
+            event = torch.cuda.Event()
+            event.record()
+            self._mark = (step, event)
+
+    def _finished_step(self) -> int | None:
+        mark = self._mark
+        if mark is None:
+            return None
+        try:
+            return mark[0] if mark[1].query() else None
+        except Exception:  # noqa: BLE001 - a broken context: nothing of it can be trusted
+            return None
+
+    def untrusted(self, step: int) -> bool:
+        """Whether a rank that leaves this group at ``step`` steps done must not resume from its
+        own state: NCCL was aborted before the GPU had ended that step's work (an aborted NCCL
+        collective returns no error: its output is whatever it had received)."""
+        return bool(self.nccl and self.nccl_abort is not None and self.nccl_abort.started
+                    and self.trusted_step != step)
 
     def traffic(self) -> int | None:
         """Bytes the formed group's connections have moved so far (None: not formed)."""
@@ -243,8 +303,10 @@ class GenerationGroup:
             fds = dict(self._group_fds) if self._group_fds is not None else None
         return None if fds is None else bytes_moved(fds)
 
-    def abort(self) -> None:
-        """Release every operation blocked on this group. Safe from any thread, idempotent."""
+    def abort(self, device: bool = True) -> None:
+        """Release every operation blocked on this group. Safe from any thread, idempotent.
+        ``device=False``: sockets only, nothing that calls into CUDA or NCCL (the process's CUDA
+        context is broken: it is about to end)."""
         with self._lock:
             self.aborted = True
             if not self._started:
@@ -256,6 +318,10 @@ class GenerationGroup:
                 targets.update(self._new_sockets())
             self.sockets_shut += shutdown_sockets(targets)
             forming = self._group_fds is None
+        if self.nccl_abort is not None and device and not forming:
+            if not self.nccl_abort.started:
+                self.trusted_step = self._finished_step()
+            self.nccl_abort.start()  # not waited for here: ``settle`` does, before the next group
         if forming:
             self._sweep_while_forming()
 
@@ -284,9 +350,75 @@ class GenerationGroup:
         generation has run a step, it is destroyed when its workers are long idle, and off the
         recovery path.
         """
+        t0 = time.monotonic()
+        abort = self.nccl_abort
+        if abort is not None and abort.started:
+            # the rank leaves now: an aborted NCCL group is ended before the next one forms
+            # (its abort may still run; its watchdog may still be busy with the failure)
+            self._deferred = True
+            self.is_open = False
+            return time.monotonic() - t0
+        self._end()
+        return time.monotonic() - t0
+
+    def settle(self) -> None:
+        """End a group left while its NCCL abort still ran: wait for the abort (past its deadline
+        the process is escalated: replaced), then destroy the group. Called in the main thread
+        before the next generation's group forms (there is one default group at a time)."""
+        if not self._deferred:
+            return
+        if not self.nccl_abort.wait():
+            raise RuntimeError(f"the NCCL abort of generation {self.gen} did not return")
+        self._deferred = False
+        self._forget()
+
+    def _forget(self) -> None:
+        """Unregister every group of this process, shutting none down: an aborted NCCL group's
+        shutdown (and its destructor) waits for PyTorch's watchdog thread, which a failure keeps
+        busy for seconds (measured on an H200: over 5 s), and the next group needs none of it.
+        The objects are kept, referenced here, until ``release`` ends them off the path."""
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        world = c10d._world
+        self._kept = c10d._get_default_group() if dist.is_initialized() else None
+        self._kept_all = list(world.pg_map)  # a mesh's groups too: none is destroyed here
+        try:
+            c10d._update_default_pg(None)
+            for name in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config",
+                         "pg_to_tag", "tags_to_pg", "pg_coalesce_state"):
+                getattr(world, name).clear()
+            c10d._unregister_all_process_groups()
+        except (AttributeError, RuntimeError):  # private API moved: destroy, bounded
+            self._end()
+            return
+        _reset_group_names()
+        self.is_open = False
+        self.collected = gc.collect()
+
+    def _end(self) -> None:
+        """Destroy the group; an NCCL group in a thread of its own, with a deadline (its
+        teardown waits for PyTorch's watchdog thread, which a failure can keep busy)."""
+        if not self.nccl:
+            self._destroy()
+            return
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                self._destroy()
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="nonstop-nccl-destroy", daemon=True).start()
+        if not done.wait(self.nccl_abort.deadline_s):
+            self._escalate(f"the destruction of generation {self.gen}'s NCCL group did not "
+                           f"return within {self.nccl_abort.deadline_s:g} s")
+            raise RuntimeError(f"the NCCL group of generation {self.gen} could not be destroyed")
+
+    def _destroy(self) -> None:
         import torch.distributed as dist
 
-        t0 = time.monotonic()
         if dist.is_initialized():
             try:
                 self._kept = dist.distributed_c10d._get_default_group()
@@ -299,7 +431,6 @@ class GenerationGroup:
         self.is_open = False
         # DDP's reducer may sit in a reference cycle: collect it now, in this thread.
         self.collected = gc.collect()
-        return time.monotonic() - t0
 
     def workers(self) -> set[int]:
         """The ids of the group's gloo worker threads."""
@@ -322,6 +453,9 @@ class GenerationGroup:
         kept = self._kept
         if kept is None:
             return True
+        abort = self.nccl_abort
+        if abort is not None and abort.started and abort.age() < NCCL_QUIET_S:
+            return False  # its watchdog may still be busy with the failure: not yet
         if not _drain(kept, self._group_fds, self.workers(),
                       DRAIN_S if budget_s is None else budget_s):
             if not self.undrained:
@@ -331,5 +465,6 @@ class GenerationGroup:
             self.undrained += 1
             return False
         self._kept = None
+        self._kept_all = []
         del kept
         return True

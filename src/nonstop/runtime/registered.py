@@ -89,6 +89,9 @@ class State:
         self._poison = False
         self._last_output: Any = None
         self._prune: set[int] = set()  # optimizers to keep only this rank's shard of, at next step
+        # a staged snapshot's copy may still be reading the state on the GPU: what updates it in
+        # place waits for it there first (``fence``; nothing waits on the host)
+        self._fence: Callable[[], None] | None = None
 
     # -- hooks (cheap: they run at every step) ------------------------------------------------
     def _before_forward(self, module: Any, args: Any) -> None:
@@ -118,7 +121,14 @@ class State:
             return None
         return bool(torch.isfinite(out).all())
 
+    def fence(self) -> None:
+        """Before the state is changed in place: a snapshot's copy from the GPU under way has
+        read it first (the GPU waits, not the host)."""
+        if self._fence is not None:
+            self._fence()
+
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.fence()
         if self.check_finite and not _grads_finite(optimizer):
             raise NonFiniteGradients(self.step)
         if id(optimizer) in self._prune:  # after a reshard: this rank's parameters only
@@ -173,6 +183,7 @@ class State:
         pick = random.Random(seed)
         name, p = params[pick.randrange(len(params))]
         words = {2: torch.int16, 4: torch.int32, 8: torch.int64}[p.element_size()]
+        self.fence()
         flat = p.detach().view(words).view(-1)
         mantissa = {2: 7, 4: 23, 8: 52}[p.element_size()]  # bf16's (fp16 has 10)
         index, bit = pick.randrange(flat.numel()), pick.randrange(mantissa)
@@ -207,6 +218,7 @@ class State:
         missing = set(self._objects) - set(sd)
         if missing:
             raise KeyError(f"state is missing {sorted(missing)}")
+        self.fence()
         for name, obj in self._objects.items():
             if isinstance(obj, torch.Tensor):
                 with torch.no_grad():

@@ -18,6 +18,7 @@ from typing import Any, Callable, TypeVar
 
 from .. import protocol
 from .context import Context
+from ..decide.cuda import of_exception
 from ..state.digest import SilentCorruption
 from .registered import NonFiniteGradients, Regroup, State, _StepOnly
 from .worker import is_collective_error
@@ -108,7 +109,9 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
             tracked.step, tracked.dirty, has_state = 0, False, True
         group = GenerationGroup(*rt.group_store(msg), gen, rank, world, backend,
                                 protocol.pg_prefix(gen), job["rendezvous_timeout_s"],
-                                job["collective_timeout_s"])
+                                job["collective_timeout_s"],
+                                escalate=functools.partial(_abort_hung, rt, gen, rank),
+                                abort_s=_abort_s(job))
         # Everything alive now (torch, the model, the script's setup) is moved out of the
         # collector's sight: the collection at teardown then only walks this generation's objects.
         gc.freeze()
@@ -124,6 +127,10 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
             outcome = _enter(rt, group, fn, tracked, has_state, msg, t_assigned, args, kwargs,
                              rejoin=verdict)
         if isinstance(outcome, _Failure):
+            if group.untrusted(tracked.step):
+                # NCCL: an aborted collective returns without an error; this step's results
+                # were still on their way when it was aborted, so they count for nothing
+                tracked.dirty = True
             rt.injector.in_recovery("teardown", rank, gen)
             # Torn down only now, outside the except block: while an exception is being handled
             # it keeps the failed frames (and DDP, and the group) alive.
@@ -218,6 +225,8 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
                 digests.check(tracked.modules(), tracked.step, world)
             ctx = _context(rt, tracked, msg, None)
             return fn(ctx, *args, **kwargs)
+        for left in rt.closed_groups:  # an NCCL group whose abort still ran when it was left
+            left.settle()
         if rt.store.check([protocol.abort_key(gen, rt.worker_id)]):
             raise RuntimeError(f"generation {gen} was aborted before this rank joined")
         group.open(joined_store=lambda: rt.injector.in_recovery("rendezvous", rank, gen))
@@ -234,7 +243,8 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
                 sources={str(r): s for r, s in resumed.sources.items()}, skipped=resumed.skipped,
                 nbytes=resumed.nbytes, restore_s=round(resumed.seconds, 6),
                 restore_phases=resumed.phases,
-                sharded=tracked.sharded, t_assigned=t_assigned, t_pg=t_pg, t_restored=t_restored,
+                sharded=tracked.sharded, nccl=group.nccl,
+                t_assigned=t_assigned, t_pg=t_pg, t_restored=t_restored,
                 fds=len(os.listdir("/proc/self/fd")), threads=len(os.listdir("/proc/self/task")),
                 rss_mb=_rss_mb())
         ctx = _context(rt, tracked, msg, resumed)
@@ -249,6 +259,9 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure leads to the next generation
         t_caught = time.time()
+        cuda = of_exception(exc)
+        if cuda is not None and cuda.sticky:
+            _poisoned(rt, group, exc, cuda, gen, rank, phase, tracked.step)
         group.abort()  # first: release the peers blocked on us
         if isinstance(exc, Regroup):
             reason = "regroup"  # the peers still in a step leave as this group ends
@@ -258,6 +271,8 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
             reason = "abort"
         elif isinstance(exc, NoConsistentState):
             reason = "no_state"
+        elif cuda is not None:  # out of memory: this process tries again, its caches freed
+            reason = "cuda_oom"
         elif is_collective_error(exc) or phase == "rendezvous":
             reason = "peer"
         else:
@@ -266,13 +281,17 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
                   "error": f"{type(exc).__name__}: {exc}"[:2000]}
         if phase == "restore":
             detail["t_pg"] = t_pg
-        if reason == "exception":
+        if reason in ("exception", "cuda_oom"):
             detail["traceback"] = _user_traceback(exc)[-20000:]
         if isinstance(exc, SilentCorruption):
             detail.update(sdc_step=exc.step, suspects=exc.suspects, digests=exc.digests)
+        if cuda is not None:
+            detail["cuda"] = cuda.record()
         if rt.snapshots is not None and rt.snapshots.digests is not None:
             detail["sdc"] = rt.snapshots.digests.stats()
         _release_frames(exc)
+        if reason == "cuda_oom":
+            _free_device_memory()
         return _Failure(detail)
 
 
@@ -308,6 +327,59 @@ def _release_frames(exc: BaseException | None) -> None:
         traceback.clear_frames(exc.__traceback__)
         exc.__traceback__ = None
         exc = exc.__cause__ or exc.__context__
+
+
+def _abort_s(job: dict[str, Any]) -> float:
+    from .nccl import ABORT_S
+
+    timeouts = ((job.get("policy") or {}).get("recover") or {}).get("timeouts") or {}
+    return float(timeouts.get("abort_s", ABORT_S))
+
+
+def _free_device_memory() -> None:
+    """After running out of GPU memory: what the failed step held (its frames are released
+    already) goes back to the device, so the retry starts from the allocator's floor."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _poisoned(rt: Any, group: Any, exc: BaseException, cuda: Any, gen: int, rank: int,
+              phase: str, step: int) -> None:
+    """A sticky CUDA error: this process's CUDA context is unusable (every later CUDA call fails
+    the same way), so it cannot restart in place. Its group's sockets are shut (its gloo peers
+    are released; pure socket calls), nothing else of CUDA or NCCL is touched (an abort could hang
+    on a broken context), its last words name the error, and it ends: the controller gives its
+    rank a new process and the survivors restart in place."""
+    group.abort(device=False)
+    print(f"nonstop: rank {rank}: {cuda.name} ({cuda.text}): this process's CUDA context is "
+          f"unusable; it ends and its rank gets a new process", file=sys.stderr, flush=True)
+    try:
+        rt.emit("exit", code=protocol.EXIT_CUDA, error=f"{type(exc).__name__}: {exc}"[:2000],
+                traceback=_user_traceback(exc)[-20000:], cuda=cuda.record(), gen=gen,
+                rank=rank, phase=phase, step=step)
+    finally:
+        _exit(protocol.EXIT_CUDA)
+
+
+def _abort_hung(rt: Any, gen: int, rank: int, why: str) -> None:
+    """This rank's NCCL communicators would not abort (or would not finish being created) in
+    time: it cannot leave its generation, so it ends, and its rank gets a new process."""
+    print(f"nonstop: rank {rank}: {why}; this process ends and its rank gets a new one",
+          file=sys.stderr, flush=True)
+    try:
+        rt.emit("exit", code=protocol.EXIT_ABORT_HUNG, error=why, abort_hung=True, gen=gen,
+                rank=rank)
+    finally:
+        _exit(protocol.EXIT_ABORT_HUNG)
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _retire() -> None:

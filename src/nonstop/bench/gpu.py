@@ -1,0 +1,203 @@
+"""``nonstop bench gpu``: the device check. On a machine with one GPU it proves, in one run of a few
+minutes, that nonstop's NCCL and CUDA paths recover bit for bit; its last line is one JSON object.
+
+Two rank processes share the one GPU (``NONSTOP_SHARE_GPU=1``: each is its own host to NCCL, whose
+communicator then runs over its socket transport; NCCL refuses two ranks of one host on one
+device). The sharded example trains with ``--device cuda --backend nccl``; each fault case runs
+beside a fault-free reference of the same job and must end with its weights bit for bit:
+
+- crash: rank 1 killed (SIGKILL); a warm spare takes its place, rank 0 restarts in place;
+- frozen: rank 1 frozen (SIGSTOP) inside NCCL collectives; rank 0, blocked on it, is released by
+  the abort of its communicators (the release is timed from the controller's abort);
+- assert: a device-side assert on rank 1's GPU; its process is replaced, never restarted in place;
+- oom: rank 0 asks for more GPU memory than there is; it is retried in the same process.
+
+Then ``nonstop bench state --device cuda``: snapshot and restore bandwidth against the device's own
+memcpy, snapshots bitwise, their overhead per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+from ..runtime.nccl import ENV_SHARE_GPU
+from . import common
+
+SYSTEMS = ("nonstop",)
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_sharded.py"
+STEPS = 60
+FAULT_STEP = 30
+JOB_TIMEOUT_S = 240.0
+STATE_TIMEOUT_S = 240.0
+
+#: case -> (the fault, what must happen: "replaced" (the faulted rank's process replaced, the
+#: other restarted in place) or "in_place" (no process replaced), the level expected)
+CASES: dict[str, tuple[str, str, str]] = {
+    "crash": ("crash:rank=1,step=30", "replaced", "rank replacement"),
+    "frozen": ("stop:rank=1,step=30", "replaced", "rank replacement"),
+    "assert": ("cuda_assert:rank=1,step=30", "replaced", "rank replacement"),
+    "oom": ("cuda_oom:rank=0,step=30", "in_place", "in-process restart"),
+}
+
+
+def _job(run_dir: Path, out: Path, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "nonstop", "run", "--quiet", "--no-live", "--nproc=2",
+            "--snapshot-every=1", f"--run-dir={run_dir}", *flags, str(EXAMPLE),
+            "--steps", str(STEPS), "--device", "cuda", "--backend", "nccl", "--save", str(out)]
+
+
+def _run(name: str, base: Path, *flags: str) -> dict[str, Any]:
+    run_dir, out = base / name, base / f"{name}.pt"
+    env = dict(os.environ, **{ENV_SHARE_GPU: "1"})
+    t0 = time.monotonic()
+    code = common.run_child(_job(run_dir, out, *flags), base / f"{name}.log", JOB_TIMEOUT_S, env)
+    return {"name": name, "exit_code": code, "seconds": round(time.monotonic() - t0, 2),
+            "run_dir": run_dir, "out": out}
+
+
+def _holders(events: list[dict[str, Any]]) -> dict[int, list[int]]:
+    """rank -> the workers that held it, generation by generation."""
+    out: dict[int, list[int]] = {}
+    for ev in events:
+        if ev["type"] == "generation":
+            for rank, wid in ev["ranks"].items():
+                held = out.setdefault(int(rank), [])
+                if not held or held[-1] != wid:
+                    held.append(wid)
+    return out
+
+
+def judge(case: str, run: dict[str, Any], reference: Path,
+          events: list[dict[str, Any]], summary: dict[str, Any] | None) -> dict[str, Any]:
+    """What one fault case showed, and whether it is what nonstop promises (pure but for the
+    weights' comparison)."""
+    fault, expect, level = CASES[case]
+    faulted = 1 if "rank=1" in fault else 0
+    holders = _holders(events)
+    incidents = (summary or {}).get("incident_list") or []
+    levels = [lv for inc in incidents for lv in inc.get("levels", [])]
+    bitwise = common.params_equal(run["out"], reference)
+    replaced = len(holders.get(faulted, [])) > 1
+    survivor_kept = all(len(holders.get(r, [])) == 1 for r in (0, 1) if r != faulted)
+    shape_ok = (replaced and survivor_kept) if expect == "replaced" else (
+        not replaced and survivor_kept)
+    result: dict[str, Any] = {
+        "fault": fault, "exit_code": run["exit_code"], "seconds": run["seconds"],
+        "bitwise": bitwise, "levels": levels, "holders": {str(r): w for r, w in holders.items()},
+        "mttr_s": incidents[0].get("mttr_s") if incidents else None,
+        "phases_s": incidents[0].get("phases_s") if incidents else None,
+        "steps_lost": (summary or {}).get("steps_lost"),
+        "faults": [f for inc in incidents for f in inc.get("faults", [])],
+    }
+    if case == "frozen":
+        result["release_s"] = _release_after_abort(events, survivor=1 - faulted)
+    result["ok"] = bool(run["exit_code"] == 0 and bitwise and shape_ok and level in levels)
+    return result
+
+
+def _release_after_abort(events: list[dict[str, Any]], survivor: int) -> float | None:
+    """Seconds from the controller's first abort to the survivor leaving its generation."""
+    t_abort = next((ev["t"] for ev in events if ev["type"] == "abort"), None)
+    left = next((ev for ev in events if ev["type"] == "rank_left" and ev.get("rank") == survivor),
+                None)
+    if t_abort is None or left is None or left.get("t_caught") is None:
+        return None
+    return round(left["t_caught"] - t_abort, 4)
+
+
+def _state(base: Path) -> dict[str, Any]:
+    """``nonstop bench state --device cuda``'s JSON (its own process: a GPU of its own use)."""
+    log = base / "state.log"
+    cmd = [sys.executable, "-m", "nonstop", "bench", "state", "--device", "cuda", "--json",
+           "--out", str(base / "state")]
+    code = common.run_child(cmd, log, STATE_TIMEOUT_S)
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("{")]
+    if code != 0 or not lines:
+        return {"ok": False, "exit_code": code, "tail": log.read_text(errors="replace")[-1500:]}
+    found = json.loads(lines[-1])
+    device = found.get("device") or {}
+    targets = device.get("targets") or {}
+    return {**device, "ok": bool(device.get("bitwise")) and all(targets.values()),
+            "exit_code": code}
+
+
+def _versions() -> dict[str, Any]:
+    import torch
+
+    nccl = None
+    try:
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:  # noqa: BLE001 - a torch built without NCCL
+        pass
+    return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "nccl": nccl}
+
+
+def check(args: argparse.Namespace) -> list[str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError("bench gpu needs a CUDA GPU, and PyTorch sees none here")
+    cases = [c.strip() for c in (args.cases or ",".join(CASES)).split(",") if c.strip()]
+    unknown = [c for c in cases if c not in CASES and c != "state"]
+    if unknown or not cases:
+        raise UsageError(f"--cases takes {', '.join(CASES)}, state (comma-separated), got "
+                         f"{args.cases!r}")
+    return cases
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.cases is None:
+        args.cases = ",".join((*CASES, "state"))
+    cases = check(args)
+    base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="nonstop-bench-gpu-"))
+    base.mkdir(parents=True, exist_ok=True)
+    say = (lambda text: print(text, file=sys.stderr, flush=True))  # noqa: E731
+    info = _versions()
+    say(f"bench gpu: {info['device']}, torch {info['torch']}, NCCL {info['nccl']}; runs in {base}")
+    t0 = time.monotonic()
+    jobs = [c for c in cases if c in CASES]
+    results: dict[str, Any] = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs) + 1) as pool:
+        ref = pool.submit(_run, "reference", base)
+        runs = {c: pool.submit(_run, c, base, "--spares=1", f"--inject={CASES[c][0]}")
+                for c in jobs}
+        reference = ref.result()
+        say(f"  reference: exit {reference['exit_code']} in {reference['seconds']} s")
+        for case, fut in runs.items():
+            run = fut.result()
+            events = list(common.events(run["run_dir"]))
+            summary_path = run["run_dir"] / "summary.json"
+            summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+            results[case] = r = judge(case, run, reference["out"], events, summary)
+            say(f"  {case:7s}: exit {r['exit_code']}, {r['levels']}, MTTR {r['mttr_s']}, "
+                f"bitwise {r['bitwise']}, workers {r['holders']}"
+                + (f", released {r['release_s']} s after the abort" if "release_s" in r else "")
+                + f" -> {'ok' if r['ok'] else 'FAILED'}")
+            if not r["ok"]:
+                log = base / f"{case}.log"
+                say(log.read_text(errors="replace")[-2000:] if log.is_file() else "(no log)")
+    if reference["exit_code"] != 0:
+        say((base / "reference.log").read_text(errors="replace")[-2000:])
+    if "state" in cases:
+        results["state"] = s = _state(base)
+        say(f"  state  : {json.dumps(s)[:600]}")
+    summary = {"scenario": "gpu", **info, "reference_exit": reference["exit_code"],
+               "cases": results, "seconds": round(time.monotonic() - t0, 1),
+               "ok": reference["exit_code"] == 0 and all(r["ok"] for r in results.values()),
+               "date": common.now_stamp()}
+    if not args.out:
+        shutil.rmtree(base, ignore_errors=True)
+    common.emit(summary, True)
+    return 0 if summary["ok"] else 1
