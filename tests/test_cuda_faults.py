@@ -275,3 +275,31 @@ def test_an_nccl_generation_gets_its_abort_on_top_of_the_teardown():
     nccl_job = teardown_allowance((), 0.1, policy, abort_s=policy.timeouts.abort_s)
     assert gloo == pytest.approx(policy.timeouts.teardown_s + 0.2)
     assert nccl_job == pytest.approx(gloo + policy.timeouts.abort_s)
+
+
+def test_a_snapshot_may_be_committed_only_of_a_step_whose_gpu_work_ended_before_the_abort():
+    g = GenerationGroup("127.0.0.1", 1, 0, 0, 2, "nccl", "g/0/pg", 5.0, 5.0,
+                        escalate=lambda why: None)
+    assert g.may_commit(12)  # no abort
+    g.nccl_abort = nccl.Abort(lambda why: None, 5.0, abort=lambda: None)
+    g._started, g._group_fds = True, {}
+    g.trusted_step = 10
+    g.nccl_abort.start()
+    assert g.may_commit(10) and g.may_commit(9) and not g.may_commit(11)
+    g.trusted_step = None  # no step's end was known
+    assert not g.may_commit(1)
+
+
+def test_moving_host_state_to_a_gpu_moves_nothing():
+    import torch
+
+    import nonstop
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    state = nonstop.State(model=model, optimizer=opt, extra=torch.zeros(2))
+    before = [p.data_ptr() for p in model.parameters()]
+    assert state.to_device(torch.device("cuda", 0)) == 0  # only tensors on another GPU move
+    assert [p.data_ptr() for p in model.parameters()] == before

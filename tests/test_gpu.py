@@ -26,7 +26,10 @@ def run(tmp_path, name, *flags):
 def test_gpu_state_comes_back_from_memory_buddy_and_disk(tmp_path):
     _, ref = run(tmp_path, "reference")
     r, out = run(tmp_path, "crash", "--spares=2", "--inject=crash:rank=1,step=15")
-    assert [e["sources"] for e in r.of("restore") if e["gen"] > 0] == [{"0": "live", "1": "memory"}]
+    # a snapshot on the GPU is staged: one still being written when the rank dies does not
+    # count, so the survivor may restore the step before from its memory rather than live
+    (sources,) = [e["sources"] for e in r.of("restore") if e["gen"] > 0]
+    assert sources["1"] == "memory" and sources["0"] in ("live", "memory")
     assert bitwise_equal(out, ref)
     r, out = run(tmp_path, "node", "--spare-nodes=1", "--inject=node_crash:rank=1,step=15")
     assert [e["sources"]["1"] for e in r.of("restore") if e["gen"] > 0] == ["buddy"]
@@ -55,7 +58,8 @@ def test_nccl_backend_carries_nonstops_own_collectives_on_gloo(tmp_path):
     r, out = one("nccl-crash", "--spares=1", "--snapshot-every=1",
                  "--inject=crash:rank=0,step=25")
     (restore,) = [e for e in r.of("restore") if e["gen"] > 0]
-    assert restore["sources"] == {"0": "memory"} and restore["step"] == 25
+    # the snapshot of step 25 may still have been in flight (staged) when the rank died
+    assert restore["sources"] == {"0": "memory"} and restore["step"] in (24, 25)
     assert bitwise_equal(out, ref)
 
 

@@ -1,6 +1,7 @@
 """``nonstop bench state``: what keeping the training state in memory costs and buys.
 
-Three measurements, each with bench/job.py:
+Three measurements, each with bench/job.py (and, with ``--device cuda``, a fourth in this process
+on the GPU: ``state_device.py``):
 
 - snapshot cost: the big model (``--hidden``/``--layers``) on ``--ranks`` ranks over 2 nodes
   (snapshots replicated to the buddy node), snapshots off (policy) vs on (``auto``): step times
@@ -22,6 +23,7 @@ import shutil
 import signal
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,8 @@ from ..errors import UsageError
 from . import common, crash
 
 SYSTEMS = ("nonstop", "torchrun")
-PHASES = ("snapshot", "restore", "restart")
+PHASES = ("snapshot", "restore", "restart", "device")
+DEFAULT_PHASES = "snapshot,restore,restart"  # the CLI's default: with --device cuda, "device"
 WARMUP = 4  # step durations of rank 0 left out of the step time (start-up, the first snapshots)
 NO_SNAPSHOTS = "state:\n  snapshot:\n    enabled: false\n"
 JOB_RESTART = "recover:\n  levels:\n    rank_replacement:\n      enabled: false\n"
@@ -287,10 +290,27 @@ def job_restart(args: argparse.Namespace, systems: list[str], base: Path,
 
 # -- the whole bench ----------------------------------------------------------------------------
 def check(args: argparse.Namespace) -> list[str]:
-    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    cuda = getattr(args, "device", "cpu") == "cuda"
+    text = "device" if cuda and args.phases == DEFAULT_PHASES else args.phases
+    phases = [p.strip() for p in text.split(",") if p.strip()]
     unknown = [p for p in phases if p not in PHASES]
     if unknown or not phases:
         raise UsageError(f"--phases takes {', '.join(PHASES)} (comma-separated), got {args.phases!r}")
+    if "device" in phases:
+        if not cuda:
+            raise UsageError("--phases device measures state on a GPU: give --device cuda")
+        if phases != ["device"]:
+            raise UsageError("--phases device runs alone (the other phases train on the CPU)")
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device cuda: no CUDA device here (torch {torch.__version__}"
+                             + (", built without CUDA)" if torch.version.cuda is None else ")"))
+        if args.hidden < 1 or args.layers < 0:
+            raise UsageError("--hidden must be at least 1 and --layers 0 or more")
+        return phases
+    if cuda:
+        raise UsageError(f"--device cuda runs the device phase only, not {args.phases!r}")
     if args.ranks % 2:
         raise UsageError(f"--ranks must be even for the 2-node runs, got {args.ranks}")
     if args.hidden < 1 or args.layers < 0:
@@ -320,6 +340,8 @@ def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
 
 def main(args: argparse.Namespace) -> int:
     phases = check(args)
+    if phases == ["device"]:
+        return device_main(args)
     systems, base, say = common.setup(args, SYSTEMS)
     n = param_count(32, args.hidden, args.layers)
     say(f"bench state: {n / 1e6:.1f}M parameters on {args.ranks} ranks, {args.state_steps} steps "
@@ -347,6 +369,39 @@ def main(args: argparse.Namespace) -> int:
         shutil.rmtree(base, ignore_errors=True)
     common.emit(summary, args.json)
     return 0
+
+
+def device_main(args: argparse.Namespace) -> int:
+    """The device phase: one process on the GPU, no job (``state_device.py``)."""
+    from . import state_device
+
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
+    n = param_count(state_device.INPUTS, args.hidden, args.layers)
+    say(f"bench state --device cuda: {n / 1e6:.1f}M parameters (AdamW), --hidden {args.hidden} "
+        f"--layers {args.layers}")
+    result = state_device.run(args.hidden, args.layers, say=say)
+    summary = {"scenario": "state", "params": n, "hidden": args.hidden, "layers": args.layers,
+               "device": result, "date": common.now_stamp()}
+    say(device_table(result))
+    common.emit(summary, args.json)
+    return 0
+
+
+def device_table(d: dict[str, Any]) -> str:
+    fmt = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
+    return "\n".join([
+        f"{d['name']}: {d['bytes'] / 1e9:.2f} GB of state in {d['tensors']} tensors", "",
+        "| copy | GB/s | memcpy GB/s | ratio | pageable GB/s |", "|---|---|---|---|---|",
+        f"| snapshot (GPU -> pinned mirror) | {fmt(d['snapshot_gbps'])} | "
+        f"{fmt(d['memcpy_d2h_gbps'])} | {fmt(d['snapshot_vs_memcpy'])} | "
+        f"{fmt(d['snapshot_pageable_gbps'])} |",
+        f"| restore (memory -> bounce -> GPU) | {fmt(d['restore_gbps'])} | "
+        f"{fmt(d['memcpy_h2d_gbps'])} | {fmt(d['restore_vs_memcpy'])} | "
+        f"{fmt(d['restore_pageable_gbps'])} |", "",
+        f"bitwise: {d['bitwise']}; step {fmt(d['step_s_without'])} s without, "
+        f"{fmt(d['step_s_with'])} s with a snapshot every step: {fmt(d['overhead_pct'])}%; "
+        f"at the chosen interval ({d['interval_steps']} steps): {fmt(d['overhead_interval_pct'])}%",
+        f"targets: {d['targets']}"])
 
 
 def build(args: argparse.Namespace, n: int, snap: dict[str, Any], restores: dict[str, Any],

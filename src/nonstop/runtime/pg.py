@@ -290,6 +290,14 @@ class GenerationGroup:
         except Exception:  # noqa: BLE001 - a broken context: nothing of it can be trusted
             return None
 
+    def may_commit(self, step: int) -> bool:
+        """Whether a snapshot of ``step`` steps may be committed: no NCCL abort, or that step's
+        GPU work had ended before the abort began."""
+        abort = self.nccl_abort
+        if abort is None or not abort.started:
+            return True
+        return self.trusted_step is not None and self.trusted_step >= step
+
     def untrusted(self, step: int) -> bool:
         """Whether a rank that leaves this group at ``step`` steps done must not resume from its
         own state: NCCL was aborted before the GPU had ended that step's work (an aborted NCCL

@@ -169,6 +169,36 @@ class State:
 
         return [o for o in self._objects.values() if isinstance(o, torch.nn.Module)]
 
+    def to_device(self, device: Any) -> int:
+        """Move what this state holds on another GPU to ``device``, in place: a warm spare built
+        its model on the GPU current when its script ran, and the rank it takes may use another.
+        Modules keep their parameter objects (their data moves), so optimizers still hold
+        them; optimizer state moves tensor by tensor (a step counter on the host stays there).
+        Returns how many tensors moved (0 on one GPU, or on the host)."""
+        import torch
+
+        def stray(t: Any) -> bool:
+            return isinstance(t, torch.Tensor) and t.is_cuda and t.device != device
+
+        moved = 0
+        for obj in self._objects.values():
+            if isinstance(obj, torch.nn.Module):
+                n = sum(stray(t) for t in (*obj.parameters(), *obj.buffers()))
+                if n:
+                    obj.to(device)
+                    moved += n
+            elif isinstance(obj, torch.optim.Optimizer):
+                for per_param in obj.state.values():
+                    for key, value in per_param.items():
+                        if stray(value):
+                            per_param[key] = value.to(device)
+                            moved += 1
+            elif stray(obj):
+                with torch.no_grad():
+                    obj.data = obj.data.to(device)
+                moved += 1
+        return moved
+
     def flip_bit(self, seed: int) -> str:
         """Fault injection (``bitflip``): one bit of one parameter flips, in place. Returns
         where."""

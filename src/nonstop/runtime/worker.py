@@ -187,6 +187,8 @@ class WorkerRuntime:
         from ..state.restore import Where, restore
 
         snaps = self.snapshots if self.registered else None
+        if snaps is not None:  # a staged snapshot still in flight is committed (or given up)
+            snaps.settle()
         root = snaps.root if snaps is not None else None
         where = Where(memory=self.node_memory if snaps is not None else None,
                       checkpoint_root=root, sharded=state.sharded, world=world,

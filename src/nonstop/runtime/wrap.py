@@ -17,6 +17,7 @@ import traceback
 from typing import Any, Callable, TypeVar
 
 from .. import protocol
+from . import nccl
 from .context import Context
 from ..decide.cuda import of_exception
 from ..state.digest import SilentCorruption
@@ -88,6 +89,8 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
         rt.emit("wrapped", pid=os.getpid())
     while True:
         if rt.assignment is None:
+            if nccl.uses_nccl(backend):  # a warm spare: NCCL's environment and CUDA, now
+                _warm_gpu()
             rt.emit("ready", pid=os.getpid(), mode="script")
             if rt.node_memory is not None and state is not None:  # a warm spare
                 rt.node_memory.prepare(until=lambda: rt.assignment is not None)
@@ -112,6 +115,8 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
                                 job["collective_timeout_s"],
                                 escalate=functools.partial(_abort_hung, rt, gen, rank),
                                 abort_s=_abort_s(job))
+        if rt.snapshots is not None:
+            rt.snapshots.may_commit = group.may_commit
         # Everything alive now (torch, the model, the script's setup) is moved out of the
         # collector's sight: the collection at teardown then only walks this generation's objects.
         gc.freeze()
@@ -230,6 +235,10 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
         if rt.store.check([protocol.abort_key(gen, rt.worker_id)]):
             raise RuntimeError(f"generation {gen} was aborted before this rank joined")
         group.open(joined_store=lambda: rt.injector.in_recovery("rendezvous", rank, gen))
+        if group.nccl and isinstance(tracked, State):  # a spare's model on another GPU
+            import torch
+
+            tracked.to_device(torch.device("cuda", torch.cuda.current_device()))
         t_pg = time.time()
         phase = "restore"
         resumed = rt.restore(tracked, rank, world, gen, has_state, msg.reshard_from, msg.initial,
@@ -329,11 +338,21 @@ def _release_frames(exc: BaseException | None) -> None:
         exc = exc.__cause__ or exc.__context__
 
 
-def _abort_s(job: dict[str, Any]) -> float:
-    from .nccl import ABORT_S
+def _warm_gpu() -> None:
+    """A warm spare of an NCCL job, before it is promoted: NCCL's environment set, and CUDA's
+    driver and this process's context on its current GPU made (a script that built its model
+    on the GPU has made it already), so that promotion pays for neither."""
+    import torch
 
+    nccl.prepare()
+    if torch.cuda.is_available():
+        torch.cuda.init()
+        torch.empty(0, device="cuda")  # the context of the current device
+
+
+def _abort_s(job: dict[str, Any]) -> float:
     timeouts = ((job.get("policy") or {}).get("recover") or {}).get("timeouts") or {}
-    return float(timeouts.get("abort_s", ABORT_S))
+    return float(timeouts.get("abort_s", nccl.ABORT_S))
 
 
 def _free_device_memory() -> None:

@@ -39,6 +39,11 @@ class NodeMemory:
             self._client = wire.Client(self.name, self.timeout_s)
         return self._client
 
+    def twin(self) -> "NodeMemory":
+        """The same node's memory over a connection of its own (for another thread: a
+        connection answers one call at a time)."""
+        return NodeMemory(self.name, self.timeout_s)
+
     @property
     def keeper_pid(self) -> int:
         return self.client.pid

@@ -110,8 +110,9 @@ def map_tree(obj: Any, is_leaf: Any, fn: Any) -> Any:
     return obj
 
 
-def tensor_bytes(sd: Any, aligned: bool = False) -> int:
-    """Bytes of every tensor in a state dict (each rounded up as ``copy_into`` places them)."""
+def tensor_bytes(sd: Any, aligned: bool = False, select: Any = None) -> int:
+    """Bytes of every tensor in a state dict (each rounded up as ``copy_into`` places them);
+    ``select``: of those tensors only for which it is true."""
     import torch
 
     total = 0
@@ -122,13 +123,14 @@ def tensor_bytes(sd: Any, aligned: bool = False) -> int:
         total += _aligned(n) if aligned else n
         return t
 
-    map_tree(sd, lambda x: isinstance(x, torch.Tensor), count)
+    map_tree(sd, lambda x: isinstance(x, torch.Tensor) and (select is None or select(x)), count)
     return total
 
 
-def copy_into(tree: Any, buf: Any) -> Any:
+def copy_into(tree: Any, buf: Any, select: Any = None) -> Any:
     """``tree`` with every tensor copied into ``buf`` (a uint8 tensor large enough: see
-    ``tensor_bytes``), aligned, one after the other."""
+    ``tensor_bytes``), aligned, one after the other; ``select``: only those for which it is
+    true (the others stay as they are)."""
     import torch
 
     pos = 0
@@ -142,7 +144,8 @@ def copy_into(tree: Any, buf: Any) -> Any:
         pos += _aligned(nbytes)
         return out
 
-    return map_tree(tree, lambda x: isinstance(x, torch.Tensor), place)
+    return map_tree(tree, lambda x: isinstance(x, torch.Tensor) and (select is None or select(x)),
+                    place)
 
 
 def _aligned(n: int) -> int:

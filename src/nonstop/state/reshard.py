@@ -22,7 +22,7 @@ import time
 from typing import Any, Iterator
 
 from . import memory as mem
-from . import packing
+from . import packing, staging
 from .plan import NoConsistentState
 from .restore import RestoreResult, _all_gather_json, _Bad, verified
 
@@ -139,7 +139,7 @@ def reshard(state: Any, rank: int, world: int, worlds: dict[int, int],
         raise NoConsistentState(f"no good copy of every shard after {MAX_ATTEMPTS} attempts; "
                                 f"failed: {skipped}")
     t_moved = time.monotonic()
-    state.load_state_dict(merge(shards))
+    state.load_state_dict(staging.to_device(state, merge(shards)))
     state.step, state.dirty = step, False
     state.prune_unowned()
     kinds = {s.kind for s in sources}

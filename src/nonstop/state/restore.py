@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from . import memory as mem
-from . import packing, plan as planning
+from . import packing, staging
+from . import plan as planning
 from .plan import NoConsistentState, Offer
 
 __all__ = ["NoConsistentState", "RestoreResult", "restore"]
@@ -329,7 +330,7 @@ def _receive(a: planning.Action, state: Any, where: Where) -> int:
     checksum = struct.unpack("<Q", struct.pack("<q", signed))[0]
     if checksum and _checksum(meta, data) != checksum:
         raise _Bad(f"the {a.source} copy from rank {a.holder} fails its checksum")
-    state.load_state_dict(_unpack(meta, data, f"the {a.source} copy from rank {a.holder}", where))
+    _load(state, _unpack(meta, data, f"the {a.source} copy from rank {a.holder}", where))
     return data_len
 
 
@@ -346,16 +347,30 @@ def _unpack(meta: bytes, data: Any, what: str, where: Where | None = None) -> di
     return sd
 
 
+def _load(state: Any, sd: dict[str, Any], where: Where | None = None) -> None:
+    """Load ``sd`` into the live state: what goes to a GPU through pinned bounce buffers first
+    (``staging.to_device``); given ``where``, ``sd`` views a leased slot (``_private``)."""
+    sd = staging.to_device(state, sd)
+    if where is not None:
+        sd = _private(sd, state, where)
+    state.load_state_dict(sd)
+
+
 def _private(sd: dict[str, Any], state: Any, where: Where) -> dict[str, Any]:
     """``sd`` (viewing a slot, held by a lease) made safe to load: what a module copies into its
     parameters may stay a view; what an optimizer (or a dict, a tensor) would keep is copied into
     memory of this process - prepared ahead by a warm spare - or the next snapshot into that slot
-    would write into the live state."""
+    would write into the live state. (What is already on a GPU is the process's own.)"""
     kept = {name: value for name, value in sd.items() if not state.copies_on_load(name)}
     if not kept:
         return sd
-    buf = where.memory.buffer(packing.tensor_bytes(kept, aligned=True))  # type: ignore[union-attr]
-    return {**sd, **packing.copy_into(kept, buf)}
+    nbytes = packing.tensor_bytes(kept, aligned=True, select=_on_host)
+    buf = where.memory.buffer(nbytes)  # type: ignore[union-attr]
+    return {**sd, **packing.copy_into(kept, buf, select=_on_host)}
+
+
+def _on_host(t: Any) -> bool:
+    return t.device.type == "cpu"
 
 
 def _checksum(meta: bytes, data: Any) -> int:
@@ -389,7 +404,7 @@ def _load_local(source: str, step: int, state: Any, rank: int, where: Where) -> 
         holder = mem.own(rank) if source == "memory" else mem.replica(rank)
         with verified(where, holder, step, source) as (info, meta, data):
             sd = _unpack(meta, data, f"the {source} snapshot of step {step}", where)
-            state.load_state_dict(_private(sd, state, where))
+            _load(state, sd, where)
             return info.data_len
     from . import checkpoint
 
@@ -402,5 +417,6 @@ def _load_local(source: str, step: int, state: Any, rank: int, where: Where) -> 
         sd, _ = checkpoint.read_part(root, step, part)  # type: ignore[arg-type]
     except checkpoint.CorruptCheckpoint as exc:
         raise _Bad(str(exc)) from None
-    state.load_state_dict(sd)
-    return packing.tensor_bytes(sd)
+    nbytes = packing.tensor_bytes(sd)
+    _load(state, sd)
+    return nbytes

@@ -6,13 +6,21 @@ The costs that tune it are steady ones: the median of recent snapshots into memo
 place (a first snapshot into new memory pays its allocation once), and of recent steps other than
 a generation's first. The copy to the buddy node counts too: the node's keeper makes it with the
 node's CPUs and memory bandwidth, which the ranks share.
+
+State on a GPU is staged (``staging.py``): the step pays for starting the copy to a pinned mirror
+only, and a thread of this object writes the mirror into the node's memory once the copy is done.
+One snapshot is in flight at a time; it counts (``last_step``, ``taken``, the offers of a restore)
+only once committed, and whatever ends or re-forms a generation settles it first, within a
+deadline.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import math
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +36,26 @@ TUNE_AFTER = (10,)
 RETUNE_EVERY = 20  # and at every step index that is a multiple of this
 MAX_EVERY = 10_000
 _RECENT = 9  # measurements the medians are taken over
+# Deadlines of a staged snapshot (state on a GPU). A snapshot due while the one before is still
+# being written waits for it this long (then is skipped, and counted): the interval is tuned so
+# that this does not happen, and a stuck write must not stall training.
+IN_FLIGHT_S = 10.0
+SETTLE_S = 30.0  # a generation's end or a new one's start waits this long for the one in flight
+COPY_S = 60.0  # the copy from the GPU into the pinned mirror
+AT_EXIT_S = 10.0
+
+
+class _Job:
+    """A staged snapshot between its copy's start and its commit (or its failure)."""
+
+    def __init__(self, step: int, meta: bytes, nbytes: int, persist: dict[str, Any] | None,
+                 rank: int, gen: int, midway: Any, injector: Any):
+        self.step, self.meta, self.nbytes, self.persist = step, meta, nbytes, persist
+        self.rank, self.gen, self.midway, self.injector = rank, gen, midway, injector
+        self.may_commit: Any = None  # the generation's guard, as it was when the copy started
+        self.lock = threading.Lock()  # the commit against a drop: one or the other
+        self.dropped = False
+        self.thread: threading.Thread | None = None
 
 
 class Snapshots:
@@ -60,11 +88,32 @@ class Snapshots:
         self.error: str | None = None  # the last failure (the node's memory is gone...)
         self.requested: int | None = None  # the newest step this process asked to write to disk
         self.final_persist: int | None = None  # ...when the training loop ended
+        # None: state on one CUDA device is staged; True: any state is (on the host, with the
+        # same thread, commit and deadlines: how it is tested without a GPU); False: none is
+        self.staged: bool | None = None
+        self.skipped = 0  # staged snapshots not taken: the one before was still being written
+        self.in_flight_s, self.settle_s = IN_FLIGHT_S, SETTLE_S
+        self._staging: Any = None
+        self._job: _Job | None = None
+        self._writes: collections.deque[float] = collections.deque(maxlen=_RECENT)
+        self._wmem: Any = None  # the writing thread's own connection to the keeper
+        self._lock = threading.Lock()  # what the writing thread moves at commit
+        self._atexit = False
+        # set by the runtime for each generation: whether a snapshot of a step may still be
+        # committed (an aborted NCCL collective returns no error and leaves whatever had arrived:
+        # a copy that may have read such a step is dropped; see GenerationGroup.may_commit)
+        self.may_commit: Any = None
 
     @property
     def cost_s(self) -> float | None:
         """One snapshot into memory in place (median of the recent ones)."""
         return statistics.median(self._costs) if self._costs else self._first_cost
+
+    @property
+    def write_s(self) -> float | None:
+        """A staged snapshot from its copy's start to its commit, in the background (median of
+        the recent ones into memory in place)."""
+        return statistics.median(self._writes) if self._writes else None
 
     @property
     def step_s(self) -> float | None:
@@ -78,8 +127,13 @@ class Snapshots:
         return self.digests.cost_s if self.digests is not None else None
 
     def schedule(self) -> dict[str, Any]:
+        """What this rank brings to a new generation's agreement. Asked as the generation forms,
+        before its restore: the snapshot in flight is settled first, so that the offers name
+        committed snapshots only and nothing copies the state while the restore loads it."""
+        self.settle()
         return {"every": self.every, "cost_s": self.cost_s, "step_s": self.step_s,
-                "repl_s": self.repl_s, "sdc_s": self.sdc_s, "last_persist": self.last_persist}
+                "repl_s": self.repl_s, "sdc_s": self.sdc_s, "write_s": self.write_s,
+                "last_persist": self.last_persist}
 
     def adopt(self, schedules: list[dict[str, Any]], step: int, from_disk: bool) -> None:
         """Take the schedule every rank agrees on, entering a generation at ``step``."""
@@ -88,15 +142,16 @@ class Snapshots:
             self.every = max(int(s["every"]) for s in known)
             self.last_persist = max(int(s.get("last_persist") or 0) for s in known)
             if self.auto:
-                self.every = self._interval(*(max((s.get(k) or 0.0) for s in known)
-                                              for k in ("cost_s", "step_s", "repl_s", "sdc_s")))
+                self.every = self._interval(*(max((s.get(k) or 0.0) for s in known) for k in
+                                              ("cost_s", "step_s", "repl_s", "sdc_s", "write_s")))
         if from_disk:
             self.last_persist = max(self.last_persist, step)
         self.entry_step = self.anchor = step
         if self.digests is not None:
             self.digests.entered()
 
-    def _interval(self, cost: float, step_s: float, repl_s: float, sdc_s: float = 0.0) -> int:
+    def _interval(self, cost: float, step_s: float, repl_s: float, sdc_s: float = 0.0,
+                  write_s: float = 0.0) -> int:
         if not cost or not step_s:
             return self.every
         # One share of the steps for all a snapshot costs them: its copy, the copy to the buddy
@@ -106,6 +161,8 @@ class Snapshots:
         k = math.ceil((cost + (repl_s or 0.0) + (sdc_s or 0.0)) / (self.max_share * step_s))
         if self.digests is not None and sdc_s:  # ...and the comparison within its own share
             k = max(k, math.ceil(sdc_s / (self.digests.max_share * step_s)))
+        if write_s:  # staged: the next one is due once this one is written, so the step never
+            k = max(k, math.ceil(write_s / step_s))  # waits for it
         return max(1, min(MAX_EVERY, k))
 
     def _tune(self) -> bool:
@@ -114,7 +171,7 @@ class Snapshots:
         import torch.distributed as dist
 
         t = torch.tensor([self.cost_s or 0.0, self.step_s or 0.0, self.repl_s or 0.0,
-                          self.sdc_s or 0.0], dtype=torch.float64)
+                          self.sdc_s or 0.0, self.write_s or 0.0], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         every = self._interval(*t.tolist())
         changed, self.every = every != self.every, every
@@ -161,11 +218,20 @@ class Snapshots:
         midway = None
         if injector is not None and injector.has_point("snapshot"):
             midway = lambda: injector.check("snapshot", rank, step - 1)  # noqa: E731
+        staged, device = self._stages(lay.tensors)
+        if staged:
+            job = _Job(step, lay.meta, lay.nbytes, persist, rank, gen, midway, injector)
+            job.may_commit = self.may_commit
+            return self._take_staged(state, lay, job, device, t_start)
         try:
             slot_i, seq, slot, reply = self.memory.alloc(holder, size)
             self.repl_s = reply.get("repl_s") or self.repl_s
             shm.write_tensors(slot, lay.meta, lay.tensors, lay.specs, lay.nbytes, step, rank, gen,
                               seq, midway)
+            if not self._may_commit(step):
+                slot.invalidate()
+                self.memory.reset()
+                return 0.0
             self.memory.commit(holder, slot_i, persist)
             if persist is not None:
                 self.requested = step
@@ -217,9 +283,11 @@ class Snapshots:
         The final weights are compared across replicas first (every rank ends at the same step)."""
         if self.enabled and self.digests is not None and self.digests.last_step != state.step:
             self.digests.check(state.modules(), state.step, world)
+        self.settle()  # the snapshot in flight is committed (or given up) before the end is seen
         if not self.enabled or self.root is None:
             return
         self._finish(state, rank, world, gen)
+        self.settle()  # ...and the last one, which the launcher waits for on disk
         self.final_persist = self.requested
 
     def _finish(self, state: Any, rank: int, world: int, gen: int) -> None:
@@ -241,4 +309,154 @@ class Snapshots:
     def stats(self) -> dict[str, Any]:
         return {"every": self.every, "cost_s": self.cost_s, "step_s": self.step_s,
                 "repl_s": self.repl_s, "last": self.last_step, "taken": self.taken,
-                "spent_s": round(self.spent_s, 6), "error": self.error}
+                "spent_s": round(self.spent_s, 6), "error": self.error,
+                "staged": self._staging is not None, "write_s": self.write_s,
+                "skipped": self.skipped}
+
+    # -- staged snapshots (state on a GPU) ------------------------------------------------------
+    def _stages(self, tensors: list[Any]) -> tuple[bool, Any]:
+        """(whether this snapshot is staged, on which CUDA device: None for the host)."""
+        if self.staged is False:
+            return False, None
+        import torch
+
+        if self.staged is None and not torch.cuda.is_initialized():
+            return False, None  # no tensor of this process is on a GPU: nothing to look at
+        from .staging import device_of
+
+        device = device_of(tensors)
+        return (device is not None or self.staged is True), device
+
+    def _take_staged(self, state: Any, lay: Any, job: _Job, device: Any, t_start: float) -> float:
+        """The step's part of a staged snapshot: start the copy to the mirror, hand the rest to a
+        thread. Returns the seconds the step spent."""
+        from . import staging
+
+        t_wait = time.perf_counter()
+        if not self._wait_in_flight():  # the mirror is still being written from
+            self.skipped += 1
+            with self._lock:
+                self.error = (f"snapshot of step {job.step} skipped: the one before was still "
+                              f"being written after {self.in_flight_s:g} s")
+            return 0.0
+        waited = time.perf_counter() - t_wait
+        if self._staging is None or self._staging.device != device:
+            self._staging = staging.Staging(device)
+        fresh = self._staging.stage(lay.tensors, lay.specs, lay.nbytes, staging.late_ptrs(state))
+        if hasattr(state, "_fence"):  # its optimizers' next steps wait (on the GPU) for the copy
+            state._fence = self._staging.fence
+        self._job = job
+        job.thread = threading.Thread(target=self._write, args=(job,), daemon=True,
+                                      name="nonstop-snapshot")
+        job.thread.start()
+        if not self._atexit:
+            self._atexit = True
+            atexit.register(self._at_exit)
+        spent = time.perf_counter() - t_start
+        # the wait for the one before is not this snapshot's cost: the interval leaves the
+        # write its time (``write_s``), and counted here it would space snapshots out for good
+        cost = spent - waited
+        if fresh:  # a mirror allocated (pinned) now: once per layout, not a steady cost
+            self._first_cost = cost if self._first_cost is None else min(self._first_cost, cost)
+        else:
+            self._costs.append(cost)
+        self.spent_s += spent
+        return spent
+
+    def _may_commit(self, step: int, guard: Any = None) -> bool:
+        guard = self.may_commit if guard is None else guard
+        if guard is None or guard(step):
+            return True
+        with self._lock:
+            self.error = (f"snapshot of step {step} dropped: its generation's NCCL "
+                          "communicators were aborted before its copy was known to be whole")
+        return False
+
+    def _wait_in_flight(self) -> bool:
+        """Whether the snapshot before, if any, is done (waiting for it up to ``in_flight_s``)."""
+        job = self._job
+        if job is None or job.thread is None:
+            return True
+        job.thread.join(self.in_flight_s)
+        return not job.thread.is_alive()
+
+    def _writer_memory(self) -> Any:
+        if self._wmem is None:  # a connection of its own: the keeper answers one call at a time
+            twin = getattr(self.memory, "twin", None)
+            self._wmem = twin() if twin is not None else self.memory
+        return self._wmem
+
+    def _write(self, job: _Job) -> None:
+        """The writing thread: once the copy has landed in the mirror, the mirror goes into the
+        node's memory with the same hashed write as any snapshot, and is committed."""
+        import torch
+
+        t0 = time.perf_counter()
+        memory = slot = None
+        try:
+            self._staging.wait(time.monotonic() + COPY_S)
+            if job.dropped:
+                return
+            memory = self._writer_memory()
+            holder = mem.own(job.rank)
+            slot_i, seq, slot, reply = memory.alloc(holder, shm.data_offset(len(job.meta))
+                                                    + job.nbytes)
+            mirror = self._staging.mirror
+            shm.write_tensors(slot, job.meta, [mirror], [(torch.uint8, (job.nbytes,), 0,
+                                                          job.nbytes)],
+                              job.nbytes, job.step, job.rank, job.gen, seq, job.midway)
+            with job.lock:
+                # given up meanwhile, or read past an NCCL abort: never published (the slot
+                # is let go)
+                if job.dropped or not self._may_commit(job.step, job.may_commit):
+                    slot.invalidate()
+                    memory.reset()
+                    return
+                memory.commit(holder, slot_i, job.persist)
+                with self._lock:
+                    self.repl_s = reply.get("repl_s") or self.repl_s
+                    if job.persist is not None:
+                        self.requested = job.step
+                    self.last_step = job.step
+                    self.taken += 1
+                    self.error = None
+                    if not reply["fresh"]:
+                        self._writes.append(time.perf_counter() - t0)
+            if job.injector is not None and job.injector.claim_kind("corrupt", job.rank,
+                                                                    job.step - 1):
+                memory.corrupt(holder)
+        except Exception as exc:  # noqa: BLE001 - the step must not see it: said in ``error``
+            with self._lock:
+                self.error = f"{type(exc).__name__}: {exc}"
+            if memory is not None:
+                memory.reset()
+        finally:
+            job.midway = job.injector = None
+
+    def _at_exit(self) -> None:
+        """The process leaving (the interpreter's own end: ``os._exit`` skips it, and a slot
+        left half-written is invalid anyway): the snapshot in flight gets a last chance."""
+        try:
+            self.settle(AT_EXIT_S)
+        except Exception:  # noqa: BLE001 - CUDA may be going away too: nothing left to save
+            pass
+
+    def settle(self, timeout_s: float | None = None) -> bool:
+        """The snapshot in flight committed (or failed) within ``timeout_s``; else given up: it
+        is never committed, and whatever changes the state in place from now on waits (on the
+        GPU) for its copy. Returns whether nothing is left in flight."""
+        job = self._job
+        if job is None or job.thread is None:
+            return True
+        job.thread.join(self.settle_s if timeout_s is None else timeout_s)
+        if self._staging is not None and self._staging.device is not None:
+            self._staging.fence()  # a copy that never reported done is still read past
+        if not job.thread.is_alive():
+            self._job = None
+            return True
+        if job.lock.acquire(timeout=1.0):
+            job.dropped = True
+            job.lock.release()
+        with self._lock:
+            self.error = f"snapshot of step {job.step} given up: not written within its deadline"
+        return False
