@@ -224,6 +224,34 @@ def test_guarded(own, clients):
     assert not isinstance(err.value, (Fenced, StoreUnavailable))
 
 
+def test_a_lapsed_host_and_the_controller_race_and_exactly_one_wins(own, clients):
+    """A host whose lease lapsed registers again only while the job has not given it up; the
+    controller gives it up only while it is absent and only in office. Whichever comes first
+    wins; the other is told so."""
+    e = clients(own)
+    assert e.create("leader", "me")
+    (_, _, _, epoch), = e.get_prefix("leader")
+    lease = e.lease(5)
+    # the host first: it is back, and the controller's mark fails
+    assert e.rejoin("hosts/h1", "rec", lease, unless="gone/h1/a") == "rejoined"
+    assert e.mark_gone("leader", epoch, "gone/h1/a", unless="hosts/h1") is False
+    assert e.get("gone/h1/a") == (None, 0)
+    assert e.rejoin("hosts/h1", "rec", lease, unless="gone/h1/a") == "present"
+    # the controller first: the host, absent, is given up; it cannot come back as itself
+    e.delete("hosts/h1")
+    assert e.mark_gone("leader", epoch, "gone/h1/a", unless="hosts/h1") is True
+    assert e.rejoin("hosts/h1", "rec", lease, unless="gone/h1/a") == "gone"
+    assert e.get("hosts/h1") == (None, 0)
+    # a new incarnation is another host
+    assert e.rejoin("hosts/h1", "rec2", lease, unless="gone/h1/b") == "rejoined"
+    # a deposed controller gives no one up
+    e.delete("hosts/h1")
+    with pytest.raises(Fenced):
+        e.mark_gone("leader", epoch + 1000, "gone/h1/b", unless="hosts/h1")
+    assert e.get("gone/h1/b") == (None, 0)
+    lease.revoke()
+
+
 # -- leases ----------------------------------------------------------------------------------
 
 

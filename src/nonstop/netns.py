@@ -334,6 +334,26 @@ class Host:
         """Every live process in the namespace (as ``ip netns pids``)."""
         return _ns_pids(self.ns)
 
+    def freeze(self, timeout_s: float = KILL_TIMEOUT_S) -> None:
+        """Every process of the host stopped (SIGSTOP, until no new one appears): a virtual
+        machine paused, as its peers see it - its kernel still accepts connections."""
+        deadline = time.monotonic() + timeout_s
+        stopped: set[int] = set()
+        while time.monotonic() < deadline:
+            fresh = [p for p in _ns_pids(self.ns) if p not in stopped]
+            if not fresh:
+                return
+            for p in fresh:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGSTOP)
+                stopped.add(p)
+
+    def thaw(self) -> None:
+        """Every process of the host running again (SIGCONT)."""
+        for p in _ns_pids(self.ns):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGCONT)
+
     def kill_all(self, sig: int = signal.SIGKILL, timeout_s: float = KILL_TIMEOUT_S) -> None:
         """A whole host lost: every process in it frozen, then signalled at once, whatever its
         process group or parent; returns once they are gone (``TimeoutError`` otherwise)."""

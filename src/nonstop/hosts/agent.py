@@ -63,6 +63,10 @@ class HostAgent(Fencing):
         self._probed: tuple[float, bool] | None = None  # the last round of probes: when, answered
         self.incarnation = ""
         self.lease: Any = None
+        self.record: keys.HostRecord | None = None  # what this incarnation registered
+        self._rejoiner: threading.Thread | None = None  # registering again after a lapse
+        self._rejoined: str | None = None  # ...its verdict: "rejoined", or why to fence
+        self.given_up: str | None = None  # an incarnation of this host the job marked gone
         self._unsent_exits: list[dict[str, Any]] = []
         self.history: list[dict[str, Any]] = []  # every event of this host's processes
         self._gen_stores: dict[int, Any] = {}  # a plain script's stores, per generation
@@ -182,6 +186,7 @@ class HostAgent(Fencing):
                               ctl_port=self.listener.port, rdzv_port=self.rdzv_port,
                               pid=os.getpid(), slots=self.cfg.nproc_per_node,
                               incarnation=self.incarnation)
+        self.record = rec
         if not self.etcd.create(keys.host_key(self.cfg.host_id), rec.dumps(), lease=self.lease):
             self.lease.revoke()
             raise UsageError(f"host '{self.cfg.host_id}' is already in job '{self.cfg.job_id}'")
@@ -288,8 +293,11 @@ class HostAgent(Fencing):
                 self._relay_progress()
                 if self.metrics is not None:
                     self.metrics.update(self)
-            if self.lease_lost.is_set():
-                self._fence("its lease in etcd expired")
+            given_up, self.given_up = self.given_up, None
+            if given_up is not None and given_up == self.incarnation:
+                self._fence("the job gave this host up")
+            elif self.lease_lost.is_set():
+                self._lapsed()
             elif self.doubt_since is not None:
                 self._judge_doubt()
             if self.done is not None:

@@ -54,6 +54,7 @@ class HostLink:
     lost: bool = False
     unreachable: bool = False  # our channel to it broke and connecting again failed
     offset: float = 0.0  # our clock minus the host's, from its newest message
+    heard: float | None = None  # time.monotonic() of its newest frame
     stopped: set[int] = dataclasses.field(default_factory=set)
     state: m.State | None = None  # its answer to our hello
 
@@ -91,6 +92,9 @@ class Cluster:
         self.grace_s = 0.0
         self.health = RemoteHealth()  # each host's agent runs its own checks
         self._readers = Readers(self._deliver, self._reconnect, self._stop)
+        self.in_office: Callable[[], bool] = lambda: True  # provably still the controller
+        self.giving_up = False  # the job ends (etcd away too long): its orders go out anyway
+        self._held_orders: list[tuple[int, m.Order]] = []
 
     # == hosts ==================================================================================
     def add_host(self, node: int, rec: keys.HostRecord, timeout_s: float = 5.0,
@@ -132,6 +136,7 @@ class Cluster:
 
     def _deliver(self, link: HostLink, msg: dict[str, Any]) -> None:
         """A frame from a host (in the readers' thread)."""
+        link.heard = time.monotonic()
         try:
             report = m.decode(msg)
         except m.BadMessage as exc:  # an agent with the secret but another nonstop
@@ -168,6 +173,14 @@ class Cluster:
         return None
 
     def _to(self, node: int, order: m.Order) -> None:
+        if not (self.giving_up or self.in_office()):
+            # it cannot prove its lease still holds (its host was frozen, etcd is away): a
+            # successor may be in office, so nothing goes out until the lease is confirmed
+            if not self._held_orders:
+                print("nonstop: the controller cannot confirm it is still in office (its lease "
+                      "in etcd): its orders wait until it can", file=sys.stderr, flush=True)
+            self._held_orders.append((node, order))
+            return
         link = self.links.get(node)
         if link is None or link.lost or link.ch is None:
             return
@@ -299,6 +312,12 @@ class Cluster:
             self._on_message(node, msg)
         if self.on_tick is not None:
             self.on_tick()
+        if self._held_orders and (self.giving_up or self.in_office()):
+            held, self._held_orders = self._held_orders, []
+            print(f"nonstop: the controller's lease is confirmed: {len(held)} order(s) that "
+                  "waited go out", file=sys.stderr, flush=True)
+            for node, order in held:
+                self._to(node, order)
         exited, self._exited = self._exited, []
         return exited
 

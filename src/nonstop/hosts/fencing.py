@@ -1,6 +1,7 @@
-"""A host's agent against etcd: is this host cut off, or is etcd down? Its lease lost or etcd out of
-reach, the agent asks its peers; reaching none it fences itself (ends its processes, joins again
-as a new host), reaching some it trains on. Also the job's end, as read from etcd."""
+"""A host's agent against etcd: is this host cut off, or is etcd down? etcd out of reach, the agent
+asks its peers; reaching none it fences itself (ends its processes, joins again as a new host),
+reaching some it trains on. Its lease lapsed, it registers again as itself unless the job gave it
+up. Also the job's end, as read from etcd."""
 
 from __future__ import annotations
 
@@ -29,6 +30,76 @@ class Fencing:
     def _on_lease_lost(self) -> None:
         self.lease_lost.set()
         self._wake()
+
+    # == a lease lapsed ==========================================================================
+    def _lapsed(self) -> None:
+        """etcd says this host's lease expired. That alone is not the job moving on without it:
+        etcd paused (a VM, a disk stall, a long GC) or restarted expires every lease at once. The
+        host registers again as itself (``_rejoin``, in a thread: etcd is never waited on in this
+        loop) unless the controller in office has given it up meanwhile - one transaction
+        decides which came first - and only then fences itself."""
+        if self._rejoiner is None:
+            self._rejoined = None
+            self._rejoiner = threading.Thread(target=self._rejoin, daemon=True,
+                                              name="nonstop-rejoin")
+            self._rejoiner.start()
+            return
+        verdict = self._rejoined
+        if verdict is None:
+            return  # still trying
+        self._rejoiner, self._rejoined = None, None
+        if verdict == "rejoined":
+            self.lease_lost.clear()
+            print(f"nonstop: host {self.cfg.host_id}: its lease in etcd had lapsed (etcd paused "
+                  "or restarted?); registered again: its ranks train on", file=sys.stderr,
+                  flush=True)
+            return
+        self._fence(verdict)
+
+    def _rejoin(self) -> None:
+        """The lease's thread has ended; a new lease, and the host's own record again under it,
+        while the job has not given this incarnation up. Sets ``_rejoined``: "rejoined", or why
+        the host must fence."""
+        key = keys.host_key(self.cfg.host_id)
+        gone = keys.gone_key(self.cfg.host_id, self.incarnation)
+        old, t0 = self.lease, time.monotonic()
+        while not self._stop.is_set():
+            lease = None
+            try:
+                lease = self.etcd.lease(self.cfg.lease_ttl_s)
+                verdict = self.etcd.rejoin(key, self.record.dumps(), lease, unless=gone)
+                if verdict == "present":  # an earlier try of ours, or a newer run of this host
+                    raw, _ = self.etcd.get(key)
+                    if raw is not None and \
+                            keys.HostRecord.loads(raw).incarnation != self.incarnation:
+                        verdict = "superseded"
+            except Exception:  # noqa: BLE001 - etcd away again: the peers tell meanwhile
+                verdict = None
+                if self.doubt_since is None and time.monotonic() - t0 > self.cfg.lease_ttl_s:
+                    self.doubt_since = t0  # the cut-off judgement (_judge_doubt) runs
+            if verdict == "rejoined":
+                if old is not None:
+                    old.stop()
+                self.lease = lease
+                self.doubt_since = None
+                lease.keepalive(on_lost=self._on_lease_lost, on_doubt=self._on_doubt)
+                self._rejoined = "rejoined"
+                self._wake()
+                return
+            if lease is not None:
+                try:
+                    lease.revoke()
+                except Exception:  # noqa: BLE001 - it expires by itself
+                    lease.stop()
+            if verdict == "gone":
+                self._rejoined = "the job gave this host up while its lease had lapsed"
+                self._wake()
+                return
+            if verdict == "superseded":
+                self._rejoined = "another run of this host registered in its place"
+                self._wake()
+                return
+            self._stop.wait(REGISTER_RETRY_S)
 
     def _on_doubt(self, doubt: bool) -> None:
         """etcd unreachable for a whole TTL (or reachable again). Unreachable for everyone (etcd
@@ -90,12 +161,13 @@ class Fencing:
         self._probed = (started, False)
 
     def _fence(self, why: str) -> None:
-        """The job has moved on without this host (its lease is gone, or it is cut off). Its
+        """The job has moved on without this host (it gave it up, or it is cut off). Its
         processes end now - they must never join a newer generation - then the host offers
         itself again, as a new host (a spare), once etcd answers."""
         self.lease_lost.clear()
         self.doubt_since = None
         self._probed = None
+        self._rejoiner, self._rejoined = None, None
         killed = [p.wid for p in self.agent.alive() if p.wid != CONTROLLER_WID]
         for wid in killed:
             self.agent.signal(wid, signal.SIGKILL)
@@ -140,7 +212,12 @@ class Fencing:
                 continue
 
     def _read_job(self) -> bool:
-        """Whether the job has ended (then this host ends too); reads the peers on the way."""
+        """Whether the job has ended (then this host ends too); reads the peers on the way, and
+        whether the job gave this host up (then it fences itself)."""
+        inc = self.incarnation  # (the loop fences only if it is still this one)
+        if inc and self.etcd.get(keys.gone_key(self.cfg.host_id, inc))[0] is not None:
+            self.given_up = inc
+            self._wake()
         raw, _ = self.etcd.get(keys.DONE)
         rows = self.etcd.get_prefix(keys.HOSTS)
         peers = [keys.HostRecord.loads(r[1]) for r in rows]

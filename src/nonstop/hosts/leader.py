@@ -28,6 +28,10 @@ from .journal import Journal
 
 HOSTS_EVERY_S = 0.2  # how often etcd is asked whether the host list changed while the job runs
 HOSTS_FULL_S = 2.0  # ...and how often it is read whole all the same
+HEARD_S = 1.0  # a host whose agent spoke this recently is alive, whatever its lease says
+# a host whose lease lapsed (etcd paused or restarted) registers again at its next refresh
+# (a third of the TTL): it is waited for one TTL and this long before it is given up
+REGISTER_AGAIN_S = 2.0
 
 
 def _die_with_parent() -> None:
@@ -82,9 +86,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 class Office:
-    """Whether etcd is reachable for the controller in office. Out of reach, the controller
-    carries on (the ranks train; a fault is still handled with what the hosts have), and checks
-    that it is still the one in office as soon as etcd answers again."""
+    """Whether etcd is reachable for the controller in office. Out of reach, the ranks train on;
+    the controller's orders wait (``Cluster.in_office``: its lease is not confirmed) and go out
+    once it is, after it checked that it is still the one in office."""
 
     def __init__(self) -> None:
         self.down_since: float | None = None
@@ -112,6 +116,19 @@ def _still_leader(etcd: Any, epoch: int) -> bool:
     return found is not None and found[1] == epoch
 
 
+def _answers(addr: str | None, port: int | None) -> bool:
+    """Whether a host's agent accepts a connection (closed at once, before any handshake)."""
+    import socket
+
+    if not addr or not port:
+        return False
+    try:
+        with socket.create_connection((addr, int(port)), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
 class Leader:
     def __init__(self, cfg: HostConfig, secret: bytes, etcd: Any, lead: Any, office: Office):
         self.cfg, self.secret, self.etcd, self.lead = cfg, secret, etcd, lead
@@ -126,6 +143,7 @@ class Leader:
         self._joining: set[tuple[str, str]] = set()
         self.controller: Any = None
         self._status: str | None = None  # the newest status record, to put in etcd
+        self._vanished: dict[int, float] = {}  # node -> since when its record is gone from etcd
 
     def guarded(self, puts: dict[str, str]) -> None:
         self.etcd.guarded(keys.LEADER, self.epoch, puts=puts)
@@ -136,7 +154,7 @@ class Leader:
         from ..observe.display import Display
         from ..observe.events import EventLog
         from ..launcher import report
-        from .cluster import Cluster
+        from .cluster import Cluster, Deposed
 
         cfg = self.cfg
         done, _ = self.etcd.get(keys.DONE)
@@ -211,11 +229,16 @@ class Leader:
             display.info(f"controller on {cfg.host_id} (epoch {self.epoch}): {world} rank(s) on "
                          f"{nodes} host(s) + {total - nodes} spare host(s)")
         cluster.on_node_lost = lambda n: controller.node_lost(n, "its lease in etcd expired")
+        cluster.in_office = lambda: self.lead.alive
         cluster.on_tick = lambda: self._tick(controller, cluster)
         from ..state.service import KeeperStartError
 
         try:
             code = controller.run()
+        except Deposed as exc:  # a successor is in office: leave everything to it, at once
+            print(f"nonstop: {exc}: another controller is in office; this one steps down",
+                  file=sys.stderr, flush=True)
+            os._exit(3)
         except KeeperStartError as exc:  # the machine's trouble: said as such, not as a bug
             controller.outcome.diagnosis = f"the job could not start: {exc}"
             print(f"nonstop: error: {controller.outcome.diagnosis}", file=sys.stderr, flush=True)
@@ -308,21 +331,40 @@ class Leader:
             except Exception:  # noqa: BLE001 - etcd away for a moment: the same list
                 pass
 
+    def _registered_hosts(self, nodes: dict[int, dict[str, Any]]
+                          ) -> dict[tuple[str, str], keys.HostRecord]:
+        """The hosts registered in etcd. A host of ``nodes`` (the journal's) that is not, but
+        whose agent answers on its address, is waited for a while: its lease lapsed with the
+        controller's (etcd paused or restarted expires every lease at once) and it registers
+        again."""
+        deadline = time.monotonic() + self.cfg.lease_ttl_s + REGISTER_AGAIN_S
+        while True:
+            alive = {}
+            for _, raw, _, _ in self.etcd.get_prefix(keys.HOSTS):
+                rec = keys.HostRecord.loads(raw)
+                alive[(rec.host_id, rec.incarnation)] = rec
+            waiting = [h for h in nodes.values() if (h["host"], h["incarnation"]) not in alive
+                       and _answers(h.get("addr"), h.get("port"))]
+            if not waiting or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.2)
+
     def _place_hosts(self, journal: dict[str, Any]) -> tuple[dict[int, keys.HostRecord], set[int]]:
         """The hosts alive now, at the nodes the journal gave them (a host that joined since is a
         new node); the journal's nodes whose host is gone are lost."""
-        alive = {}
-        for _, raw, _, _ in self.etcd.get_prefix(keys.HOSTS):
-            rec = keys.HostRecord.loads(raw)
-            alive[(rec.host_id, rec.incarnation)] = rec
+        nodes = {int(n): h for n, h in (journal.get("nodes") or {}).items()}
+        alive = self._registered_hosts(nodes)
         placed: dict[int, keys.HostRecord] = {}
         lost: set[int] = set()
-        for node, h in (journal.get("nodes") or {}).items():
+        for node, h in nodes.items():
             rec = alive.pop((h["host"], h["incarnation"]), None)
+            if rec is None and not self._give_up(h["host"], h["incarnation"]):
+                alive = self._registered_hosts({})  # it registered again just now
+                rec = alive.pop((h["host"], h["incarnation"]), None)
             if rec is None:
-                lost.add(int(node))
+                lost.add(node)
             else:
-                placed[int(node)] = rec
+                placed[node] = rec
         known = [int(n) for n in journal.get("isolated") or []] + \
             [int(n) for n in (journal.get("node_of") or {}).values()]
         nxt = max(list(placed) + list(lost) + known + [-1]) + 1  # a new host: a node never used
@@ -340,7 +382,8 @@ class Leader:
             cluster.poll(0.02)
         seen = []
         for node, link in cluster.links.items():
-            if link.state is None:
+            if link.state is None:  # silent (frozen, or cut off after it was listed): given up
+                self._give_up(link.rec.host_id, link.rec.incarnation, force=True)
                 lost.add(node)
                 continue
             for w in link.state.workers:
@@ -406,6 +449,7 @@ class Leader:
         if down is not None:
             outage = controller.policy.hosts.store_outage_s
             if time.monotonic() - down > outage and controller.outcome.exit_code is None:
+                cluster.giving_up = True  # no lease to prove: the job ends all the same
                 controller.give_up("etcd unreachable", (
                     f"etcd at {','.join(f'{h}:{p}' for h, p in self.cfg.endpoints)} unreachable "
                     f"for {time.monotonic() - down:.0f} s (hosts.store_outage_s={outage:g}): no "
@@ -424,7 +468,8 @@ class Leader:
     def _journal(self, controller: Any) -> str:
         rec = {"epoch": self.epoch, "gen": controller.gen,
                "plan": {str(r): w for r, w in controller.plan.items()},
-               "nodes": {str(n): {"host": link.rec.host_id, "incarnation": link.rec.incarnation}
+               "nodes": {str(n): {"host": link.rec.host_id, "incarnation": link.rec.incarnation,
+                                  "addr": link.rec.addr, "port": link.rec.ctl_port}
                          for n, link in controller.agent.links.items()},
                "isolated": sorted(controller.counters.isolated),
                "replacements": controller.gens.replacements, "max_step": controller.max_step,
@@ -468,7 +513,7 @@ class Leader:
                     pass
             try:
                 rev = self.etcd.revision()
-                if rev == seen_rev and time.monotonic() < full_due:
+                if rev == seen_rev and time.monotonic() < full_due and not self._vanished:
                     continue
                 rows = self.etcd.get_prefix(keys.HOSTS)
             except Exception:  # noqa: BLE001 - etcd away: nothing is decided without it
@@ -478,14 +523,58 @@ class Leader:
             for _, raw, _, _ in rows:
                 rec = keys.HostRecord.loads(raw)
                 alive[(rec.host_id, rec.incarnation)] = rec
+            self._give_up_vanished(alive, cluster)
             cluster.call(lambda a=alive: self._on_hosts(a, cluster))
 
-    def _on_hosts(self, alive: dict[tuple[str, str], keys.HostRecord], cluster: Any) -> None:
-        """Hosts whose lease expired are lost; hosts that joined are connected (in the
-        background) and become spare nodes."""
+    def _give_up_vanished(self, alive: dict[tuple[str, str], keys.HostRecord],
+                          cluster: Any) -> None:
+        """Hosts whose record is gone from etcd (in the store thread). A record goes with its
+        host (killed, cut off) or without it: etcd paused or restarted expires every lease at
+        once, and the host registers again. A host whose agent still speaks to us gets that
+        time; one that is silent, or takes too long, is given up - in etcd first, by a
+        transaction that holds only while its record is absent and this controller in office
+        (the host, registering again, checks the same key) - and only then here."""
+        now = time.monotonic()
+        grace = self.cfg.lease_ttl_s + REGISTER_AGAIN_S
         for node, link in list(cluster.links.items()):
-            if not link.lost and (link.rec.host_id, link.rec.incarnation) not in alive:
-                cluster.host_gone(node)
+            if link.lost or (link.rec.host_id, link.rec.incarnation) in alive:
+                self._vanished.pop(node, None)
+                continue
+            since = self._vanished.setdefault(node, now)
+            if link.heard is not None and now - link.heard < HEARD_S and now - since < grace:
+                continue  # it speaks: its lease lapsed, it registers again
+            if self._give_up(link.rec.host_id, link.rec.incarnation):
+                self._vanished.pop(node, None)
+                cluster.call(lambda n=node: cluster.host_gone(n))
+
+    def _give_up(self, host_id: str, incarnation: str, force: bool = False) -> bool:
+        """Mark a host given up in etcd (True), unless it registered again (False; with
+        ``force``, given up all the same: its agent reads the mark and fences itself). A newer
+        controller in office: this one steps down."""
+        from ..store.etcd import Fenced
+
+        gone, record = keys.gone_key(host_id, incarnation), keys.host_key(host_id)
+        try:
+            if self.etcd.mark_gone(keys.LEADER, self.epoch, gone, unless=record):
+                return True
+            if force:
+                self.guarded({gone: "1"})
+                return True
+            raw, _ = self.etcd.get(record)
+            if raw is None or keys.HostRecord.loads(raw).incarnation == incarnation:
+                return False  # back as itself (or gone again since: asked again next time)
+            self.guarded({gone: "1"})  # the host runs again as a new incarnation: this one is gone
+            return True
+        except Fenced:
+            print("nonstop: a newer controller is in office: this one stops", file=sys.stderr,
+                  flush=True)
+            os._exit(3)
+        except Exception:  # noqa: BLE001 - etcd away: nothing is given up without it
+            return False
+
+    def _on_hosts(self, alive: dict[tuple[str, str], keys.HostRecord], cluster: Any) -> None:
+        """Hosts that joined are connected (in the background) and become spare nodes (those
+        whose record went are judged by ``_give_up_vanished``)."""
         known = {(link.rec.host_id, link.rec.incarnation) for link in cluster.links.values()}
         room = self.cfg.nnodes_max + self.cfg.spare_nodes - \
             sum(1 for link in cluster.links.values() if not link.lost)

@@ -187,6 +187,11 @@ class Listener:
         except (BlockingIOError, InterruptedError):
             return None
         except OSError as e:
+            if p.got == 0:  # reset before a byte: a liveness probe too (closed in a hurry)
+                self._drop(p)
+                p.sock.close()
+                log.debug("%s:%s connected and reset without a byte: %s", *p.peer, e)
+                return None
             self._refuse(p, f"connection failed during the handshake: {e}", tell=False)
             return None
         if n == 0:

@@ -18,10 +18,18 @@ LEADER = "leader"  # the controller in office, under its lease; epoch = this key
 JOURNAL = "journal"  # the controller's state: a standby continues from it
 STATUS = "status"  # the controller in office's observe.status record, for nonstop status
 DONE = "done"  # the job's end: {"code", "diagnosis"}; a host that joins later leaves at once
+GONE = "gone/"  # gone/<host id>/<incarnation>: the job gave that host up (its ranks moved on)
 
 
 def host_key(host_id: str) -> str:
     return HOSTS + host_id
+
+
+def gone_key(host_id: str, incarnation: str) -> str:
+    """Written by the controller in office, in one transaction with the check that the host's
+    record is absent, before it recovers from that host's loss; a host whose lease lapsed
+    registers again only while this key is absent. One of the two wins, never both."""
+    return f"{GONE}{host_id}/{incarnation}"
 
 
 class _Record:

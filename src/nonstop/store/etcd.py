@@ -295,6 +295,42 @@ class Etcd:
         raise Fenced(f"fenced: {guard_key!r} is {now}, not at epoch {guard_create_revision}: "
                      "another leader took over", guard_key, int(guard_create_revision), found)
 
+    def _absent(self, key: str) -> dict:
+        return {"key": _b64(self._key(key)), "target": "CREATE", "result": "EQUAL",
+                "create_revision": 0}
+
+    def rejoin(self, key: str, value: bytes | str, lease: "Lease | int", unless: str) -> str:
+        """Write ``key`` under ``lease`` again, only while both it and ``unless`` are absent:
+        "rejoined"; "gone" when ``unless`` exists; "present" when ``key`` does."""
+        r = self._txn([self._absent(key), self._absent(unless)],
+                      [{"request_put": self._put_op(key, value, lease)}],
+                      [{"request_range": {"key": _b64(self._key(unless))}}])
+        if r.get("succeeded"):
+            return "rejoined"
+        kvs = ((r.get("responses") or [{}])[0].get("response_range") or {}).get("kvs") or []
+        return "gone" if kvs else "present"
+
+    def mark_gone(self, guard_key: str, guard_create_revision: int, gone: str, unless: str,
+                  value: bytes | str = b"1") -> bool:
+        """Write ``gone`` while ``guard_key`` holds that epoch and ``unless`` is absent: True when
+        written (or already there), False when ``unless`` exists (the host is back); raises
+        :class:`Fenced` when the epoch is no longer the leader's."""
+        g = _b64(self._key(guard_key))
+        r = self._txn([{"key": g, "target": "CREATE", "result": "EQUAL",
+                        "create_revision": int(guard_create_revision)}, self._absent(unless)],
+                      [{"request_put": self._put_op(gone, value)}],
+                      [{"request_range": {"key": g}},
+                       {"request_range": {"key": _b64(self._key(unless))}}])
+        if r.get("succeeded"):
+            return True
+        responses = r.get("responses") or [{}, {}]
+        lead = (responses[0].get("response_range") or {}).get("kvs") or []
+        found = int(lead[0].get("create_revision", 0)) if lead else 0
+        if found != int(guard_create_revision):
+            raise Fenced(f"fenced: {guard_key!r} is not at epoch {guard_create_revision}: another "
+                         "leader took over", guard_key, int(guard_create_revision), found)
+        return False
+
     def delete(self, key: str) -> None:
         self._call("/kv/deleterange", {"key": _b64(self._key(key))})
 

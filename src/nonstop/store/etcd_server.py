@@ -174,6 +174,22 @@ class EtcdCluster:
                 m.proc.wait(timeout_s)
         m.proc = None
 
+    def pause_member(self, name: str) -> None:
+        """Freeze a member (SIGSTOP): as a VM paused, a disk stalled, a long GC - its clients'
+        requests hang, its peers time it out; ``resume_member`` wakes it."""
+        self._signal(name, signal.SIGSTOP)
+
+    def resume_member(self, name: str) -> None:
+        self._signal(name, signal.SIGCONT)
+
+    def _signal(self, name: str, sig: int) -> None:
+        m = self.member(name)
+        if m.proc is not None and m.proc.poll() is None:
+            try:
+                os.killpg(m.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
     def stop(self) -> None:
         for m in self.members:
             self.stop_member(m.name)

@@ -1,0 +1,82 @@
+"""A controller that cannot prove its lease still holds acts on nothing: its orders to the hosts
+wait until the lease is confirmed (then they go out, in order), except the end of the job after
+the store's outage tolerance; a host refusing its epoch makes it step down, never crash. Real
+authenticated channels on loopback, no process."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from nonstop.hosts.cluster import Cluster, Deposed
+from nonstop.net.channel import connect, new_secret
+from nonstop.net.listener import Listener
+from nonstop.protocol import hosts as keys
+from nonstop.protocol import messages as m
+
+HOST = "127.0.0.1"
+
+
+@pytest.fixture
+def host(tmp_path):
+    """A cluster of this controller (epoch 7) with one host, whose side of the channel is
+    returned: what the controller sends arrives there."""
+    secret = new_secret().encode()
+    with Listener(HOST, secret) as lst:
+        box: dict = {}
+        t = threading.Thread(target=lambda: box.setdefault("ch", lst.accept(10)))
+        t.start()
+        cluster = Cluster(7, secret, tmp_path, lambda wid, line: None)
+        rec = keys.HostRecord(host_id="h0", addr=HOST, ctl_port=lst.port, rdzv_port=1, pid=1,
+                              slots=1, incarnation="a")
+        cluster.add_host(0, rec, ch=connect(HOST, lst.port, secret))
+        t.join(10)
+        agent = box["ch"]
+        hello = m.decode(agent.recv(5)[0])
+        assert isinstance(hello, m.Hello) and hello.epoch == 7
+        yield cluster, agent
+        cluster.close()
+        agent.close()
+
+
+def _received(agent, timeout: float = 0.3) -> list:
+    out = []
+    while True:
+        try:
+            out.append(m.decode(agent.recv(timeout)[0]))
+        except Exception:  # noqa: BLE001 - nothing more within the timeout
+            return out
+
+
+def test_orders_wait_while_office_is_unproven_then_go_out_in_order(host):
+    cluster, agent = host
+    office = {"held": False}
+    cluster.in_office = lambda: office["held"]
+    cluster.abort(3, [])  # nothing to abort: nothing is sent either way
+    cluster.signal(99)  # an unknown process: nothing
+    cluster.tell(0, m.Abort(gen=3, wids=[1]))
+    cluster.tell(0, m.Abort(gen=4, wids=[2]))
+    cluster.poll(0.05)
+    assert _received(agent) == []  # not while the lease is not confirmed
+    office["held"] = True
+    cluster.poll(0.05)
+    got = _received(agent)
+    assert [(x.gen, x.wids, x.epoch) for x in got] == [(3, [1], 7), (4, [2], 7)]
+
+
+def test_the_end_of_the_job_goes_out_without_a_lease(host):
+    cluster, agent = host
+    cluster.in_office = lambda: False
+    cluster.giving_up = True  # etcd away longer than hosts.store_outage_s
+    cluster.tell(0, m.End(code=1, why="etcd unreachable"))
+    (end,) = _received(agent)
+    assert isinstance(end, m.End) and end.code == 1
+
+
+def test_a_host_that_met_a_newer_controller_deposes_this_one(host):
+    cluster, agent = host
+    agent.send(m.encode(m.Refused(why="epoch 7 is older than 9")))
+    with pytest.raises(Deposed, match="refused a command"):
+        for _ in range(50):
+            cluster.poll(0.05)
