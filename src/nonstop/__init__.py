@@ -9,7 +9,12 @@ Importing nonstop does not import torch.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
+
+# what nonstop has to tell its user it prints itself, once and prefixed "nonstop:"; its loggers
+# say nothing on their own (Python would print their warnings raw, beside those lines)
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 __all__ = ["State", "RNGState", "wrap", "Context", "step_seed", "reproducible",

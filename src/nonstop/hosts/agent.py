@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import queue
 import secrets
@@ -42,6 +43,7 @@ CLOSED = object()  # in the inbox: the channel it came on is closed
 KEEPER_START_S = 15.0  # the node memory has this long to listen (a bare Python start)
 RESPAWN_S = 0.5  # a standby controller that died is replaced after this long
 HISTORY_MAX = 50_000  # events kept for a controller that takes over
+WAITING_SAY_S = 5.0  # a host waiting for the job to form says so this often
 
 
 class HostAgent(Fencing):
@@ -67,6 +69,10 @@ class HostAgent(Fencing):
         self._rejoiner: threading.Thread | None = None  # registering again after a lapse
         self._rejoined: str | None = None  # ...its verdict: "rejoined", or why to fence
         self.given_up: str | None = None  # an incarnation of this host the job marked gone
+        self._refusals: dict[tuple[str, str], int] = {}  # (address, reason) -> times refused
+        self.peer_names: dict[str, str] = {}  # address -> host id, as etcd lists the hosts
+        self._office_news: str | None = None  # a new controller in office, to say
+        self._say_waiting = time.time() + WAITING_SAY_S  # when a host still alone says so
         self._unsent_exits: list[dict[str, Any]] = []
         self.history: list[dict[str, Any]] = []  # every event of this host's processes
         self._gen_stores: dict[int, Any] = {}  # a plain script's stores, per generation
@@ -256,10 +262,16 @@ class HostAgent(Fencing):
             self.agent.wake()
 
     def _refused(self, peer: tuple[str, int], why: str) -> None:
+        """Said once per address and reason (a peer that retries is refused again and again),
+        then counted: said again at the 10th, 100th... time."""
         if "closed the connection" in why:  # a probe (or a port scan): nothing was offered
             return
-        print(f"nonstop: refused a connection from {peer[0]}:{peer[1]}: {why}", file=sys.stderr,
-              flush=True)
+        key = (peer[0], why.split(":", 1)[0])
+        n = self._refusals[key] = self._refusals.get(key, 0) + 1
+        if n == 1 or math.log10(n).is_integer():
+            again = f" ({n} times)" if n > 1 else ""
+            print(f"nonstop: refused a connection from {peer[0]}: {why}{again}", file=sys.stderr,
+                  flush=True)
 
     def _send(self, msg: m.Report) -> bool:
         ctl = self.ctl  # (also called from the keepers' relay thread)
@@ -275,6 +287,7 @@ class HostAgent(Fencing):
 
     # == the loop ===============================================================================
     def _loop(self) -> int:
+        self._say_waiting = time.time() + WAITING_SAY_S
         while self.code is None:
             exited = self.agent.poll(0.02)
             for proc in exited:
@@ -305,6 +318,12 @@ class HostAgent(Fencing):
             if self.preempted_at is not None:
                 self._preempting()
             self._check_health(now)
+            if self.epoch == 0 and now >= self._say_waiting:  # the job has not formed yet
+                self._say_waiting = now + WAITING_SAY_S
+                need = self.cfg.nnodes_max + self.cfg.spare_nodes
+                print(f"nonstop: host {self.cfg.host_id}: registered in job "
+                      f"'{self.cfg.job_id}'; {len(self.peers) + 1} of its {need} host(s) so "
+                      "far: waiting for the others", file=sys.stderr, flush=True)
             if self._respawn_at is not None and now >= self._respawn_at:
                 self._spawn_controller()
         return self.code
@@ -355,6 +374,11 @@ class HostAgent(Fencing):
             except Exception:  # noqa: BLE001
                 pass
         new = epoch != self.epoch
+        if new:  # said with its first order (a host it turns away hears only of its end)
+            where = self.peer_names.get(ch.peer[0], ch.peer[0]) if ch.peer else "?"
+            self._office_news = (f"nonstop: host {self.cfg.host_id}: the controller in office "
+                                 f"is on {'this host' if where == self.cfg.host_id else where} "
+                                 f"(epoch {epoch})")
         self.epoch, self.ctl = epoch, ch
         self._preempt_told = False  # (a new controller hears of a preemption again)
         workers = [{"wid": p.wid, "pid": p.pid, "alive": p.alive, "code": p.returncode,
@@ -371,6 +395,9 @@ class HostAgent(Fencing):
             self._send(m.Exits(exits=exits))
 
     def _command(self, order: m.Order) -> None:
+        if self._office_news is not None and not isinstance(order, (m.End, m.Hello)):
+            print(self._office_news, file=sys.stderr, flush=True)
+            self._office_news = None
         match order:
             case m.Spawn(wid=wid, spare=spare, mode=mode, node=node, keeper=keeper):
                 self.meta[wid] = {"spare": spare, "node": node}

@@ -222,6 +222,7 @@ class Fencing:
         rows = self.etcd.get_prefix(keys.HOSTS)
         peers = [keys.HostRecord.loads(r[1]) for r in rows]
         self.peers = [(p.addr, p.ctl_port) for p in peers if p.host_id != self.cfg.host_id]
+        self.peer_names = {p.addr: p.host_id for p in peers}
         if raw is None:
             return False
         self.done = json.loads(raw)

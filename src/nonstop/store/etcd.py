@@ -44,6 +44,24 @@ _MIN_ATTEMPT_S = 0.5  # one endpoint's share of a deadline, when there are other
 HISTORY_S = 1.0  # a short wait whose history may hold changes gets this long once its watch is live
 
 
+_CAUSES = (("Connection refused", "connection refused"), ("timed out", "timed out"),
+           ("No route to host", "no route to host"),
+           ("Name or service not known", "unknown host name"),
+           ("certificate verify failed", "TLS certificate not trusted"),
+           ("Connection reset", "connection reset"),
+           ("Network is unreachable", "network unreachable"))
+
+
+def _short(e: BaseException) -> str:
+    """What a failed HTTP call to etcd comes down to, in a few words (urllib3's own text runs to
+    hundreds of characters of pool and adapter names)."""
+    text = str(e)
+    for needle, said in _CAUSES:
+        if needle in text:
+            return said
+    return f"{type(e).__name__}: {text[:120]}"
+
+
 class Etcd:
     """An etcd client for one job: keys are relative to ``/nonstop/<job>/``.
 
@@ -138,7 +156,7 @@ class Etcd:
             resp = client.session.post(client.get_url(path), json=payload, timeout=timeout,
                                        verify=client.session.verify)
         except (requests.Timeout, requests.ConnectionError) as e:
-            raise _Retry(f"{type(e).__name__}: {e}") from None
+            raise _Retry(_short(e)) from None
         if resp.status_code == 200:
             try:
                 body = resp.json()
