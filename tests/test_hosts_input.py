@@ -28,9 +28,9 @@ def etcd(tmp_path):
 
 
 def launch(tmp_path, name: str, *flags: str, secret: str | None = SECRET,
-           script: str = str(TRAIN), steps: tuple = ("--steps", "4000", "--sleep-ms", "5")
-           ) -> subprocess.Popen:
-    env = dict(os.environ)
+           script: str = str(TRAIN), steps: tuple = ("--steps", "4000", "--sleep-ms", "5"),
+           env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = dict(os.environ, **(env or {}))
     env.pop("NONSTOP_JOB_SECRET", None)
     if secret is not None:
         env["NONSTOP_JOB_SECRET"] = secret
@@ -99,6 +99,14 @@ def test_a_host_the_job_has_no_room_for_a_host_with_another_secret_or_other_sett
         line = refused(launch(tmp_path, "e", "--nnodes", "3", "--nproc-per-node", "1",
                               "--rdzv-endpoint", etcd.url, "--rdzv-id", "full"))
         assert "other settings" in line and "nnodes" in line
+        # the same job with other script arguments (a spare host started with --steps 150
+        # where the others have 4000): it would train another job once it takes ranks
+        line = refused(launch(tmp_path, "f", *common, steps=("--steps", "150", "--sleep-ms", "5")))
+        assert "the script or its arguments differ" in line
+        # a variable that changes the numbers, set on one host only
+        env_host = launch(tmp_path, "g", *common, env={"OMP_NUM_THREADS": "3"})
+        line = refused(env_host)
+        assert "environment variables that change the numbers" in line
         # the same host name twice
         line = refused(launch(tmp_path, "a", *common))
         assert "already in job" in line
@@ -161,3 +169,32 @@ def test_a_host_slow_to_answer_at_the_start_is_waited_for(tmp_path, etcd):
     finally:
         end(a, b)
     assert a.returncode == 0 and b.returncode == 0, err_a[-2000:] + err_b[-2000:]
+
+
+def test_the_first_host_with_the_odd_secret_out_is_the_one_refused(tmp_path, etcd):
+    """The first host to join holds another secret than the two after it: it created the job's
+    record, but it is outnumbered before the job formed. It is the one refused (one line, exit
+    2); the two with the same secret run the job."""
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", etcd.url,
+              "--rdzv-id", "secrets"]
+    odd = launch(tmp_path, "odd", *common, secret="another-secret-0123456789abcdef",
+                 steps=("--steps", "30"))
+    store = Etcd(parse_endpoints(etcd.url), "secrets")
+    try:
+        deadline = time.time() + 30
+        while store.get("job")[0] is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert store.get("job")[0] is not None  # the odd one created the job's record
+        a = launch(tmp_path, "a", *common, steps=("--steps", "30"))
+        b = launch(tmp_path, "b", *common, steps=("--steps", "30"))
+        try:
+            line = refused(odd)
+            assert "this host is the one refused" in line and "another secret" in line
+            for p in (a, b):
+                out, err = p.communicate(timeout=120)
+                assert p.returncode == 0, out + err
+        finally:
+            end(a, b)
+    finally:
+        end(odd)
+        store.close()

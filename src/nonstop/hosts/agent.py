@@ -72,6 +72,8 @@ class HostAgent(Fencing):
         self._refusals: dict[tuple[str, str], int] = {}  # (address, reason) -> times refused
         self.peer_names: dict[str, str] = {}  # address -> host id, as etcd lists the hosts
         self._office_news: str | None = None  # a new controller in office, to say
+        self.refused_why: str | None = None  # outvoted on the job's secret: this host leaves
+        self.other_secrets = 0  # hosts waiting to join with another secret than ours
         self._say_waiting = time.time() + WAITING_SAY_S  # when a host still alone says so
         self._unsent_exits: list[dict[str, Any]] = []
         self.history: list[dict[str, Any]] = []  # every event of this host's processes
@@ -163,16 +165,27 @@ class HostAgent(Fencing):
             raise UsageError(f"job '{self.cfg.job_id}' has already ended "
                              f"({json.loads(done).get('diagnosis') or 'finished'}): use a new "
                              "--rdzv-id")
-        if not self.etcd.create(keys.JOB, mine.dumps()):
+        while not self.etcd.create(keys.JOB, mine.dumps()):
             raw, _ = self.etcd.get(keys.JOB)
-            theirs = keys.JobRecord.loads(raw)
+            if raw is None:
+                continue  # its creator just gave it up (see _yield_secret): ours now
+            try:
+                theirs = keys.JobRecord.loads(raw)
+            except ValueError:
+                raise UsageError(f"job '{self.cfg.job_id}' was started by another version of "
+                                 "nonstop: refused (every host must run the same one)") from None
             diff = mine.differs(theirs)
+            if diff == ["secret_check"] and self._outvote(mine):
+                continue  # the job's first host had the odd secret out and gave way
             if "secret_check" in diff:
                 raise UsageError(f"job '{self.cfg.job_id}' runs with another secret "
-                                 "(NONSTOP_JOB_SECRET / --secret-file): refused")
+                                 "(NONSTOP_JOB_SECRET / --secret-file) than this host's: refused")
             if diff:
-                raise UsageError(f"job '{self.cfg.job_id}' is running with other settings "
-                                 f"({', '.join(diff)} differ): another job uses this --rdzv-id?")
+                raise UsageError(f"job '{self.cfg.job_id}' runs with other settings than this "
+                                 f"host: {mine.describe(diff)} differ (every host must start "
+                                 "the same job the same way; or another job uses this "
+                                 "--rdzv-id?)")
+            break
         hosts = self.etcd.get_prefix(keys.HOSTS)
         if any(k == keys.host_key(self.cfg.host_id) for k, *_ in hosts):
             raise UsageError(f"host '{self.cfg.host_id}' is already in job '{self.cfg.job_id}' "
@@ -182,6 +195,64 @@ class HostAgent(Fencing):
             raise UsageError(f"job '{self.cfg.job_id}' already has {len(hosts)} host(s), the most "
                              f"it takes (--nnodes {self.cfg.nnodes_max} + --spare-nodes "
                              f"{self.cfg.spare_nodes})")
+
+    def _outvote(self, mine: keys.JobRecord) -> bool:
+        """The job's record holds another secret than ours. Before the job has the hosts it
+        needs, its first host may be the odd one out: this host says which secret it holds
+        (a vote, under a lease) and waits. True once the record is gone (its creator, outvoted,
+        gave way: see ``_yield_secret``); False when the job formed without us, or the wait
+        ran out (then this host is the one refused)."""
+        lease = self.etcd.lease(self.cfg.lease_ttl_s)
+        lease.keepalive()
+        vote = keys.vote_key(self.cfg.host_id)
+        self.etcd.put(vote, mine.secret_check, lease=lease)
+        deadline = time.monotonic() + self.cfg.policy["hosts"]["join_timeout_s"]
+        say = time.monotonic() + WAITING_SAY_S
+        try:
+            while time.monotonic() < deadline:
+                raw, _ = self.etcd.get(keys.JOB)
+                if raw is None:
+                    return True
+                if keys.JobRecord.loads(raw).secret_check == mine.secret_check:
+                    return True  # recreated by a host with our secret
+                if len(self.etcd.get_prefix(keys.HOSTS)) >= self.cfg.nnodes_min:
+                    return False  # the job has its hosts: ours is the odd secret
+                if time.monotonic() >= say:
+                    say = time.monotonic() + WAITING_SAY_S
+                    print(f"nonstop: host {self.cfg.host_id}: job '{self.cfg.job_id}' was "
+                          "started by a host with another secret; waiting to see which secret "
+                          "most of its hosts hold", file=sys.stderr, flush=True)
+                time.sleep(0.5)
+            return False
+        finally:
+            try:
+                lease.revoke()
+            except Exception:  # noqa: BLE001 - it expires by itself
+                lease.stop()
+
+    def _yield_secret(self) -> None:
+        """While the job has not formed, hosts with another secret than the record's say so
+        (``_outvote``). Outnumbered by the hosts of one other secret, this host - the record's
+        creator or a host that joined it - is the odd one out: the job's record goes (if no
+        other host holds it), and this host is refused."""
+        if self.epoch != 0:
+            return  # the job formed: its secret is settled
+        mine = self.cfg.job_record(self.secret).secret_check
+        votes: dict[str, int] = {}
+        for _, raw, _, _ in self.etcd.get_prefix(keys.VOTES):
+            other = raw.decode(errors="replace")
+            if other != mine:
+                votes[other] = votes.get(other, 0) + 1
+        ours = len(self.etcd.get_prefix(keys.HOSTS))  # every host registered holds our secret
+        self.other_secrets = sum(votes.values())
+        if not votes or max(votes.values()) <= ours:
+            return
+        if ours <= 1:  # no other host of ours holds the record: it goes with us
+            self.etcd.delete(keys.JOB)
+        self.refused_why = (f"job '{self.cfg.job_id}': {max(votes.values())} other host(s) hold "
+                            "another secret (NONSTOP_JOB_SECRET / --secret-file) than this "
+                            "host's: this host is the one refused")
+        self._wake()
 
     def _register(self) -> None:
         """The host's record, under a lease kept alive in the background."""
@@ -306,6 +377,8 @@ class HostAgent(Fencing):
                 self._relay_progress()
                 if self.metrics is not None:
                     self.metrics.update(self)
+            if self.refused_why is not None:
+                raise UsageError(self.refused_why)
             given_up, self.given_up = self.given_up, None
             if given_up is not None and given_up == self.incarnation:
                 self._fence("the job gave this host up")
@@ -321,9 +394,11 @@ class HostAgent(Fencing):
             if self.epoch == 0 and now >= self._say_waiting:  # the job has not formed yet
                 self._say_waiting = now + WAITING_SAY_S
                 need = self.cfg.nnodes_max + self.cfg.spare_nodes
+                odd = (f" ({self.other_secrets} host(s) with another secret wait too)"
+                       if self.other_secrets else "")
                 print(f"nonstop: host {self.cfg.host_id}: registered in job "
                       f"'{self.cfg.job_id}'; {len(self.peers) + 1} of its {need} host(s) so "
-                      "far: waiting for the others", file=sys.stderr, flush=True)
+                      f"far: waiting for the others{odd}", file=sys.stderr, flush=True)
             if self._respawn_at is not None and now >= self._respawn_at:
                 self._spawn_controller()
         return self.code

@@ -18,6 +18,35 @@ from ..protocol import hosts as keys
 ETCD_PASSWORD = "NONSTOP_ETCD_PASSWORD"
 
 
+def _script_digest(script: str, args: list[str]) -> str:
+    """The script's bytes and its arguments (a spare host started with --steps 150 where the
+    others have 300 would take ranks and train another job)."""
+    h = hashlib.sha256()
+    try:
+        h.update(Path(script).read_bytes())
+    except OSError:  # said elsewhere (a missing script is refused before this)
+        h.update(script.encode())
+    h.update(json.dumps(list(args)).encode())
+    return h.hexdigest()[:32]
+
+
+def _versions() -> str:
+    from importlib import metadata
+
+    from .. import __version__
+
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch = "none"
+    return f"nonstop {__version__}, torch {torch}"
+
+
+def _env_digest(env: Any) -> str:
+    pairs = sorted((k, env[k]) for k in keys.NUMERIC_ENV if k in env)
+    return hashlib.sha256(json.dumps(pairs).encode()).hexdigest()[:32]
+
+
 @dataclasses.dataclass
 class HostConfig:
     script: str
@@ -57,7 +86,9 @@ class HostConfig:
             nnodes_min=self.nnodes_min, nnodes_max=self.nnodes_max,
             nproc_per_node=self.nproc_per_node, spare_nodes=self.spare_nodes,
             script=os.path.basename(self.script), policy_digest=self.policy_digest,
-            secret_check=hmac.new(secret, b"nonstop job secret check", hashlib.sha256).hexdigest())
+            secret_check=hmac.new(secret, b"nonstop job secret check", hashlib.sha256).hexdigest(),
+            script_digest=_script_digest(self.script, self.script_args),
+            versions=_versions(), env_digest=_env_digest(os.environ))
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)

@@ -219,6 +219,7 @@ class Fencing:
             self.given_up = inc
             self._wake()
         raw, _ = self.etcd.get(keys.DONE)
+        self._yield_secret()
         rows = self.etcd.get_prefix(keys.HOSTS)
         peers = [keys.HostRecord.loads(r[1]) for r in rows]
         self.peers = [(p.addr, p.ctl_port) for p in peers if p.host_id != self.cfg.host_id]

@@ -19,10 +19,17 @@ JOURNAL = "journal"  # the controller's state: a standby continues from it
 STATUS = "status"  # the controller in office's observe.status record, for nonstop status
 DONE = "done"  # the job's end: {"code", "diagnosis"}; a host that joins later leaves at once
 GONE = "gone/"  # gone/<host id>/<incarnation>: the job gave that host up (its ranks moved on)
+VOTES = "votes/"  # votes/<host id>: the secret check of a host refused by the job's record
 
 
 def host_key(host_id: str) -> str:
     return HOSTS + host_id
+
+
+def vote_key(host_id: str) -> str:
+    """Before the job has formed, a host whose secret differs from the job record's says which
+    one it holds here (under its lease): outnumbered, the record's side gives way."""
+    return VOTES + host_id
 
 
 def gone_key(host_id: str, incarnation: str) -> str:
@@ -40,8 +47,13 @@ class _Record:
 
     @classmethod
     def loads(cls, raw: bytes | str) -> Any:
+        """The record; one written by another version of nonstop (a field missing or unknown)
+        is refused (ValueError)."""
         data = json.loads(raw)
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
+        names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        if not isinstance(data, dict) or set(data) != set(names):
+            raise ValueError(f"not a {cls.__name__} of this version of nonstop")
+        return cls(**{n: data[n] for n in names})
 
 
 @dataclasses.dataclass
@@ -69,11 +81,34 @@ class JobRecord(_Record):
     script: str  # its file name: two different jobs under one id are told apart
     policy_digest: str
     secret_check: str  # an HMAC of a fixed text: a host with another secret is refused at once
+    script_digest: str  # the script's bytes and its arguments: every host trains the same job
+    versions: str  # nonstop's and torch's
+    env_digest: str  # the variables in NUMERIC_ENV that this host sets, and their values
 
+    #: what each field is called when a host is refused for it
+    NAMES = {"nnodes_min": "--nnodes", "nnodes_max": "--nnodes",
+             "nproc_per_node": "--nproc-per-node", "spare_nodes": "--spare-nodes",
+             "script": "the script's name", "policy_digest": "the policy",
+             "secret_check": "the secret", "script_digest": "the script or its arguments",
+             "versions": "the nonstop or torch version",
+             "env_digest": "the environment variables that change the numbers "
+                           "(NUMERIC_ENV: see docs/deploy.md)"}
 
     def differs(self, other: "JobRecord") -> list[str]:
         return [f.name for f in dataclasses.fields(self)
                 if getattr(self, f.name) != getattr(other, f.name)]
+
+    def describe(self, fields: list[str]) -> str:
+        return ", ".join(dict.fromkeys(self.NAMES.get(f, f) for f in fields))
+
+
+#: Environment variables that change a job's numbers (reduction orders, math libraries' choices,
+#: hash seeds): every host must set the same ones to the same values, or its ranks compute other
+#: numbers than its peers' and a rank it takes over ends elsewhere.
+NUMERIC_ENV = ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "NVIDIA_TF32_OVERRIDE",
+               "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+               "MKL_CBWR", "NCCL_ALGO", "NCCL_PROTO", "CUDA_LAUNCH_BLOCKING",
+               "TORCH_CUDNN_V8_API_DISABLED")
 
 
 TIME_FIELDS = ("t", "hb")
