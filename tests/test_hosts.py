@@ -44,14 +44,14 @@ def job(tmp_path):
 
 
 def _saved(j: HostJob, hosts: int) -> list:
-    return [p for p in (j.base / f"final{i}.pt" for i in range(hosts)) if p.exists()]
+    return [p for p in [j.base / "final.pt"] if p.exists()]
 
 
 def _train(j: HostJob, i: int, *flags: str, steps: int = STEPS, sleep_ms: float = 0.0,
            script=TRAIN):
     return j.start(i, *flags, script=str(script),
                    script_args=["--steps", str(steps), "--sleep-ms", str(sleep_ms),
-                                "--save", str(j.base / f"final{i}.pt")])
+                                "--save", str(j.base / "final.pt")])
 
 
 def test_a_host_killed_whole_moves_its_ranks_to_the_spare_host(job, reference):
@@ -152,7 +152,7 @@ def test_the_controller_killed_training_goes_on_then_a_crash_on_a_remote_host(jo
                 "--metrics-addr", j.hosts[i].addr, script=str(TRAIN),
                 env={"NONSTOP_TEST_CLOCK_SHIFT_S": "30" if i == 1 else "0"},
                 script_args=["--steps", str(STEPS), "--sleep-ms", "20",
-                             "--save", str(j.base / f"final{i}.pt")])
+                             "--save", str(j.base / "final.pt")])
     j.wait_output("step 50 ", 90)
     for h in j.hosts:
         listening = _listeners(h)
@@ -255,7 +255,7 @@ def test_a_health_check_fails_on_one_host_its_ranks_move_to_the_spare_host(job, 
         j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
                 "--policy", str(pol), script=str(TRAIN), env={"NONSTOP_TEST_HOST": f"host{i}"},
                 script_args=["--steps", str(STEPS), "--sleep-ms", "10",
-                             "--save", str(j.base / f"final{i}.pt")])
+                             "--save", str(j.base / "final.pt")])
     j.wait_output("step 50 ", 90)
     victim, node = _victim(j)
     marker.with_name(f"bad-host{victim}").write_text("")
@@ -321,7 +321,7 @@ def test_a_plain_torchrun_script_across_hosts_is_restarted_whole(job, reference)
     j = job(2)
     for i in range(2):
         j.start(i, "--nnodes", "2", "--nproc-per-node", "2", script=str(PLAIN),
-                script_args=["--steps", "600", "--save", str(j.base / f"final{i}.pt")])
+                script_args=["--steps", "600", "--save", str(j.base / "final.pt")])
     at = j.wait_output("step 100 ", 90)
     victim = j.hosts[1 - at]  # a rank on the host that does not print rank 0's lines
     pids = [p for p in victim.pids()  # rank processes, forked from the zygote, are named so

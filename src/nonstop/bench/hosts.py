@@ -118,12 +118,12 @@ def start_nonstop(j: Any, flags: list[str], script_args: list[str], n: int) -> N
     from ..protocol import hosts as keys
 
     j.start(0, *flags, script=str(SCRIPT), script_args=[*script_args, "--save",
-                                                         str(j.base / "final0.pt")])
+                                                         str(j.base / "final.pt")])
     _wait_etcd(j, "a controller in office", lambda e: e.leader(keys.LEADER) is not None,
                START_TIMEOUT_S)
     for i in range(1, n):
         j.start(i, *flags, script=str(SCRIPT),
-                script_args=[*script_args, "--save", str(j.base / f"final{i}.pt")])
+                script_args=[*script_args, "--save", str(j.base / "final.pt")])
 
 
 def _host_index(host_id: str) -> int:
@@ -240,7 +240,7 @@ def nonstop_once(case: str, a: argparse.Namespace, out: Path, ref: Path) -> dict
         r["node_joined"] = [e["node"] for e in of("node_joined")]
     if r.get("victim_host") is not None:
         r["victim_is_controller_host"] = r["victim_host"] == r.get("controller_host")
-    saved = [q for q in (j.base / f"final{i}.pt" for i in range(h + s)) if q.exists()]
+    saved = [q for q in [j.base / "final.pt"] if q.exists()]
     survivors_ok = all(c == 0 for i, c in codes.items()
                        if not (case == "host_loss" and f"host{i}" == r.get("victim_host")))
     r["completed"] = bool(codes) and survivors_ok and len(saved) == 1 and r["error"] is None
@@ -316,7 +316,7 @@ def torchrun_once(case: str, a: argparse.Namespace, out: Path, ref: Path) -> dic
                    f"--local-addr={host.addr}", "--max-restarts=3", "--monitor-interval=0.1",
                    str(SCRIPT), "--mode", "torchrun", "--steps", str(a.steps), "--sleep-ms",
                    str(a.sleep_ms), "--step-times", str(times), "--ckpt-dir", str(ckpt),
-                   "--ckpt-every", str(CKPT_EVERY), "--save", str(j.base / f"final{i}.pt")]
+                   "--ckpt-every", str(CKPT_EVERY), "--save", str(j.base / "final.pt")]
             with open(j.base / f"out{i}.txt", "ab") as f:
                 procs[i] = host.popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
 
@@ -374,7 +374,7 @@ def torchrun_once(case: str, a: argparse.Namespace, out: Path, ref: Path) -> dic
         logs = [(j.base / f"out{i}.txt").read_text(errors="replace") for i in procs
                 if i != victim and (j.base / f"out{i}.txt").exists()]
         r["phases_s"] = torchrun_phases(logs, t_fault, first[1] if after else None)
-    saved = [q for q in (j.base / f"final{i}.pt" for i in range(h + s)) if q.exists()]
+    saved = [q for q in [j.base / "final.pt"] if q.exists()]
     survivors_ok = all(c == 0 for i, c in codes.items() if i != victim)
     r["completed"] = survivors_ok and len(saved) == 1 and r["error"] is None
     r["params_match_reference"] = r["completed"] and common.params_equal(ref, saved[0])
