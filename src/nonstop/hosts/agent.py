@@ -71,7 +71,7 @@ class HostAgent(Fencing):
         self.given_up: str | None = None  # an incarnation of this host the job marked gone
         self._refusals: dict[tuple[str, str], int] = {}  # (address, reason) -> times refused
         self.peer_names: dict[str, str] = {}  # address -> host id, as etcd lists the hosts
-        self._office_news: str | None = None  # a new controller in office, to say
+        self._office_news: tuple[int, str] | None = None  # a new controller (epoch, address)
         self.refused_why: str | None = None  # outvoted on the job's secret: this host leaves
         self.other_secrets = 0  # hosts waiting to join with another secret than ours
         self._say_waiting = time.time() + WAITING_SAY_S  # when a host still alone says so
@@ -450,10 +450,7 @@ class HostAgent(Fencing):
                 pass
         new = epoch != self.epoch
         if new:  # said with its first order (a host it turns away hears only of its end)
-            where = self.peer_names.get(ch.peer[0], ch.peer[0]) if ch.peer else "?"
-            self._office_news = (f"nonstop: host {self.cfg.host_id}: the controller in office "
-                                 f"is on {'this host' if where == self.cfg.host_id else where} "
-                                 f"(epoch {epoch})")
+            self._office_news = (epoch, ch.peer[0] if ch.peer else "?")
         self.epoch, self.ctl = epoch, ch
         self._preempt_told = False  # (a new controller hears of a preemption again)
         workers = [{"wid": p.wid, "pid": p.pid, "alive": p.alive, "code": p.returncode,
@@ -471,8 +468,12 @@ class HostAgent(Fencing):
 
     def _command(self, order: m.Order) -> None:
         if self._office_news is not None and not isinstance(order, (m.End, m.Hello)):
-            print(self._office_news, file=sys.stderr, flush=True)
+            epoch, addr = self._office_news
             self._office_news = None
+            where = "this host" if addr == self.cfg.addr else \
+                f"host {self.peer_names[addr]}" if addr in self.peer_names else addr
+            print(f"nonstop: host {self.cfg.host_id}: the controller in office is on {where} "
+                  f"(epoch {epoch})", file=sys.stderr, flush=True)
         match order:
             case m.Spawn(wid=wid, spare=spare, mode=mode, node=node, keeper=keeper):
                 self.meta[wid] = {"spare": spare, "node": node}
