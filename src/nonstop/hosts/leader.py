@@ -65,9 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     office = Office()
 
     def lost() -> None:
-        print(f"nonstop: the controller on {cfg.host_id} lost its lease in etcd: it steps down",
-              file=sys.stderr, flush=True)
-        os._exit(3)
+        step_down(f"the controller on {cfg.host_id} lost its lease in etcd")
 
     me = json.dumps({"host": cfg.host_id, "pid": os.getpid()})
     while True:
@@ -83,6 +81,22 @@ def main(argv: list[str] | None = None) -> None:
     code = Leader(cfg, secret, etcd, lead, office).run()
     sys.stdout.flush()
     os._exit(0 if code is not None else 1)
+
+
+_LOG: list[Any] = []  # the event log of the controller in office (one, once it is)
+
+
+def step_down(why: str) -> None:
+    """Leave office at once, leaving the hosts and their processes to the successor; the event
+    log says so (nonstop report then tells a controller that stepped down from one killed)."""
+    print(f"nonstop: {why}: this controller steps down", file=sys.stderr, flush=True)
+    for log in _LOG:
+        try:
+            log.write("stepped_down", why=why)
+            log.flush()
+        except Exception:  # noqa: BLE001 - leaving all the same
+            pass
+    os._exit(3)
 
 
 class Office:
@@ -102,9 +116,7 @@ class Office:
             return
         self.down_since = None
         if self.confirm is not None and not self.confirm():
-            print("nonstop: another controller took office while etcd was out of reach: this "
-                  "one steps down", file=sys.stderr, flush=True)
-            os._exit(3)
+            step_down("another controller took office while etcd was out of reach")
         print("nonstop: etcd is back: the control plane resumes", file=sys.stderr, flush=True)
 
 
@@ -186,6 +198,7 @@ class Leader:
             placed, lost = self._place_hosts(journal)
         display = Display(quiet=cfg.quiet, live=False)
         log = EventLog(self.run_dir)
+        _LOG.append(log)
         log.write("leader", epoch=self.epoch, host=cfg.host_id, pid=os.getpid(),
                   takeover=journal is not None,
                   hosts={h.host_id: h.addr for _, h in sorted(placed.items())})
@@ -236,9 +249,7 @@ class Leader:
         try:
             code = controller.run()
         except Deposed as exc:  # a successor is in office: leave everything to it, at once
-            print(f"nonstop: {exc}: another controller is in office; this one steps down",
-                  file=sys.stderr, flush=True)
-            os._exit(3)
+            step_down(f"{exc}: another controller is in office")
         except KeeperStartError as exc:  # the machine's trouble: said as such, not as a bug
             controller.outcome.diagnosis = f"the job could not start: {exc}"
             print(f"nonstop: error: {controller.outcome.diagnosis}", file=sys.stderr, flush=True)
@@ -499,9 +510,7 @@ class Leader:
                     self.journal.write(pending)
                     self._written_gen = int(json.loads(pending)["gen"])
                 except Fenced:
-                    print("nonstop: a newer controller is in office: this one stops",
-                          file=sys.stderr, flush=True)
-                    os._exit(3)
+                    step_down("a newer controller is in office")
                 except Exception:  # noqa: BLE001 - etcd out of reach: written later
                     if self._pending is None:
                         self._pending = pending
@@ -566,9 +575,7 @@ class Leader:
             self.guarded({gone: "1"})  # the host runs again as a new incarnation: this one is gone
             return True
         except Fenced:
-            print("nonstop: a newer controller is in office: this one stops", file=sys.stderr,
-                  flush=True)
-            os._exit(3)
+            step_down("a newer controller is in office")
         except Exception:  # noqa: BLE001 - etcd away: nothing is given up without it
             return False
 

@@ -201,6 +201,9 @@ def print_history(console: Console, attempts: list[dict[str, Any]]) -> None:
                    f"{'unknown' if goodput is None else f'{goodput:.1%}'}")
             if a.get("diagnosis"):
                 end += f": {a['diagnosis']}"
+        elif a.get("stepped_down"):
+            end = (f"its controller stepped down ({a['stepped_down']}): the job went on with a "
+                   f"successor; reached at least step {steps} here")
         else:
             end = f"no summary (its launcher was killed), reached at least step {steps}"
         console.print(Text(f"attempt {a['attempt']} ({started}): ", style="bold") + Text(end))

@@ -134,6 +134,8 @@ def attempts(path: str | Path) -> list[dict[str, Any]]:
         if kind == "run_end":
             cur.update(ended=True, exit_code=ev.get("exit_code"), diagnosis=ev.get("diagnosis"),
                        steps=ev.get("steps"), summary=ev)
+        elif kind == "stepped_down":  # a controller across hosts left office to a successor
+            cur["stepped_down"] = ev.get("why")
         elif kind == "rank_no_steps":
             cur["_no_steps"] = True
         elif kind == "rank_wrapped":
@@ -142,11 +144,31 @@ def attempts(path: str | Path) -> list[dict[str, Any]]:
             cur["_seen"] = max(cur["_seen"], ev["step"])
         elif kind == "incident" and isinstance(ev.get("step_before"), int):
             cur["_seen"] = max(cur["_seen"], ev["step_before"])
-    for a in out:
+    from .progress import FILENAME as PROGRESS_FILENAME
+
+    progressed = _progress_steps(Path(path).with_name(PROGRESS_FILENAME), out)
+    for a, best in zip(out, progressed):
         seen, plain, no_steps = a.pop("_seen"), a.pop("_plain"), a.pop("_no_steps")
         if not a["ended"]:
-            a["steps"] = None if plain or no_steps else seen
+            a["steps"] = None if plain or no_steps else max(seen, best)
     return out
+
+
+def _progress_steps(path: Path, spans: list[dict[str, Any]]) -> list[int]:
+    """The newest step the progress log beside an event log shows within each attempt's time
+    (an attempt that ended without its summary - its controller killed, or stepped down - got
+    at least that far)."""
+    best = [0] * len(spans)
+    if not spans or not path.exists() or all(a["ended"] for a in spans):
+        return best
+    for rec in read(path):
+        t, step = rec.get("t"), rec.get("step")
+        if not isinstance(t, (int, float)) or not isinstance(step, int):
+            continue
+        for i, a in enumerate(spans):
+            if not a["ended"] and (a["t_start"] or 0) <= t <= (a["t_end"] or 0) + 5.0:
+                best[i] = max(best[i], step)
+    return best
 
 
 def mark_logs(run_dir: str | Path, attempt: int) -> None:
