@@ -6,9 +6,11 @@ Besides the rank faults the job injects into itself (``--inject``: crashes, hang
 corruption, a warm spare killed at its promotion...), this harness throws what only the outside
 world can: a host killed whole, a host partitioned then healed, the controller in office killed,
 a host's launcher (``nonstop run``) SIGKILLed, a host preempted (SIGTERM: drained to the spare
-host, then released), etcd restarted, a host's keeper (its node memory) killed, a rank frozen with SIGSTOP and woken with SIGCONT once the job has replaced it (the zombie
-must never join again), and the shared checkpoint file system filled while checkpoints are
-written. A host that was lost comes back as a new machine (a new node id on the same address):
+host, then released), etcd restarted, etcd paused (SIGSTOP: every lease expired when it wakes),
+a host started with other script arguments (it must be refused), a host's keeper (its node
+memory) killed, a rank frozen with SIGSTOP and woken with SIGCONT once the job has replaced it
+(the zombie must never join again), and the shared checkpoint file system filled while
+checkpoints are written. A host that was lost comes back as a new machine (a new node id on the same address):
 the job must take it in as a spare host before the next host fault, so the world never shrinks
 and the final weights must equal the fault-free run's bit for bit.
 
@@ -26,6 +28,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import chaos, common
+from .hostjob import SECRET
 from .hosts import SCRIPT, read_times, wait_step
 
 FIRST = 40  # no fault before: the hang timeout is tuned from the steps seen by then
@@ -44,6 +48,7 @@ START_TIMEOUT_S = 180.0
 SETTLE_TIMEOUT_S = 120.0  # the hosts back after a fault
 RUN_TIMEOUT_S = 1800.0
 ETCD_DOWN_S = 3.0
+ETCD_PAUSE_S = 5.0  # etcd frozen (SIGSTOP) this long: every lease has expired when it wakes
 DISK_MB = 16  # the checkpoint file system (tmpfs): filled by disk_full
 CKPT_EVERY = 10
 
@@ -56,7 +61,7 @@ RANK_KINDS: dict[str, str] = {
 }
 #: faults of the outside world, thrown by this harness
 HOST_KINDS = ("host_kill", "partition", "controller_kill", "launcher_kill", "etcd_restart",
-              "keeper_kill", "stop_cont", "disk_full", "preempt")
+              "keeper_kill", "stop_cont", "disk_full", "preempt", "etcd_pause", "mismatched_host")
 KILLS_HOST = ("host_kill", "partition", "launcher_kill", "preempt")  # the host goes
 ONCE = chaos.ONCE
 POLICY = chaos.POLICY + """    node_replacement: {budget: 1000000}
@@ -65,8 +70,8 @@ POLICY = chaos.POLICY + """    node_replacement: {budget: 1000000}
 
 
 def gap(kind: str) -> int:
-    return HOST_GAP if kind in HOST_KINDS and kind not in ("keeper_kill", "stop_cont") \
-        else RANK_GAP
+    quick = ("keeper_kill", "stop_cont", "mismatched_host")  # no host goes
+    return HOST_GAP if kind in HOST_KINDS and kind not in quick else RANK_GAP
 
 
 TAIL = 2 * HOST_GAP  # after the last fault: faults of the outside world wait for the hosts
@@ -237,6 +242,31 @@ class Harness:
             j.etcd.stop_member("e0")
             time.sleep(ETCD_DOWN_S)
             j.etcd.start_member("e0")
+        elif kind == "etcd_pause":  # a paused VM, a stalled disk: no host may be given up for it
+            j.etcd.pause_member("e0")
+            try:
+                time.sleep(ETCD_PAUSE_S)
+            finally:
+                j.etcd.resume_member("e0")
+        elif kind == "mismatched_host":  # started with other script arguments: refused at once
+            i = f["slot"]
+            name = f"odd{uuid.uuid4().hex[:6]}"
+            f["victim"] = f"{name} on slot {i}"
+            args = [*self.script_args, "--save", str(j.base / f"{name}.pt")]  # differs
+            cmd = [sys.executable, "-m", "nonstop", "run", "--no-live", "--rdzv-endpoint",
+                   j.etcd.url, "--rdzv-id", j.job_id, f"--run-dir={j.base / name}",
+                   f"--node-id={name}", *self.flags, str(SCRIPT), *args]
+            env = dict(os.environ, NONSTOP_JOB_SECRET=SECRET, **self.env)
+            out = j.base / f"{name}.txt"
+            with open(out, "wb") as fh:
+                proc = j.hosts[i].popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
+            try:
+                f["exit_code"] = proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                f["exit_code"] = None
+            text = out.read_text(errors="replace")
+            f["refused"] = f["exit_code"] == 2 and "the script or its arguments differ" in text
         elif kind == "keeper_kill":
             i = f["slot"]
             f["victim"] = j.names.get(i, f"host{i}")
@@ -419,6 +449,9 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
     completed = error is None and bool(codes) and all(c == 0 for c in codes.values()) \
         and len(saved) == 1
     match = completed and ref_code == 0 and common.params_equal(base / "reference.pt", saved[0])
+    # a host that differs must be refused, never let in (nor blamed on the hardware)
+    let_in = [f.get("victim") for f in plan if f["kind"] == "mismatched_host" and "t_abs" in f
+              and not f.get("refused")]
     shm_left = sorted(_shm() - shm_before)
     # the summary of the controller in office at the end counts the job's incidents
     summaries = sorted((base / "job").glob("*/summary.json"), key=lambda p: p.stat().st_mtime)
@@ -430,7 +463,8 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
         "incidents": len(incidents), "summary_incidents": last.get("incidents"),
         "incidents_with_phases": sum(1 for i in incidents if i.get("phases_s")),
         "orphans": len(left) + len(left_in_hosts), "shm_left": shm_left,
-        "zombies_joined": zombies, "by_kind": by_kind, "levels": levels,
+        "zombies_joined": zombies, "mismatched_let_in": let_in, "by_kind": by_kind,
+        "levels": levels,
         "takeovers": max(0, len(of("leader")) - 1), "hosts_restarted": h.restarts if h else 0,
         "scaled_in": len([e for e in of("generation") if len(e.get("ranks") or {}) < world]),
         "steps_lost": sum(i.get("steps_lost") or 0 for i in incidents),
@@ -442,7 +476,7 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
 
 def keep_or_clean(result: dict[str, Any], base: Path, keep: bool, say: Callable[[str], None]) -> bool:
     ok = result["completed"] and result["params_match_reference"] and not result["orphans"] \
-        and not result["zombies_joined"]
+        and not result["zombies_joined"] and not result.get("mismatched_let_in")
     if ok and not keep:
         shutil.rmtree(base, ignore_errors=True)
     elif not ok:
@@ -455,6 +489,7 @@ def describe(result: dict[str, Any]) -> str:
             f"{result['params_match_reference']}, incidents {result['incidents_closed']}/"
             f"{result['incidents']} closed, takeovers {result['takeovers']}, hosts restarted "
             f"{result['hosts_restarted']}, orphans {result['orphans']}, zombies joined "
-            f"{result['zombies_joined']}, levels {result['levels']}"
+            f"{result['zombies_joined']}, mismatched hosts let in "
+            f"{result.get('mismatched_let_in') or 'none'}, levels {result['levels']}"
             + (f", error {result['error']}" if result["error"] else "")
             + f"\n{json.dumps(result['by_kind'])}")
