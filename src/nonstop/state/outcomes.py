@@ -3,8 +3,9 @@ complete by a manifest; or failed, and written again after a back-off; or given 
 console, the event log and the summary say of them.
 
 Any error of the file system counts alike (no space, a quota, no permission, read-only, I/O):
-each failed attempt is one console line naming the cause and one ``checkpoint_failed`` event
-with the detail. The newest complete checkpoint is never at stake (retention deletes only once
+each failed attempt is one ``checkpoint_failed`` event with the detail; the console says a cause
+once (then at the 10th, 100th... attempt it failed, at a give-up, and when checkpoints go through
+again). The newest complete checkpoint is never at stake (retention deletes only once
 a newer one is complete), and a step given up leaves no temporary directory behind.
 
 One step at a time is written again: the newest that failed. A newer step that fails while one
@@ -18,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -189,6 +191,7 @@ class DiskCheckpoints:
         self.failures = Failures(cfg.retries, cfg.retry_backoff_s, cfg.on_failure,
                                  cfg.max_consecutive_failures)
         self.failed_parts: dict[tuple[int, int], tuple[int, dict[str, Any]]] = {}
+        self._said: dict[str, int] = {}  # a failure's cause -> attempts failed so since said
         self._fatal_raised = False
         self.waiting = False  # inside a wait: a give-up is raised in the controller's loop only
 
@@ -286,7 +289,14 @@ class DiskCheckpoints:
             self._abandon(old, f"superseded by step {step}")
         line = f"checkpoint of step {step} not written: {full}; "
         if verdict.retry_in is not None:
+            # the same cause again (a disk that stays full): said once, then counted - said
+            # again at the 10th, 100th... attempt, and when a checkpoint goes through again
+            n = self._said[short] = self._said.get(short, 0) + 1
+            if n > 1 and not math.log10(n).is_integer():
+                return
             line += f"retrying in {verdict.retry_in:.2g} s"
+            if n > 1:
+                line += f" ({n} attempts have failed so)"
         else:
             self._abandon(step, "given up")
             newest = self._newest_complete()
@@ -309,6 +319,11 @@ class DiskCheckpoints:
             self.log.write("checkpoint_abandoned", step=step, why=why)
 
     def _written(self, step: int) -> None:
+        if self._said:
+            causes = ", ".join(f"{c}: {n} attempt(s)" for c, n in self._said.items())
+            self.display.info(f"checkpoint of step {step} written: checkpoints go through "
+                              f"again (failed before: {causes})")
+            self._said.clear()
         for key in [k for k in self.failed_parts if k[0] == step]:
             del self.failed_parts[key]
         for old in self.failures.written_step(step):
