@@ -30,3 +30,25 @@ def test_an_incident_starts_at_the_injection_that_caused_it_and_no_older_one():
     book.injected(127.0, "corrupt")  # a snapshot corrupted: found at a restore, if ever
     book.retry_opened(step=960, now=128.0, gen=1, max_step=960)
     assert book.open.t_fault == 128.0
+
+
+def test_an_incidents_headline_is_its_cause_and_no_library_source_path():
+    from nonstop.controller.book import IncidentBook, short
+    from nonstop.decide.ladder import Fault
+
+    assert short("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
+                 "pair.cc:553] Connection closed by peer [127.0.0.1]:29500") == \
+        "RuntimeError: Connection closed by peer [127.0.0.1]:29500"
+
+    class _Log:
+        def write(self, *a, **k):
+            return {}
+
+    class _Display:
+        def info(self, *a):
+            pass
+
+    book = IncidentBook(_Log(), _Display())
+    book.fault(Fault("hang", message="no step completed for 1.00 s"), 10.0, 0, 50)
+    book.fault(Fault("node_lost", node=1, message="its lease expired"), 12.0, 0, 50)
+    assert book.open.faults[0].startswith("node 1: node_lost")  # the cause leads

@@ -146,3 +146,16 @@ def _train_cmd(args, out):
     from conftest import TRAIN
 
     return [str(TRAIN), *args, "--save", str(out)]
+
+
+def test_a_silent_host_is_named_once_as_cut_off_not_each_of_its_ranks_as_frozen():
+    from nonstop.decide.liveness import silent_hosts_text
+
+    hung = {2: "frozen (no heartbeat for 1.0 s)", 3: "frozen (no heartbeat for 1.0 s)",
+            5: "frozen (no heartbeat for 1.1 s)"}
+    node_of = {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2}
+    text = silent_hosts_text(hung, node_of, {0: 0.05, 1: 1.4, 2: 0.1}, frozen_s=1.0)
+    assert text == ["node 1's host does not answer (its agent silent for 1.4 s: cut off, or "
+                    "frozen) - rank(s) 2, 3", "rank 5 frozen (no heartbeat for 1.1 s)"]
+    assert silent_hosts_text(hung, node_of, {}, 1.0) == [f"rank {r} {w}" for r, w in
+                                                         sorted(hung.items())]

@@ -6,17 +6,26 @@ phase and steps lost) and writes the records."""
 
 from __future__ import annotations
 
+import re
+
 from typing import Any
 
+from ..decide.faults import Domain
 from ..decide.ladder import Fault
 from ..observe.incidents import Incident, restore_record
 
 INJECT_MEMORY_S = 30.0  # an injection reported this long before a fault is taken as its start
-UNTIMED = ("corrupt", "slow", "jitter")  # injections whose moment starts no incident
+# injections whose moment starts no incident (a node's memory killed alone opens none: an
+# incident that follows within moments is not timed from it)
+UNTIMED = ("corrupt", "slow", "jitter", "keeper_crash")
+
+
+_SOURCE = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|cu|h|hpp):\d+\] ?")  # gloo's "[/path/pair.cc:553] "
 
 
 def short(text: str, limit: int = 160) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
+    """One line of a fault's text: the first, without a library's source path."""
+    line = _SOURCE.sub("", text.strip().splitlines()[0]) if text.strip() else ""
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
@@ -64,6 +73,8 @@ class IncidentBook:
         inc = self.begin(now, gen, max_step, t_fault)
         if fault.kind == "peer":  # a symptom: the cause is another rank's fault
             inc.symptoms.append(short(fault.describe()))
+        elif fault.domain is Domain.NODE:  # a host lost or unwell: the cause, said first
+            inc.faults.insert(0, short(fault.describe()))
         else:
             inc.faults.append(short(fault.describe()))
         self.log_fault(fault, gen, incident=inc.id)

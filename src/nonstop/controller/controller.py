@@ -503,8 +503,10 @@ class Controller(ProcessExits, WorkerEvents):
         if self.outcome.exit_code is None and self.phase is Phase.RUNNING and self.managed \
                 and self.state.retry_deadline is None:
             # a redone step (a step retry) gets the first step's allowance from the retry on
+            silent = getattr(self.agent, "silent_hosts", None)  # (across hosts only)
             self._act((self.watchers.steps(self._ranks(), self.gen,
-                                           max(self._t_running, self._t_retry), now)
+                                           max(self._t_running, self._t_retry), now,
+                                           silent() if silent is not None else None)
                        if scan else []) + self.watchers.tick(now))
 
     # == log lines, the end of training, recovery ===============================================

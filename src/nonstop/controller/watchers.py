@@ -93,10 +93,12 @@ class Watchers:
         """Whether the policy moves a node off when this check fails (rather than a fault)."""
         return any(c.name == check and c.action == "drain" for c in self.policy.detect.health_checks)
 
-    def steps(self, ranks: list[Any], gen: int, t_running: float, now: float) -> list[Command]:
+    def steps(self, ranks: list[Any], gen: int, t_running: float, now: float,
+              silent: dict[int, float] | None = None) -> list[Command]:
         """A hang, else the stragglers, among the ranks of generation ``gen`` (while it trains).
-        A hang began after the stalled ranks' last progress, not when it was noticed."""
-        fault, culprits = self.signals.check_hang(ranks, gen, t_running, now)
+        A hang began after the stalled ranks' last progress, not when it was noticed.
+        ``silent``: node -> seconds its host's agent has said nothing (across hosts)."""
+        fault, culprits = self.signals.check_hang(ranks, gen, t_running, now, silent)
         if fault is not None:
             rank_of = {w.wid: w.rank for w in ranks}
             self.log.write("hang_detected", timeout_s=round(self.signals.last_limit, 3),

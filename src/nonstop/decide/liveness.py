@@ -47,8 +47,8 @@ class Signals:
             self.hang.observe_first_step(t_first - w.entered_ev.get("t_restored", w.entered_ev["t"]))
 
     # -- checks ---------------------------------------------------------------------------------
-    def check_hang(self, ranks: Iterable[Worker], gen: int, t_running: float,
-                   now: float) -> tuple[Fault | None, dict[int, str]]:
+    def check_hang(self, ranks: Iterable[Worker], gen: int, t_running: float, now: float,
+                   silent: dict[int, float] | None = None) -> tuple[Fault | None, dict[int, str]]:
         """A hang fault when some rank has completed no step for longer than its timeout, and the
         ranks that hold the job up (wid -> why): frozen, or stuck in Python code.
 
@@ -56,7 +56,9 @@ class Signals:
         ctx.steps, is also judged by its signs of life: its group moving data (collectives
         completing), a reported loss, an optimizer step. Heartbeats are not among them. With only
         signs of life and no step, the first-step allowance applies from the last of them.
-        ``last_progress`` says when the stalled ranks last made progress: the hang began after."""
+        ``last_progress`` says when the stalled ranks last made progress: the hang began after.
+        ``silent`` (node -> seconds its host's agent has said nothing): a host silent as long as
+        its ranks is named as such (cut off, or frozen whole), not each of its ranks."""
         ranks = [w for w in ranks if w.done < gen]
         if not ranks or any(w.paused for w in ranks):
             return None, {}
@@ -85,7 +87,8 @@ class Signals:
         by_rank = {w.rank: w for w in ranks}
         hung = hung_ranks(views, frozen_s)
         culprits = {by_rank[r].wid: why for r, why in hung.items()}
-        frozen = "; ".join(f"rank {r} {why}" for r, why in sorted(hung.items()))
+        frozen = "; ".join(silent_hosts_text(hung, {r: w.node for r, w in by_rank.items()},
+                                             silent or {}, frozen_s))
         what = "no progress" if any(w.wid in self._stepless for w in stalled) else "no step completed"
         message = f"{what} for {limit:.2f} s" + (f": {frozen}" if frozen else "")
         return Fault("hang", message=message, traceback=describe_stall(views)), culprits
@@ -109,3 +112,16 @@ class Signals:
                       message=f"compute time {ratio:.1f}x the median of the other ranks")
                 for rank, ratio in self.stragglers.observe(compute)]
 
+
+def silent_hosts_text(hung: dict[int, str], node_of: dict[int, Any], silent: dict[int, float],
+                      frozen_s: float) -> list[str]:
+    """What holds a hung job up, in words: a node whose host's agent has said nothing for as
+    long as its ranks (the host cut off, or frozen whole) once, then each other frozen rank."""
+    out, named = [], set()
+    for node, quiet in sorted(silent.items()):
+        ranks = sorted(r for r in hung if node_of.get(r) == node)
+        if quiet > frozen_s and ranks:
+            out.append(f"node {node}'s host does not answer (its agent silent for {quiet:.1f} s: "
+                       f"cut off, or frozen) - rank(s) {', '.join(map(str, ranks))}")
+            named.update(ranks)
+    return out + [f"rank {r} {why}" for r, why in sorted(hung.items()) if r not in named]

@@ -281,6 +281,12 @@ class Cluster:
         link = self.links.get(node)
         return link is not None and not link.lost and not link.unreachable
 
+    def silent_hosts(self) -> dict[int, float]:
+        """node -> seconds since its host's agent last sent anything (hosts it holds)."""
+        now = time.monotonic()
+        return {n: now - link.heard for n, link in self.links.items()
+                if not link.lost and link.heard is not None}
+
     def lost_nodes(self) -> set[int]:
         return {n for n, link in self.links.items() if link.lost}
 
