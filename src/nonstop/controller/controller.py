@@ -265,9 +265,17 @@ class Controller(ProcessExits, WorkerEvents):
         w = self.workers[c.wid]
         self.table.kill(w, c.why, dump=c.dump)
         if c.fault is not None:  # it overstayed the teardown
-            self.display.info(f"rank {w.rank} did not leave generation {self.gen} within "
-                              f"{c.late_s:.2f} s: killed; its stacks are in "
-                              f"{self.agent.procs[w.wid].log_path}")
+            up = getattr(self.agent, "host_up", None)
+            silent = getattr(self.agent, "silent_hosts", dict)()
+            if up is not None and (not up(w.node) or silent.get(w.node, 0.0) > 1.0):
+                # its host is away (cut off, lost): nothing reached it, no stack was dumped
+                self.display.info(f"rank {w.rank} did not leave generation {self.gen} within "
+                                  f"{c.late_s:.2f} s: its host (node {w.node}) does not answer; "
+                                  "it is given up with its host")
+            else:
+                self.display.info(f"rank {w.rank} did not leave generation {self.gen} within "
+                                  f"{c.late_s:.2f} s: killed; its stacks are in "
+                                  f"{self.agent.procs[w.wid].log_path}")
             self.book.log_fault(c.fault, self.gen)
 
     def _do_Probe(self, c: mc.Probe) -> None:
