@@ -235,6 +235,9 @@ def test_the_controllers_host_killed_whole(job, reference):
         assert not take["steady"]
         incidents = j.of("incident")
         assert len(incidents) == 1 and incidents[0]["steps_lost"] == 0
+        # timed from the predecessor's last status (twice a second), not from the takeover
+        assert incidents[0]["t_fault"] <= t_kill + 0.1
+        assert incidents[0]["mttr_s"] >= leaders[1]["t"] - t_kill
         spawns = {e["wid"]: e["node"] for e in j.of("spawn")}
         last = j.of("generation")[-1]["ranks"].values()
         assert {spawns[w] for w in last} == {0, 1, 2} - {victim_node}

@@ -241,7 +241,7 @@ class Controller(ProcessExits, WorkerEvents):
 
     # == commands ================================================================================
     def _do_Raise(self, c: mc.Raise) -> None:
-        self.book.fault(c.fault, time.time(), self.gen, self.max_step, c.t_fault)
+        self.book.fault(c.fault, time.time(), self.gen, self._reached(), c.t_fault)
 
     def _do_Ignore(self, c: mc.Ignore) -> None:
         self.log.write("fault_ignored", fault=c.fault.describe(), phase=self.phase)
@@ -429,7 +429,7 @@ class Controller(ProcessExits, WorkerEvents):
 
     # == taking over a running job (across hosts) ===============================================
     def adopt(self, adoption: Any, seen: list[Any], journal: dict[str, Any] | None,
-              lost: set[int]) -> None:
+              lost: set[int], t_fault: float | None = None) -> None:
         """Continue a job another controller ran: its generation, plan and processes as the hosts
         report them, its budgets from the journal. A job that trains goes on untouched; one
         caught mid-recovery (or missing a rank) recovers from here."""
@@ -452,8 +452,11 @@ class Controller(ProcessExits, WorkerEvents):
         self.watchers.start(range(self.total_nodes), getattr(self.agent, "health", None))
         self.memory.world = self.world
         self.memory.adopt([(s.node, s.wid, s.keeper) for s in seen if s.keeper and s.alive])
+        now = time.time()
+        # the predecessor's last word (its status) bounds when the fault began: not before it
+        since = t_fault if t_fault is not None and now - 60.0 < t_fault < now else None
         for f in takeover.faults(adoption, lost, self.gens.node_of()):
-            self._fault(f)
+            self._fault(f, t_fault=since)
         self._refill_spares()
         for node in sorted(self.counters.isolated):  # the predecessor had no time to let them go
             if self.agent.host_up(node):

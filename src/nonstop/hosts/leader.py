@@ -237,7 +237,7 @@ class Leader:
             display.info(f"controller on {cfg.host_id} (epoch {self.epoch}) takes over at "
                          f"generation {adoption.gen}"
                          + ("" if adoption.steady else f"; rank(s) {adoption.missing} to recover"))
-            controller.adopt(adoption, seen, journal, lost)
+            controller.adopt(adoption, seen, journal, lost, t_fault=self._last_seen_alive())
         else:
             display.info(f"controller on {cfg.host_id} (epoch {self.epoch}): {world} rank(s) on "
                          f"{nodes} host(s) + {total - nodes} spare host(s)")
@@ -298,6 +298,17 @@ class Leader:
             return None
         served.attach(controller, log, display)
         return served
+
+    def _last_seen_alive(self) -> float | None:
+        """When the predecessor last wrote the job's status (twice a second while in office):
+        what it lost (a host, its own) went after that, so an incident the takeover opens is
+        timed from there, not from the takeover. On that controller's clock (hosts' clocks
+        agree to NTP's precision; the predecessor's host may be gone, no offset to it known)."""
+        try:
+            raw, _ = self.etcd.get(keys.STATUS)
+            return float(json.loads(raw)["t"]) if raw is not None else None
+        except Exception:  # noqa: BLE001 - no status (etcd away, another version): the takeover
+            return None
 
     def _publish_status(self, text: str) -> None:
         self._status = text  # written by the store loop (this is the controller's thread)
