@@ -241,7 +241,7 @@ class Controller(ProcessExits, WorkerEvents):
 
     # == commands ================================================================================
     def _do_Raise(self, c: mc.Raise) -> None:
-        self.book.fault(c.fault, time.time(), self.gen, self._reached(), c.t_fault)
+        self.book.fault(c.fault, time.time(), self.gen, self.max_step, c.t_fault)
 
     def _do_Ignore(self, c: mc.Ignore) -> None:
         self.log.write("fault_ignored", fault=c.fault.describe(), phase=self.phase)
