@@ -130,6 +130,24 @@ def test_a_node_whose_ranks_and_memory_died_is_replaced_on_a_spare_node():
     assert 0 in s.counters.isolated and s.faulty_nodes == {0}
 
 
+def test_a_node_with_a_rank_still_alive_is_not_lost_with_its_memory():
+    # node 0's memory died, then rank 0 (and only it): rank 1, on node 0 too, still holds the
+    # live state - the node is not lost, rank 0 is replaced there (no node replacement, and
+    # without a spare node no job restart that would throw rank 1's state away)
+    s = running()
+    dead = {0: {"dead": True}}
+    s, _ = mc.step(s, mc.Faulted(seen(5.0, ranks(0, dead), nodes=2),
+                                 Fault("crash", rank=0, code=-9)), P)
+    left = ranks(0, dead, {1: {"left": 0}, 2: {"left": 0}, 3: {"left": 0}})
+    s, cmds = mc.step(s, mc.Tick(seen(5.1, left, nodes=2)), P)
+    assert cmds == [mc.Probe((0,))]
+    s, (decide, carry) = mc.step(s, mc.Tick(seen(5.2, left, nodes=2,
+                                                 lost_memory=frozenset({0}))), P)
+    assert decide.decision.level is Level.REPLACE_RANK and decide.decision.replace == {0}
+    assert not decide.decision.isolate and carry.placement == {0: 0}
+    assert 0 not in s.counters.isolated and s.faulty_nodes == frozenset()
+
+
 def test_without_the_memory_lost_the_same_deaths_are_rank_replacements():
     s = running()
     dead = {0: {"dead": True}, 1: {"dead": True}}

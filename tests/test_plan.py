@@ -130,3 +130,44 @@ def test_every_plan_is_reachable_by_every_rank(rows, sharded):
     newer = [s for s in range(p.step + 1, 7)
              if all((o.live == s or s in o.memory or s in o.disk) for o in offers)]
     assert not newer
+
+
+def test_held_is_the_newest_step_every_rank_reaches_from_snapshots_alone():
+    from nonstop.state.restore import _agreeing, held
+
+    # replicated: a peer's snapshot will do for a rank with none (a new process)
+    offers = [Offer(live=20, memory=(15, 10)), Offer(live=20, memory=(15,)), Offer()]
+    assert held(offers, sharded=False, cap=20) == 15
+    assert held(offers, sharded=False, cap=12) == 12  # never past the step resumed from
+    # sharded: the newest step every shard has
+    assert held([Offer(memory=(15, 10)), Offer(memory=(10,))], sharded=True, cap=20) == 10
+    # live state and disk are not snapshots in memory: nothing held
+    assert held([Offer(live=20, disk=(10,)), Offer(live=20)], sharded=False, cap=20) is None
+    assert held([Offer(memory=(15,)), Offer(memory=(10,))], sharded=True, cap=20) is None
+    # live states that differ at one step: every one of them withdrawn (the odd one's gradients
+    # went into the others' updates), and each finding says the step and what each rank held
+    out, found = _agreeing([Offer(live=20, memory=(15,)), Offer(live=20), Offer(live=20)],
+                           [7, 8, 7])
+    assert [o.live for o in out] == [None, None, None]
+    assert found == [{"rank": 1, "step": 20, "digests": {"0": 7, "1": 8, "2": 7}}]
+
+
+def test_a_copy_kept_in_a_process_is_a_source_of_its_step_for_every_rank():
+    # the node's memory died with the snapshots of 10: ranks 0 and 1 kept the certified step 12
+    # in their processes (the new memory is empty), rank 2 is a new process: it gets 12 from a
+    # peer; live state newer than the corruption is not offered
+    offers = [Offer(kept=12), Offer(kept=12), Offer()]
+    p = plan(offers, sharded=False)
+    assert p.step == 12 and [(a.source, a.holder) for a in p.actions] == [
+        ("kept", None), ("kept", None), ("live", 0)]
+    from nonstop.state.restore import _without, held
+
+    assert held(offers, sharded=False, cap=20) == 12
+    # sharded: only a rank's own copy will do
+    assert plan([Offer(kept=12), Offer(memory=(12,))], sharded=True).step == 12
+    with pytest.raises(NoConsistentState):
+        plan([Offer(kept=12), Offer()], sharded=True)
+    # a kept copy that failed is not offered again
+    out = _without(offers, [{"rank": 2, "source": "live", "offered_by": 0, "step": 12}])
+    assert out[0].kept is None and out[1].kept == 12
+    assert Offer.from_wire(Offer(live=3, kept=2).to_wire()) == Offer(live=3, kept=2)

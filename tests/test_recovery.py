@@ -36,6 +36,20 @@ def test_crash_is_replaced_by_a_warm_spare(tmp_path, reference):
     assert bitwise_equal(out, reference(WORLD, *ARGS))
 
 
+def test_a_rank_crashed_just_after_its_nodes_memory_is_replaced_from_a_live_peer(tmp_path,
+                                                                                  reference):
+    # the node's memory (its keeper) dies, then one of its ranks, while the others live on: the
+    # node is not lost - its dead rank is replaced from a survivor's live state, no step lost
+    # (it was taken for a lost node: with no spare node, a job restart back to step 0)
+    run, out = train(tmp_path, "--spares=1", "--inject=keeper_crash:rank=0,step=10;crash:rank=1,step=11")
+    assert run.of("node_memory_lost")
+    assert not [f for f in run.of("fault") if f["kind"] == "node_lost"]
+    assert [d["level"] for d in run.of("decision")] == ["rank replacement"]
+    (inc,) = run.summary["incident_list"]
+    assert inc["steps_lost"] == 0 and inc["resume_step"] == 11
+    assert bitwise_equal(out, reference(WORLD, *ARGS))
+
+
 def test_crash_without_a_spare_starts_a_new_process(tmp_path, reference):
     run, out = train(tmp_path, "--spares=0", "--inject=crash:rank=2,step=20")
     (replace,) = run.of("replace")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import bitwise_equal, policy_file, train
+from conftest import SCRIPTS, bitwise_equal, policy_file, run_nonstop, train
 
 pytestmark = pytest.mark.integration
 
@@ -54,3 +54,68 @@ def test_a_fault_free_run_is_certified(tmp_path):
     run, _ = train(tmp_path, args=("--steps", "12"), world=2)
     sdc = run.summary["sdc"]
     assert sdc["mismatches"] == 0 and sdc["checks"] >= 6 and sdc["last_step"] == 12
+
+
+def test_a_corruption_found_when_a_generation_forms_after_the_memory_was_lost(tmp_path, reference):
+    # the node's memory dies (its snapshot of step 10 with it); an exception restarts the ranks
+    # in place at 13, in a new memory that holds nothing: the generation's first step is
+    # snapshotted (14). A bit flips in rank 1 (16), rank 0 dies before the next comparison (18):
+    # the live states of ranks 1 and 2 differ, so every rank goes back to 14 - 4 steps, bit for
+    # bit (counted from the entry, the next snapshot was due at 23: nothing was held, and a job
+    # restart lost all 18 steps)
+    args = ("--steps", "30", "--sleep-ms", "20")
+    run, out = train(tmp_path, "--spares=1", "--snapshot-every=10", "--inject=keeper_crash:"
+                     "rank=0,step=10;exception:rank=2,step=13;bitflip:rank=1,step=16;"
+                     "crash:rank=0,step=18", args=args)
+    assert run.of("node_memory_lost") and run.of("rank_bitflip")
+    assert "job restart" not in [d["level"] for d in run.of("decision")]
+    restores = {e["gen"]: e for e in run.of("restore")}
+    assert restores[1]["step"] == 13 and restores[2]["step"] == 14  # (reached, then resumed)
+    back = restores[max(restores)]
+    assert back["step"] == 14 and any("(sdc)" in s["why"] for s in back["skipped"])
+    found = run.summary["sdc"]["found"]
+    assert [(f["step"], f["verdict"]) for f in found] == [(18, "corruption")]
+    inc = run.summary["incident_list"][-1]
+    assert inc["resume_step"] == 14 and inc["steps_lost"] == 4
+    assert bitwise_equal(out, reference(3, *args))
+
+
+def test_replicas_that_compute_differently_diverge_the_job_stops_and_no_node_is_blamed(
+        tmp_path, monkeypatch):
+    # ranks 1 and 2 take a learning rate of their own from step 6 (their environment): at the
+    # comparison after it rank 0 looks like the odd one - replaced, every rank rolled back - and
+    # redone, the step comes out the same: a divergence, exit 1 with its diagnosis
+    monkeypatch.setenv("NONSTOP_TEST_DIVERGE_RANKS", "1,2")
+    monkeypatch.setenv("NONSTOP_TEST_DIVERGE_FROM", "6")
+    run = run_nonstop(tmp_path / "run", "--nproc=3", "--spares=1", str(SCRIPTS / "sdc_diverge.py"),
+                      "--steps", "20")
+    assert run.code == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "replicas diverge" in run.stderr and "not a silent corruption" in run.stderr
+    assert "different code, arguments or data" in run.stderr
+    (div,) = run.of("sdc_divergence")
+    assert div["groups"] == [[1, 2], [0]]
+    assert not run.of("isolate") and not any(d["isolate"] for d in run.of("decision"))
+    (give_up,) = run.of("give_up")
+    assert "diverge" in give_up["diagnosis"]
+    found = run.summary["sdc"]["found"]
+    assert [f["verdict"] for f in found] == ["corruption", "divergence"]
+    assert "the replicas diverged" in run.stdout
+
+
+def test_a_corruption_found_while_the_nodes_memory_is_out_goes_back_to_a_copy_kept_in_process(
+        tmp_path, reference):
+    # the node's memory dies at 10 (its snapshots with it; a new one comes only a second later,
+    # or with the next generation): the snapshot of 12, whose replicas agreed, cannot be written
+    # - each rank keeps it in its own process. A bit flips in rank 1 (13), found at 14: every
+    # rank goes back to 12 (rank 1, a new process, from a peer's copy), 2 steps, bit for bit
+    # (with nothing certified left anywhere: a job restart, all 14)
+    args = ("--steps", "24", "--sleep-ms", "10")
+    run, out = train(tmp_path, "--spares=1", "--snapshot-every=2",
+                     "--inject=keeper_crash:rank=0,step=10;bitflip:rank=1,step=13", args=args)
+    assert run.of("node_memory_lost") and run.of("rank_snapshot_failed")
+    assert [d["level"] for d in run.of("decision")] == ["rank replacement"]
+    back = [e for e in run.of("restore") if e["gen"] == 1][0]
+    assert back["step"] == 12 and set(back["sources"].values()) == {"kept", "live"}
+    (inc,) = run.summary["incident_list"]
+    assert inc["resume_step"] == 12 and inc["steps_lost"] == 2
+    assert bitwise_equal(out, reference(3, *args))

@@ -51,6 +51,9 @@ def _chaos_args(p: argparse.ArgumentParser) -> None:
                    help="chaos: warm spares (default 2; --hosts: 1 per host)")
     p.add_argument("--kinds", metavar="LIST",
                    help="chaos --hosts: comma-separated fault kinds to draw from (default: all)")
+    p.add_argument("--snapshot-every", dest="chaos_snapshot_every", metavar="N|auto",
+                   help="chaos (one host): steps between memory snapshots (default 4: every "
+                        "snapshot fault fires; auto: the policy's own interval)")
 
 
 def _json_out(p: argparse.ArgumentParser) -> None:
@@ -124,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="steps between disk checkpoints (default 100)")
     run.add_argument("--snapshot-every", metavar="N|auto",
                      help="steps between memory snapshots (default auto: as often as stays under "
-                          "5%% of step time)")
+                          "1%% of step time)")
     run.add_argument("--metrics-port", type=_port, metavar="PORT",
                      help="serve Prometheus metrics on this port (0: one from the OS, printed)")
     run.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",

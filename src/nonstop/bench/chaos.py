@@ -16,6 +16,14 @@ A rank whose parameters were flipped is not killed by the next two faults of the
 steps at least): a rank that dies between a flip and the comparison that would find it takes the
 evidence with it, while its gradients have already moved every replica off the fault-free run -
 no comparison of replicas can see that (docs/design.md, "Silent data corruption").
+
+Snapshots are taken every ``SNAPSHOT_EVERY`` steps (``--snapshot-every``), fewer than ``GAP``: a
+fault keyed to a snapshot (torn, corrupted) fires at the first snapshot after its step, so every
+one scheduled fires before the run ends - and before the next fault's step. The soak fails when
+a scheduled kind did not fire (it has not shown what it claims), and when a recovery lost more
+steps than it may (``steps_lost_bound``): none for any fault but a silent corruption, and for a
+corruption at most the steps since the newest snapshot whose replicas agreed that the memory
+still held (the same where the faults took every process that held the live state).
 """
 
 from __future__ import annotations
@@ -34,6 +42,9 @@ from . import common
 TIMEOUT_S = 900.0
 GAP = 5  # steps between two scheduled faults at least: each incident settles before the next
 FIRST = 15  # no fault before: the hang timeout is tuned from the steps seen by then
+# steps between snapshots: fewer than GAP, so that a fault keyed to a snapshot (which fires at
+# the first snapshot after its step) fires before the next fault's step, not on it
+SNAPSHOT_EVERY = 4
 
 #: kind -> spec template ({r}, {r2}: distinct ranks; {s}: the step)
 KINDS: dict[str, str] = {
@@ -101,10 +112,17 @@ def schedule(seed: int, faults: int, ranks: int, steps: int) -> list[dict[str, A
     return out
 
 
+def policy(snapshot_every: int | str = SNAPSHOT_EVERY) -> str:
+    """The soak's policy: ``POLICY``, with the snapshot interval (``auto``: the default's)."""
+    if str(snapshot_every) == "auto":
+        return POLICY
+    return POLICY + f"state:\n  snapshot: {{every_steps: {int(snapshot_every)}}}\n"
+
+
 def _job(out: Path, steps: int, ranks: int, spares: int, marker: str,
-         inject: str | None) -> int:
+         inject: str | None, snapshot_every: int | str = SNAPSHOT_EVERY) -> int:
     common.fresh(out)
-    (out / "policy.yaml").write_text(POLICY)
+    (out / "policy.yaml").write_text(policy(snapshot_every))
     flags = [f"--nproc={ranks}", f"--run-dir={out / 'run'}", f"--spares={spares}",
              f"--policy={out / 'policy.yaml'}"]
     if inject:
@@ -180,17 +198,85 @@ def add_costs(by_kind: dict[str, dict[str, Any]], moments: list[tuple[str, float
                                    "max": round(values[-1], 3)}
 
 
+def is_corruption(inc: dict[str, Any], events: list[dict[str, Any]]) -> bool:
+    """Whether a silent corruption was found in the incident: an ``sdc`` fault of it, or live
+    states that differed when one of its generations formed."""
+    if any(e.get("type") == "fault" and e.get("kind") == "sdc" and e.get("incident") == inc["id"]
+           for e in events):
+        return True
+    first, last = inc.get("gen_from", 0) + 1, inc.get("gen_to")
+    return any(e.get("type") == "restore" and first <= e.get("gen", -1) <= (last or first)
+               and any("(sdc)" in str(s.get("why")) for s in e.get("skipped") or ())
+               for e in events)
+
+
+def newest_certified(events: list[dict[str, Any]], t_fault: float) -> int | None:
+    """The newest snapshot whose replicas agreed that the node's memory still held when a fault
+    struck at ``t_fault``: each rank reports its newest (``certified``, when committed) as it
+    leaves a generation or ends; a memory lost after it (its keeper killed) took it along."""
+    losses = [e["t"] for e in events if e.get("type") == "node_memory_lost" and e["t"] <= t_fault]
+    best = None
+    for e in events:
+        if e.get("type") not in ("rank_left", "rank_done"):
+            continue
+        sdc = e.get("sdc") or {}
+        step, when = sdc.get("certified"), sdc.get("certified_t")
+        if step is None or when is None or when > t_fault:
+            continue
+        if any(when < t <= t_fault for t in losses):
+            continue
+        best = step if best is None else max(best, step)
+    return best
+
+
+def every_process_lost(inc: dict[str, Any], events: list[dict[str, Any]]) -> bool:
+    """Whether the faults of an incident took every process that held the live state (each
+    rank of the generation it began in holds another process in the one it ended with), none
+    of them ended by a job restart: no live state was left to resume from."""
+    held = {e["gen"]: e.get("ranks") or {} for e in events if e.get("type") == "generation"}
+    before, after = held.get(inc.get("gen_from")), held.get(inc.get("gen_to"))
+    if not before or not after or "job restart" in (inc.get("levels") or ()):
+        return False
+    return all(after.get(r) != w for r, w in before.items())
+
+
+def steps_lost_bound(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each incident's steps lost against what it may lose: nothing - but for a silent
+    corruption, and for faults that took every process holding the live state (a crash, then
+    the last survivors in its recovery), the steps since the newest certified snapshot the
+    memory held (all of them, none held)."""
+    rows, broken = [], []
+    for inc in (e for e in events if e.get("type") == "incident"):
+        lost = inc.get("steps_lost") or 0
+        row: dict[str, Any] = {"id": inc["id"], "steps_lost": lost, "bound": 0,
+                               "corruption": is_corruption(inc, events),
+                               "every_process_lost": every_process_lost(inc, events)}
+        if row["corruption"] or row["every_process_lost"]:
+            # as the incident was found (its first fault): its ``t_fault`` may be a fault's
+            # injection before it (a keeper killed just before a flip)
+            found = [e["t"] for e in events if e.get("type") == "fault"
+                     and e.get("incident") == inc["id"]]
+            certified = newest_certified(events, min(found, default=inc.get("t_fault") or 0.0))
+            row["certified"] = certified
+            row["bound"] = max(0, (inc.get("step_before") or 0) - (certified or 0))
+        rows.append(row)
+        if lost > row["bound"]:
+            broken.append({**row, "faults": inc.get("faults")})
+    return {"held": not broken, "broken": broken, "incidents": rows}
+
+
 def soak(seed: int, faults: int, ranks: int, spares: int, steps: int, base: Path,
-         say: Any) -> dict[str, Any]:
+         say: Any, snapshot_every: int | str = SNAPSHOT_EVERY) -> dict[str, Any]:
     plan = schedule(seed, faults, ranks, steps)
     marker = uuid.uuid4().hex
     say(f"chaos: seed {seed}, {faults} faults over {steps} steps, {ranks} ranks + {spares} "
-        f"spare(s); runs in {base}")
+        f"spare(s), a snapshot every {snapshot_every} step(s); runs in {base}")
     for f in plan:
         say(f"  step {f['step']:4d}  {f['kind']:20s} {f['spec']}")
-    ref_code = _job(base / "reference", steps, ranks, spares, marker, None)
+    ref_code = _job(base / "reference", steps, ranks, spares, marker, None, snapshot_every)
     t0 = time.time()
-    code = _job(base / "chaos", steps, ranks, spares, marker, ";".join(f["spec"] for f in plan))
+    code = _job(base / "chaos", steps, ranks, spares, marker, ";".join(f["spec"] for f in plan),
+                snapshot_every)
     wall = time.time() - t0
     left = []
     deadline = time.time() + 10
@@ -228,11 +314,42 @@ def soak(seed: int, faults: int, ranks: int, spares: int, steps: int, base: Path
         "params_match_reference": match,
         "incidents_closed": sum(1 for i in incidents if i.get("outcome") == "recovered"),
         "incidents": len(incidents), "orphans": len(left), "by_kind": by_kind,
+        "unfired": sorted(k for k, e in by_kind.items() if e["fired"] < e["scheduled"]),
         "levels": levels, "steps_lost": summary.get("steps_lost"),
+        "steps_lost_bound": steps_lost_bound(evs),
         "mttr_s": summary.get("mttr_s"), "sdc": summary.get("sdc"), "wall_s": round(wall, 2),
         "reference_exit_code": ref_code, "exit_code": code, "ranks": ranks, "spares": spares,
-        "steps": steps, "date": common.now_stamp(), "schedule": plan,
+        "steps": steps, "snapshot_every": snapshot_every, "date": common.now_stamp(),
+        "schedule": plan,
     }
+
+
+def passed(result: dict[str, Any]) -> bool:
+    """The job completed with the fault-free weights, nothing left running, every scheduled
+    kind fired, and no recovery lost more steps than its bound."""
+    return bool(result["completed"] and result["params_match_reference"] and not result["orphans"]
+                and not result["unfired"] and result["steps_lost_bound"]["held"])
+
+
+def describe(result: dict[str, Any]) -> str:
+    bound = result["steps_lost_bound"]
+    held = "held" if bound["held"] else "BROKEN by incident(s) " + ", ".join(
+        f"{b['id']} ({b['steps_lost']} > {b['bound']})" for b in bound["broken"])
+    def some(key: str) -> str:
+        return ", ".join(f"{r['steps_lost']} of at most {r['bound']}"
+                         for r in bound["incidents"] if r.get(key))
+
+    corr, gone = some("corruption"), some("every_process_lost")
+    text = (f"chaos: completed {result['completed']}, weights match "
+            f"{result['params_match_reference']}, incidents {result['incidents_closed']}/"
+            f"{result['incidents']} closed, orphans {result['orphans']}, levels "
+            f"{result['levels']}, steps lost {result['steps_lost']} (bound {held}"
+            + (f"; corruptions: {corr}" if corr else "")
+            + (f"; every process holding the state lost: {gone}" if gone else "")
+            + f"), wall {result['wall_s']} s")
+    if result["unfired"]:
+        text += f"; scheduled but never fired: {', '.join(result['unfired'])}"
+    return text
 
 
 def main(args: argparse.Namespace) -> int:
@@ -251,14 +368,20 @@ def main(args: argparse.Namespace) -> int:
     steps = args.steps or needed(faults) + 5
     if needed(faults) > steps:
         raise UsageError(f"{faults} faults need --steps {needed(faults)} at least")
+    every: int | str = getattr(args, "chaos_snapshot_every", None) or SNAPSHOT_EVERY
+    if str(every) != "auto":
+        try:
+            every = int(every)
+        except ValueError:
+            raise UsageError(f"--snapshot-every must be a number of steps or auto, not {every!r}")
+        if every < 1:
+            raise UsageError("--snapshot-every must be at least 1")
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="nonstop-chaos-"))
     base.mkdir(parents=True, exist_ok=True)
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
-    result = soak(args.seed, faults, ranks, spares, steps, base, say)
-    ok = result["completed"] and result["params_match_reference"] and not result["orphans"]
-    say(f"chaos: completed {result['completed']}, weights match {result['params_match_reference']}, "
-        f"incidents {result['incidents_closed']}/{result['incidents']} closed, orphans "
-        f"{result['orphans']}, levels {result['levels']}, wall {result['wall_s']} s")
+    result = soak(args.seed, faults, ranks, spares, steps, base, say, every)
+    ok = passed(result)
+    say(describe(result))
     if ok and not args.out:
         shutil.rmtree(base, ignore_errors=True)
     elif not ok:

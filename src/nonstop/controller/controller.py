@@ -18,6 +18,7 @@ from typing import Any
 from .. import protocol
 from ..agent.agent import Agent
 from ..decide.ladder import Counters, Decision, Fault, Level
+from ..decide.sdc import Judge as SdcJudge
 from ..observe.events import EventLog
 from ..observe.incidents import Incident
 from ..observe.progress import ProgressLog
@@ -51,6 +52,7 @@ class Controller(ProcessExits, WorkerEvents):
         self.watchers = Watchers(policy, log, display)
         self.ledger = TrainingLedger(managed)
         self.sdc = SdcBook()  # the replicas' comparisons, for the summary
+        self.sdc_judge = SdcJudge()  # a corruption, or a divergence (decide/sdc.py)
         self.nccl = False  # a rank said its groups run NCCL
         self.policy = policy
         self.mail = mail
@@ -86,6 +88,8 @@ class Controller(ProcessExits, WorkerEvents):
         self.t_start = time.time()
         self._last_progress = 0.0
         self.max_step = 0
+        self.resumed_at: int | None = None  # the step the job last resumed from (an incident's)
+        self.resumed_gen = 0  # ...in this generation
         self.requests = Requests(run_dir)  # from outside the job: nonstop drain
         self.preempts = Preemptions(self.log)  # hosts a scheduler told to stop
         self._release: set[int] = set()  # isolated nodes whose hosts go once a generation formed
@@ -241,7 +245,7 @@ class Controller(ProcessExits, WorkerEvents):
 
     # == commands ================================================================================
     def _do_Raise(self, c: mc.Raise) -> None:
-        self.book.fault(c.fault, time.time(), self.gen, self.max_step, c.t_fault)
+        self.book.fault(c.fault, time.time(), self.gen, self._reached(), c.t_fault)
 
     def _do_Ignore(self, c: mc.Ignore) -> None:
         self.log.write("fault_ignored", fault=c.fault.describe(), phase=self.phase)
@@ -362,7 +366,7 @@ class Controller(ProcessExits, WorkerEvents):
             self._close_incident(max(e["t"] for e in evs), None)
 
     def _do_RetryOpened(self, c: mc.RetryOpened) -> None:
-        self.book.retry_opened(c.step, time.time(), self.gen, self.max_step)
+        self.book.retry_opened(c.step, time.time(), self.gen, self._reached())
 
     def _do_Retry(self, c: mc.Retry) -> None:
         self._t_retry = time.time()
@@ -535,6 +539,8 @@ class Controller(ProcessExits, WorkerEvents):
         if self.book.open is None:
             return
         self.book.close(t_first, resume_step, self.ledger.steps_known())
+        if resume_step is not None:
+            self.resumed_at, self.resumed_gen = resume_step, self.gen
         self.gens.not_after = None  # resumed: what the ranks hold now is trusted again
         self._step(mc.Recovered(self._seen(), progressed=resume_step is not None))
 
@@ -559,3 +565,13 @@ class Controller(ProcessExits, WorkerEvents):
 
     def _ranks(self) -> list[Worker]:
         return [self.workers[wid] for wid in self.plan.values()]
+
+    def _reached(self) -> int:
+        """The newest step the job has reached since it last resumed: what a fault now can undo.
+        Not the newest ever reached: after a rollback, the steps up to there are being redone
+        - counted lost once, by the incident that rolled back - and a fault meanwhile that
+        resumes where the job stands loses none of them again."""
+        since = self.resumed_gen
+        steps = [w.step for w in self.workers.values()
+                 if w.step is not None and w.step_gen >= since]
+        return max(steps, default=self.max_step if self.resumed_at is None else self.resumed_at)

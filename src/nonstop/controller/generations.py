@@ -155,6 +155,14 @@ class Generations:
         alike = protocol.mail_record(protocol.Assign(
             gen=gen, rank=0, world=self.world, full_world=self.target, reshard_from=reshard_from,
             worlds=worlds, initial=initial, not_after=self.not_after, claimed=claimed, **where))
+        # a node that keeps working after losing its memory gets a new one - before its ranks
+        # enter: their restore and their first snapshots find it (a snapshot into a memory
+        # still starting fails, and until the next one nothing is held that a corruption found
+        # meanwhile could roll back to)
+        for node in usable:
+            h = self.memory.keepers.get(node)
+            if h is not None and h.lost and time.time() >= h.retry_at:
+                self.memory.try_restart(node)
         with self.mail.batch():  # across hosts: one frame per host
             for rank, wid in sorted(self.plan.items()):
                 w = self.workers[wid]
@@ -166,10 +174,6 @@ class Generations:
                 # processes already running (survivors, ready spares) join within milliseconds
                 if w.ready or w.entered >= 0:
                     w.warm_gen = gen
-        for node in usable:  # a node that keeps working after losing its memory gets a new one
-            h = self.memory.keepers.get(node)
-            if h is not None and h.lost and time.time() >= h.retry_at:
-                self.memory.try_restart(node)
         self.memory.configure(node_of, usable)
         self.log.write("generation", gen=gen, level=level,
                        ranks={str(r): w for r, w in sorted(self.plan.items())})

@@ -266,8 +266,12 @@ def _after_teardown(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, lis
     now = seen.now
     faults = list(s.round) or [Fault("exit", message="a rank left its generation")]
     sick = set(s.sick)
+    alive_on = {r.node for r in seen.ranks if not r.dead}
     for node in dead_nodes:
-        if node in seen.lost_memory:  # its ranks and its memory: the node
+        # its ranks and its memory: the node. A rank of it still alive says the node is not
+        # (its memory died alone, and a new one takes over): the dead ranks are replaced there,
+        # and the living one's state is not thrown away by a node replacement or a job restart
+        if node in seen.lost_memory and node not in alive_on:
             faults.append(Fault("node_lost", node=node, message=(
                 f"node {node}'s ranks and its memory (keeper) are gone")))
             sick.add(node)

@@ -72,10 +72,9 @@ class WorkerEvents:
                 self.memory.sharded = bool(ev["sharded"])
             if ev.get("nccl"):  # its aborts take NCCL's time: the teardown allows for it
                 self.nccl = True
-            odd = [s["rank"] for s in ev.get("skipped") or () if "(sdc)" in str(s.get("why"))]
-            if odd and self.sdc.mismatch(gen, ev.get("step") or 0, odd):  # found at the restore
-                self.display.warning(f"rank(s) {odd}: live parameters differed from their "
-                                     f"replicas' at step {ev.get('step')}: restored from a peer")
+            odd = [s for s in ev.get("skipped") or () if "(sdc)" in str(s.get("why"))]
+            if odd:  # found at the restore: every rank went back to a snapshot that agreed
+                self._on_sdc_at_restore(gen, ev, odd)
             self._last_entered = ev
             if defer:
                 self._deferred.add(kind)
@@ -95,7 +94,7 @@ class WorkerEvents:
             self._on_loss_rule(ev)
         elif kind == "done":
             self.ledger.done(ev)
-            self.sdc.report(gen, ev.get("sdc"))
+            self._sdc_report(gen, ev.get("sdc"))
             if ev.get("final_persist") is not None:
                 self.final_persist = max(self.final_persist or 0, ev["final_persist"])
             self.max_step = max(self.max_step, ev.get("step") or 0)
@@ -144,7 +143,7 @@ class WorkerEvents:
 
     def _on_left(self, w: Worker, ev: dict[str, Any]) -> None:
         self.max_step = max(self.max_step, ev.get("step") or 0)
-        self.sdc.report(ev.get("gen", self.gen), ev.get("sdc"))
+        self._sdc_report(ev.get("gen", self.gen), ev.get("sdc"))
         if self.incident is not None:
             self.incident.step_before = max(self.incident.step_before, ev.get("step") or 0)
         reason = ev.get("reason")
@@ -167,17 +166,63 @@ class WorkerEvents:
             self.incident.group_formed(ev["t_pg"])
 
     def _on_sdc(self, ev: dict[str, Any]) -> None:
-        """The replicas' parameters differ (every rank found the same, at a snapshot step): the
-        ranks that differ are at fault, and no rank may resume from state newer than the last
-        snapshot, which was compared and agreed."""
+        """The replicas' parameters differ (every rank found the same, at a snapshot step). A
+        corruption: the ranks that differ are at fault, and no rank may resume from state newer
+        than the last snapshot, which was compared and agreed. A divergence (the replicas split
+        into groups, or differ again after a rollback): the job stops with a diagnosis - no rank
+        or node is at fault."""
         step, suspects = int(ev["sdc_step"]), list(ev.get("suspects") or [])
+        digests = {r: d for r, d in enumerate(ev.get("digests") or [])}
         if not self.sdc.mismatch(self.gen, step, suspects):
             return
+        verdict = self._judge_sdc(step, digests, suspects, self.gen + 1)
+        if verdict is None:
+            return
         self.gens.not_after = step - 1
-        for r in suspects:
+        for r in verdict.suspects:
             self._fault(Fault("sdc", rank=r, message=(
                 f"its parameters differ from its replicas' at step {step} (digests "
                 f"{ev.get('digests')}): every rank resumes from the last snapshot that agreed")))
+
+    def _on_sdc_at_restore(self, gen: int, ev: dict[str, Any], odd: list[dict[str, Any]]) -> None:
+        """Live states of one step differed when a generation formed (each rank reports the same
+        finding): every rank was restored from a snapshot that agreed - or the replicas diverge."""
+        step = int(odd[0].get("step") if odd[0].get("step") is not None else ev.get("step") or 0)
+        ranks = [s["rank"] for s in odd]
+        if not self.sdc.mismatch(gen, step, ranks):
+            return
+        digests = {int(r): d for r, d in (odd[0].get("digests") or {}).items()}
+        if self._judge_sdc(step, digests, ranks, gen) is not None:
+            self.display.warning(f"rank(s) {ranks}: live parameters differed from their replicas' "
+                                 f"at step {step}: every rank restored from a snapshot that agreed")
+
+    def _sdc_report(self, gen: int, stats: dict[str, Any] | None) -> None:
+        """A rank's comparisons in a generation it leaves or ends: for the summary, and - some
+        agreed - the corruption rolled back before them happened once."""
+        self.sdc.report(gen, stats)
+        if stats and stats.get("checks"):
+            self.sdc_judge.agreed(gen)
+
+    def _judge_sdc(self, step: int, digests: dict[int, int], suspects: list[int],
+                   redo_gen: int) -> Any:
+        """A corruption's verdict (None: a divergence, and the job is being stopped for it).
+        ``redo_gen``: the first generation that redoes the steps after its rollback."""
+        from ..decide import sdc
+
+        if len(set(digests.values())) < 2:  # not said: each suspect alone, the others agreeing
+            world = max(len(self.plan), max(suspects, default=0) + 1)
+            digests = {r: (r + 1 if r in suspects else 0) for r in range(world)}
+        verdict = self.sdc_judge.judge(step, digests, self.gens.node_of(), redo_gen)
+        self.sdc.found[-1]["verdict"] = verdict.kind
+        if verdict.kind == sdc.CORRUPTION:
+            return verdict
+        self.sdc.found[-1]["repaired"] = False
+        self.log.write("sdc_divergence", step=step, gen=self.gen,
+                       groups=[list(g) for g in verdict.groups], diagnosis=verdict.diagnosis)
+        if self.outcome.exit_code is None:
+            self._fail(Decision(Level.FAIL, reason="the replicas diverge",
+                                diagnosis=verdict.diagnosis))
+        return None
 
     def _on_no_steps(self, ev: dict[str, Any]) -> None:
         diagnosis, warning = self.ledger.no_steps(ev)

@@ -85,6 +85,10 @@ class Worker:
             self.first_gen, self.t_first = gen, ev["t"]
         elif kind == "left":
             self.left = gen
+            step = ev.get("step")  # it may have completed a step it had not published yet
+            if step is not None and gen is not None and (self.step_gen != gen
+                                                         or step > (self.step or 0)):
+                self.step, self.step_gen = step, gen
         elif kind == "nan":
             self.retry_step, self.retry_loss = ev.get("step"), ev.get("output")
         elif kind == "done":

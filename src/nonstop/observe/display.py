@@ -153,6 +153,10 @@ def sdc_text(sdc: dict[str, Any]) -> str:
     if not sdc.get("checks") and not sdc.get("mismatches"):
         return "replicas: not compared"
     found = sdc.get("found") or []
+    diverged = [f for f in found if f.get("verdict") == "divergence"]
+    if diverged:
+        return ("the replicas diverged at step " + ", ".join(str(f["step"]) for f in diverged)
+                + " (they do not compute the same thing: the weights are not certified)")
     kept = [f for f in found if not f.get("repaired", True)]
     if kept:
         return ("replicas differed at step(s) " + ", ".join(str(f["step"]) for f in kept)

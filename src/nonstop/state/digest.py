@@ -79,6 +79,23 @@ def odd_ones(digests: list[int]) -> list[int]:
     return list(range(len(digests)))
 
 
+def _all_know() -> None:
+    """The replicas differ: wait until every rank holds the digests before any acts on it. A
+    rank's all-gather may return while a peer's is still reading what it sent; a rank that then
+    left (and died leaving: a crash in the teardown) reset its connections, the peer's gather
+    failed, and the only ranks that knew of the mismatch were gone - the controller never heard
+    of it, and the corrupted rank's live state, the only one left, went to the new ranks. A
+    second collective ends only once every rank is past the first. Its own failure (a peer gone
+    meanwhile) changes nothing: this rank knows."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        dist.all_reduce(torch.zeros(1))
+    except Exception:  # noqa: BLE001 - the mismatch is known here: raised by the caller
+        pass
+
+
 class Digests:
     """One rank process's checks: their cost (which spaces the snapshots out when needed), and
     the chain of the agreeing ones."""
@@ -93,6 +110,11 @@ class Digests:
         self.last_step: int | None = None
         self.chain = ""
         self.mismatch: SilentCorruption | None = None  # the last one found (report mode)
+        # the newest snapshot this process committed of a step its check agreed on, and when
+        # (wall clock): what a corruption found later rolls back to at worst (kept across
+        # generations; a snapshot written without a check - a reshard's - is not certified)
+        self.certified: int | None = None
+        self.certified_t: float | None = None
 
     @property
     def cost_s(self) -> float | None:
@@ -119,6 +141,7 @@ class Digests:
         suspects = odd_ones(digests)
         if suspects:
             found = SilentCorruption(step, suspects, digests)
+            _all_know()
             if not self.report_only:
                 raise found
             self.mismatch = found
@@ -128,6 +151,12 @@ class Digests:
         self.last_step = step
         self.chain = hashlib.sha256(f"{self.chain}:{step}:{digests[0]}".encode()).hexdigest()
         return spent
+
+    def committed(self, step: int) -> None:
+        """A snapshot of ``step`` was committed to the node's memory: certified if a check of
+        this generation agreed at that step or later (a difference, once there, persists)."""
+        if self.last_step is not None and step <= self.last_step:
+            self.certified, self.certified_t = step, time.time()
 
     def interval(self, step_s: float | None) -> int:
         """The fewest steps between checks that keeps them under their share of step time."""
@@ -142,4 +171,5 @@ class Digests:
 
     def stats(self) -> dict[str, Any]:
         return {"checks": self.checks, "first_step": self.first_step, "last_step": self.last_step,
-                "chain": self.chain, "cost_s": self.cost_s}
+                "chain": self.chain, "cost_s": self.cost_s, "certified": self.certified,
+                "certified_t": self.certified_t}

@@ -32,6 +32,11 @@ class NodeMemory:
         self._lock = threading.Lock()
         self._warm: Any = None  # memory made ready for a restore (see ``prepare``)
         self._preparing = False
+        # a snapshot whose replicas agreed that the node's memory could not take (it died, and
+        # a new one is not up yet): (step, rank, world, meta, data), kept in this process until
+        # the memory takes a newer one - so that a corruption found meanwhile has a certified
+        # step to go back to (``Snapshots.keep``; offered by a restore as ``kept``)
+        self.kept: tuple[int, int, int, bytes, Any] | None = None
 
     @property
     def client(self) -> wire.Client:

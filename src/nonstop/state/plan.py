@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-SOURCES = ("live", "memory", "buddy", "disk")  # cheapest first
+SOURCES = ("live", "memory", "kept", "buddy", "disk")  # cheapest first
 
 
 class NoConsistentState(RuntimeError):
@@ -27,17 +27,20 @@ class Offer:
     memory: tuple[int, ...] = ()  # steps of its own snapshots in its node's memory
     replicas: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # for rank r
     disk: tuple[int, ...] = ()  # steps of its checkpoints on disk (any rank's, if replicated)
+    # the step of a snapshot whose replicas agreed, kept in its own process while its node's
+    # memory could not take it (the memory died, a new one is not up yet): a certified copy
+    kept: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return {"live": self.live, "memory": list(self.memory),
                 "replicas": {str(k): list(v) for k, v in self.replicas.items()},
-                "disk": list(self.disk)}
+                "disk": list(self.disk), "kept": self.kept}
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "Offer":
         return cls(d.get("live"), tuple(d.get("memory", ())),
                    {int(k): tuple(v) for k, v in d.get("replicas", {}).items()},
-                   tuple(d.get("disk", ())))
+                   tuple(d.get("disk", ())), d.get("kept"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +74,13 @@ def _holders(offers: list[Offer], rank: int, step: int, sharded: bool) -> list[t
         found.append(("live", None))
     if step in me.memory:
         found.append(("memory", None))
+    if me.kept == step:
+        found.append(("kept", None))
     if step in me.replicas.get(rank, ()):  # its replica is on the node it now runs on
         found.append(("buddy", None))
     if not sharded:  # any rank's copy will do: a peer sends it
         for r, o in enumerate(offers):
-            if r != rank and (o.live == step or step in o.memory):
+            if r != rank and (o.live == step or step in o.memory or o.kept == step):
                 found.append(("live", r))
                 break
     for r, o in enumerate(offers):
@@ -92,7 +97,8 @@ def plan(offers: list[Offer], sharded: bool) -> Plan:
     world = len(offers)
     steps: set[int] = set()
     for o in offers:
-        steps.update(([o.live] if o.live is not None else []) + list(o.memory) + list(o.disk))
+        steps.update(([o.live] if o.live is not None else []) + list(o.memory) + list(o.disk)
+                     + ([o.kept] if o.kept is not None else []))
         for held in o.replicas.values():
             steps.update(held)
     if not steps:

@@ -84,35 +84,65 @@ def _offer(state: Any, rank: int, has_state: bool, where: Where) -> tuple[Offer,
                 continue  # another world's shards: only a reshard reads them
             if checkpoint.part_rank_for(manifest, rank) is not None:
                 disk.append(step)
+    kept = _kept(where, rank)
+    kept_step = kept[0] if kept is not None else None
     if where.not_after is not None:  # newer state may hold the corruption: none of it
         cap = where.not_after
         live = live if live is not None and live <= cap else None
         memory = tuple(x for x in memory if x <= cap)
         replicas = {r: tuple(x for x in held if x <= cap) for r, held in replicas.items()}
         disk = [x for x in disk if x <= cap]
-    return Offer(live, memory, replicas, tuple(disk)), problems
+        kept_step = kept_step if kept_step is not None and kept_step <= cap else None
+    return Offer(live, memory, replicas, tuple(disk), kept_step), problems
 
 
-def _agreeing(offers: list[Offer], digests: list[int | None]) -> tuple[list[Offer], list[int]]:
-    """The offers with no live state of a step at which live states disagree, and the ranks
-    whose state differed. Not only the odd ones are withdrawn: since the last comparison their
-    gradients went into every replica's updates, so every live state of that step is off the
-    fault-free run; the snapshots (each compared when taken) are not."""
+def _kept(where: Where, rank: int) -> tuple[int, int, int, bytes, Any] | None:
+    """The certified copy this process keeps (``NodeMemory.kept``), if it is one of this rank's
+    state: any rank's will do for replicated state, only its own shard (of this world) else."""
+    kept = getattr(where.memory, "kept", None) if where.memory is not None else None
+    if kept is None:
+        return None
+    if where.sharded and (kept[1] != rank or (where.world and kept[2] != where.world)):
+        return None
+    return kept
+
+
+def _agreeing(offers: list[Offer], digests: list[int | None]
+              ) -> tuple[list[Offer], list[dict[str, Any]]]:
+    """The offers with no live state of a step at which live states disagree, and what was
+    found: for each rank whose state differed, the step and every compared rank's digest (the
+    controller tells a corruption from a divergence by them). Not only the odd ones are
+    withdrawn: since the last comparison their gradients went into every replica's updates, so
+    every live state of that step is off the fault-free run - the majority's too, bit for bit;
+    the snapshots (each compared when taken) are not."""
     from .digest import odd_ones
 
     by_step: dict[int, list[int]] = {}
     for r, (o, d) in enumerate(zip(offers, digests)):
         if o.live is not None and d is not None:
             by_step.setdefault(o.live, []).append(r)
-    odd: list[int] = []
+    odd: list[dict[str, Any]] = []
     tainted: set[int] = set()
-    for ranks in by_step.values():
+    for step, ranks in by_step.items():
         found = [ranks[i] for i in odd_ones([digests[r] for r in ranks])] if len(ranks) > 1 else []
         if found:
-            odd += found
+            compared = {str(r): digests[r] for r in ranks}
+            odd += [{"rank": r, "step": step, "digests": compared} for r in found]
             tainted.update(ranks)
     out = [dataclasses.replace(o, live=None) if r in tainted else o for r, o in enumerate(offers)]
-    return out, sorted(odd)
+    return out, sorted(odd, key=lambda f: f["rank"])
+
+
+def held(offers: list[Offer], sharded: bool, cap: int) -> int | None:
+    """The newest step (at most ``cap``) every rank can be restored to from snapshots alone -
+    its node's memory, a peer's, a buddy's replica - with no live state: what a corruption
+    found from here on rolls back to at worst. None: no snapshot reaches every rank."""
+    copies = [dataclasses.replace(o, live=None, disk=()) for o in offers]  # (kept: certified)
+    try:
+        p = planning.plan(copies, sharded)
+    except NoConsistentState:
+        return None
+    return None if p.fresh else min(p.step, cap)
 
 
 def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
@@ -143,8 +173,8 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
     offers, odd = _agreeing(offers, [g.get("digest") for g in gathered])
     withheld_any = any(g.get("withheld") for g in gathered) or any(
         a.live is not None and b.live is None for a, b in zip(before, offers))
-    if withheld_any and not any(o.live is not None or o.memory or o.disk or
-                                any(o.replicas.values()) for o in offers):
+    if withheld_any and not any(o.live is not None or o.memory or o.disk or o.kept is not None
+                                or any(o.replicas.values()) for o in offers):
         # nothing old enough anywhere: starting "fresh" would keep the trained, withheld
         # parameters at step 0 (a silent divergence): new processes must start instead
         raise NoConsistentState("every rank's state is newer than the last snapshot whose "
@@ -153,8 +183,8 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
     if agreed is not None:
         agreed()
     skipped: list[dict[str, Any]] = [
-        {"rank": r, "source": "live", "why": "its parameters differ from its replicas' (sdc)"}
-        for r in odd]
+        {**f, "source": "live", "why": "its parameters differ from its replicas' (sdc)"}
+        for f in odd]
     for attempt in range(MAX_ATTEMPTS):
         p = planning.plan(offers, where.sharded)
         nbytes, failure = _execute(p, offers, state, rank, where)
@@ -173,11 +203,21 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
     receivers = tuple(a.rank for a in p.actions if not (a.source == "live" and a.holder is None))
     if problems:
         skipped.append({"rank": rank, "source": "memory", "why": problems["memory"]})
+    # (alike on every rank: the same offers, minus the same failed sources)
+    newest = held(offers, where.sharded, p.step)
+    # the step where a mismatch was found (by the comparison before a snapshot: the step after
+    # ``not_after``; or here, between live states) is compared again when the job gets back to
+    # it: a corruption is gone then, a divergence comes out the same (decide/sdc.py)
+    found = [f["step"] for f in odd] + (
+        [where.not_after + 1] if where.not_after is not None else [])
+    recheck = max(found) if found and max(found) > p.step else None
     t_end = time.monotonic()
     return RestoreResult(p.step, mine.source, mine.holder, {a.rank: a.source for a in p.actions},
                          receivers, nbytes, t_end - t0, skipped,
-                         agreed={"schedules": [g["schedule"] for g in gathered],
-                                 "disk": any(a.source == "disk" for a in p.actions)},
+                         agreed={"schedules": [dict(g["schedule"], held=newest, recheck=recheck)
+                                               if g["schedule"] else {} for g in gathered],
+                                 "disk": any(a.source == "disk" for a in p.actions),
+                                 "held": newest},
                          phases={"offer": round(t_offer - t0, 6),
                                  "agree": round(t_gathered - t_offer, 6),  # waits for the last rank
                                  "move": round(t_moved - t_gathered, 6),  # the final attempt
@@ -221,7 +261,9 @@ def _without(offers: list[Offer], failed: list[dict[str, Any]]) -> list[Offer]:
         r, step, source = f["offered_by"], f["step"], f["source"]
         o = out[r]
         # "live" that failed was a peer's snapshot sent in its place: live state cannot fail
-        if source in ("live", "memory"):
+        if source == "kept" or (source == "live" and o.kept == step and o.live != step):
+            out[r] = dataclasses.replace(o, kept=None)
+        elif source in ("live", "memory"):
             out[r] = dataclasses.replace(o, memory=tuple(s for s in o.memory if s != step))
         elif source == "buddy":  # the replica, wherever it was read
             reps = dict(o.replicas)
@@ -251,7 +293,8 @@ def _execute(p: planning.Plan, offers: list[Offer], state: Any, rank: int, where
                 failure = {"rank": rank, "source": a.source, "offered_by": a.holder,
                            "step": p.step, "why": str(exc)}
     mine = p.actions[rank]
-    if failure is None and mine.holder is None and mine.source in ("memory", "buddy", "disk"):
+    if failure is None and mine.holder is None and mine.source in ("memory", "kept", "buddy",
+                                                                   "disk"):
         try:
             nbytes += _load_local(mine.source, p.step, state, rank, where)
         except _Bad as exc:
@@ -286,6 +329,11 @@ def _send(a: planning.Action, step: int, me: Offer, state: Any, rank: int, where
         meta, buf = live_packed
         _send_parts(a.rank, _header(True, len(meta), buf.numel()), meta, buf)
         return live_packed
+    if a.source == "live" and me.kept == step:  # the certified copy this process keeps
+        kept = _kept(where, rank)
+        if kept is not None and kept[0] == step:
+            _send_parts(a.rank, _header(True, len(kept[3]), kept[4].numel()), kept[3], kept[4])
+            return live_packed
     holder = mem.own(rank) if a.source == "live" else mem.replica(a.rank)
     try:
         with where.memory.lease(holder, step) as found:  # type: ignore[union-attr]
@@ -400,6 +448,14 @@ def verified(where: Where, holder: str, step: int, what: str) -> Iterator[tuple[
 
 
 def _load_local(source: str, step: int, state: Any, rank: int, where: Where) -> int:
+    if source == "kept":
+        kept = _kept(where, rank)
+        if kept is None or kept[0] != step:
+            raise _Bad(f"no copy of step {step} kept in this process")
+        meta, data = kept[3], kept[4]
+        _load(state, _unpack(meta, data, f"the copy of step {step} kept in this process", where),
+              where)
+        return int(data.numel())
     if source in ("memory", "buddy"):  # own snapshot, or its replica held on this node
         holder = mem.own(rank) if source == "memory" else mem.replica(rank)
         with verified(where, holder, step, source) as (info, meta, data):

@@ -53,6 +53,7 @@ class _Job:
         self.step, self.meta, self.nbytes, self.persist = step, meta, nbytes, persist
         self.rank, self.gen, self.midway, self.injector = rank, gen, midway, injector
         self.may_commit: Any = None  # the generation's guard, as it was when the copy started
+        self.certified = False  # its step's replicas agreed (the check before it)
         self.lock = threading.Lock()  # the commit against a drop: one or the other
         self.dropped = False
         self.thread: threading.Thread | None = None
@@ -82,6 +83,7 @@ class Snapshots:
         self.repl_s: float | None = None  # the last copy to the buddy node
         self.entry_step = 0
         self.anchor = 0  # the step of the last snapshot due (every rank's alike): the next is K on
+        self.recheck: int | None = None  # a step to compare (and snapshot) whatever the interval
         self.last_step: int | None = None  # newest step this process snapshotted
         self.taken = 0
         self.spent_s = 0.0
@@ -110,6 +112,14 @@ class Snapshots:
         return statistics.median(self._costs) if self._costs else self._first_cost
 
     @property
+    def steady_cost_s(self) -> float | None:
+        """``cost_s`` without a first snapshot into new memory: what the interval is agreed
+        from. A process that has taken only that one (a spare promoted, a memory restarted)
+        offered it before - page faults and all, tens of times a steady snapshot's - and the
+        largest offer wins: the interval went to hundreds of steps after every replacement."""
+        return statistics.median(self._costs) if self._costs else None
+
+    @property
     def write_s(self) -> float | None:
         """A staged snapshot from its copy's start to its commit, in the background (median of
         the recent ones into memory in place)."""
@@ -131,12 +141,19 @@ class Snapshots:
         before its restore: the snapshot in flight is settled first, so that the offers name
         committed snapshots only and nothing copies the state while the restore loads it."""
         self.settle()
-        return {"every": self.every, "cost_s": self.cost_s, "step_s": self.step_s,
+        return {"every": self.every, "cost_s": self.steady_cost_s, "step_s": self.step_s,
                 "repl_s": self.repl_s, "sdc_s": self.sdc_s, "write_s": self.write_s,
                 "last_persist": self.last_persist}
 
     def adopt(self, schedules: list[dict[str, Any]], step: int, from_disk: bool) -> None:
-        """Take the schedule every rank agrees on, entering a generation at ``step``."""
+        """Take the schedule every rank agrees on, entering a generation at ``step``.
+
+        The next snapshot is counted from the newest one every rank can still be restored from
+        (``held``, which the restore adds to every rank's schedule alike), not from the entry:
+        counted from each entry, a job whose faults come more often than its interval never
+        took another snapshot, and a corruption found later rolled back to the last one there
+        was - or, its memory lost meanwhile, to step 0. None held (a memory lost, a new one
+        empty) and past step 0: the first step of the generation takes one."""
         known = [s for s in schedules if s]
         if known:
             self.every = max(int(s["every"]) for s in known)
@@ -147,6 +164,16 @@ class Snapshots:
         if from_disk:
             self.last_persist = max(self.last_persist, step)
         self.entry_step = self.anchor = step
+        said = [s for s in known if "held" in s]
+        self.recheck = None
+        if said:  # (the same on every rank: from the offers every rank gathered)
+            held = said[0]["held"]
+            self.anchor = min(int(held), step) if held is not None else \
+                step - self.every if step > 0 else step
+            # a step where the replicas were found to differ, rolled back from: compared (and
+            # snapshotted) again when reached, whatever the interval
+            recheck = said[0].get("recheck")
+            self.recheck = int(recheck) if recheck is not None and recheck > step else None
         if self.digests is not None:
             self.digests.entered()
 
@@ -165,17 +192,43 @@ class Snapshots:
             k = max(k, math.ceil(write_s / step_s))  # waits for it
         return max(1, min(MAX_EVERY, k))
 
-    def _tune(self) -> bool:
-        """Every rank at the same step: agree on the interval from the largest costs seen."""
+    def _agree(self, rank: int, world: int) -> tuple[bool, bool]:
+        """Every rank at the same step: agree on the interval from the largest costs seen (with
+        ``auto``), and on whether some rank's memory no longer holds its newest snapshot (its
+        keeper died and came back empty, a write failed): then every rank takes one now, rather
+        than up to an interval later - until then a corruption found would have nothing certified
+        to roll back to. Returns (whether the interval changed, whether to snapshot now)."""
         import torch
         import torch.distributed as dist
 
-        t = torch.tensor([self.cost_s or 0.0, self.step_s or 0.0, self.repl_s or 0.0,
-                          self.sdc_s or 0.0, self.write_s or 0.0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        every = self._interval(*t.tolist())
-        changed, self.every = every != self.every, every
-        return changed
+        lost = self._memory_lost(rank)
+        t = torch.tensor([self.steady_cost_s or 0.0, self.step_s or 0.0, self.repl_s or 0.0,
+                          self.sdc_s or 0.0, self.write_s or 0.0, float(lost)],
+                         dtype=torch.float64)
+        if world > 1:
+            if not (dist.is_available() and dist.is_initialized()):
+                return False, False  # no group to agree over (a unit test): nothing unagreed
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        *costs, lost_any = t.tolist()
+        changed = False
+        if self.auto:
+            every = self._interval(*costs)
+            changed, self.every = every != self.every, every
+        return changed, lost_any > 0
+
+    def _memory_lost(self, rank: int) -> bool:
+        """Whether this rank's node memory lost (or never got) its newest snapshot."""
+        if self.memory is None or not self.enabled:
+            return False
+        if self.error is not None:  # the last one failed: the memory is gone, or refused it
+            return True
+        if self.last_step is None:  # none taken by this process yet: nothing to miss
+            return False
+        try:
+            return self.last_step not in self.memory.steps(mem.own(rank))
+        except (OSError, ConnectionError, KeeperError):
+            self.memory.reset()
+            return True
 
     # -- on the step path ---------------------------------------------------------------------
     def after_step(self, state: Any, rank: int, world: int, gen: int, step_s: float, first: bool,
@@ -188,15 +241,25 @@ class Snapshots:
             self._steps.append(step_s)
         step = state.step
         spent = 0.0
-        if step - self.anchor >= self.every or self._disk_due(step):
-            self.anchor = step
-            if self.digests is not None:  # raises SilentCorruption: this step is not snapshotted
-                spent += self.digests.check(state.modules(), step, world)
-            spent += self.take(state, rank, world, gen, injector)
-        changed = False  # tuned after the snapshot: its cost is then known
-        if self.auto and (step - self.entry_step in TUNE_AFTER or step % RETUNE_EVERY == 0):
-            changed = self._tune()
+        due = step - self.anchor >= self.every or self._disk_due(step) or step == self.recheck
+        if due:
+            spent += self._checked_take(state, rank, world, gen, injector)
+        changed = False  # agreed after the snapshot: its cost is then known
+        if step - self.entry_step in TUNE_AFTER or step % RETUNE_EVERY == 0:
+            changed, lost = self._agree(rank, world)
+            if lost and not due:  # (the same on every rank: the agreement's result)
+                spent += self._checked_take(state, rank, world, gen, injector)
         return spent, changed
+
+    def _checked_take(self, state: Any, rank: int, world: int, gen: int, injector: Any) -> float:
+        """The replicas compared, then the snapshot: every snapshot written is one whose
+        digests agreed. Raises SilentCorruption (nothing written) when they differ."""
+        step = state.step
+        self.anchor = step
+        spent = 0.0
+        if self.digests is not None:
+            spent += self.digests.check(state.modules(), step, world)
+        return spent + self.take(state, rank, world, gen, injector)
 
     def take(self, state: Any, rank: int, world: int, gen: int, injector: Any = None,
              final: bool = False) -> float:
@@ -222,6 +285,9 @@ class Snapshots:
         if staged:
             job = _Job(step, lay.meta, lay.nbytes, persist, rank, gen, midway, injector)
             job.may_commit = self.may_commit
+            # certified as the copy starts (the next check may have moved on by its commit)
+            job.certified = self.digests is not None and self.digests.last_step is not None \
+                and step <= self.digests.last_step
             return self._take_staged(state, lay, job, device, t_start)
         try:
             slot_i, seq, slot, reply = self.memory.alloc(holder, size)
@@ -233,6 +299,9 @@ class Snapshots:
                 self.memory.reset()
                 return 0.0
             self.memory.commit(holder, slot_i, persist)
+            self.memory.kept = None  # the memory holds a newer certified one
+            if self.digests is not None:
+                self.digests.committed(step)
             if persist is not None:
                 self.requested = step
             if injector is not None and injector.claim_kind("corrupt", rank, step - 1):
@@ -240,6 +309,7 @@ class Snapshots:
         except (OSError, ConnectionError, KeeperError) as exc:
             self.error = f"{type(exc).__name__}: {exc}"
             self.memory.reset()
+            self._keep(state, step, rank, world, sharded, gen)
             return 0.0
         t_end = time.perf_counter()
         # all of it is on the step's path: the layout, asking the keeper for a slot (0.8 ms of a
@@ -257,6 +327,26 @@ class Snapshots:
         self.spent_s += spent
         self.error = None
         return spent
+
+    def _keep(self, state: Any, step: int, rank: int, world: int, sharded: bool,
+              gen: int) -> None:
+        """The node's memory could not take a snapshot whose replicas agreed (it died, and a new
+        one is not up yet): keep a copy in this process instead, until the memory takes a newer
+        one. Its certified snapshots died with it: a corruption found before a new memory holds
+        one would otherwise go back to step 0 (a job restart), though every rank that survives
+        it holds the certified step here. One copy of the state, only while the memory is out;
+        state on a GPU (staged) is not kept."""
+        if self.digests is None or self.digests.last_step != step or self.memory is None:
+            return
+        try:
+            meta, data = packing.pack(state.state_dict(), {"step": step, "rank": rank,
+                                                           "world": world, "sharded": sharded,
+                                                           "gen": gen})
+        except Exception as exc:  # noqa: BLE001 - no copy: said, and training goes on
+            self.error = f"{self.error}; no copy kept in the process: {type(exc).__name__}: {exc}"
+            return
+        self.memory.kept = (step, rank, world, meta, data)
+        self.digests.certified, self.digests.certified_t = step, time.time()
 
     def _disk_due(self, step: int) -> bool:
         """A disk checkpoint is due: the step gets a snapshot even between snapshot steps (every
@@ -413,6 +503,8 @@ class Snapshots:
                     memory.reset()
                     return
                 memory.commit(holder, slot_i, job.persist)
+                if job.certified and self.digests is not None:
+                    self.digests.certified, self.digests.certified_t = job.step, time.time()
                 with self._lock:
                     self.repl_s = reply.get("repl_s") or self.repl_s
                     if job.persist is not None:
