@@ -194,6 +194,30 @@ recover:
     assert bitwise_equal(out, reference(2, *LONG_FAST, script=SHARDED))
 
 
+def test_a_nodes_memory_lost_as_training_ends_gives_up_the_last_checkpoint_at_once(tmp_path):
+    """A node's memory dies just as training completes (it is not restarted then): the last
+    step's checkpoint, which that node's part belongs to, is given up at once and said so; the
+    run ends, rather than waiting out timeouts.finish_s for a write that cannot come."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out.pt"
+    pol = policy_file(tmp_path, "recover:\n  timeouts:\n    finish_s: 120\n")
+    proc = start(tmp_path / "run", "--nproc=4", "--nodes=2", f"--checkpoint-dir={ckpt}",
+                 "--checkpoint-every=1000", f"--policy={pol}", str(SHARDED), "--steps", "30",
+                 "--sleep-ms", "40", "--save", str(out))
+    t0 = time.time()
+    try:
+        keepers = wait_for_event(tmp_path / "run", lambda e: e["type"] == "keepers", timeout=90)
+        wait_for_event(tmp_path / "run", lambda e: e["type"] == "rank_done", timeout=90)
+        os.kill(keepers["nodes"]["1"]["pid"], signal.SIGKILL)
+    finally:
+        r = finish(proc, tmp_path / "run", t0)
+    (done,) = r.of("training_complete")
+    (end,) = r.of("run_end")
+    assert end["t"] - done["t"] < 30, r.stdout[-2000:]  # not finish_s (120 s)
+    lines = [x for x in r.stdout.splitlines() if "checkpoint of step 30 not written" in x]
+    if lines:  # the keeper died before its part was written (else the step was complete)
+        assert "lost their memory (keeper) as training ended" in lines[0]
+
+
 def test_a_nodes_memory_killed_alone_costs_no_incident(tmp_path, reference):
     # node 1's keeper dies while its ranks train on, with disk checkpoints due every 4 steps:
     # its ranks' snapshots fail while node 0's succeed, yet every rank must still agree on which

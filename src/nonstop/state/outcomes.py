@@ -318,6 +318,20 @@ class DiskCheckpoints:
         if why is not None:
             self.log.write("checkpoint_abandoned", step=step, why=why)
 
+    def unwritable(self, step: int, why: str) -> None:
+        """The checkpoint of ``step`` can no longer be written (a part's node lost its memory):
+        given up now, said once."""
+        if self.failures.settled(step):
+            return
+        self.failures.lost.add(step)
+        self._abandon(step, why)
+        self.log.write("checkpoint_failed", step=step, message=why, outcome="given up",
+                       attempt=self.failures.attempts, retry_in_s=None)
+        newest = self._newest_complete()
+        self.display.info(f"checkpoint of step {step} not written: {why}; given up"
+                          + (f" (newest complete: step {newest})" if newest is not None else
+                             " (no complete checkpoint)"))
+
     def _written(self, step: int) -> None:
         if self._said:
             causes = ", ".join(f"{c}: {n} attempt(s)" for c, n in self._said.items())

@@ -268,6 +268,16 @@ class Keepers:
         return None if proc is None else proc.log_path
 
     def settled(self, step: int | None) -> bool:
+        """Whether the last step's checkpoint is written or given up. A node whose memory is gone
+        (and is not restarted once training has completed) can write no part of it: the step
+        is given up at once rather than waited for until ``timeouts.finish_s``."""
+        if step is not None and not self.disk.settled(step):
+            now = time.time()
+            gone = sorted(n for n, h in self.keepers.items()
+                          if h.lost and now - h.lost_at > KEEPER_GRACE_S)
+            if gone:
+                self.disk.unwritable(step, f"node(s) {', '.join(map(str, gone))} lost their "
+                                           "memory (keeper) as training ended")
         return self.disk.settled(step)
 
     def wait(self, step: int, deadline: float, tick: Callable[[], None]) -> bool:
