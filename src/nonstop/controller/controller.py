@@ -345,7 +345,9 @@ class Controller(ProcessExits, WorkerEvents):
         # 0.1-0.15 s every 0.7 s, in the middle of recoveries.
         gc.freeze()
         for node in sorted(self._release):
-            self.agent.release(node, f"node {node} isolated: the job goes on without it")
+            self.agent.release(node, f"node {node} preempted: its ranks moved, the job goes on"
+                               if node in self.preempts.told else
+                               f"node {node} isolated: the job goes on without it")
         self._release.clear()
         ev = self._last_entered
         ranks = self._ranks()
@@ -403,7 +405,7 @@ class Controller(ProcessExits, WorkerEvents):
         """Never place a rank or a spare on this node again in this job; its host is released
         once the next generation has formed (its memory may still serve the restore)."""
         self._step(mc.Isolate(self._seen(), node))
-        self.gens.isolate(node)
+        self.gens.isolate(node, planned=node in self.preempts.told)
         self._release.add(node)
 
     def _preempt(self, node: int) -> None:

@@ -66,6 +66,8 @@ class ProcessExits:
         h = self.memory.on_exit(proc.wid, proc.returncode)
         if h is None or h.killed or self.phase in ENDING:
             return
+        if h.node in self.counters.isolated or h.node in self.preempts.told:
+            return  # its host is leaving (isolated, released, preempted): expected, not news
         self.display.info(f"node {h.node}: its memory (keeper) is gone (code {proc.returncode})")
         # the other nodes stop copying their snapshots to it now, not once it is replaced
         self.memory.configure(self.gens.node_of(), self.state.usable_nodes(self.total_nodes))

@@ -269,14 +269,17 @@ class Generations:
                           + (f": {moved}" if moved else "") + f" [{decision.reason}]")
 
     # == nodes and spares ========================================================================
-    def isolate(self, node: int) -> None:
-        """Never place a rank or a spare on this node again in this job: its processes end."""
+    def isolate(self, node: int, planned: bool = False) -> None:
+        """Never place a rank or a spare on this node again in this job: its processes end.
+        ``planned``: it leaves by the scheduler's word (a preemption), not for a fault."""
         for w in list(self.workers.values()):
             if w.node == node and not w.dead:
                 self.table.kill(w, f"node {node} isolated")
         self.watchers.remove_node(node)
-        self.log.write("isolate", node=node)
-        self.display.info(f"node {node} isolated: no rank will be placed there again")
+        self.log.write("isolate", node=node, planned=planned)
+        self.display.info(f"node {node} leaves the job as its scheduler asked (preempted)"
+                          if planned else
+                          f"node {node} isolated: no rank will be placed there again")
 
     def shut_node(self, node: int) -> None:
         """A faulty node goes at once: its processes and its memory."""

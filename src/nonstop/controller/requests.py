@@ -73,8 +73,10 @@ class Preemptions:
         self._grace: dict[int, float] = {}
         self._half: dict[int, float] = {}  # node -> half-way through its grace
         self._next: dict[int, float] = {}
+        self.told: set[int] = set()  # every node ever told to stop: its leaving is planned
 
     def add(self, node: int, grace_s: float, now: float) -> None:
+        self.told.add(node)
         if node not in self.pending:
             self.pending[node] = now + grace_s
             self._grace[node] = grace_s
