@@ -85,6 +85,21 @@ def test_no_samples_no_steps_everything_is_startup_or_idle():
     assert acct["goodput"] == 0.0
 
 
+def test_two_controllers_terms_merge_into_the_whole_jobs_account():
+    # a controller counts 0..6 s, its host dies; the one taking over counts 6..12 s from the
+    # first one's last sample: the two accounts add up to the job's, phases and all
+    samples = steps(1, 0, 2.0, 0, 100)  # t=2..10
+    inc = incident(1, 6.5, 1.0)
+    a = goodput.account(0.0, 6.0, [], samples, t_ready=2.0)["categories"]
+    b = goodput.account(6.0, 12.0, [inc], samples, t_ready=6.0)["categories"]
+    whole = goodput.merge(a, b)
+    assert goodput.total(whole) == pytest.approx(12.0)
+    assert whole["startup"] == pytest.approx(2.0)
+    assert sum(whole["recovery"].values()) == pytest.approx(1.0)
+    assert whole["productive"] == pytest.approx(a["productive"] + b["productive"])
+    assert goodput.merge({}, b) == b
+
+
 @pytest.mark.integration
 def test_a_real_rollback_is_accounted(tmp_path):
     from conftest import TRAIN, run_nonstop

@@ -243,6 +243,14 @@ def test_the_controllers_host_killed_whole(job, reference):
         assert {spawns[w] for w in last} == {0, 1, 2} - {victim_node}
     saved = _saved(j, 3)
     assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", str(STEPS)))
+    # the summary is the whole job's, from the first controller's start, not the last one's term
+    (end,) = j.of("run_end")
+    (start,) = [e for e in j.of("run_start")][:1]
+    assert abs(end["wall_s"] - (end["t"] - start["t"])) < 2.0, (end["wall_s"], end["t"] - start["t"])
+    assert end["in_office_s"] < end["wall_s"] - 1.0
+    assert end["incidents"] == len(j.of("incident"))  # the takeover's own, when it held ranks
+    from nonstop.observe import goodput
+    assert abs(goodput.total(end["time_s"]) - end["wall_s"]) < 0.05
 
 
 def test_a_health_check_fails_on_one_host_its_ranks_move_to_the_spare_host(job, reference):

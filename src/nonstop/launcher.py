@@ -312,9 +312,11 @@ def time_account(controller: Any, records: list[dict[str, Any]], t_end: float) -
     controller.progress.close()
     controller.status.maybe(controller, t_end, force=True)  # the job is over
     open_inc = controller.incident
-    acct = goodput.account(controller.t_start, t_end,
+    before = controller.before  # across hosts: what the controllers before this one counted
+    t0 = before["t"] if before else controller.t_start
+    acct = goodput.account(t0, t_end,
                            records + ([open_inc.to_record()] if open_inc is not None else []),
-                           controller.progress.rank0, controller.t_ready,
+                           controller.progress.rank0, t0 if before else controller.t_ready,
                            controller.outcome.t_train_end,
                            final_checkpoint=controller.final_persist is not None)
     costs = {x["id"]: x for x in acct["by_incident"]}
@@ -322,7 +324,31 @@ def time_account(controller: Any, records: list[dict[str, Any]], t_end: float) -
         if rec["id"] in costs:
             rec["recomputed_s"] = costs[rec["id"]]["recomputed_s"]
     known = controller.ledger.steps_known()
-    return {"time_s": acct["categories"], "goodput": acct["goodput"] if known else None}
+    cats = goodput.merge(before["time_s"], acct["categories"]) if before else acct["categories"]
+    wall = goodput.total(cats)
+    productive = cats.get("productive", 0.0)
+    return {"time_s": cats,
+            "goodput": (round(productive / wall, 4) if wall > 0 else None) if known else None}
+
+
+def job_so_far(controller: Any, now: float) -> dict[str, Any]:
+    """What a controller taking over needs to count the whole job, not its own time in office:
+    when the job started, its goodput account so far, its closed incidents, rank 0's newest
+    progress sample (the next one, seen by the successor, is counted from it). Written with the
+    journal (at every generation, incident closed, host joined or lost)."""
+    from .observe import goodput
+
+    before = controller.before
+    t0 = before["t"] if before else controller.t_start
+    open_inc = controller.incident
+    own = controller.ledger.incident_records(controller.incidents)
+    acct = goodput.account(t0, now, own + ([open_inc.to_record()] if open_inc is not None else []),
+                           controller.progress.rank0, t0 if before else controller.t_ready, None)
+    cats = goodput.merge(before["time_s"], acct["categories"]) if before else acct["categories"]
+    rank0 = controller.progress.rank0
+    return {"t_start": before["t_start"] if before else controller.t_start, "t": now,
+            "time_s": cats, "incidents": ((before or {}).get("incidents") or []) + own,
+            "rank0": rank0[-1] if rank0 else None}
 
 
 def report(controller: Any, log: Any, run_dir: Path, code: int, display: Any) -> dict[str, Any]:
@@ -331,12 +357,18 @@ def report(controller: Any, log: Any, run_dir: Path, code: int, display: Any) ->
     train_end = controller.outcome.t_train_end or t_exit
     ledger = controller.ledger
     records = ledger.incident_records(controller.incidents)
-    summary = incidents.summarize(records, train_end - controller.t_start,
+    before = controller.before  # across hosts: the controllers before this one
+    earlier_records = list((before or {}).get("incidents") or [])
+    t_start = before["t_start"] if before else controller.t_start
+    summary = incidents.summarize(earlier_records + records, train_end - t_start,
                                   ledger.productive_s(controller.workers.values()),
                                   ledger.steps_reached(controller.max_step), code,
                                   continues=incidents.continuation(log.previous, ledger.resumed_step))
-    summary["wall_s"] = round(t_exit - controller.t_start, 3)
+    summary["wall_s"] = round(t_exit - t_start, 3)
     summary.update(time_account(controller, records, t_exit))
+    if before:  # the job's, from its first controller's start (this one's own time: below)
+        summary["in_office_s"] = round(t_exit - controller.t_start, 3)
+        summary["incident_list"] = earlier_records + records
     summary["finish_s"] = round(t_exit - train_end, 3)
     summary["run_dir"] = str(run_dir)
     summary["diagnosis"] = controller.outcome.diagnosis
@@ -344,7 +376,7 @@ def report(controller: Any, log: Any, run_dir: Path, code: int, display: Any) ->
     summary["sdc"] = controller.sdc.summary()
     earlier = controller.book.base  # across hosts: incidents of the controllers before this one
     if earlier:
-        summary["incidents"] += earlier
+        summary["incidents"] = earlier + len(records)  # (a record each, when the journal held them)
         summary["incidents_earlier"] = earlier
     log.write("run_end", **{k: v for k, v in summary.items() if k != "incident_list"})
     log.close()

@@ -86,6 +86,9 @@ class Controller(ProcessExits, WorkerEvents):
                                table=self.table, memory=self.memory, book=self.book,
                                run_dir=run_dir)
         self.t_start = time.time()
+        # across hosts, after a takeover: what the controllers before this one counted of the
+        # job (launcher.job_so_far), for a summary of the whole job, not of this one's term
+        self.before: dict[str, Any] | None = None
         self._last_progress = 0.0
         self.max_step = 0
         self.resumed_at: int | None = None  # the step the job last resumed from (an incident's)
@@ -447,6 +450,11 @@ class Controller(ProcessExits, WorkerEvents):
                        spares=adoption.spares, journal_gen=j.get("gen"), lost=sorted(lost))
         self.gens.adopt(adoption, seen, j)
         self.book.base = int(j.get("incidents") or 0)  # incidents keep their numbers
+        before = j.get("job")
+        if isinstance(before, dict) and {"t_start", "t", "time_s"} <= set(before):
+            self.before = before
+            if isinstance(before.get("rank0"), dict):  # rank 0's time since is counted from it
+                self.progress.rank0.insert(0, before["rank0"])
         self.max_step = int(j.get("max_step") or 0)
         now = time.time()
         # in rendezvous until the replayed events show every rank in

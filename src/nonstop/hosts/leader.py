@@ -128,6 +128,12 @@ def _still_leader(etcd: Any, epoch: int) -> bool:
     return found is not None and found[1] == epoch
 
 
+def launcher_job_so_far(controller: Any, now: float) -> dict[str, Any]:
+    from ..launcher import job_so_far
+
+    return job_so_far(controller, now)
+
+
 def _answers(addr: str | None, port: int | None) -> bool:
     """Whether a host's agent accepts a connection (closed at once, before any handshake)."""
     import socket
@@ -501,7 +507,8 @@ class Leader:
                "trained_world": controller.gens.trained_world,
                "counters": controller.counters.record(),
                # closed, the predecessors' too: an open one goes on after us
-               "incidents": controller.book.base + len(controller.incidents)}
+               "incidents": controller.book.base + len(controller.incidents),
+               "job": launcher_job_so_far(controller, time.time())}
         return json.dumps(rec, separators=(",", ":"))
 
     def _store_loop(self, cluster: Any) -> None:

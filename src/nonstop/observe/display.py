@@ -105,7 +105,9 @@ def print_summary(console: Console, summary: dict[str, Any]) -> None:
     mttr = summary.get("mttr_s")
     goodput = summary.get("goodput")
     earlier = summary.get("incidents_earlier") or 0
+    whole = summary.get("in_office_s") is not None  # the controllers before this one counted too
     lines = [f"incidents: {summary['incidents']}" + (
+        f" ({earlier} before this controller took office)" if earlier and whole else
         f" ({earlier} before this controller took office: in the event logs of their controllers' "
         "hosts; the figures below are this controller's)" if earlier else "")]
     if mttr:

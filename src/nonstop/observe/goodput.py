@@ -150,3 +150,17 @@ def account(t0: float, t1: float, incidents: Iterable[dict[str, Any]],
 def total(categories: dict[str, Any]) -> float:
     """The seconds the categories hold (their recovery summed): the wall time."""
     return sum(sum(v.values()) if isinstance(v, dict) else v for v in categories.values())
+
+
+def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two accounts of consecutive windows (the controllers of one job, one after the other)
+    as one: every category added, the recovery phases too."""
+    out: dict[str, Any] = {}
+    for key in dict.fromkeys([*a, *b]):
+        x, y = a.get(key, 0.0), b.get(key, 0.0)
+        if isinstance(x, dict) or isinstance(y, dict):
+            x, y = x or {}, y or {}
+            out[key] = {p: round(x.get(p, 0.0) + y.get(p, 0.0), 6) for p in dict.fromkeys([*x, *y])}
+        else:
+            out[key] = round(x + y, 6)
+    return out
