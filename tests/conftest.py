@@ -54,19 +54,30 @@ def nonstop_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "nonstop", *args]
 
 
+def _outputs(run_dir: Path) -> tuple[Path, Path]:
+    """Where a started run's stdout and stderr go: files beside its run directory (a pipe nobody
+    reads while the job runs fills at 64 KiB and blocks the job mid-line)."""
+    return (run_dir.parent / f"{run_dir.name}.stdout", run_dir.parent / f"{run_dir.name}.stderr")
+
+
 def start(run_dir: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(nonstop_cmd("run", "--no-live", f"--run-dir={run_dir}", *args),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    out, err = _outputs(run_dir)
+    with open(out, "w") as fo, open(err, "w") as fe:
+        return subprocess.Popen(nonstop_cmd("run", "--no-live", f"--run-dir={run_dir}", *args),
+                                stdout=fo, stderr=fe, text=True, start_new_session=True)
 
 
 def finish(proc: subprocess.Popen, run_dir: Path, t0: float, timeout: float = 180) -> Run:
+    paths = _outputs(run_dir)
     try:
-        out, err = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
-        out, err = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
+        out, err = (p.read_text(errors="replace") for p in paths)
         pytest.fail(f"nonstop run did not end within {timeout} s:\n{out[-3000:]}\n{err[-3000:]}")
+    out, err = (p.read_text(errors="replace") for p in paths)
     run = Run(proc.returncode, out, err, run_dir, time.time() - t0)
     if (run_dir / "summary.json").is_file():
         check_account(run.summary)
@@ -115,19 +126,30 @@ def policy_file(tmp_path: Path, text: str) -> str:
 
 
 def wait_for_event(run_dir: Path, predicate, timeout: float = 60) -> dict:
+    return wait_for_events(run_dir, predicate, 1, timeout)[0]
+
+
+def wait_for_events(run_dir: Path, predicate, n: int, timeout: float = 60) -> list[dict]:
+    """The first ``n`` events of the run that match (waiting until there are as many)."""
     path = run_dir / "events.jsonl"
     deadline = time.time() + timeout
     while time.time() < deadline:
         if path.exists():
+            found = []
             for line in path.read_text().splitlines():
                 try:
                     ev = json.loads(line)
                 except json.JSONDecodeError:
                     continue
                 if predicate(ev):
-                    return ev
+                    found.append(ev)
+                    if len(found) >= n:
+                        return found
         time.sleep(0.05)
-    pytest.fail(f"no matching event in {path} within {timeout} s")
+    tail = path.read_text().splitlines()[-12:] if path.exists() else []
+    outs = [p.read_text(errors="replace")[-2000:] for p in _outputs(run_dir) if p.exists()]
+    pytest.fail(f"no matching event in {path} within {timeout} s; its last events:\n"
+                + "\n".join(tail) + "\n" + "\n".join(outs))
 
 
 def bitwise_equal(a: Path, b: Path) -> bool:

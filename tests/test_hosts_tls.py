@@ -4,6 +4,7 @@ own, authenticated with its secret)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -86,6 +87,19 @@ def test_a_job_meets_in_an_etcd_that_requires_tls_and_client_certificates(tmp_pa
     r = _run(tmp_path, url, pki, "--etcd-cacert", str(pki / "ca.pem"), "--etcd-cert",
              str(pki / "client.pem"), "--etcd-key", str(pki / "client-key.pem"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # nonstop status reads the job from the same etcd, with the same flags
+    certs = ["--etcd-cacert", str(pki / "ca.pem"), "--etcd-cert", str(pki / "client.pem"),
+             "--etcd-key", str(pki / "client-key.pem")]
+    st = subprocess.run([sys.executable, "-m", "nonstop", "status", "--rdzv-endpoint", url,
+                         "--rdzv-id", "t", "--json", *certs], capture_output=True, text=True,
+                        timeout=60)
+    assert st.returncode == 0, st.stderr[-2000:]
+    assert json.loads(st.stdout)["over"] is True
+    st = subprocess.run([sys.executable, "-m", "nonstop", "status", "--rdzv-endpoint", url,
+                         "--rdzv-id", "t", "--json", *certs[:2]], capture_output=True, text=True,
+                        timeout=60)
+    assert st.returncode == 2 and "cannot reach etcd" in st.stderr, st.stderr[-2000:]
+    assert len([x for x in st.stderr.splitlines() if x.strip()]) == 1
     # without a client certificate etcd refuses us: one line, exit 2
     r = _run(tmp_path, url, pki, "--etcd-cacert", str(pki / "ca.pem"), name="nocert")
     assert r.returncode == 2 and "cannot reach etcd" in r.stderr, r.stderr[-2000:]

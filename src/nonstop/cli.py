@@ -71,6 +71,16 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _etcd_flags(p: argparse.ArgumentParser) -> None:
+    """How to reach a job's etcd: TLS and a user (``run`` and ``status`` alike)."""
+    p.add_argument("--etcd-cacert", metavar="FILE",
+                   help="CA that signed etcd's certificate (TLS; https:// endpoints)")
+    p.add_argument("--etcd-cert", metavar="FILE", help="client certificate for etcd (TLS)")
+    p.add_argument("--etcd-key", metavar="FILE", help="its private key")
+    p.add_argument("--etcd-user", metavar="NAME",
+                   help="etcd user (authentication on); its password in $NONSTOP_ETCD_PASSWORD")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="nonstop", description="Distributed PyTorch training that keeps going.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -96,12 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--secret-file", metavar="FILE",
                      help="the job's shared secret (many hosts; else $NONSTOP_JOB_SECRET): every "
                           "channel between hosts is authenticated with it")
-    run.add_argument("--etcd-cacert", metavar="FILE",
-                     help="CA that signed etcd's certificate (TLS; https:// endpoints)")
-    run.add_argument("--etcd-cert", metavar="FILE", help="client certificate for etcd (TLS)")
-    run.add_argument("--etcd-key", metavar="FILE", help="its private key")
-    run.add_argument("--etcd-user", metavar="NAME",
-                     help="etcd user (authentication on); its password in $NONSTOP_ETCD_PASSWORD")
+    _etcd_flags(run)
     run.add_argument("--spares", type=int, default=0, metavar="K",
                      help="warm spare processes kept ready to replace a rank (default 0)")
     run.add_argument("--nodes", type=int, default=1, metavar="K",
@@ -180,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hosts: spare hosts (default 1)")
     bench.add_argument("--cases", metavar="LIST",
                        help="hosts: comma-separated subset of rank_crash,host_loss,partition,"
-                            "controller_kill,etcd_restart (default: all); elastic --hosts: "
+                            "controller_kill,etcd_restart,startup (default: all); elastic --hosts: "
                             "rank_crash (default) or host_loss; gpu: a subset of crash,frozen,"
                             "assert,oom,state (default: all)")
     bench.add_argument("--sleep-ms", type=float, metavar="MS",
@@ -257,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--rdzv-endpoint", metavar="etcd://HOST:PORT[,...]",
                         help="the etcd of a job across hosts")
     status.add_argument("--rdzv-id", metavar="JOB", help="its job id")
+    _etcd_flags(status)
     status.add_argument("--json", action="store_true", help="print the status once as JSON")
     status.add_argument("--once", action="store_true", help="print it once, not live")
     status.add_argument("--interval", type=_positive_float, default=1.0, metavar="S",
@@ -391,7 +397,8 @@ def _status(args: argparse.Namespace) -> int:
     else:
         from .hosts.status import etcd_fetcher
 
-        fetch = etcd_fetcher(args.rdzv_endpoint, args.rdzv_id)
+        fetch = etcd_fetcher(args.rdzv_endpoint, args.rdzv_id, args.etcd_cacert, args.etcd_cert,
+                             args.etcd_key, args.etcd_user)
     watch = not args.once and sys.stdout.isatty()
     return status.show(fetch, args.json, watch, args.interval)
 

@@ -10,11 +10,13 @@ the same world size on one host (``nonstop run --nproc W``, once per bench run).
 Cases (nonstop): ``rank_crash`` (``--spares 1``, an injected crash of a rank on a host other than
 the controller's), ``host_loss`` (a whole host that holds ranks SIGKILLed), ``partition`` (a
 host's link cut, healed once it fenced itself), ``controller_kill`` (the elected controller
-SIGKILLed), ``etcd_restart`` (the etcd member stopped for 5 s). torchrun runs ``host_loss`` only:
-its c10d rendezvous across the same hosts, a checkpoint every 20 steps.
+SIGKILLed), ``etcd_restart`` (the etcd member stopped for 5 s), ``startup`` (no fault: every host
+started at once, as a user would, and the time to the first step split into its phases, beside the
+same job's start on one host). torchrun runs ``host_loss`` only: its c10d rendezvous across the
+same hosts, a checkpoint every 20 steps.
 
-The first host is started alone and the others once it holds the controller's office, so the
-controller is on node 0 and every fault below strikes elsewhere (checked in the events).
+In the fault cases the first host is started alone and the others once it holds the controller's
+office, so the controller is on node 0 and every fault strikes elsewhere (checked in the events).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any, Callable
 from . import common
 
 SYSTEMS = ("nonstop", "torchrun")
-CASES = ("rank_crash", "host_loss", "partition", "controller_kill", "etcd_restart")
+CASES = ("rank_crash", "host_loss", "partition", "controller_kill", "etcd_restart", "startup")
 TORCHRUN_CASES = ("host_loss",)
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "train_timed.py"
 
@@ -126,6 +128,69 @@ def start_nonstop(j: Any, flags: list[str], script_args: list[str], n: int) -> N
                 script_args=[*script_args, "--save", str(j.base / "final.pt")])
 
 
+# == start-up ====================================================================================
+STARTUP_PHASES = ("registered", "elected", "in_office", "spawned", "entered", "first_step")
+
+
+class StartWatch:
+    """When each host's registration and the controller's election first appear in etcd (polled
+    every 20 ms from the bench's side, on a thread of its own, until stopped)."""
+
+    def __init__(self, j: Any, hosts: int) -> None:
+        import threading
+
+        self.j, self.hosts = j, hosts
+        self.registered: dict[str, float] = {}
+        self.elected: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        from ..protocol import hosts as keys
+
+        with _etcd(self.j) as etcd:
+            while not self._stop.is_set():
+                try:
+                    for key, _, _, _ in etcd.get_prefix(keys.HOSTS):
+                        self.registered.setdefault(key, time.time())
+                    if self.elected is None and etcd.leader(keys.LEADER) is not None:
+                        self.elected = time.time()
+                except Exception:  # noqa: BLE001 - etcd busy: asked again
+                    pass
+                if self.elected is not None and len(self.registered) >= self.hosts:
+                    return
+                self._stop.wait(0.02)
+
+
+def startup_phases(events: list[dict[str, Any]], t_launch: float,
+                   registered: float | None = None,
+                   elected: float | None = None) -> dict[str, float | None]:
+    """Seconds from the launch to the end of each start-up phase: every host registered in etcd
+    and the controller elected (across hosts only), the controller in office with its hosts
+    (``leader``; one host: ``run_start``), the first generation's ranks forked, entered (their
+    process group formed) and through their first step (the last rank of each)."""
+    gens = [e for e in events if e.get("type") == "generation"]
+    wids = set(gens[0]["ranks"].values()) if gens else set()
+
+    def last(kind: str) -> float | None:
+        ts = {e["wid"]: e["t"] for e in events if e.get("type") == kind and e.get("wid") in wids
+              and e.get("gen", 0) == 0}
+        return max(ts.values()) if wids and len(ts) == len(wids) else None
+
+    office = [e["t"] for e in events if e.get("type") in ("leader", "run_start")]
+    at = {"registered": registered, "elected": elected,
+          "in_office": min(office) if office else None, "spawned": last("spawn"),
+          "entered": last("rank_entered"), "first_step": last("rank_first_step")}
+    return {k: None if v is None else round(v - t_launch, 3) for k, v in at.items()}
+
+
 def _host_index(host_id: str) -> int:
     return int(host_id.removeprefix("host"))
 
@@ -169,11 +234,22 @@ def nonstop_once(case: str, a: argparse.Namespace, out: Path, ref: Path) -> dict
     ttl = Policy().hosts.lease_ttl_s
     order: list[str] = []
     victim_node = h - 1  # the last node that holds ranks (node 0 holds the controller)
-    t_fault = time.time()
+    t_fault = t_launch = time.time()
+    watch: StartWatch | None = None
     with HostJob(out / "job", hosts=h + s, etcd_members=1, tag="nsb") as j:
         try:
-            start_nonstop(j, flags, script_args, h + s)
             alive = lambda: all(q.poll() is None for q in j.procs.values())  # noqa: E731
+            if case == "startup":  # every host at once, the documented command on each
+                watch = StartWatch(j, h + s)
+                watch.start()
+                t_launch = time.time()
+                for i in range(h + s):
+                    j.start(i, *flags, script=str(SCRIPT),
+                            script_args=[*script_args, "--save", str(j.base / "final.pt")])
+                wait_step(times, 1, START_TIMEOUT_S, alive)
+                watch.stop()
+            else:
+                start_nonstop(j, flags, script_args, h + s)
             wait_step(times, a.kill_step, START_TIMEOUT_S, alive)
             leader = j.of("leader")[0]
             order = list(leader["hosts"])  # node -> host id, in the order the hosts joined
@@ -194,6 +270,8 @@ def nonstop_once(case: str, a: argparse.Namespace, out: Path, ref: Path) -> dict
                 j.hosts[victim].heal()
             elif case == "controller_kill":
                 os.kill(leader["pid"], signal.SIGKILL)
+            elif case == "startup":
+                pass  # measured above
             elif case == "etcd_restart":
                 j.etcd.stop_member("e0")
                 time.sleep(ETCD_DOWN_S)
@@ -240,6 +318,11 @@ def nonstop_once(case: str, a: argparse.Namespace, out: Path, ref: Path) -> dict
         r["node_joined"] = [e["node"] for e in of("node_joined")]
     if r.get("victim_host") is not None:
         r["victim_is_controller_host"] = r["victim_host"] == r.get("controller_host")
+    if watch is not None:
+        watch.stop()
+        r["startup_s"] = startup_phases(
+            events, t_launch, max(watch.registered.values()) if len(watch.registered) >= h + s
+            else None, watch.elected)
     saved = [q for q in [j.base / "final.pt"] if q.exists()]
     survivors_ok = all(c == 0 for i, c in codes.items()
                        if not (case == "host_loss" and f"host{i}" == r.get("victim_host")))
@@ -391,7 +474,12 @@ def reference(a: argparse.Namespace, out: Path) -> dict[str, Any]:
     world = a.hosts * a.ranks_per_host
     cmd = common.nonstop_cmd(f"--nproc={world}", f"--run-dir={out / 'run'}", str(SCRIPT),
                              "--steps", str(a.steps), "--save", str(out / "final.pt"))
-    return {"exit_code": common.run_child(cmd, out / "output.log", REFERENCE_TIMEOUT_S)}
+    t_launch = time.time()
+    code = common.run_child(cmd, out / "output.log", REFERENCE_TIMEOUT_S)
+    path = out / "run" / "events.jsonl"
+    events = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] \
+        if path.exists() else []
+    return {"exit_code": code, "startup_s": startup_phases(events, t_launch)}
 
 
 def _stats(values: list[Any]) -> dict[str, Any]:
@@ -411,13 +499,17 @@ def aggregate(case: str, system: str, runs: list[dict[str, Any]]) -> dict[str, A
         "lost_steps": {"max": max(lost) if lost and None not in lost else None},
         "max_step_gap_s": max(gaps) if len(gaps) == len(runs) else None,
         "split_brain": any(r["split_brain"] for r in runs),
+        **({"startup_s": {p: _stats([r["startup_s"].get(p) for r in runs])["median"]
+                          for p in STARTUP_PHASES}}
+           if any(r.get("startup_s") for r in runs) else {}),
         "params_match_reference": all(r["params_match_reference"] for r in runs),
         "completed": all(r["completed"] for r in runs),
         "runs": runs,
     }
 
 
-def targets(results: list[dict[str, Any]], ttl: int) -> dict[str, Any]:
+def targets(results: list[dict[str, Any]], ttl: int,
+            one_host: dict[str, Any] | None = None) -> dict[str, Any]:
     """Each target with what was measured and whether it is met (None: not measured)."""
     by = {(r["case"], r["system"]): r for r in results}
     out: dict[str, Any] = {}
@@ -443,6 +535,13 @@ def targets(results: list[dict[str, Any]], ttl: int) -> dict[str, Any]:
         if (case, "nonstop") in by:
             g = by[(case, "nonstop")]["max_step_gap_s"]
             out[f"{case}_max_step_gap_le_1s"] = g is not None and g <= 1.0
+    if ("startup", "nonstop") in by and one_host:
+        across = by[("startup", "nonstop")].get("startup_s", {}).get("first_step")
+        alone = one_host.get("first_step")
+        out["startup_across_hosts_minus_one_host_s"] = \
+            round(across - alone, 3) if across is not None and alone is not None else None
+        out["startup_within_2s_of_one_host"] = across is not None and alone is not None \
+            and across - alone <= 2.0
     if ("partition", "nonstop") in by:
         out["partition_no_split_brain"] = not by[("partition", "nonstop")]["split_brain"]
     nonstop = [r for r in results if r["system"] == "nonstop"]
@@ -460,6 +559,14 @@ def table(summary: dict[str, Any]) -> str:
         lines.append(f"| {r['case']} | {r['system']} | {fmt(m['median'])} | {fmt(m['min'])} | "
                      f"{fmt(m['max'])} | {r['lost_steps']['max']} | {fmt(r['max_step_gap_s'])} | "
                      f"{r['split_brain']} | {r['params_match_reference']} |")
+    starts = [("one host (the reference)", summary.get("startup_one_host_s"))] + [
+        (f"{summary['hosts']} hosts + {summary['spare_hosts']} spare", r["startup_s"])
+        for r in summary["results"] if r.get("startup_s")]
+    if len(starts) > 1:
+        lines += ["", "| start-up, s from launch | " + " | ".join(STARTUP_PHASES) + " |",
+                  "|---|" + "---|" * len(STARTUP_PHASES)]
+        lines += [f"| {name} | " + " | ".join(fmt((st or {}).get(p)) for p in STARTUP_PHASES)
+                  + " |" for name, st in starts]
     return "\n".join(lines)
 
 
@@ -471,6 +578,10 @@ NOTES = {
                               "cut host joined a generation after the cut (rank_joining events)",
     ("controller_kill", "nonstop"): "mttr_s: the takeover (the new controller's leader event - the "
                                     "SIGKILL); no incident: training goes on meanwhile",
+    ("startup", "nonstop"): "no fault; startup_s: seconds from launching every host at once to the "
+                            "end of each phase (medians): every host registered in etcd, the "
+                            "controller elected, in office with its hosts, the first "
+                            "generation's ranks forked, entered, through their first step",
     ("etcd_restart", "nonstop"): "no incident expected: mttr_s is null; what counts is the largest "
                                  "gap between two steps while etcd is away",
     ("host_loss", "torchrun"): (
@@ -555,7 +666,8 @@ def main(args: argparse.Namespace) -> int:
         "spare_hosts": args.spare_hosts, "world": world, "lease_ttl_s": ttl,
         "steps": args.steps, "fault_step": args.kill_step, "sleep_ms": args.sleep_ms,
         "repeat": args.repeat, "date": common.now_stamp(), "wall_s": None, "results": results}
-    summary["targets"] = targets(results, ttl)
+    summary["startup_one_host_s"] = ref.get("startup_s")
+    summary["targets"] = targets(results, ttl, ref.get("startup_s"))
     retries = {f"{res['case']}/{res['system']}": sum(r["start_retries"] for r in res["runs"])
                for res in results}
     summary["notes"] = [

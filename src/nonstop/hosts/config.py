@@ -143,18 +143,8 @@ def run_host(cfg: Any) -> int:
         endpoints = parse_endpoints(cfg.rdzv_endpoint)
     except ValueError as exc:
         raise UsageError(f"--rdzv-endpoint: {exc}") from None
-    tls = None
-    if wants_tls(cfg.rdzv_endpoint) or cfg.etcd_cacert or cfg.etcd_cert:
-        for flag, path in (("--etcd-cacert", cfg.etcd_cacert), ("--etcd-cert", cfg.etcd_cert),
-                           ("--etcd-key", cfg.etcd_key)):
-            if path and not os.path.isfile(path):
-                raise UsageError(f"{flag} {path}: no such file")
-        if bool(cfg.etcd_cert) != bool(cfg.etcd_key):
-            raise UsageError("--etcd-cert and --etcd-key go together")
-        tls = {"ca": _abs(cfg.etcd_cacert), "cert": _abs(cfg.etcd_cert),
-               "key": _abs(cfg.etcd_key)}
-    if cfg.etcd_user and not os.environ.get(ETCD_PASSWORD):
-        raise UsageError(f"--etcd-user needs its password in ${ETCD_PASSWORD}")
+    tls = etcd_access(cfg.rdzv_endpoint, cfg.etcd_cacert, cfg.etcd_cert, cfg.etcd_key,
+                      cfg.etcd_user)
     n_min, n_max = _nnodes(cfg.nnodes)
     per_node = cfg.nproc_per_node or cfg.nproc
     run_cfg = dataclasses.replace(cfg, nproc=per_node * n_max, nodes=n_max)
@@ -204,6 +194,25 @@ def run_host(cfg: Any) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def etcd_access(endpoint: str, cacert: str | None, cert: str | None, key: str | None,
+                user: str | None) -> dict[str, str | None] | None:
+    """The TLS files of the ``--etcd-*`` flags, checked (a missing file, a certificate without
+    its key, a user without a password: one line, exit 2); None without TLS."""
+    from ..store.etcd import wants_tls
+
+    if cacert or cert or key:
+        for flag, path in (("--etcd-cacert", cacert), ("--etcd-cert", cert), ("--etcd-key", key)):
+            if path and not os.path.isfile(path):
+                raise UsageError(f"{flag} {path}: no such file")
+        if bool(cert) != bool(key):
+            raise UsageError("--etcd-cert and --etcd-key go together")
+    if user and not os.environ.get(ETCD_PASSWORD):
+        raise UsageError(f"--etcd-user needs its password in ${ETCD_PASSWORD}")
+    if not (wants_tls(endpoint) or cacert or cert):
+        return None
+    return {"ca": _abs(cacert), "cert": _abs(cert), "key": _abs(key)}
 
 
 def _abs(path: str | None) -> str | None:

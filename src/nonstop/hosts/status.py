@@ -4,18 +4,25 @@ office last put it in etcd (``keys.STATUS``), and whether the job has ended (``k
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Callable
 
 from ..errors import UsageError
 from ..protocol import hosts as keys
 
 
-def etcd_fetcher(endpoint: str, job: str) -> Callable[[], dict[str, Any]]:
-    from ..store.etcd import Etcd, StoreError, StoreUnavailable, parse_endpoints
+def etcd_fetcher(endpoint: str, job: str, cacert: str | None = None, cert: str | None = None,
+                 key: str | None = None, user: str | None = None) -> Callable[[], dict[str, Any]]:
+    """The job's status record as the controller in office last wrote it, read from its etcd
+    (with TLS and a user, as the ``--etcd-*`` flags say)."""
+    from ..store.etcd import TLS, Etcd, StoreError, StoreUnavailable, parse_endpoints
+    from .config import ETCD_PASSWORD, etcd_access
 
+    tls = etcd_access(endpoint, cacert, cert, key, user)
     try:
         endpoints = parse_endpoints(endpoint)
-        etcd = Etcd(endpoints, job, timeout_s=2.0)
+        etcd = Etcd(endpoints, job, timeout_s=2.0, tls=TLS(**tls) if tls is not None else None,
+                    user=user, password=os.environ.get(ETCD_PASSWORD) if user else None)
     except ValueError as exc:
         raise UsageError(f"--rdzv-endpoint: {exc}") from None
 
