@@ -20,7 +20,7 @@ if not ok:
 
 def test_bench_hosts_rank_crash_smoke(tmp_path):
     proc = subprocess.run(
-        nonstop_cmd("bench", "hosts", "--json", "--repeat", "1", "--cases", "rank_crash",
+        nonstop_cmd("bench", "hosts", "--json", "--repeat", "1", "--cases", "rank_crash,startup",
                     "--systems", "nonstop", "--steps", "60", "--kill-step", "20",
                     "--hosts", "2", "--ranks-per-host", "1", "--spare-hosts", "0",
                     "--sleep-ms", "10", "--out", str(tmp_path)),
@@ -29,7 +29,7 @@ def test_bench_hosts_rank_crash_smoke(tmp_path):
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["scenario"] == "hosts"
     assert (res["hosts"], res["ranks_per_host"], res["lease_ttl_s"]) == (2, 1, 2)
-    (r,) = res["results"]
+    r, start = res["results"]
     assert (r["case"], r["system"]) == ("rank_crash", "nonstop")
     assert set(r) >= {"mttr_s", "lost_steps", "max_step_gap_s", "split_brain",
                       "params_match_reference"}
@@ -39,3 +39,12 @@ def test_bench_hosts_rank_crash_smoke(tmp_path):
     assert r["mttr_s"]["median"] is not None and r["max_step_gap_s"] is not None
     (run,) = r["runs"]
     assert run["levels"] == ["rank replacement"] and run["victim_is_controller_host"] is False
+    # start-up: every host at once, its phases in order, beside the same job on one host
+    assert start["case"] == "startup" and start["params_match_reference"] is True
+    for phases in (start["startup_s"], res["startup_one_host_s"]):
+        order = [phases[p] for p in ("in_office", "spawned", "entered", "first_step")]
+        assert None not in order and order == sorted(order) and order[0] > 0, phases
+    across = start["startup_s"]
+    assert across["registered"] > 0 and across["elected"] <= across["in_office"] + 0.5, across
+    assert res["targets"]["startup_across_hosts_minus_one_host_s"] == round(
+        across["first_step"] - res["startup_one_host_s"]["first_step"], 3)

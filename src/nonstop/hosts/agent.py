@@ -122,6 +122,9 @@ class HostAgent(Fencing):
             self.agent = Agent(cfg.script, cfg.script_args, f"{loopback.HOST}:{self.local_port}",
                                self.run_dir, env, self._output)
             self.agent.start_zygote()  # ranks are forked from it: it imports torch meanwhile
+            # the standby campaigns while this process imports torch for its stores below (on a
+            # loaded host the import took seconds, and the first election waited for it)
+            self._spawn_controller()
             self.agent.keeper_host = cfg.addr  # replicas come in from other hosts
             self.agent.keeper_env = {SECRET_ENV: replica_secret(self.secret)}
             self.keepers = HostKeepers(self._send).start()
@@ -131,7 +134,6 @@ class HostAgent(Fencing):
             self.mail.attach(self.store)
             self.rdzv = bound_store(rdzv_sock)
             threading.Thread(target=self._store_loop, name="nonstop-store", daemon=True).start()
-            self._spawn_controller()
             return self._loop()
         finally:
             self._stop.set()

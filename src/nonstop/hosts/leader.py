@@ -45,6 +45,13 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+def _import_office() -> None:
+    from ..controller import controller  # noqa: F401
+    from ..observe import display, events  # noqa: F401
+    from .. import launcher  # noqa: F401
+    from . import cluster  # noqa: F401
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     _die_with_parent()
@@ -53,13 +60,12 @@ def main(argv: list[str] | None = None) -> None:
     from ..store.etcd import StoreUnavailable
 
     secret = load_secret()
-    # everything a controller needs is imported while in standby (~2 s of pydantic and the
-    # controller's modules): taking office then costs the lease's expiry, not an import
-    from ..controller import controller  # noqa: F401
-    from ..observe import display, events
-    from .. import launcher
-    from . import cluster  # noqa: F401
-
+    # everything a controller needs is imported while in standby (pydantic and the controller's
+    # modules: 0.3 s on an idle core, seconds while the host's processes import torch), on a
+    # thread, while this one campaigns: a takeover then costs the lease's expiry, not an import,
+    # and the job's first election does not wait for one
+    office_imports = threading.Thread(target=_import_office, name="nonstop-imports", daemon=True)
+    office_imports.start()
     etcd = cfg.etcd()
     stop = threading.Event()
     office = Office()
@@ -77,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(0.5)
     if lead is None:
         os._exit(0)
+    office_imports.join()
     office.confirm = lambda: _still_leader(etcd, lead.epoch)
     code = Leader(cfg, secret, etcd, lead, office).run()
     sys.stdout.flush()
