@@ -12,23 +12,29 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ..agent import loopback
 
 JOB = Path(__file__).resolve().parent / "job.py"
 
 
-def run_child(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None) -> int:
-    """Run a command in its own session, output to ``log``; end it (and its children) on timeout."""
+def run_child(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None,
+              until: Callable[[subprocess.Popen], bool] | None = None) -> int:
+    """Run a command in its own session, output to ``log``; end it (and its children) on timeout.
+    ``until``: asked every 20 ms while the command runs, until it says True (a moment to note)."""
     # torchrun's ranks as nonstop's: gloo listens on loopback (torchrun's own store, the baseline's,
     # listens on every interface whatever it is told)
     env = loopback.pin(dict(os.environ if env is None else env))
+    deadline = time.monotonic() + timeout_s
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env)
         try:
-            return proc.wait(timeout=timeout_s)
+            while until is not None and proc.poll() is None and time.monotonic() < deadline \
+                    and not until(proc):
+                time.sleep(0.02)
+            return proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
@@ -37,6 +43,31 @@ def run_child(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str] |
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
+
+
+def cpu_s_below(root: int, with_root: bool = False) -> float:
+    """CPU seconds (user and system, with those of their ended children) of every process below
+    ``root`` now (and of ``root``'s own with ``with_root``), etcd's aside (Linux: /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        parent[int(name)] = -1 if comm == "etcd" else int(fields[1])  # its subtree left out
+        cpu[int(name)] = sum(int(x) for x in fields[11:15]) / tick
+    below, frontier = {root} if with_root else set(), {root}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - below
+        below |= frontier
+    return round(sum(cpu[p] for p in below), 2)
 
 
 def read_steps(out: Path) -> dict[int, list[tuple[int, float, int]]]:

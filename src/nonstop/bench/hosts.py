@@ -130,6 +130,7 @@ def start_nonstop(j: Any, flags: list[str], script_args: list[str], n: int) -> N
 
 # == start-up ====================================================================================
 STARTUP_PHASES = ("registered", "elected", "in_office", "spawned", "entered", "first_step")
+# and cpu_s: the CPU seconds the job's processes had used at its first step (etcd's aside)
 
 
 class StartWatch:
@@ -236,6 +237,7 @@ def nonstop_once(case: str, a: argparse.Namespace, out: Path, ref: Path) -> dict
     victim_node = h - 1  # the last node that holds ranks (node 0 holds the controller)
     t_fault = t_launch = time.time()
     watch: StartWatch | None = None
+    cpu_s: float | None = None
     with HostJob(out / "job", hosts=h + s, etcd_members=1, tag="nsb") as j:
         try:
             alive = lambda: all(q.poll() is None for q in j.procs.values())  # noqa: E731
@@ -247,6 +249,7 @@ def nonstop_once(case: str, a: argparse.Namespace, out: Path, ref: Path) -> dict
                     j.start(i, *flags, script=str(SCRIPT),
                             script_args=[*script_args, "--save", str(j.base / "final.pt")])
                 wait_step(times, 1, START_TIMEOUT_S, alive)
+                cpu_s = common.cpu_s_below(os.getpid())
                 watch.stop()
             else:
                 start_nonstop(j, flags, script_args, h + s)
@@ -323,6 +326,7 @@ def nonstop_once(case: str, a: argparse.Namespace, out: Path, ref: Path) -> dict
         r["startup_s"] = startup_phases(
             events, t_launch, max(watch.registered.values()) if len(watch.registered) >= h + s
             else None, watch.elected)
+        r["startup_s"]["cpu_s"] = cpu_s
     saved = [q for q in [j.base / "final.pt"] if q.exists()]
     survivors_ok = all(c == 0 for i, c in codes.items()
                        if not (case == "host_loss" and f"host{i}" == r.get("victim_host")))
@@ -472,14 +476,26 @@ def reference(a: argparse.Namespace, out: Path) -> dict[str, Any]:
     number)."""
     common.fresh(out)
     world = a.hosts * a.ranks_per_host
+    times = out / "steps.txt"
     cmd = common.nonstop_cmd(f"--nproc={world}", f"--run-dir={out / 'run'}", str(SCRIPT),
-                             "--steps", str(a.steps), "--save", str(out / "final.pt"))
+                             "--steps", str(a.steps), "--save", str(out / "final.pt"),
+                             "--step-times", str(times))
+    cpu: list[float] = []
+
+    def first_step(proc: subprocess.Popen) -> bool:
+        if read_times(times):
+            cpu.append(common.cpu_s_below(proc.pid, with_root=True))
+            return True
+        return False
+
     t_launch = time.time()
-    code = common.run_child(cmd, out / "output.log", REFERENCE_TIMEOUT_S)
+    code = common.run_child(cmd, out / "output.log", REFERENCE_TIMEOUT_S, until=first_step)
     path = out / "run" / "events.jsonl"
     events = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] \
         if path.exists() else []
-    return {"exit_code": code, "startup_s": startup_phases(events, t_launch)}
+    phases = startup_phases(events, t_launch)
+    phases["cpu_s"] = cpu[0] if cpu else None
+    return {"exit_code": code, "startup_s": phases}
 
 
 def _stats(values: list[Any]) -> dict[str, Any]:
@@ -500,7 +516,7 @@ def aggregate(case: str, system: str, runs: list[dict[str, Any]]) -> dict[str, A
         "max_step_gap_s": max(gaps) if len(gaps) == len(runs) else None,
         "split_brain": any(r["split_brain"] for r in runs),
         **({"startup_s": {p: _stats([r["startup_s"].get(p) for r in runs])["median"]
-                          for p in STARTUP_PHASES}}
+                          for p in (*STARTUP_PHASES, "cpu_s")}}
            if any(r.get("startup_s") for r in runs) else {}),
         "params_match_reference": all(r["params_match_reference"] for r in runs),
         "completed": all(r["completed"] for r in runs),
@@ -563,9 +579,10 @@ def table(summary: dict[str, Any]) -> str:
         (f"{summary['hosts']} hosts + {summary['spare_hosts']} spare", r["startup_s"])
         for r in summary["results"] if r.get("startup_s")]
     if len(starts) > 1:
-        lines += ["", "| start-up, s from launch | " + " | ".join(STARTUP_PHASES) + " |",
-                  "|---|" + "---|" * len(STARTUP_PHASES)]
-        lines += [f"| {name} | " + " | ".join(fmt((st or {}).get(p)) for p in STARTUP_PHASES)
+        cols = (*STARTUP_PHASES, "cpu_s")
+        lines += ["", "| start-up, s from launch | " + " | ".join(cols) + " |",
+                  "|---|" + "---|" * len(cols)]
+        lines += [f"| {name} | " + " | ".join(fmt((st or {}).get(p)) for p in cols)
                   + " |" for name, st in starts]
     return "\n".join(lines)
 
