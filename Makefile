@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test env bench clean
+.PHONY: demo test test-fast env bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,6 +20,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 tests
+
+# every test that starts no process (a test that starts one must be marked integration: the
+# suite's conftest refuses it otherwise), in well under a minute
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 -m "not integration" tests
 
 bench: $(STAMP)
 	$(BIN)/nonstop bench crash --ranks 4 --repeat 5 --json

@@ -194,6 +194,30 @@ def no_process_left_behind():
     assert_none_left()
 
 
+@pytest.fixture(autouse=True)
+def processes_only_in_integration_tests(request, monkeypatch):
+    """The fast tier (``-m "not integration"``, ``make test-fast``) starts no process: a test
+    that starts one (subprocess, fork, multiprocessing) and is not marked ``integration`` fails
+    here, saying so."""
+    if request.node.get_closest_marker("integration") is not None:
+        yield
+        return
+    import _posixsubprocess
+    import multiprocessing.util
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} starts a process: mark it "
+                             "pytest.mark.integration (the fast tier starts none)")
+
+    monkeypatch.setattr(_posixsubprocess, "fork_exec", refuse)
+    monkeypatch.setattr(subprocess, "_fork_exec", refuse)  # (bound at its import)
+    monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", refuse)
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
+        if hasattr(os, name):
+            monkeypatch.setattr(os, name, refuse)
+    yield
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     """Final weights of fault-free runs, cached by (world size, script arguments). With several

@@ -8,6 +8,8 @@ import pytest
 
 from conftest import assert_none_left, run_nonstop
 
+pytestmark = pytest.mark.integration  # starts processes
+
 WRAPPED_TAIL = """
 model = torch.nn.Linear(4, 1)
 state = nonstop.State(model=model)

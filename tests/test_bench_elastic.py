@@ -4,10 +4,14 @@ in test_scale.py and test_hosts_elastic.py."""
 
 from __future__ import annotations
 
+import pytest
+
 import subprocess
 
 from conftest import nonstop_cmd
 from test_cli import assert_one_line_error
+
+pytestmark = pytest.mark.integration  # starts processes
 
 
 def test_bench_elastic_bad_input():

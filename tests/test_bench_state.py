@@ -3,6 +3,8 @@ against torchrun, are the benchmark's, in docs/benchmarks.md), and its input che
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import subprocess
 
@@ -13,6 +15,7 @@ TINY = ["--hidden", "64", "--layers", "2", "--steps", "30", "--kill-step", "15",
         "--ranks", "2", "--phases", "restart", "--systems", "nonstop"]
 
 
+@pytest.mark.integration
 def test_bench_state_job_restart_loses_nothing(tmp_path):
     proc = subprocess.run(nonstop_cmd("bench", "state", "--json", "--out", str(tmp_path), *TINY),
                           capture_output=True, text=True, timeout=300)
@@ -30,6 +33,7 @@ def test_bench_state_job_restart_loses_nothing(tmp_path):
     assert res["targets"]["zero_lost_from_memory"] is True
 
 
+@pytest.mark.integration
 def test_bench_state_bad_input():
     proc = subprocess.run(nonstop_cmd("bench", "state", "--ranks", "3"), capture_output=True,
                           text=True, timeout=60)

@@ -540,6 +540,7 @@ def test_nothing_received_is_unpickled(pair):
     assert UNPICKLED == [True]
 
 
+@pytest.mark.integration
 def test_the_module_is_import_light():
     heavy = "('pickle', 'torch', 'numpy', 'pydantic')"
     code = (f"import sys, nonstop.net.channel; "

@@ -342,6 +342,7 @@ def test_drop_page_cache_keeps_data_readable(saved):
     assert_same(ck.read_part(root, 40, 0)[0], state)
 
 
+@pytest.mark.integration
 def test_import_does_not_import_torch():
     code = "import nonstop.state.checkpoint, sys; assert 'torch' not in sys.modules"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -8,6 +8,8 @@ import pytest
 
 from conftest import SCRIPTS, TRAIN, nonstop_cmd, run_nonstop
 
+pytestmark = pytest.mark.integration  # starts processes
+
 
 def nonstop(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(nonstop_cmd(*args), capture_output=True, text=True, timeout=timeout)

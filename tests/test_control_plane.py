@@ -5,6 +5,8 @@ a benchmark)."""
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import subprocess
@@ -55,6 +57,7 @@ def test_a_worker_record_forgets_what_the_machine_saw_of_it_on_any_change():
     assert w.seen == ("key", "rank seen")
 
 
+@pytest.mark.integration
 def test_bench_control_plane_recovers_a_simulated_job_on_the_real_controller(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "nonstop", "bench", "control-plane", "--sizes", "16,64",
@@ -82,6 +85,7 @@ def test_bench_control_plane_recovers_a_simulated_job_on_the_real_controller(tmp
         assert pid and not os.path.exists(f"/proc/{pid}"), run
 
 
+@pytest.mark.integration
 def test_bench_control_plane_refuses_an_unknown_placement(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "nonstop", "bench", "control-plane", "--sizes", "16",

@@ -3,6 +3,8 @@ its rebuilt one, another bucket size), bit for bit, in a real gloo group of 3 pr
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import signal
 import sys
@@ -12,6 +14,8 @@ from pathlib import Path
 import torch
 
 from conftest import SCRIPTS
+
+pytestmark = pytest.mark.integration  # starts processes
 
 WORLD = 3  # with 2, a + b is the same sum in either order: the layout shows from 3 ranks on
 

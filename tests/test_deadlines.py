@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import time
 from pathlib import Path
@@ -11,6 +13,8 @@ from conftest import TRAIN, policy_file, run_nonstop
 from nonstop.observe import hooks
 from nonstop.observe.events import EventLog, read
 from nonstop.policy import GiveUpHook
+
+pytestmark = pytest.mark.integration  # starts processes
 
 SLEEP = "sleep 37.25"  # a command nothing else runs: found by its arguments afterwards
 

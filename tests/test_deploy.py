@@ -222,6 +222,7 @@ def test_rdzv_endpoint_names_every_etcd_member():
     assert flags["--data-dir"].startswith(data + "/")
 
 
+@pytest.mark.integration
 def test_policy_configmap_passes_nonstop_policy_check(tmp_path):
     job = _job()
     [vol] = [v for v in job["spec"]["template"]["spec"]["volumes"] if "configMap" in v]
@@ -343,6 +344,7 @@ def _parsed(rec: dict):
     return build_parser().parse_args(rec["argv"])
 
 
+@pytest.mark.integration
 def test_sbatch_runs_nonstop_on_every_node_with_one_job_identity(tmp_path):
     slurm = FakeSlurm(tmp_path, ["gpu01", "gpu02", "gpu03", "gpu04"])
     endpoint = "etcd://10.9.8.7:2379,10.9.8.8:2379,10.9.8.9:2379"
@@ -378,6 +380,7 @@ def test_sbatch_runs_nonstop_on_every_node_with_one_job_identity(tmp_path):
     assert "--no-kill" in opts
 
 
+@pytest.mark.integration
 def test_sbatch_secret_is_new_for_every_job(tmp_path):
     seen = []
     for job in ("11", "12"):
@@ -392,6 +395,7 @@ def test_sbatch_secret_is_new_for_every_job(tmp_path):
     assert seen[0] != seen[1]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("code", [1, 2])
 def test_sbatch_exit_code_follows_the_nodes(tmp_path, code):
     slurm = FakeSlurm(tmp_path, ["n1", "n2", "n3"])
@@ -410,6 +414,7 @@ def test_sbatch_exit_code_follows_the_nodes(tmp_path, code):
     (["--spare-nodes", "1"], {}, "no training script"),
     (["train.py"], {"SLURM_JOB_ID": ""}, "not in a Slurm job"),
 ])
+@pytest.mark.integration
 def test_sbatch_bad_input_exits_2_before_starting_anything(tmp_path, args, extra, why):
     slurm = FakeSlurm(tmp_path, ["n1", "n2", "n3"])
     proc = slurm.run(*args, NONSTOP_ETCD_ENDPOINT="etcd://e:2379", **extra)
@@ -428,6 +433,7 @@ def _etcd_or_skip() -> str:
         pytest.skip(str(exc))
 
 
+@pytest.mark.integration
 def test_sbatch_starts_its_own_etcd_and_stops_it(tmp_path):
     _etcd_or_skip()
     slurm = FakeSlurm(tmp_path, ["n1", "n2"])

@@ -150,6 +150,7 @@ class _Wrapped(BaseException):
         self.failures = {0: (inner, None)}
 
 
+@pytest.mark.integration
 def test_the_cause_is_found_behind_wrappers_or_asked_of_the_file_system(small_fs, tmp_path):
     inner = OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), "/ck/x")
     assert ck.failure_cause(_Wrapped(inner), tmp_path) == {
@@ -174,6 +175,7 @@ def test_the_cause_is_found_behind_wrappers_or_asked_of_the_file_system(small_fs
         "errno": "EROFS", "message": "Read-only file system", "path": str(small_fs)}
 
 
+@pytest.mark.integration
 def test_failed_writes_leave_nothing_and_later_ones_succeed(small_fs):
     root = small_fs / "ckpt"
     state = {"w": torch.randn(100_000)}  # 400 kB
@@ -198,6 +200,7 @@ def test_failed_writes_leave_nothing_and_later_ones_succeed(small_fs):
     assert temps(root) == [".tmp-step-0000000030"]
 
 
+@pytest.mark.integration
 def test_the_keeper_keeps_a_failed_part_and_writes_it_again(keepers, small_fs):  # noqa: F811
     mem = keepers(0, writer=True)
     events = wire.Client(mem.name)

@@ -373,6 +373,7 @@ def _nonstop(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     return subprocess.run(nonstop_cmd(*args), capture_output=True, text=True, timeout=60, cwd=cwd)
 
 
+@pytest.mark.integration
 def test_the_help_of_every_command_shown_runs():
     shown = {tuple(_tokens(c)[:2]) for doc in DOCS for c in commands(doc) if _tokens(c)}
     helps = [("--help",)]
@@ -392,6 +393,7 @@ def test_the_help_of_every_command_shown_runs():
     assert not failed, "\n".join(failed)
 
 
+@pytest.mark.integration
 def test_policy_show_into_a_file_then_check_it_as_the_readme_does(tmp_path):
     # `nonstop policy show > policy.yaml`, then `nonstop policy check policy.yaml` (docs/policy.md);
     # tests/test_policy.py has the rest of `policy show` and `policy check`

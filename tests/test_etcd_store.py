@@ -131,6 +131,7 @@ def test_tls_scheme():
 # -- keys ------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_kv(own, clients):
     e = clients(own)
     assert e.get("missing") == (None, 0)
@@ -168,6 +169,7 @@ def test_kv(own, clients):
     assert e.db_size() > 0
 
 
+@pytest.mark.integration
 def test_jobs_are_isolated(own, clients):
     a = clients(own, "j")
     b = clients(own, "j2")  # a job id that extends another's must not see into it
@@ -187,6 +189,7 @@ def test_jobs_are_isolated(own, clients):
 # -- guarded writes --------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_guarded(own, clients):
     e = clients(own)
     assert e.create("leader", "me")
@@ -224,6 +227,7 @@ def test_guarded(own, clients):
     assert not isinstance(err.value, (Fenced, StoreUnavailable))
 
 
+@pytest.mark.integration
 def test_a_lapsed_host_and_the_controller_race_and_exactly_one_wins(own, clients):
     """A host whose lease lapsed registers again only while the job has not given it up; the
     controller gives it up only while it is absent and only in office. Whichever comes first
@@ -255,6 +259,7 @@ def test_a_lapsed_host_and_the_controller_race_and_exactly_one_wins(own, clients
 # -- leases ----------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_lease_keepalive_and_expiry(own, clients):
     e = clients(own)
     lease = e.lease(1)
@@ -278,6 +283,7 @@ def test_lease_keepalive_and_expiry(own, clients):
         e.lease(0)
 
 
+@pytest.mark.integration
 def test_close_stops_keepalive_threads(own, clients):
     e = clients(own)
     leases = [e.lease(2) for _ in range(3)]
@@ -289,6 +295,7 @@ def test_close_stops_keepalive_threads(own, clients):
     assert not names & {t.name for t in threading.enumerate() if t.is_alive()}
 
 
+@pytest.mark.integration
 def test_on_lost_when_etcd_is_down(own, clients):
     e = clients(own, timeout_s=1.0)
     lease = e.lease(1)
@@ -316,6 +323,7 @@ def test_on_lost_when_etcd_is_down(own, clients):
 # -- election --------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_election(own, clients):
     job = f"job-{uuid.uuid4().hex[:8]}"
     a, b, c = clients(own, job), clients(own, job), clients(own, job)
@@ -388,6 +396,7 @@ def test_election(own, clients):
 # -- failover --------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_failover(tmp_path, clients):
     c = _cluster(tmp_path, ("e0", "e1", "e2"))
     try:
@@ -425,6 +434,7 @@ def test_failover(tmp_path, clients):
 # -- watches ---------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_wait(own, clients):
     e = clients(own)
     rev = e.revision()
@@ -457,6 +467,7 @@ def test_wait(own, clients):
         assert time.monotonic() - t0 < timeout + 0.5
 
 
+@pytest.mark.integration
 def test_etcd_down_raises_quickly(own, clients, tmp_path):
     e = clients(own, timeout_s=1.0)
     lease = e.lease(2)
@@ -496,6 +507,7 @@ def test_etcd_down_raises_quickly(own, clients, tmp_path):
 # -- compaction ------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_compact_keeps_etcd_bounded(own, clients):
     e = clients(own)
     e.put("keep", "1")
@@ -524,6 +536,7 @@ def test_compact_keeps_etcd_bounded(own, clients):
 # -- authentication --------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_auth(own, clients):
     url = own.members[0].client_url + "/v3"
 

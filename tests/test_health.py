@@ -47,6 +47,7 @@ def check(name: str, command: str, every_s: float = 60.0, timeout_s: float = 10.
     return HealthCheck(name=name, command=command, every_s=every_s, timeout_s=timeout_s)
 
 
+@pytest.mark.integration
 def test_passing_failing_and_per_node_checks():
     checks = [check("ok", "true"),
               check("bad", "echo starting; echo disk full >&2; exit 3"),
@@ -64,6 +65,7 @@ def test_passing_failing_and_per_node_checks():
     assert got[("who", 1)].detail == "exit 0: who on 1 with x"
 
 
+@pytest.mark.integration
 def test_timeout_kills_and_reaps_the_check(tmp_path):
     pid_file = tmp_path / "pid"
     mon = HealthMonitor([check("slow", f"echo $$ > {pid_file}; exec sleep 30", timeout_s=0.3)],
@@ -79,6 +81,7 @@ def test_timeout_kills_and_reaps_the_check(tmp_path):
         mon.close()
 
 
+@pytest.mark.integration
 def test_what_a_finished_check_left_running_is_killed(tmp_path):
     pid_file = tmp_path / "pid"
     mon = HealthMonitor([check("bg", f"sleep 30 & echo $! > {pid_file}")], [0], nvml="off")
@@ -94,6 +97,7 @@ def test_what_a_finished_check_left_running_is_killed(tmp_path):
         mon.close()
 
 
+@pytest.mark.integration
 def test_reruns_every_s_after_the_previous_run_finished(tmp_path):
     runs = tmp_path / "runs"
     mon = HealthMonitor([check("c", f"echo run >> {runs}", every_s=0.2)], [0], nvml="off")
@@ -109,6 +113,7 @@ def test_reruns_every_s_after_the_previous_run_finished(tmp_path):
         mon.close()
 
 
+@pytest.mark.integration
 def test_one_run_at_a_time_and_poll_never_blocks(tmp_path):
     runs = tmp_path / "runs"
     mon = HealthMonitor([check("slow", f"echo run >> {runs}; sleep 5", every_s=0.01, timeout_s=60)],
@@ -126,6 +131,7 @@ def test_one_run_at_a_time_and_poll_never_blocks(tmp_path):
     assert time.monotonic() - t0 < 1.0
 
 
+@pytest.mark.integration
 def test_remove_node_and_close_end_running_checks(tmp_path):
     cmd = f'echo $$ > {tmp_path}/"$NONSTOP_NODE"; exec sleep 30'
     mon = HealthMonitor([check("s", cmd, every_s=0.01, timeout_s=1000)], [0, 1], nvml="off")
@@ -144,6 +150,7 @@ def test_remove_node_and_close_end_running_checks(tmp_path):
     assert mon.poll(200.0) == []  # closed: nothing starts
 
 
+@pytest.mark.integration
 def test_a_check_that_cannot_run_is_unhealthy_not_an_exception():
     mon = HealthMonitor([check("m", "/no/such/command")], [0], nvml="off")
     try:

@@ -78,6 +78,7 @@ def gone_or_zombie(pid: int, timeout: float = 2.0) -> bool:
     return False
 
 
+@pytest.mark.integration
 def test_command_gets_the_diagnosis_on_stdin_and_in_the_environment(tmp_path: Path) -> None:
     stdin, env = tmp_path / "stdin.json", tmp_path / "env.json"
     hook = GiveUpHook(command=f'cat > {stdin}; printf "%s" "$NONSTOP_DIAGNOSIS" > {env}; echo done')
@@ -90,22 +91,26 @@ def test_command_gets_the_diagnosis_on_stdin_and_in_the_environment(tmp_path: Pa
     assert isinstance(rec["seconds"], float) and 0 <= rec["seconds"] < 5
 
 
+@pytest.mark.integration
 def test_a_failing_command_is_a_record_with_its_exit_code_and_output() -> None:
     (rec,) = run_give_up_hook(GiveUpHook(command="echo nope >&2; exit 3"), DIAG)
     assert rec["ok"] is False and "3" in rec["detail"] and "nope" in rec["output"]
     assert "\n" not in rec["detail"]
 
 
+@pytest.mark.integration
 def test_a_missing_command_is_a_record() -> None:
     (rec,) = run_give_up_hook(GiveUpHook(command="/definitely/not/here --page"), DIAG)
     assert rec["ok"] is False and "127" in rec["detail"] and "not" in rec["output"]
 
 
+@pytest.mark.integration
 def test_the_output_kept_is_the_tail() -> None:
     (rec,) = run_give_up_hook(GiveUpHook(command="seq 1 5000; echo LAST"), DIAG)
     assert rec["ok"] and rec["output"].endswith("LAST\n") and len(rec["output"]) <= 2000
 
 
+@pytest.mark.integration
 def test_a_command_that_overruns_is_killed_with_its_children(tmp_path: Path) -> None:
     pids = tmp_path / "pids"
     hook = GiveUpHook(command=f"sleep 30 & echo $$ $! > {pids}; wait", timeout_s=0.5)
@@ -142,6 +147,7 @@ def test_a_closed_port_is_a_quick_record() -> None:
     assert rec["ok"] is False and rec["detail"] and time.monotonic() - t0 < 2.0
 
 
+@pytest.mark.integration
 def test_both_run_command_first(server: Server, tmp_path: Path) -> None:
     order = tmp_path / "order"
     hook = GiveUpHook(command=f"cat > /dev/null; echo command > {order}", url=server.url)
@@ -159,6 +165,7 @@ class Opaque:
         return "<opaque thing>"
 
 
+@pytest.mark.integration
 def test_values_json_cannot_hold_are_sent_as_their_str(server: Server, tmp_path: Path) -> None:
     stdin = tmp_path / "stdin.json"
     diag = {**DIAG, "ranks": {3}, "thing": Opaque(), "where": tmp_path}
@@ -169,6 +176,7 @@ def test_values_json_cannot_hold_are_sent_as_their_str(server: Server, tmp_path:
     assert json.loads(server.requests[0][1]) == expected
 
 
+@pytest.mark.integration
 def test_a_diagnosis_json_cannot_encode_at_all_still_runs_the_hook(tmp_path: Path) -> None:
     stdin = tmp_path / "stdin.json"
     cyclic: dict = {"diagnosis": "x", (1, 2): "tuple key"}

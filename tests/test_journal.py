@@ -13,6 +13,8 @@ from nonstop.hosts.journal import Journal
 from nonstop.store.etcd import Etcd, Fenced
 from nonstop.store.etcd_server import EtcdCluster
 
+pytestmark = pytest.mark.integration  # starts processes
+
 
 @pytest.fixture
 def etcd(tmp_path):

@@ -18,6 +18,8 @@ from nonstop.net.channel import SECRET_ENV
 from nonstop.state import checkpoint, packing, shm, wire
 from nonstop.state.memory import NodeMemory, own, replica
 
+pytestmark = pytest.mark.integration  # starts processes
+
 
 @pytest.fixture
 def keepers():

@@ -3,6 +3,8 @@ gloo listener."""
 
 from __future__ import annotations
 
+import pytest
+
 import ipaddress
 import json
 import os
@@ -11,6 +13,8 @@ import time
 from pathlib import Path
 
 from conftest import TRAIN, finish, start, wait_for_event
+
+pytestmark = pytest.mark.integration  # starts processes
 
 LISTEN = "0A"  # the TCP state in /proc/net/tcp
 

@@ -98,6 +98,7 @@ def gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.integration
 def test_hosts_reach_each_other_and_the_root_namespace(test_hosts):
     th = test_hosts(3)
     h0, h1, h2 = th.hosts
@@ -115,6 +116,7 @@ def test_hosts_reach_each_other_and_the_root_namespace(test_hosts):
     assert "UP" in r.stdout
 
 
+@pytest.mark.integration
 def test_two_test_host_sets_do_not_collide(test_hosts):
     a, b = test_hosts(1), test_hosts(1)
     assert a.network != b.network and a.bridge != b.bridge
@@ -135,6 +137,7 @@ def test_two_test_host_sets_do_not_collide(test_hosts):
     assert connect_here(b.hosts[0].addr) == "ok b"
 
 
+@pytest.mark.integration
 def test_etcd_member_in_a_host_reached_from_another(test_hosts, tmp_path):
     from nonstop.store.etcd_server import EtcdCluster, EtcdUnavailable, etcd_binary, healthy
 
@@ -159,6 +162,7 @@ def test_etcd_member_in_a_host_reached_from_another(test_hosts, tmp_path):
     assert not h0.pids()
 
 
+@pytest.mark.integration
 def test_cut_drops_packets_and_heal_restores(test_hosts):
     th = test_hosts(3)
     h0, h1, h2 = th.hosts
@@ -182,6 +186,7 @@ def test_cut_drops_packets_and_heal_restores(test_hosts):
     assert probe(h0, h1.addr, port=PORT + 2) == "ok back"  # and from the healed host out
 
 
+@pytest.mark.integration
 def test_kill_all_ends_every_process_of_the_host(test_hosts):
     th = test_hosts(2)
     h0, h1 = th.hosts
@@ -204,6 +209,7 @@ def test_kill_all_ends_every_process_of_the_host(test_hosts):
     assert survivor.poll() is None and h1.pids() == [survivor.pid]
 
 
+@pytest.mark.integration
 def test_destroy_removes_everything_also_when_the_body_raised():
     ok, why = netns.available()
     if not ok:
@@ -222,6 +228,7 @@ def test_destroy_removes_everything_also_when_the_body_raised():
     assert th not in netns._live
 
 
+@pytest.mark.integration
 def test_sweep_stale_removes_only_leftovers_of_dead_creators():
     ok, why = netns.available()
     if not ok:

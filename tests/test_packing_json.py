@@ -506,6 +506,7 @@ _PEERS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.integration
 def test_state_between_ranks_is_json_and_bytes_and_bad_copies_are_refused(tmp_path):
     script = tmp_path / "peers.py"
     script.write_text(_PEERS)

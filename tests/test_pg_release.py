@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import re
 import subprocess
 import sys
@@ -10,6 +12,8 @@ import sys
 import torch.distributed as dist
 
 from conftest import ROOT
+
+pytestmark = pytest.mark.integration  # starts processes
 
 SCRIPT = ROOT / "tests" / "scripts" / "kept_group.py"
 

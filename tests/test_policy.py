@@ -254,6 +254,7 @@ def nonstop(*args: str) -> subprocess.CompletedProcess:
                           timeout=60, cwd=ROOT)
 
 
+@pytest.mark.integration
 def test_cli_policy_check_good_and_bad(tmp_path):
     good = tmp_path / "good.yaml"
     good.write_text("rules:\n  hang_restarts: 5\n")
@@ -276,11 +277,13 @@ def test_cli_policy_check_good_and_bad(tmp_path):
     (["policy", "lint", "x.yaml"], "invalid choice: 'lint'"),
     (["policy", "check"], "required: FILE"),
 ])
+@pytest.mark.integration
 def test_cli_policy_usage_errors(args, words):
     proc = nonstop(*args)
     assert proc.returncode == 2 and words in proc.stderr and len(proc.stderr.splitlines()) == 1
 
 
+@pytest.mark.integration
 def test_cli_policy_show(tmp_path):
     proc = nonstop("policy", "show")
     assert proc.returncode == 0 and proc.stderr == ""

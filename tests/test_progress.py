@@ -4,6 +4,8 @@ progress, and injected faults that such a function can never fire are named."""
 
 from __future__ import annotations
 
+import pytest
+
 from nonstop import inject, policy
 from nonstop.decide.liveness import Signals
 from nonstop.controller.workers import Worker
@@ -69,6 +71,7 @@ def test_faults_past_the_last_step_are_named():
     assert [f.describe() for f in inj.unreached(rank=0, step=40)] == ["exit:rank=0,step=90"]
 
 
+@pytest.mark.integration
 def test_the_last_step_survives_its_writer_and_a_torn_write_leaves_the_one_before(tmp_path):
     import math
     import os

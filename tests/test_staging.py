@@ -335,6 +335,7 @@ def _through_the_keeper(memory, device, staged):
     return snaps
 
 
+@pytest.mark.integration
 def test_a_staged_snapshot_goes_through_a_real_keeper_and_back_bit_for_bit(keeper):
     snaps = _through_the_keeper(keeper, "cpu", staged=True)
     assert snaps._wmem is not keeper  # the writing thread's own connection
@@ -396,6 +397,7 @@ def test_the_device_bench_runs_its_whole_path_on_the_host():
                                  "overhead_le_1pct", "overhead_at_interval_le_1pct", "bitwise"}
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
 def test_bench_state_device_cuda_is_refused_without_cuda():
     from conftest import nonstop_cmd

@@ -310,6 +310,7 @@ def test_malformed_lines_still_draw(tmp_path, capsys):
     assert len(re.findall(r'<tr class="incident">', page)) == 3
 
 
+@pytest.mark.integration
 def test_import_stays_light():
     code = ("import sys, nonstop.cli, nonstop.observe.report, nonstop.observe.timeline; "
             "sys.exit('matplotlib' in sys.modules)")
