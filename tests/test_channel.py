@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 
 from nonstop.net import channel
+from nonstop.net.listener import Listener
 from nonstop.net.channel import (
     SECRET_ENV,
     AuthError,
     Channel,
     ChannelClosed,
-    Listener,
     connect,
     load_secret,
     new_secret,

@@ -149,7 +149,7 @@ def _train_cmd(args, out):
 
 
 def test_a_silent_host_is_named_once_as_cut_off_not_each_of_its_ranks_as_frozen():
-    from nonstop.decide.liveness import silent_hosts_text
+    from nonstop.controller.liveness import silent_hosts_text
 
     hung = {2: "frozen (no heartbeat for 1.0 s)", 3: "frozen (no heartbeat for 1.0 s)",
             5: "frozen (no heartbeat for 1.1 s)"}

@@ -320,8 +320,7 @@ def test_placement_for_each_level():
 
 
 def test_the_view_counts_spare_nodes_and_capacity_without_isolated_nodes():
-    s = dataclasses.replace(running(), counters=Counters(isolated={2}))
-    v = mc.view(s, seen(0.0, ranks(0), nodes=4))
+    v = mc.view({2}, seen(0.0, ranks(0), nodes=4))
     assert v.world == 4 and v.spare_nodes == 1 and v.capacity == 6 and v.slots == 2
     assert mc.spare_nodes(v.node_of, 4, {2}) == [3]
 
@@ -337,7 +336,7 @@ def test_with_no_spare_node_a_lost_nodes_rank_goes_where_a_node_has_a_place_left
     # node 0, rank 2 on node 1 (one place left, a warm spare there), rank 3 alone on node 2
     rs = ranks(0, {2: {"node": 1}, 3: {"node": 2}})
     s = seen(0.0, rs, nodes=3, ready_spares={1: 1})
-    v = mc.view(running(), s)
+    v = mc.view(set(), s)
     assert v.spare_nodes == 0 and v.free_slots == {1: 1, 2: 1}
     from nonstop.decide import ladder
     lost = Fault("node_lost", node=2, message="node 2 is gone")
@@ -346,7 +345,7 @@ def test_with_no_spare_node_a_lost_nodes_rank_goes_where_a_node_has_a_place_left
     assert mc.place(d, s, {2}) == {3: 1}  # into node 1's free place, where a spare is warm
     # more ranks to move than places left: no node replacement
     rs2 = ranks(0, {2: {"node": 1}, 3: {"node": 1}})
-    v2 = mc.view(running(), seen(0.0, rs2, nodes=2))
+    v2 = mc.view(set(), seen(0.0, rs2, nodes=2))
     d2 = ladder.decide([Fault("node_lost", node=1)], {2, 3}, v2, P, Counters(), 10.0)
     assert d2.level is not Level.REPLACE_NODE
 

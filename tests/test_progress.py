@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from nonstop import inject, policy
-from nonstop.decide.liveness import Signals
+from nonstop.controller.liveness import Signals
 from nonstop.controller.workers import Worker
 
 

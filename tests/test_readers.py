@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from nonstop.hosts import readers as rd
-from nonstop.net.channel import Listener, new_secret
+from nonstop.net.channel import new_secret
+from nonstop.net.listener import Listener
 
 from test_channel import HOST, open_pair
 

@@ -295,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_demo(steps=args.steps, run_dir=args.run_dir)
         if args.command == "chaos" or (args.command == "bench" and args.scenario == "chaos"):
+            if getattr(args, "hosts", None):  # the same soak across test hosts
+                from .bench import chaos_hosts
+
+                return chaos_hosts.main(args)
             from .bench import chaos
 
             return chaos.main(args)
@@ -384,6 +388,10 @@ def _run(args: argparse.Namespace) -> int:
                     etcd_cacert=args.etcd_cacert, etcd_cert=args.etcd_cert,
                     etcd_key=args.etcd_key, etcd_user=args.etcd_user,
                     metrics_port=args.metrics_port, metrics_addr=args.metrics_addr)
+    if cfg.across_hosts:  # one host of many: its agent
+        from .hosts.launch import run_host
+
+        return run_host(cfg)
     return run(cfg)
 
 

@@ -60,6 +60,11 @@ class RunConfig:
     metrics_port: int | None = None  # Prometheus metrics (0: a port from the OS)
     metrics_addr: str = "127.0.0.1"
 
+    @property
+    def across_hosts(self) -> bool:
+        """One host of many (``hosts.launch.run_host`` runs it), not a job on this host alone."""
+        return bool(self.rdzv_endpoint or self.rdzv_id or self.nnodes not in (None, "1", "1:1"))
+
 
 def check_script(path: str) -> tuple[bool, list[str]]:
     """Refuse a script that cannot run: missing, not a file, bad syntax, an import not installed.
@@ -183,10 +188,9 @@ class _Interrupted(Exception):
 
 
 def run(cfg: RunConfig) -> int:
-    if cfg.rdzv_endpoint or cfg.rdzv_id or (cfg.nnodes not in (None, "1", "1:1")):
-        from .hosts.config import run_host
-
-        return run_host(cfg)
+    """A job on this host alone (one host of many: ``hosts.launch.run_host``)."""
+    if cfg.across_hosts:
+        raise UsageError("a job across hosts is run by hosts.launch.run_host")
     if cfg.nproc_per_node is not None:  # one host: per host is the total
         if cfg.nproc not in (1, cfg.nproc_per_node):
             raise UsageError(f"--nproc {cfg.nproc} and --nproc-per-node {cfg.nproc_per_node} "

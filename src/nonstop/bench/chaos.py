@@ -359,8 +359,6 @@ def main(args: argparse.Namespace) -> int:
 
     from ..errors import UsageError
 
-    if getattr(args, "hosts", None):
-        return _across_hosts(args)
     faults, ranks = args.faults, args.ranks or 3
     spares = 2 if args.spares_chaos is None else args.spares_chaos
     if faults < 1 or ranks < 2:
@@ -386,37 +384,5 @@ def main(args: argparse.Namespace) -> int:
         shutil.rmtree(base, ignore_errors=True)
     elif not ok:
         say(f"chaos: the runs are kept in {base}")
-    common.emit(result, args.json)
-    return 0 if ok else 1
-
-
-def _across_hosts(args: argparse.Namespace) -> int:
-    import sys
-    import tempfile
-
-    from ..errors import UsageError
-    from ..netns import available
-    from . import chaos_hosts
-
-    hosts, per_host = args.hosts, args.ranks_per_host
-    spares = 1 if args.spares_chaos is None else args.spares_chaos
-    if args.faults < 1 or hosts < 2 or per_host < 1:
-        raise UsageError("--faults must be at least 1, --hosts at least 2 and --ranks-per-host "
-                         "at least 1")
-    ok, why = available()
-    if not ok:
-        raise UsageError(f"chaos --hosts needs test hosts (network namespaces): {why}")
-    base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="nonstop-chaos-hosts-"))
-    base.mkdir(parents=True, exist_ok=True)
-    only = [k.strip() for k in (args.kinds or "").split(",") if k.strip()]
-    known = [*chaos_hosts.RANK_KINDS, *chaos_hosts.HOST_KINDS]
-    bad = [k for k in only if k not in known]
-    if bad:
-        raise UsageError(f"unknown fault kind(s) {', '.join(bad)} (known: {', '.join(known)})")
-    say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
-    result = chaos_hosts.soak(args.seed, args.faults, hosts, per_host, spares, base, say,
-                              steps=args.steps, only=only or None)
-    say(chaos_hosts.describe(result))
-    ok = chaos_hosts.keep_or_clean(result, base, bool(args.out), say)
     common.emit(result, args.json)
     return 0 if ok else 1

@@ -21,6 +21,7 @@ actual step is recorded beside the scheduled one.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -493,3 +494,34 @@ def describe(result: dict[str, Any]) -> str:
             f"{result.get('mismatched_let_in') or 'none'}, levels {result['levels']}"
             + (f", error {result['error']}" if result["error"] else "")
             + f"\n{json.dumps(result['by_kind'])}")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``nonstop chaos --hosts H``: the soak across test hosts."""
+    import tempfile
+
+    from ..errors import UsageError
+    from ..netns import available
+
+    hosts, per_host = args.hosts, args.ranks_per_host
+    spares = 1 if args.spares_chaos is None else args.spares_chaos
+    if args.faults < 1 or hosts < 2 or per_host < 1:
+        raise UsageError("--faults must be at least 1, --hosts at least 2 and --ranks-per-host "
+                         "at least 1")
+    ok, why = available()
+    if not ok:
+        raise UsageError(f"chaos --hosts needs test hosts (network namespaces): {why}")
+    base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="nonstop-chaos-hosts-"))
+    base.mkdir(parents=True, exist_ok=True)
+    only = [k.strip() for k in (args.kinds or "").split(",") if k.strip()]
+    known = [*RANK_KINDS, *HOST_KINDS]
+    bad = [k for k in only if k not in known]
+    if bad:
+        raise UsageError(f"unknown fault kind(s) {', '.join(bad)} (known: {', '.join(known)})")
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
+    result = soak(args.seed, args.faults, hosts, per_host, spares, base, say,
+                              steps=args.steps, only=only or None)
+    say(describe(result))
+    ok = keep_or_clean(result, base, bool(args.out), say)
+    common.emit(result, args.json)
+    return 0 if ok else 1

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..hosts.config import HostConfig
-from ..net import channel
+from ..net import listener
 from ..protocol import hosts as keys
 from ..protocol import messages as m
 from .. import protocol
@@ -57,7 +57,7 @@ class _Host:
         self.sim, self.i = sim, i
         self.host_id = f"sim-{i:05d}"
         self.incarnation = secrets.token_hex(6)
-        self.listener = channel.Listener("127.0.0.1", sim.secret, backlog=4)
+        self.listener = listener.Listener("127.0.0.1", sim.secret, backlog=4)
         self.ch: Any = None
         self.ranks: dict[int, _Rank] = {}
         self.lease: Any = None

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from .. import protocol
+from ..decide import takeover
 from ..decide.ladder import Decision, Level
 from ..observe.incidents import Incident
 from .placement import spare_nodes
@@ -101,9 +102,7 @@ class Generations:
     def adopt(self, adoption: Any, seen: list[Any], journal: dict[str, Any]) -> None:
         """The placement of a job another controller ran, as its hosts report it and its journal
         across hosts says; the processes the plan no longer names are ended."""
-        from ..decide import takeover
-
-        self.workers.update(takeover.workers(adoption, seen, journal))
+        self.workers.update(adopted_workers(adoption, seen, journal))
         self.plan.clear()
         self.plan.update(adoption.plan)
         self.replacements = list(journal.get("replacements") or self.replacements)
@@ -325,3 +324,18 @@ class Generations:
         self.log.write("spare_mode", mode="import", error=report.get("error"))
         self.display.info("warm spares now wait for a rank before running the script: it failed "
                           f"in a spare before reaching nonstop.wrap ({report.get('error')})")
+
+
+def adopted_workers(adoption: takeover.Adoption, seen: list[takeover.Seen],
+                    journal: dict[str, Any] | None) -> dict[int, Worker]:
+    """The controller's records of the job's processes: each one a host reports, as it reports
+    it, and a dead record for each rank whose process is gone with its host (to be replaced)."""
+    out = {s.wid: Worker(wid=s.wid, spare=s.spare and s.alive, node=s.node, seq=s.seq, rank=s.rank,
+                         dead=not s.alive) for s in seen if s.keeper is None}
+    node_of = (journal or {}).get("node_of") or {}
+    for rank, wid in adoption.plan.items():
+        if wid not in out:
+            out[wid] = Worker(wid=wid, spare=False, node=int(node_of.get(str(rank), 0)), rank=rank,
+                              dead=True)
+        out[wid].rank = rank
+    return out

@@ -279,7 +279,7 @@ def _after_teardown(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, lis
     if s.incident and s.level and any(f.kind in ("deadline", "rendezvous_timeout") for f in faults):
         escalate = Level(s.level)  # that level did not work: go coarser
     counters = ladder.quiet(s.counters, now, policy)
-    decision = ladder.decide(faults, dead, view(s, seen), policy, counters, now,
+    decision = ladder.decide(faults, dead, view(set(s.counters.isolated), seen), policy, counters, now,
                              escalate_from=escalate)
     counters = ladder.charge(decision, faults, counters, now)
     s = _with(s, round=(), counters=counters, sick=frozenset(sick), attempt=True,
@@ -333,7 +333,7 @@ def _drain(s: JobState, ob: Drain, policy: Any) -> tuple[JobState, list[Command]
             if not ob.shrink:
                 return refuse(f"no spare node has {len(ranks)} warm spare(s) ready")
             cfg = policy.levels.scale_in
-            lost, why_not = ladder.shrink(set(), {ob.node}, view(s, seen), policy)
+            lost, why_not = ladder.shrink(set(), {ob.node}, view(set(s.counters.isolated), seen), policy)
             if not cfg.enabled or s.counters.used(Level.SCALE_IN) >= cfg.budget:
                 why_not = "scale-in is off or its budget spent"
             if why_not:

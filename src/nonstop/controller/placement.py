@@ -1,14 +1,10 @@
 """Where ranks go: the job's placement as the ladder sees it, and the node each moved rank goes
-to for the level decided. Pure functions of what the controller saw (``machine.Seen``)."""
+to for the level decided. Pure functions of what the controller saw (``observations.Seen``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..decide.ladder import Decision, JobView, Level
-
-if TYPE_CHECKING:
-    from .machine import JobState, Seen
+from .observations import Seen
 
 
 def spare_nodes(node_of: dict[int, int], total_nodes: int, isolated: set[int]) -> list[int]:
@@ -17,14 +13,15 @@ def spare_nodes(node_of: dict[int, int], total_nodes: int, isolated: set[int]) -
     return [n for n in range(total_nodes) if n not in busy and n not in isolated]
 
 
-def view(s: "JobState", seen: "Seen") -> JobView:
-    healthy = s.usable_nodes(seen.total_nodes)
+def view(isolated: set[int], seen: Seen) -> JobView:
+    """The job as the ladder sees it, with these nodes isolated."""
+    healthy = [n for n in range(seen.total_nodes) if n not in isolated]
     node_of = seen.node_of
     return JobView(world=len(seen.ranks), managed=seen.managed, node_of=node_of,
-                   spare_nodes=len(spare_nodes(node_of, seen.total_nodes, s.counters.isolated)),
+                   spare_nodes=len(spare_nodes(node_of, seen.total_nodes, isolated)),
                    capacity=len(healthy) * seen.slots, slots=seen.slots,
                    ready_spares=dict(seen.ready_spares),
-                   free_slots=free_slots(node_of, seen.slots, set(s.counters.isolated)))
+                   free_slots=free_slots(node_of, seen.slots, set(isolated)))
 
 
 def free_slots(node_of: dict[int, int], slots: int, isolated: set[int],
@@ -37,7 +34,7 @@ def free_slots(node_of: dict[int, int], slots: int, isolated: set[int],
     return {n: slots - k for n, k in sorted(held.items()) if n not in isolated and slots > k}
 
 
-def place(decision: Decision, seen: "Seen", isolated: set[int]) -> dict[int, int]:
+def place(decision: Decision, seen: Seen, isolated: set[int]) -> dict[int, int]:
     """The node each replaced rank goes to: its own node for a rank replacement, a spare node
     for a node replacement, the healthy nodes in order for a job restart. ``isolated`` includes
     the nodes the decision isolates."""

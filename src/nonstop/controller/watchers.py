@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any, Callable, Collection, Iterable
 
 from ..decide.ladder import Fault
-from ..decide.liveness import Signals
+from .liveness import Signals
 from ..decide.logrules import LogWatch
 from ..policy import Policy
 

@@ -82,19 +82,3 @@ def faults(adoption: Adoption, lost: set[int], node_of: dict[int, int]) -> list[
         out.append(Fault("takeover", message=(
             f"generation {adoption.gen} was forming when the controller changed")))
     return out
-
-
-def workers(adoption: Adoption, seen: list[Seen], journal: dict[str, Any] | None) -> dict[int, Any]:
-    """The controller's records of the job's processes: each one a host reports, as it reports
-    it, and a dead record for each rank whose process is gone with its host (to be replaced)."""
-    from ..controller.workers import Worker
-
-    out = {s.wid: Worker(wid=s.wid, spare=s.spare and s.alive, node=s.node, seq=s.seq, rank=s.rank,
-                         dead=not s.alive) for s in seen if s.keeper is None}
-    node_of = (journal or {}).get("node_of") or {}
-    for rank, wid in adoption.plan.items():
-        if wid not in out:
-            out[wid] = Worker(wid=wid, spare=False, node=int(node_of.get(str(rank), 0)), rank=rank,
-                              dead=True)
-        out[wid].rank = rank
-    return out

@@ -2,7 +2,8 @@
 controller, an authenticated channel from the controller to each agent.
 
 - ``keys``: what lives in etcd (host records, the job record, the controller's journal).
-- ``config``: one host's settings (the flags, checked) and ``run_host``, the command's entry.
+- ``config``: one host's settings, and how to reach the job's etcd.
+- ``launch``: ``run_host``, the command's entry on one host of many (the flags, checked).
 - ``agent``: the per-host process (``nonstop run`` with ``--rdzv-endpoint``): supervises its
   ranks and spares, relays their events, fences itself when it loses its lease.
 - ``cluster``: the controller's view of many agents (the same interface as one host's agent and

@@ -95,7 +95,7 @@ class HostAgent(Fencing):
 
     # == start ===================================================================================
     def run(self) -> int:
-        from ..net import channel
+        from ..net import listener
         from ..store.etcd import StoreError, StoreUnavailable
 
         cfg = self.cfg
@@ -108,7 +108,7 @@ class HostAgent(Fencing):
             raise UsageError(f"etcd at {_endpoints(cfg.endpoints)} refused us: {exc}") from None
         # the host is counted as soon as it can be (before torch is imported, which takes a
         # second or more): a host that joins a full job learns it from the others at once
-        self.listener = channel.Listener(cfg.addr, self.secret, on_refused=self._refused)
+        self.listener = listener.Listener(cfg.addr, self.secret, on_refused=self._refused)
         rdzv_sock = bound_socket(cfg.addr)
         self.rdzv_port = rdzv_sock.getsockname()[1]
         self._register()

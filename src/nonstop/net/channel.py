@@ -546,7 +546,4 @@ def _recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
 
 
 __all__ = ["AuthError", "ChannelClosed", "SECRET_ENV", "load_secret", "new_secret", "Channel",
-           "Listener", "connect", "MAX_HEADER", "MAX_PAYLOAD"]
-
-
-from .listener import Listener  # noqa: E402,F401 - the server side, kept importable from here
+           "connect", "MAX_HEADER", "MAX_PAYLOAD"]  # the server side: net.listener.Listener

@@ -24,7 +24,7 @@ import time
 import traceback
 from typing import Any
 
-from .. import protocol
+import nonstop.protocol as protocol
 from ..decide.cuda import of_exception
 
 PR_SET_PDEATHSIG = 1

@@ -12,14 +12,13 @@ import os
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .. import protocol
+import nonstop.protocol as protocol
 from ..protocol import last_step
 
 if TYPE_CHECKING:
     from .pg import GenerationGroup
-    from .worker import WorkerRuntime
 
 PUBLISH_INTERVAL_S = 0.05  # progress is published at most this often...
 HEARTBEAT_S = 0.2  # ...and at least this often: a silent rank is frozen
@@ -62,8 +61,21 @@ def _readable(loss: Any) -> Any:
     return loss
 
 
+class Runtime(Protocol):
+    """What the monitor needs of its rank's runtime (``worker.WorkerRuntime``)."""
+
+    worker_id: int
+
+    @property
+    def store(self) -> Any:
+        """This thread's connection to the agent's store."""
+
+    def reconnect(self, exc: BaseException) -> None:
+        """This thread's store connection failed: a new one."""
+
+
 class Monitor:
-    def __init__(self, rt: "WorkerRuntime"):
+    def __init__(self, rt: Runtime):
         self._rt = rt
         self._lock = threading.Lock()
         self._gen: int | None = None

@@ -13,7 +13,8 @@ import threading
 import time
 from typing import Any
 
-from .. import inject, protocol
+import nonstop.inject as inject
+import nonstop.protocol as protocol
 
 _RUNTIME: "WorkerRuntime | None" = None
 RELEASE_RETRY_S = 5.0  # a group kept busy is tried again after this, doubling each time

@@ -16,7 +16,7 @@ import time
 import traceback
 from typing import Any, Callable, TypeVar
 
-from .. import protocol
+import nonstop.protocol as protocol
 from . import nccl
 from .context import Context
 from ..decide.cuda import of_exception

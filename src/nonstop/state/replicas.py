@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator, Mapping
 
-from ..net import channel
+from ..net import channel, listener
 from . import shm
 from .slots import DEFER_LIMIT_S, Holder, Slots
 
@@ -77,7 +77,7 @@ class Replication:
             self.tcp.listen(16)
             port = self.tcp.getsockname()[1]
         else:
-            self.tcp = channel.Listener(host, secret, on_refused=self._replica_refused)
+            self.tcp = listener.Listener(host, secret, on_refused=self._replica_refused)
             port = self.tcp.port
         self.tcp_addr = f"{host}:{port}"
 

@@ -389,11 +389,18 @@ class Etcd:
             raise StoreError(f"etcd refused a lease: {r['error']}")
         return Lease(self, int(r["ID"]), int(r["TTL"]), sent)
 
-    def _keepalive_once(self, lease_id: int, deadline: float) -> int:
+    def keepalive_once(self, lease_id: int, deadline: float) -> int:
         r = self._call("/lease/keepalive", {"ID": lease_id}, deadline)
         return int((r.get("result") or {}).get("TTL", 0))  # absent: the lease is gone
 
-    def _revoke(self, lease_id: int) -> None:
+    def kept_alive(self, lease: Lease, alive: bool) -> None:
+        with self._lock:
+            if alive:
+                self._leases.add(lease)
+            else:
+                self._leases.discard(lease)
+
+    def revoke_lease(self, lease_id: int) -> None:
         try:
             self._call("/lease/revoke", {"ID": lease_id})
         except StoreError as e:

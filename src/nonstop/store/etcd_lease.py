@@ -5,20 +5,33 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 from .etcd_errors import StoreError
 
-if TYPE_CHECKING:
-    from .etcd import Etcd
-
 log = logging.getLogger("nonstop.store.etcd")
+
+
+class LeaseClient(Protocol):
+    """What a lease needs of the etcd client that granted it (``store.etcd.Etcd``)."""
+
+    timeout_s: float
+
+    def keepalive_once(self, lease_id: int, deadline: float) -> int:
+        """Refresh once; the TTL etcd gives back (0: the lease is gone)."""
+
+    def revoke_lease(self, lease_id: int) -> None:
+        """End the lease now (one already expired is no error)."""
+
+    def kept_alive(self, lease: Lease, alive: bool) -> None:
+        """Whether a lease is being kept alive by a thread (the client stops them all when it
+        is closed)."""
 
 
 class Lease:
     """An etcd lease: keys attached to it vanish when it expires or is revoked."""
 
-    def __init__(self, etcd: Etcd, id: int, ttl_s: int, granted_at: float):
+    def __init__(self, etcd: LeaseClient, id: int, ttl_s: int, granted_at: float):
         self.id = id
         self.ttl_s = ttl_s
         self._etcd = etcd
@@ -50,7 +63,7 @@ class Lease:
     def refresh(self) -> bool:
         """Refresh once, now; False when etcd says the lease is gone."""
         sent = time.monotonic()
-        ttl = self._etcd._keepalive_once(self.id, sent + self._etcd.timeout_s)
+        ttl = self._etcd.keepalive_once(self.id, sent + self._etcd.timeout_s)
         if ttl <= 0:
             return False
         self._last_ok = sent
@@ -74,8 +87,7 @@ class Lease:
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name=f"nonstop-etcd-lease-{self.id:x}",
                                         daemon=True)
-        with self._etcd._lock:
-            self._etcd._leases.add(self)
+        self._etcd.kept_alive(self, True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -94,7 +106,7 @@ class Lease:
                     self._call_doubt(True)
             try:
                 limit = sent + self._etcd.timeout_s if doubting else min(expires, sent + self._etcd.timeout_s)
-                ttl = self._etcd._keepalive_once(self.id, limit)
+                ttl = self._etcd.keepalive_once(self.id, limit)
             except StoreError as e:  # unavailable, or refused: try again until it expires
                 log.debug("lease %x: refresh failed: %s", self.id, e)
                 self._stop.wait(0.05)
@@ -132,21 +144,20 @@ class Lease:
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(self._etcd.timeout_s + 1.0)  # a refresh in flight ends by its deadline
-        with self._etcd._lock:
-            self._etcd._leases.discard(self)
+        self._etcd.kept_alive(self, False)
 
     def revoke(self) -> None:
         """Stop refreshing and end the lease now: its keys go at once."""
         self.stop()
         self._revoked = True
-        self._etcd._revoke(self.id)
+        self._etcd.revoke_lease(self.id)
 
 
 class Leadership:
     """Held ``key`` of an election. ``epoch`` (the key's create revision) grows with every new
     leader: pass (key, epoch) to :meth:`Etcd.guarded` so a deposed leader's writes fail."""
 
-    def __init__(self, etcd: Etcd, key: str, value: str, epoch: int, lease: Lease,
+    def __init__(self, etcd: LeaseClient, key: str, value: str, epoch: int, lease: Lease,
                  on_lost: Callable[[], None], on_doubt: Callable[[bool], None] | None = None):
         self.key, self.value, self.epoch, self.lease = key, value, epoch, lease
         self._etcd = etcd

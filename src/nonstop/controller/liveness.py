@@ -1,14 +1,15 @@
 """Health signals as the controller sees them: progress records turned into hang, straggler and
-loss-rule faults, with the hung ranks named. The decisions live in ``detect`` (pure)."""
+loss-rule faults, with the hung ranks named. It keeps what it saw of each rank; the decisions
+themselves live in ``decide.detect`` (pure)."""
 
 from __future__ import annotations
 
 from typing import Any, Iterable
 
-from .detect import HangTimer, RankView, StragglerWatch, describe_stall, hung_ranks
-from .ladder import Fault
+from ..decide.detect import HangTimer, RankView, StragglerWatch, describe_stall, hung_ranks
+from ..decide.ladder import Fault
 from ..policy import Policy
-from ..controller.workers import Worker
+from .workers import Worker
 
 
 class Signals:
