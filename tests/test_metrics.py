@@ -90,16 +90,16 @@ def test_the_event_log_is_buffered_within_a_turn_and_flushed_by_the_next(tmp_pat
     from nonstop.observe import events
 
     log = events.EventLog(tmp_path)
-    log.write("a", n=1)
-    log.write("b", n=2)
+    log.write("spawn", n=1)
+    log.write("kill", n=2)
     assert [e["type"] for e in events.read(tmp_path)] == []  # one turn's events: not yet
     log.flush()  # the controller's loop, once per turn
-    assert [e["type"] for e in events.read(tmp_path)] == ["a", "b"]
+    assert [e["type"] for e in events.read(tmp_path)] == ["spawn", "kill"]
     # a write long after the last flush flushes itself (a thread that writes between turns)
     monkeypatch.setattr(events, "FLUSH_S", 0.0)
-    log.write("c", n=3)
-    assert [e["type"] for e in events.read(tmp_path)] == ["a", "b", "c"]
+    log.write("exit", n=3)
+    assert [e["type"] for e in events.read(tmp_path)] == ["spawn", "kill", "exit"]
     monkeypatch.setattr(events, "FLUSH_S", 3600.0)
-    log.write("d", n=4)
+    log.write("abort", n=4)
     log.close()
     assert [e["n"] for e in events.read(tmp_path)] == [1, 2, 3, 4]

@@ -8,6 +8,7 @@ from typing import Any
 
 from ..decide.cuda import CudaFault
 from ..decide.ladder import Decision, Fault, Level
+from ..observe import event_types
 from ..observe.progress import sample_every
 from . import machine as mc
 from .phase import ACTIVE, Phase
@@ -47,9 +48,7 @@ class WorkerEvents:
             return
         kind = ev["type"]
         gen = ev.get("gen")
-        if kind in ("ready", "entered", "left", "done", "inject", "exit", "first_step", "wrapped",
-                    "joining", "snapshot_interval", "snapshot_failed", "no_steps", "bitflip",
-                    "group_kept", "sdc_mismatch") \
+        if kind in event_types.RANK_FORWARDED \
                 and not ev.get("replay"):  # a replayed one is in the log of the controller before
             self.log.write_record("rank_" + kind, ev)
         about_gen = kind in ("entered", "first_step", "left", "nan", "loss_rule", "done")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..protocol import fastjson
+from . import event_types
 
 FILENAME = "events.jsonl"
 # events whose `step` (or `step_before`) is a step the run had reached
@@ -47,7 +48,10 @@ class EventLog:
 
     def write_record(self, event_type: str, fields: dict[str, Any]) -> dict[str, Any]:
         """``write`` with the fields as a dict (a rank's event, as it came: not copied twice;
-        its own ``type`` is replaced)."""
+        its own ``type`` is replaced). A type ``event_types`` does not list is refused."""
+        if event_type not in event_types.ALL:
+            raise ValueError(f"unknown event type {event_type!r}: add it to "
+                             "observe/event_types.py and docs/events.md")
         record = {"t": fields.get("t") or time.time(), "type": event_type}
         for key, value in fields.items():
             if key != "t" and key != "type":
