@@ -1,6 +1,16 @@
 """What a controller taking office makes of the journal and of what the hosts report (pure)."""
 
+import json
+
+import pytest
+
 from nonstop.decide.takeover import Seen, adopt, faults
+from nonstop.protocol.hosts import JournalRecord, NodeHost
+
+
+def J(gen: int) -> JournalRecord:
+    """A journal of a 2-rank job at ``gen``: rank r held by process r."""
+    return JournalRecord(gen=gen, plan={0: 0, 1: 1})
 
 
 def _rank(wid, rank, gen, node=0, alive=True):
@@ -9,7 +19,7 @@ def _rank(wid, rank, gen, node=0, alive=True):
 
 def test_a_job_that_trains_is_taken_over_as_it_is():
     seen = [_rank(0, 0, 3), _rank(1, 1, 3, node=1), Seen(7, 1, True, True)]
-    a = adopt({"gen": 3, "plan": {"0": 0, "1": 1}}, seen, world=2)
+    a = adopt(J(3), seen, world=2)
     assert a.steady and a.gen == 3 and a.plan == {0: 0, 1: 1}
     assert a.missing == [] and a.orphans == [] and a.spares == [7]
 
@@ -17,16 +27,16 @@ def test_a_job_that_trains_is_taken_over_as_it_is():
 def test_the_hosts_win_over_a_journal_one_generation_behind():
     # the controller sent generation 4's assignments and died before journaling them
     seen = [_rank(0, 0, 4), _rank(5, 1, 4, node=1), _rank(1, 1, 3, node=1, alive=False)]
-    a = adopt({"gen": 3, "plan": {"0": 0, "1": 1}}, seen, world=2)
+    a = adopt(J(3), seen, world=2)
     assert a.gen == 4 and a.plan == {0: 0, 1: 5} and a.steady
 
 
 def test_a_rank_without_a_live_process_is_missing():
     seen = [_rank(0, 0, 2), _rank(1, 1, 2, alive=False)]
-    a = adopt({"gen": 2, "plan": {"0": 0, "1": 1}}, seen, world=2)
+    a = adopt(J(2), seen, world=2)
     assert not a.steady and a.missing == [1] and a.plan == {0: 0, 1: 1}
     # its host gone too: the journal still names the process, to be replaced
-    a = adopt({"gen": 2, "plan": {"0": 0, "1": 1}}, [_rank(0, 0, 2)], world=2)
+    a = adopt(J(2), [_rank(0, 0, 2)], world=2)
     assert a.missing == [1] and a.plan[1] == 1
 
 
@@ -35,7 +45,7 @@ def test_a_generation_caught_forming_keeps_every_live_process():
     # process was replaced (an orphan, ended); rank 0's process never heard of 5 but holds the
     # rank: kept, and the generation is formed again (not steady, nothing missing)
     seen = [_rank(0, 0, 4), _rank(1, 1, 4), _rank(9, 1, 5)]
-    a = adopt({"gen": 4, "plan": {"0": 0, "1": 1}}, seen, world=2)
+    a = adopt(J(4), seen, world=2)
     assert a.gen == 5 and a.plan == {0: 0, 1: 9} and a.missing == []
     assert a.orphans == [1] and not a.steady
 
@@ -53,17 +63,37 @@ def test_nothing_known_at_all():
 
 
 def test_what_the_new_controller_recovers_from():
-    steady = adopt({"gen": 3, "plan": {"0": 0, "1": 1}}, [_rank(0, 0, 3), _rank(1, 1, 3, node=1)],
+    steady = adopt(J(3), [_rank(0, 0, 3), _rank(1, 1, 3, node=1)],
                    world=2)
     assert faults(steady, set(), {0: 0, 1: 1}) == []  # trains on untouched
     assert faults(steady, {2}, {0: 0, 1: 1}) == []  # a lost host that held no rank
     (lost,) = faults(steady, {1}, {0: 0, 1: 1})
     assert lost.kind == "node_lost" and lost.node == 1
-    missing = adopt({"gen": 2, "plan": {"0": 0, "1": 1}}, [_rank(0, 0, 2)], world=2)
+    missing = adopt(J(2), [_rank(0, 0, 2)], world=2)
     (crash,) = faults(missing, set(), {0: 0, 1: 1})
     assert crash.kind == "crash" and crash.rank == 1 and crash.node == 1
-    forming = adopt({"gen": 4, "plan": {"0": 0, "1": 1}},
+    forming = adopt(J(4),
                     [_rank(0, 0, 4), _rank(1, 1, 4), _rank(9, 1, 5)], world=2)
     assert [f.kind for f in faults(forming, set(), {0: 0, 1: 0})] == ["takeover"]
     # a lost host is the cause: no second fault for the generation it interrupted
     assert [f.kind for f in faults(forming, {0}, {0: 0, 1: 0})] == ["node_lost"]
+
+
+def test_the_journal_round_trips_and_a_malformed_one_is_refused():
+    rec = JournalRecord(epoch=7, gen=3, plan={0: 4, 1: 5},
+                        nodes={0: NodeHost("h0", "i0", "10.0.0.1", 4000),
+                               1: NodeHost("h1", "i1", "10.0.0.2", 4001)},
+                        isolated=(2,), replacements=(0, 1), max_step=120, node_of={0: 0, 1: 1},
+                        claimed={"0": 1}, next_wid=6, worlds={0: 2, 3: 2}, trained_world=2,
+                        counters={"restarts": 1}, incidents=2,
+                        job={"t_start": 1.0, "t": 2.0, "time_s": {"productive": 1.0}})
+    assert JournalRecord.loads(rec.dumps()) == rec
+    good = json.loads(rec.dumps())
+    for broken in ({**good, "gen": "3"}, {**good, "plan": {"x": 1}}, {**good, "extra": 1},
+                   {k: v for k, v in good.items() if k != "nodes"},
+                   {**good, "nodes": {"0": {"host": "h0"}}}, {**good, "isolated": [True]},
+                   {**good, "job": {"t": 1.0}}, {**good, "claimed": []}):
+        with pytest.raises(ValueError):
+            JournalRecord.loads(json.dumps(broken))
+    with pytest.raises(ValueError):
+        JournalRecord.loads("{not json")

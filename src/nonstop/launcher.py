@@ -335,26 +335,6 @@ def time_account(controller: Any, records: list[dict[str, Any]], t_end: float) -
             "goodput": (round(productive / wall, 4) if wall > 0 else None) if known else None}
 
 
-def job_so_far(controller: Any, now: float) -> dict[str, Any]:
-    """What a controller taking over needs to count the whole job, not its own time in office:
-    when the job started, its goodput account so far, its closed incidents, rank 0's newest
-    progress sample (the next one, seen by the successor, is counted from it). Written with the
-    journal (at every generation, incident closed, host joined or lost)."""
-    from .observe import goodput
-
-    before = controller.before
-    t0 = before["t"] if before else controller.t_start
-    open_inc = controller.incident
-    own = controller.ledger.incident_records(controller.incidents)
-    acct = goodput.account(t0, now, own + ([open_inc.to_record()] if open_inc is not None else []),
-                           controller.progress.rank0, t0 if before else controller.t_ready, None)
-    cats = goodput.merge(before["time_s"], acct["categories"]) if before else acct["categories"]
-    rank0 = controller.progress.rank0
-    return {"t_start": before["t_start"] if before else controller.t_start, "t": now,
-            "time_s": cats, "incidents": ((before or {}).get("incidents") or []) + own,
-            "rank0": rank0[-1] if rank0 else None}
-
-
 def report(controller: Any, log: Any, run_dir: Path, code: int, display: Any) -> dict[str, Any]:
     """The run's summary: into the event log, summary.json and the console."""
     t_exit = time.time()

@@ -155,11 +155,10 @@ class Harness:
             rows = etcd.get_prefix(keys.HOSTS)
         if raw is None:
             return 0
-        journal = json.loads(raw)
+        journal = keys.JournalRecord.loads(raw)
         alive = {(r.host_id, r.incarnation) for r in (keys.HostRecord.loads(x[1]) for x in rows)}
-        isolated = set(journal.get("isolated") or [])
-        return sum(1 for n, h in (journal.get("nodes") or {}).items()
-                   if int(n) not in isolated and (h["host"], h["incarnation"]) in alive)
+        return sum(1 for n, h in journal.nodes.items()
+                   if n not in journal.isolated and (h.host, h.incarnation) in alive)
 
     def wait(self, what: str, pred: Callable[[], bool], timeout_s: float = SETTLE_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s

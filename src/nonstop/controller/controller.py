@@ -24,6 +24,7 @@ from ..observe.incidents import Incident
 from ..observe.progress import ProgressLog
 from ..observe.status import StatusWriter
 from ..policy import Policy
+from ..protocol import hosts as keys
 from ..protocol.hosts import progress_every
 from ..state.service import Keepers
 from . import machine as mc
@@ -87,7 +88,7 @@ class Controller(ProcessExits, WorkerEvents):
                                run_dir=run_dir)
         self.t_start = time.time()
         # across hosts, after a takeover: what the controllers before this one counted of the
-        # job (launcher.job_so_far), for a summary of the whole job, not of this one's term
+        # job (Controller.job_so_far in its journal), for a summary of the whole job, not of this one's term
         self.before: dict[str, Any] | None = None
         self._last_progress = 0.0
         self.max_step = 0
@@ -436,32 +437,68 @@ class Controller(ProcessExits, WorkerEvents):
         self.preempts.done(node)
         self._step(mc.Drain(self._seen(), (), node, "preempted (SIGTERM)", shrink=True))
 
+    # == across hosts: what a successor continues from =========================================
+    def journal(self, epoch: int) -> keys.JournalRecord:
+        """This controller's state as a standby would continue from it (etcd ``journal``)."""
+        return keys.JournalRecord(
+            epoch=epoch, gen=self.gen, plan=dict(self.plan),
+            nodes={n: keys.NodeHost(host=link.rec.host_id, incarnation=link.rec.incarnation,
+                                    addr=link.rec.addr, port=link.rec.ctl_port)
+                   for n, link in self.agent.links.items()},
+            isolated=tuple(sorted(self.counters.isolated)),
+            replacements=tuple(self.gens.replacements), max_step=self.max_step,
+            node_of=self.gens.node_of(), claimed=dict(self.gens.claimed),
+            next_wid=self.agent.next_wid, worlds=dict(self.gens.worlds),
+            trained_world=self.gens.trained_world, counters=self.counters.record(),
+            # closed, the predecessors' too: an open one goes on after us
+            incidents=self.book.base + len(self.incidents), job=self.job_so_far(time.time()))
+
+    def job_so_far(self, now: float) -> dict[str, Any]:
+        """What a controller taking over needs to count the whole job, not its own time in
+        office: when the job started, its goodput account so far, its closed incidents, rank 0's
+        newest progress sample (the next one, seen by the successor, is counted from it)."""
+        from ..observe import goodput
+
+        before = self.before
+        t0 = before["t"] if before else self.t_start
+        open_inc = self.incident
+        own = self.ledger.incident_records(self.incidents)
+        acct = goodput.account(t0, now, own + ([open_inc.to_record()] if open_inc is not None
+                                                else []),
+                               self.progress.rank0, t0 if before else self.t_ready, None)
+        cats = goodput.merge(before["time_s"], acct["categories"]) if before \
+            else acct["categories"]
+        rank0 = self.progress.rank0
+        return {"t_start": before["t_start"] if before else self.t_start, "t": now,
+                "time_s": cats, "incidents": ((before or {}).get("incidents") or []) + own,
+                "rank0": rank0[-1] if rank0 else None}
+
     # == taking over a running job (across hosts) ===============================================
-    def adopt(self, adoption: Any, seen: list[Any], journal: dict[str, Any] | None,
+    def adopt(self, adoption: Any, seen: list[Any], journal: keys.JournalRecord | None,
               lost: set[int], t_fault: float | None = None) -> None:
         """Continue a job another controller ran: its generation, plan and processes as the hosts
         report them, its budgets from the journal. A job that trains goes on untouched; one
         caught mid-recovery (or missing a rank) recovers from here."""
         from ..decide import takeover
 
-        j = journal or {}
+        j = journal or keys.JournalRecord()
         self.log.write("takeover", gen=adoption.gen, steady=adoption.steady,
                        missing=adoption.missing, orphans=adoption.orphans,
-                       spares=adoption.spares, journal_gen=j.get("gen"), lost=sorted(lost))
+                       spares=adoption.spares, journal_gen=journal.gen if journal else None,
+                       lost=sorted(lost))
         self.gens.adopt(adoption, seen, j)
-        self.book.base = int(j.get("incidents") or 0)  # incidents keep their numbers
-        before = j.get("job")
-        if isinstance(before, dict) and {"t_start", "t", "time_s"} <= set(before):
-            self.before = before
-            if isinstance(before.get("rank0"), dict):  # rank 0's time since is counted from it
-                self.progress.rank0.insert(0, before["rank0"])
-        self.max_step = int(j.get("max_step") or 0)
+        self.book.base = j.incidents  # incidents keep their numbers
+        if j.job is not None:
+            self.before = j.job
+            if isinstance(j.job.get("rank0"), dict):  # rank 0's time since is counted from it
+                self.progress.rank0.insert(0, j.job["rank0"])
+        self.max_step = j.max_step
         now = time.time()
         # in rendezvous until the replayed events show every rank in
         self.state = mc.JobState(
             phase=Phase.RENDEZVOUS, gen=adoption.gen, t_gen=now,
             deadline=now + self.policy.timeouts.rendezvous_s,
-            counters=Counters.from_record(j.get("counters"), set(j.get("isolated") or []) | lost),
+            counters=Counters.from_record(j.counters, set(j.isolated) | lost),
             degraded_since=now if len(self.plan) < self.gens.target else None)
         self.watchers.start(range(self.total_nodes), getattr(self.agent, "health", None))
         self.memory.world = self.world

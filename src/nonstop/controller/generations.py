@@ -14,6 +14,7 @@ from .. import protocol
 from ..decide import takeover
 from ..decide.ladder import Decision, Level
 from ..observe.incidents import Incident
+from ..protocol.hosts import JournalRecord
 from .placement import spare_nodes
 from .workers import Worker, WorkerTable
 
@@ -99,17 +100,17 @@ class Generations:
         for w in (self.workers[wid] for wid in self.plan.values()):
             self.table.spawn(w)
 
-    def adopt(self, adoption: Any, seen: list[Any], journal: dict[str, Any]) -> None:
+    def adopt(self, adoption: Any, seen: list[Any], journal: JournalRecord) -> None:
         """The placement of a job another controller ran, as its hosts report it and its journal
         across hosts says; the processes the plan no longer names are ended."""
         self.workers.update(adopted_workers(adoption, seen, journal))
         self.plan.clear()
         self.plan.update(adoption.plan)
-        self.replacements = list(journal.get("replacements") or self.replacements)
+        self.replacements = list(journal.replacements) or self.replacements
         self.replacements += [0] * (len(self.plan) - len(self.replacements))
-        self.claimed = dict(journal.get("claimed") or {})
-        self.worlds = {int(g): int(w) for g, w in (journal.get("worlds") or {}).items()}
-        self.trained_world = int(journal.get("trained_world") or self.trained_world)
+        self.claimed = dict(journal.claimed)
+        self.worlds = dict(journal.worlds)
+        self.trained_world = journal.trained_world or self.trained_world
         for wid in adoption.orphans:
             self.table.kill(self.workers[wid], "assigned by the controller before, not in the "
                                                "job's plan")
@@ -327,15 +328,15 @@ class Generations:
 
 
 def adopted_workers(adoption: takeover.Adoption, seen: list[takeover.Seen],
-                    journal: dict[str, Any] | None) -> dict[int, Worker]:
+                    journal: JournalRecord | None) -> dict[int, Worker]:
     """The controller's records of the job's processes: each one a host reports, as it reports
     it, and a dead record for each rank whose process is gone with its host (to be replaced)."""
     out = {s.wid: Worker(wid=s.wid, spare=s.spare and s.alive, node=s.node, seq=s.seq, rank=s.rank,
                          dead=not s.alive) for s in seen if s.keeper is None}
-    node_of = (journal or {}).get("node_of") or {}
+    node_of = journal.node_of if journal is not None else {}
     for rank, wid in adoption.plan.items():
         if wid not in out:
-            out[wid] = Worker(wid=wid, spare=False, node=int(node_of.get(str(rank), 0)), rank=rank,
+            out[wid] = Worker(wid=wid, spare=False, node=node_of.get(rank, 0), rank=rank,
                               dead=True)
         out[wid].rank = rank
     return out

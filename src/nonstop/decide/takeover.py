@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..protocol.hosts import JournalRecord
+
 
 @dataclasses.dataclass(frozen=True)
 class Seen:
@@ -39,11 +41,11 @@ class Adoption:
     # (not steady and nothing missing: a generation was being formed; it is formed again)
 
 
-def adopt(journal: dict[str, Any] | None, seen: list[Seen], world: int) -> Adoption:
+def adopt(journal: JournalRecord | None, seen: list[Seen], world: int) -> Adoption:
     seen = [s for s in seen if s.keeper is None]
     live = [s for s in seen if s.alive]
     assigned = [s for s in live if s.rank is not None and s.gen is not None and not s.spare]
-    j_gen = int(journal["gen"]) if journal else -1
+    j_gen = journal.gen if journal is not None else -1
     gen = max([s.gen for s in assigned] + [j_gen])
     plan: dict[int, int] = {}
     newest: dict[int, Seen] = {}
@@ -55,7 +57,7 @@ def adopt(journal: dict[str, Any] | None, seen: list[Seen], world: int) -> Adopt
             continue
         newest[s.rank] = s
         plan[s.rank] = s.wid
-    j_plan = {int(r): int(w) for r, w in (journal or {}).get("plan", {}).items()}
+    j_plan = journal.plan if journal is not None else {}
     missing = [r for r in range(world) if r not in plan]
     for r in missing:  # the process the journal names (gone), or none at all
         plan[r] = j_plan.get(r, -1 - r)

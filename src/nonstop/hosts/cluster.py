@@ -97,6 +97,11 @@ class Cluster:
         self._held_orders: list[tuple[int, m.Order]] = []
 
     # == hosts ==================================================================================
+
+    @property
+    def next_wid(self) -> int:
+        """The worker id the next process started will get (a successor goes on from it)."""
+        return self._next_wid
     def add_host(self, node: int, rec: keys.HostRecord, timeout_s: float = 5.0,
                  ch: Any = None) -> HostLink:
         """Connect to a host's agent (or take the channel already opened to it) and say hello

@@ -135,7 +135,11 @@ class Fencing:
                                            name="nonstop-probe")
             self._probe.start()
         outage = self.cfg.policy["hosts"]["store_outage_s"]
-        if now - since > outage + 3 * self.cfg.lease_ttl_s + 5:
+        emergency = self.cfg.policy["state"]["emergency"]
+        # the controller gives up at the tolerance and may first save the newest state (its
+        # emergency checkpoint, through this host's keeper, up to its grace): not cut short here
+        grace = emergency["grace_s"] if emergency["on_give_up"] else 0.0
+        if now - since > outage + 3 * self.cfg.lease_ttl_s + 5 + grace:
             # the controller gives up at the tolerance and says so; it did not reach us
             print(f"nonstop: error: etcd unreachable for {now - since:.0f} s "
                   f"(hosts.store_outage_s={outage:g}) and no word from the controller: ending "

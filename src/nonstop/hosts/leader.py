@@ -135,12 +135,6 @@ def _still_leader(etcd: Any, epoch: int) -> bool:
     return found is not None and found[1] == epoch
 
 
-def launcher_job_so_far(controller: Any, now: float) -> dict[str, Any]:
-    from ..launcher import job_so_far
-
-    return job_so_far(controller, now)
-
-
 def _answers(addr: str | None, port: int | None) -> bool:
     """Whether a host's agent accepts a connection (closed at once, before any handshake)."""
     import socket
@@ -163,7 +157,7 @@ class Leader:
         self._journal_key: tuple[int, ...] = (-2,)  # what the newest journal handed over was
         self._written_gen = -2  # the newest generation the journal in etcd holds
         self.journal = Journal(etcd, self.epoch)
-        self._pending: str | None = None  # the journal to write next
+        self._pending: keys.JournalRecord | None = None  # the journal to write next
         self._worker: threading.Thread | None = None
         self._joining: set[tuple[str, str]] = set()
         self.controller: Any = None
@@ -186,7 +180,12 @@ class Leader:
         if done is not None:
             return json.loads(done).get("code", 0)
         raw, _ = self.etcd.get(keys.JOURNAL)
-        journal = json.loads(raw) if raw is not None else None
+        try:
+            journal = keys.JournalRecord.loads(raw) if raw is not None else None
+        except ValueError as exc:  # another version's: nothing of it can be trusted
+            self._finish(2, f"the job's journal in etcd cannot be read ({exc}): it was written "
+                            "by another version of nonstop, or is damaged")
+            return 2
         pol = policy_mod.Policy.model_validate(cfg.policy)
         channels: dict[str, Any] = {}
         if journal is None:
@@ -222,7 +221,7 @@ class Leader:
                 controller.on_output(wid, line)
 
         cluster = Cluster(self.epoch, self.secret, self.run_dir, output,
-                          next_wid=int((journal or {}).get("next_wid", 0)))
+                          next_wid=journal.next_wid if journal is not None else 0)
         cluster.own_host = cfg.host_id
         for node, rec in sorted(placed.items()):
             try:
@@ -246,7 +245,7 @@ class Leader:
         if journal is not None:
             seen = self._collect(cluster, lost, timeout_s=cfg.lease_ttl_s + 3.0)
             # a job that shrank goes on at its size (it grows back from there)
-            adoption = takeover.adopt(journal, seen, len(journal.get("plan") or {}) or world)
+            adoption = takeover.adopt(journal, seen, len(journal.plan) or world)
             display.info(f"controller on {cfg.host_id} (epoch {self.epoch}) takes over at "
                          f"generation {adoption.gen}"
                          + ("" if adoption.steady else f"; rank(s) {adoption.missing} to recover"))
@@ -366,7 +365,7 @@ class Leader:
             except Exception:  # noqa: BLE001 - etcd away for a moment: the same list
                 pass
 
-    def _registered_hosts(self, nodes: dict[int, dict[str, Any]]
+    def _registered_hosts(self, nodes: dict[int, keys.NodeHost]
                           ) -> dict[tuple[str, str], keys.HostRecord]:
         """The hosts registered in etcd. A host of ``nodes`` (the journal's) that is not, but
         whose agent answers on its address, is waited for a while: its lease lapsed with the
@@ -378,30 +377,30 @@ class Leader:
             for _, raw, _, _ in self.etcd.get_prefix(keys.HOSTS):
                 rec = keys.HostRecord.loads(raw)
                 alive[(rec.host_id, rec.incarnation)] = rec
-            waiting = [h for h in nodes.values() if (h["host"], h["incarnation"]) not in alive
-                       and _answers(h.get("addr"), h.get("port"))]
+            waiting = [h for h in nodes.values() if (h.host, h.incarnation) not in alive
+                       and _answers(h.addr, h.port)]
             if not waiting or time.monotonic() > deadline:
                 return alive
             time.sleep(0.2)
 
-    def _place_hosts(self, journal: dict[str, Any]) -> tuple[dict[int, keys.HostRecord], set[int]]:
+    def _place_hosts(self, journal: keys.JournalRecord
+                     ) -> tuple[dict[int, keys.HostRecord], set[int]]:
         """The hosts alive now, at the nodes the journal gave them (a host that joined since is a
         new node); the journal's nodes whose host is gone are lost."""
-        nodes = {int(n): h for n, h in (journal.get("nodes") or {}).items()}
+        nodes = dict(journal.nodes)
         alive = self._registered_hosts(nodes)
         placed: dict[int, keys.HostRecord] = {}
         lost: set[int] = set()
         for node, h in nodes.items():
-            rec = alive.pop((h["host"], h["incarnation"]), None)
-            if rec is None and not self._give_up(h["host"], h["incarnation"]):
+            rec = alive.pop((h.host, h.incarnation), None)
+            if rec is None and not self._give_up(h.host, h.incarnation):
                 alive = self._registered_hosts({})  # it registered again just now
-                rec = alive.pop((h["host"], h["incarnation"]), None)
+                rec = alive.pop((h.host, h.incarnation), None)
             if rec is None:
                 lost.add(node)
             else:
                 placed[node] = rec
-        known = [int(n) for n in journal.get("isolated") or []] + \
-            [int(n) for n in (journal.get("node_of") or {}).values()]
+        known = list(journal.isolated) + list(journal.node_of.values())
         nxt = max(list(placed) + list(lost) + known + [-1]) + 1  # a new host: a node never used
         for _, rec in sorted(alive.items()):
             placed[nxt] = rec
@@ -495,28 +494,10 @@ class Leader:
                sum(link.lost for link in cluster.links.values()), len(controller.counters.isolated))
         if key != self._journal_key and controller.phase is not Phase.STARTING:
             self._journal_key = key
-            self._pending = self._journal(controller)  # the newest wins
+            self._pending = controller.journal(self.epoch)  # the newest wins
         if cluster.own_release is not None and self._written_gen >= controller.gen \
                 and self._pending is None:
             cluster.release_own()
-
-    def _journal(self, controller: Any) -> str:
-        rec = {"epoch": self.epoch, "gen": controller.gen,
-               "plan": {str(r): w for r, w in controller.plan.items()},
-               "nodes": {str(n): {"host": link.rec.host_id, "incarnation": link.rec.incarnation,
-                                  "addr": link.rec.addr, "port": link.rec.ctl_port}
-                         for n, link in controller.agent.links.items()},
-               "isolated": sorted(controller.counters.isolated),
-               "replacements": controller.gens.replacements, "max_step": controller.max_step,
-               "node_of": {str(r): n for r, n in controller.gens.node_of().items()},
-               "claimed": controller.gens.claimed, "next_wid": controller.agent._next_wid,
-               "worlds": {str(g): w for g, w in controller.gens.worlds.items()},
-               "trained_world": controller.gens.trained_world,
-               "counters": controller.counters.record(),
-               # closed, the predecessors' too: an open one goes on after us
-               "incidents": controller.book.base + len(controller.incidents),
-               "job": launcher_job_so_far(controller, time.time())}
-        return json.dumps(rec, separators=(",", ":"))
 
     def _store_loop(self, cluster: Any) -> None:
         """etcd's side of the controller, in its own thread: the journal written (only while
@@ -532,8 +513,8 @@ class Leader:
             pending, self._pending = self._pending, None
             if pending is not None:
                 try:
-                    self.journal.write(pending)
-                    self._written_gen = int(json.loads(pending)["gen"])
+                    self.journal.write(pending.dumps())
+                    self._written_gen = pending.gen
                 except Fenced:
                     step_down("a newer controller is in office")
                 except Exception:  # noqa: BLE001 - etcd out of reach: written later

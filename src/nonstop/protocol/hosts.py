@@ -102,6 +102,105 @@ class JobRecord(_Record):
         return ", ".join(dict.fromkeys(self.NAMES.get(f, f) for f in fields))
 
 
+def _int(v: Any, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"journal: {what} is not a whole number: {v!r}")
+    return v
+
+
+def _int_map(d: Any, what: str) -> dict[int, int]:
+    if not isinstance(d, dict):
+        raise ValueError(f"journal: {what} is not a mapping")
+    try:
+        return {int(k): _int(v, what) for k, v in d.items()}
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"journal: {what}: {exc}") from None
+
+
+def _ints(v: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(v, list):
+        raise ValueError(f"journal: {what} is not a list")
+    return tuple(_int(x, what) for x in v)
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeHost:
+    """A node's host as the journal keeps it: a successor finds it again by (host, incarnation)
+    among the hosts registered, and asks it at (addr, port) whether it is only slow to do so."""
+
+    host: str
+    incarnation: str
+    addr: str
+    port: int
+
+
+@dataclasses.dataclass(frozen=True)
+class JournalRecord:
+    """What a standby controller continues from (etcd ``journal``), written by the controller in
+    office at every generation, incident closed, host joined or lost. Read back, a record with a
+    field missing, unknown or of the wrong type is refused (ValueError)."""
+
+    epoch: int = 0
+    gen: int = -1
+    plan: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> wid
+    nodes: dict[int, NodeHost] = dataclasses.field(default_factory=dict)
+    isolated: tuple[int, ...] = ()
+    replacements: tuple[int, ...] = ()  # per rank: how many times it was given a new process
+    max_step: int = 0
+    node_of: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> node
+    claimed: dict[str, int] = dataclasses.field(default_factory=dict)  # injected faults fired
+    next_wid: int = 0
+    worlds: dict[int, int] = dataclasses.field(default_factory=dict)  # generation -> world size
+    trained_world: int = 0
+    counters: dict[str, Any] | None = None  # ladder.Counters.record()
+    incidents: int = 0  # closed, the predecessors' too
+    job: dict[str, Any] | None = None  # the whole job's account so far (Controller.job_so_far)
+
+    def dumps(self) -> str:
+        rec = dataclasses.asdict(self)
+        for key in ("plan", "nodes", "node_of", "worlds"):
+            rec[key] = {str(k): v for k, v in rec[key].items()}
+        return json.dumps(rec, separators=(",", ":"), default=str)
+
+    @classmethod
+    def loads(cls, raw: bytes | str) -> "JournalRecord":
+        try:
+            data = json.loads(raw)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"journal: not JSON: {exc}") from None
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(data, dict) or set(data) != names:
+            raise ValueError("not a JournalRecord of this version of nonstop")
+        nodes = data["nodes"]
+        if not isinstance(nodes, dict):
+            raise ValueError("journal: nodes is not a mapping")
+        try:
+            hosts = {int(n): NodeHost(**h) for n, h in nodes.items()}
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"journal: nodes: {exc}") from None
+        claimed = data["claimed"]
+        if not isinstance(claimed, dict) or not all(isinstance(k, str) for k in claimed):
+            raise ValueError("journal: claimed is not a mapping of fault to times")
+        for key in ("counters", "job"):
+            if data[key] is not None and not isinstance(data[key], dict):
+                raise ValueError(f"journal: {key} is not a mapping")
+        job = data["job"]
+        if job is not None and not {"t_start", "t", "time_s"} <= set(job):
+            raise ValueError("journal: job lacks t_start, t or time_s")
+        return cls(epoch=_int(data["epoch"], "epoch"), gen=_int(data["gen"], "gen"),
+                   plan=_int_map(data["plan"], "plan"), nodes=hosts,
+                   isolated=_ints(data["isolated"], "isolated"),
+                   replacements=_ints(data["replacements"], "replacements"),
+                   max_step=_int(data["max_step"], "max_step"),
+                   node_of=_int_map(data["node_of"], "node_of"),
+                   claimed={k: _int(v, "claimed") for k, v in claimed.items()},
+                   next_wid=_int(data["next_wid"], "next_wid"),
+                   worlds=_int_map(data["worlds"], "worlds"),
+                   trained_world=_int(data["trained_world"], "trained_world"),
+                   counters=data["counters"], incidents=_int(data["incidents"], "incidents"),
+                   job=job)
+
+
 #: Environment variables that change a job's numbers (reduction orders, math libraries' choices,
 #: hash seeds): every host must set the same ones to the same values, or its ranks compute other
 #: numbers than its peers' and a rank it takes over ends elsewhere.
