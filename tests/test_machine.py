@@ -383,3 +383,27 @@ def test_idle_says_when_a_tick_cannot_act_whatever_the_ranks_are():
     # and where idle says so, a tick indeed does nothing
     for st, now in ((s, 11.0), (retry, 11.0), (level, 19.0)):
         assert mc.step(st, mc.Tick(seen(now, ranks(0))), P) == (st, [])
+
+
+def test_the_executor_has_a_case_for_every_command_and_calls_each_handler_once():
+    """controller.Controller._carry_out dispatches with a match over the command types: each type
+    of commands.Command has its case, and each case calls the handler named for it."""
+    import ast
+    import typing
+    from pathlib import Path
+
+    from nonstop.controller import commands, controller
+
+    types = {t.__name__ for t in typing.get_args(commands.Command)}
+    assert len(types) >= 19
+    tree = ast.parse(Path(controller.__file__).read_text())
+    (fn,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_carry_out"]
+    (match,) = [n for n in ast.walk(fn) if isinstance(n, ast.Match)]
+    cases = {}
+    for case in match.cases:
+        if isinstance(case.pattern, ast.MatchClass):
+            called = [c.func.attr for c in ast.walk(case) if isinstance(c, ast.Call)
+                      and isinstance(c.func, ast.Attribute)]
+            cases[case.pattern.cls.attr] = called
+    assert set(cases) == types
+    assert all(called == [f"_do_{name}"] for name, called in cases.items()), cases

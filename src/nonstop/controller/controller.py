@@ -201,7 +201,52 @@ class Controller(ProcessExits, WorkerEvents):
         """One observation through the machine; its commands carried out in order."""
         self.state, commands = mc.step(self.state, ob, self.policy)
         for c in commands:
-            getattr(self, "_do_" + type(c).__name__)(c)
+            self._carry_out(c)
+
+    def _carry_out(self, c: mc.Command) -> None:
+        """One command of the machine, by its type (tests/test_machine.py checks that every
+        command type has its case here)."""
+        match c:
+            case mc.Raise():
+                self._do_Raise(c)
+            case mc.Ignore():
+                self._do_Ignore(c)
+            case mc.Interrupt():
+                self._do_Interrupt(c)
+            case mc.Abort():
+                self._do_Abort(c)
+            case mc.Kill():
+                self._do_Kill(c)
+            case mc.Probe():
+                self._do_Probe(c)
+            case mc.Decide():
+                self._do_Decide(c)
+            case mc.CarryOut():
+                self._do_CarryOut(c)
+            case mc.Regroup():
+                self._do_Regroup(c)
+            case mc.DrainRefused():
+                self._do_DrainRefused(c)
+            case mc.Publish():
+                self._do_Publish(c)
+            case mc.Formed():
+                self._do_Formed(c)
+            case mc.RetryOpened():
+                self._do_RetryOpened(c)
+            case mc.Retry():
+                self._do_Retry(c)
+            case mc.Fail():
+                self._do_Fail(c)
+            case mc.Finish():
+                self._do_Finish(c)
+            case mc.End():
+                self._do_End(c)
+            case mc.Missed():
+                self._do_Missed(c)
+            case mc.Overdue():
+                self._do_Overdue(c)
+            case _:
+                raise TypeError(f"the controller has no handler for {type(c).__name__}")
 
     def _fault(self, fault: Fault, t_fault: float | None = None) -> None:
         self._step(mc.Faulted(self._seen(), fault, t_fault))
