@@ -52,8 +52,12 @@ def test_a_rank_crashed_just_after_its_nodes_memory_is_replaced_from_a_live_peer
 
 def test_crash_without_a_spare_starts_a_new_process(tmp_path, reference):
     run, out = train(tmp_path, "--spares=0", "--inject=crash:rank=2,step=20")
-    (replace,) = run.of("replace")
-    assert replace["rank"] == 2 and replace["cold"]
+    replaced = {r["rank"]: r for r in run.of("replace")}
+    assert replaced[2]["cold"]
+    # (on a loaded machine a survivor too slow to leave the generation is killed at the teardown
+    # deadline, and given a new process too: that is the only other replacement allowed)
+    late = {f["rank"] for f in run.of("fault") if f["kind"] == "teardown_timeout"}
+    assert set(replaced) - {2} <= late
     assert run.summary["steps_lost"] == 0
     assert bitwise_equal(out, reference(WORLD, *ARGS))
 
