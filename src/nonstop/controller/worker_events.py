@@ -112,6 +112,10 @@ class WorkerEvents:
         if ev.get("kind") == "node_crash":  # the rest of the node dies with it
             for x in self.workers.values():
                 if x.node == w.node and not x.dead:
+                    # dead now, as on a machine that died: a rank that already left the
+                    # generation (its peer gone) must not be taken for a survivor by a decision
+                    # made before its SIGKILL's exit is read (its exit is still a crash)
+                    x.dead = True
                     self.agent.signal(x.wid)
 
     def _on_first_step(self, w: Worker, ev: dict[str, Any]) -> None:
