@@ -315,20 +315,14 @@ def time_account(controller: Any, records: list[dict[str, Any]], t_end: float) -
 
     controller.progress.close()
     controller.status.maybe(controller, t_end, force=True)  # the job is over
-    open_inc = controller.incident
-    before = controller.before  # across hosts: what the controllers before this one counted
-    t0 = before["t"] if before else controller.t_start
-    acct = goodput.account(t0, t_end,
-                           records + ([open_inc.to_record()] if open_inc is not None else []),
-                           controller.progress.rank0, t0 if before else controller.t_ready,
-                           controller.outcome.t_train_end,
-                           final_checkpoint=controller.final_persist is not None)
+    # across hosts, the whole job's: what the controllers before this one counted too
+    acct, cats = controller.account(t_end, records, controller.outcome.t_train_end,
+                                    final_checkpoint=controller.final_persist is not None)
     costs = {x["id"]: x for x in acct["by_incident"]}
     for rec in records:
         if rec["id"] in costs:
             rec["recomputed_s"] = costs[rec["id"]]["recomputed_s"]
     known = controller.ledger.steps_known()
-    cats = goodput.merge(before["time_s"], acct["categories"]) if before else acct["categories"]
     wall = goodput.total(cats)
     productive = cats.get("productive", 0.0)
     return {"time_s": cats,

@@ -498,21 +498,32 @@ class Controller(ProcessExits, WorkerEvents):
             # closed, the predecessors' too: an open one goes on after us
             incidents=self.book.base + len(self.incidents), job=self.job_so_far(time.time()))
 
-    def job_so_far(self, now: float) -> dict[str, Any]:
-        """What a controller taking over needs to count the whole job, not its own time in
-        office: when the job started, its goodput account so far, its closed incidents, rank 0's
-        newest progress sample (the next one, seen by the successor, is counted from it)."""
+    def account(self, now: float, records: list[dict[str, Any]],
+                t_train_end: float | None = None, final_checkpoint: bool = False
+                ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The goodput account of this controller's time (``observe.goodput``, with the open
+        incident), and its categories added to what the controllers before it counted: the whole
+        job's."""
         from ..observe import goodput
 
         before = self.before
         t0 = before["t"] if before else self.t_start
         open_inc = self.incident
-        own = self.ledger.incident_records(self.incidents)
-        acct = goodput.account(t0, now, own + ([open_inc.to_record()] if open_inc is not None
-                                                else []),
-                               self.progress.rank0, t0 if before else self.t_ready, None)
+        acct = goodput.account(t0, now,
+                               records + ([open_inc.to_record()] if open_inc is not None else []),
+                               self.progress.rank0, t0 if before else self.t_ready, t_train_end,
+                               final_checkpoint=final_checkpoint)
         cats = goodput.merge(before["time_s"], acct["categories"]) if before \
             else acct["categories"]
+        return acct, cats
+
+    def job_so_far(self, now: float) -> dict[str, Any]:
+        """What a controller taking over needs to count the whole job, not its own time in
+        office: when the job started, its goodput account so far, its closed incidents, rank 0's
+        newest progress sample (the next one, seen by the successor, is counted from it)."""
+        before = self.before
+        own = self.ledger.incident_records(self.incidents)
+        _, cats = self.account(now, own)
         rank0 = self.progress.rank0
         return {"t_start": before["t_start"] if before else self.t_start, "t": now,
                 "time_s": cats, "incidents": ((before or {}).get("incidents") or []) + own,
