@@ -268,10 +268,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture
 def test_hosts():
-    """Factory of test hosts (network namespaces on a bridge, nonstop.netns): ``hosts =
+    """Factory of test hosts (network namespaces on a bridge, nonstop.bench.netns): ``hosts =
     test_hosts(3)`` returns a created TestHosts. All are destroyed at teardown, also when the
     test failed; the test is skipped where namespaces cannot be made (not root, no ``ip``)."""
-    from nonstop import netns
+    from nonstop.bench import netns
 
     ok, why = netns.available()
     if not ok:

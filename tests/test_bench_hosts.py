@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from conftest import nonstop_cmd
 
-from nonstop import netns
+from nonstop.bench import netns
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from nonstop.hosts.cluster import Cluster, Deposed
+from nonstop.controller.cluster import Cluster, Deposed
 from nonstop.net.channel import connect, new_secret
 from nonstop.net.listener import Listener
 from nonstop.protocol import hosts as keys

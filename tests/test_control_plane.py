@@ -96,7 +96,7 @@ def test_bench_control_plane_refuses_an_unknown_placement(tmp_path):
 
 
 def test_a_memory_that_does_not_start_is_the_machines_trouble_not_a_bug():
-    from nonstop.state.service import KeeperHandle, Keepers, KeeperStartError
+    from nonstop.controller.keepers import KeeperHandle, Keepers, KeeperStartError
 
     def keeper_link(node, name, deadline):
         raise TimeoutError("no answer")
@@ -111,8 +111,8 @@ def test_a_memory_that_does_not_start_is_the_machines_trouble_not_a_bug():
         raise AssertionError("no error")
     import inspect
 
-    from nonstop import launcher
-    from nonstop.hosts import leader
+    from nonstop.launch import one_host as launcher
+    from nonstop.controller import elected as leader
 
     # both ends of a job say it as a start failure, not as a bug of nonstop's
     assert "except KeeperStartError" in inspect.getsource(leader.Leader.run)

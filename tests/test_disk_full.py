@@ -20,7 +20,7 @@ from conftest import (TRAIN, bitwise_equal, finish, nonstop_cmd, policy_file, ru
 from nonstop.state import checkpoint as ck
 from nonstop.state import wire
 from nonstop.state.memory import own
-from nonstop.state.outcomes import END_RETRY_S, MANIFEST_PART, Failures
+from nonstop.controller.checkpoints import END_RETRY_S, MANIFEST_PART, Failures
 from test_keeper import keepers, snapshot  # noqa: F401 - the fixture, and a snapshot helper
 
 

@@ -190,7 +190,7 @@ def kinds(cmds):
 
 
 def test_nnodes_min_max_sets_the_smallest_world():
-    from nonstop.hosts.launch import with_min_hosts
+    from nonstop.launch.hosts import with_min_hosts
 
     assert with_min_hosts(P, 2, 4, 8).levels.scale_in.min_world == 16
     assert with_min_hosts(pol(min_world=24), 2, 4, 8).levels.scale_in.min_world == 24

@@ -12,7 +12,7 @@ import time
 import pytest
 from conftest import TRAIN, bitwise_equal
 
-from nonstop import netns
+from nonstop.bench import netns
 from nonstop.bench.hostjob import HostJob
 
 pytestmark = pytest.mark.integration

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from nonstop.protocol import hosts as keys
-from nonstop.hosts.journal import Journal
+from nonstop.controller.journal import Journal
 from nonstop.store.etcd import Etcd, Fenced
 from nonstop.store.etcd_server import EtcdCluster
 

@@ -1,4 +1,4 @@
-"""The controller's one reader of every host's channel (hosts/readers.py): it holds off while the
+"""The controller's one reader of every host's channel (controller/readers.py): it holds off while the
 controller fans out, for a bounded time, and then delivers what came meanwhile, in order."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from nonstop.hosts import readers as rd
+from nonstop.controller import readers as rd
 from nonstop.net.channel import new_secret
 from nonstop.net.listener import Listener
 

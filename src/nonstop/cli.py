@@ -372,7 +372,7 @@ def _exit_now(code: int) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .launcher import RunConfig, run
+    from .launch.one_host import RunConfig, run
 
     cfg = RunConfig(script=args.script, script_args=list(args.script_args), nproc=args.nproc,
                     spares=args.spares, nodes=args.nodes, spare_nodes=args.spare_nodes,
@@ -389,7 +389,7 @@ def _run(args: argparse.Namespace) -> int:
                     etcd_key=args.etcd_key, etcd_user=args.etcd_user,
                     metrics_port=args.metrics_port, metrics_addr=args.metrics_addr)
     if cfg.across_hosts:  # one host of many: its agent
-        from .hosts.launch import run_host
+        from .launch.hosts import run_host
 
         return run_host(cfg)
     return run(cfg)
@@ -403,7 +403,7 @@ def _status(args: argparse.Namespace) -> int:
     if args.run_dir:
         fetch = lambda: status.read_file(args.run_dir)  # noqa: E731
     else:
-        from .hosts.status import etcd_fetcher
+        from .observe.hosts_status import etcd_fetcher
 
         fetch = etcd_fetcher(args.rdzv_endpoint, args.rdzv_id, args.etcd_cacert, args.etcd_cert,
                              args.etcd_key, args.etcd_user)

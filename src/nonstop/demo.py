@@ -7,7 +7,7 @@ import datetime
 import sys
 from pathlib import Path
 
-from .launcher import RunConfig, run
+from .launch.one_host import RunConfig, run
 
 EXAMPLE = Path(__file__).resolve().parent / "examples" / "train_ddp.py"
 

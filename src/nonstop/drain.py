@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .controller import requests
 from .errors import UsageError
-from .netns import pid_alive
+from .pids import pid_alive
 
 
 def drain(run_dir: str, ranks: tuple[int, ...], node: int | None, why: str,

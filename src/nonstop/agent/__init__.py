@@ -1,1 +1,11 @@
-"""One host's processes: start, watch, signal; their mailboxes and health checks."""
+"""The agent process: one per host, over that host's processes (start, watch, signal), their
+mailboxes and health checks.
+
+- ``agent``: the processes of one host (ranks, spares, keepers), forked from a warm zygote.
+- ``mail``: the ranks' mailboxes, events and progress in the host's store.
+- ``host``: the agent of one host of many (``nonstop run --rdzv-endpoint``): registers the host in
+  etcd, keeps a standby controller ready, carries out the elected controller's orders and relays
+  its processes' reports.
+- ``fencing``: whether that host is cut off or etcd is down, and what the agent does then.
+- ``host_keepers``: the agent's end of node memory reached across hosts.
+"""

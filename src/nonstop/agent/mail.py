@@ -2,7 +2,7 @@
 progress, and the store each generation's group forms on.
 
 On one host all of it is the launcher's TCPStore (``StoreMail``); across hosts each host's agent
-relays it to its own ranks (``nonstop.hosts.cluster.ClusterMail``). The controller sees only this
+relays it to its own ranks (``nonstop.controller.cluster.ClusterMail``). The controller sees only this
 interface, so its decisions do not depend on where the ranks run.
 """
 
@@ -40,7 +40,7 @@ class StoreMail:
 
     def batch(self) -> contextlib.AbstractContextManager[None]:
         """Messages sent inside go out as they are sent (across hosts they go as one frame per
-        host: ``hosts/cluster.py``)."""
+        host: ``controller/cluster.py``)."""
         return contextlib.nullcontext()
 
     def abort(self, gen: int, wids: list[int], regroup: bool = False) -> None:

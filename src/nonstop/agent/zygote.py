@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from ..netns import pid_alive
+from ..pids import pid_alive
 
 MAX_MSG = 1 << 20  # a request: an environment and a command line
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",

@@ -500,7 +500,7 @@ def main(args: argparse.Namespace) -> int:
     import tempfile
 
     from ..errors import UsageError
-    from ..netns import available
+    from .netns import available
 
     hosts, per_host = args.hosts, args.ranks_per_host
     spares = 1 if args.spares_chaos is None else args.spares_chaos

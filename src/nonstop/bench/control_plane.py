@@ -1,6 +1,6 @@
 """``nonstop bench control-plane``: can the control plane carry a job of thousands of ranks?
 
-The real controller (``nonstop.hosts.leader``, elected in a real etcd) runs a job whose hosts are
+The real controller (``nonstop.controller.elected``, elected in a real etcd) runs a job whose hosts are
 simulated: this process stands in for H host agents of 8 ranks each. Every simulated host
 registers in etcd under a lease of its own, listens on a port of its own and speaks the hosts'
 real protocol (the authenticated channel, the typed messages of ``protocol/messages.py``); its

@@ -22,7 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ..hosts.config import HostConfig
+from ..launch.config import HostConfig
 from ..net import listener
 from ..protocol import hosts as keys
 from ..protocol import messages as m
@@ -191,7 +191,7 @@ class Sim:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_parent, env.get("PYTHONPATH")]))
         self.out = open(run_dir / "controller.out", "wb")
         self.leader = subprocess.Popen([*self.pin, sys.executable, "-u", "-m",
-                                        "nonstop.hosts.leader",
+                                        "nonstop.controller.elected",
                                         str(conf)], env=env, stdout=self.out,
                                        stderr=subprocess.STDOUT, start_new_session=True)
         self.run_dir = run_dir

@@ -233,7 +233,7 @@ def main(args: argparse.Namespace) -> int:
     across = args.hosts is not None
     case = "rank_crash"
     if across:
-        from ..netns import available
+        from .netns import available
 
         ok, why = available()
         if args.hosts < 2 or args.ranks_per_host < 1:

@@ -1,5 +1,5 @@
 """``nonstop bench hosts``: faults of ranks, hosts, links, the controller and etcd in a job across
-test hosts (network namespaces with their own addresses on one machine, ``nonstop.netns``), etcd on
+test hosts (network namespaces with their own addresses on one machine, ``nonstop.bench.netns``), etcd on
 a host of its own, ``nonstop run --nnodes ... --rdzv-endpoint etcd://...`` started on every host.
 
 Default set-up: 3 hosts x 2 ranks + 1 spare host (``HostJob(base, hosts=4, etcd_members=1)``).
@@ -617,7 +617,7 @@ NOTES = {
 
 def main(args: argparse.Namespace) -> int:
     from ..errors import UsageError
-    from ..netns import available
+    from .netns import available
     from ..policy import Policy
 
     if args.steps is None:
@@ -693,7 +693,7 @@ def main(args: argparse.Namespace) -> int:
         "in each run)",
         f"start_retries {retries}: jobs that failed before their fault and were started again "
         "(START_RETRIES). nonstop: a host that misses the new controller's first hello "
-        "(hosts/leader.py, cluster.add_host(node, rec, timeout_s=...)), slow on a loaded machine, "
+        "(controller/elected.py, cluster.add_host(node, rec, timeout_s=...)), slow on a loaded machine, "
         "is dropped without the controller being told; the ranks placed on it are reported dead "
         "at once and replaced there until the job gives up ('1 node(s) isolated') when no spare "
         "host is placed yet",

@@ -26,7 +26,7 @@ from ..observe.status import StatusWriter
 from ..policy import Policy
 from ..protocol import hosts as keys
 from ..protocol.hosts import progress_every
-from ..state.service import Keepers
+from .keepers import Keepers
 from . import machine as mc
 from .book import IncidentBook
 from .ending import Outcome

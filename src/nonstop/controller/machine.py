@@ -8,7 +8,7 @@ every transition and every deadline is unit-tested on a fake clock (tests/test_m
 
 The controller (``controller.py``) is the executor: it turns exits, events and ticks into
 observations, and commands into signals, messages and processes. What outlives a controller is
-in the journal across hosts (``hosts/leader.py``): the generation, the plan and the counters.
+in the journal across hosts (``controller/elected.py``): the generation, the plan and the counters.
 
 The phases of a generation::
 

@@ -87,7 +87,7 @@ class KeeperError(RuntimeError):
 class KeeperLink:
     """The launcher's connection to a keeper of its own host: requests on one socket, the
     keeper's reports on another. (Across hosts the same interface goes through the host's agent:
-    ``nonstop.hosts.memory``.)"""
+    ``nonstop.controller.remote_keepers``.)"""
 
     def __init__(self, name: str, timeout_s: float = 30.0):
         self.client = Client(name, timeout_s=timeout_s)

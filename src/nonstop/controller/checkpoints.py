@@ -1,4 +1,4 @@
-"""The disk checkpoints as the launcher sees them: parts reported by the keepers' writers, made
+"""The disk checkpoints as the controller sees them: parts reported by the keepers' writers, made
 complete by a manifest; or failed, and written again after a back-off; or given up. And what the
 console, the event log and the summary say of them.
 
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from . import checkpoint
+from ..state import checkpoint
 
 MANIFEST_PART = -1  # the part to write again when only the step's manifest failed
 MAX_BACKOFF_S = 60.0

@@ -21,9 +21,9 @@ from typing import Any
 
 from ..protocol import hosts as keys
 from ..protocol import messages as m
-from ..controller.phase import Phase
+from .phase import Phase
 from ..decide import takeover
-from .config import HostConfig
+from ..launch.config import HostConfig
 from .journal import Journal
 
 HOSTS_EVERY_S = 0.2  # how often etcd is asked whether the host list changed while the job runs
@@ -46,9 +46,9 @@ def _die_with_parent() -> None:
 
 
 def _import_office() -> None:
-    from ..controller import controller  # noqa: F401
+    from . import controller  # noqa: F401
     from ..observe import display, events  # noqa: F401
-    from .. import launcher  # noqa: F401
+    from ..launch import one_host as launcher  # noqa: F401
     from . import cluster  # noqa: F401
 
 
@@ -169,10 +169,10 @@ class Leader:
 
     def run(self) -> int | None:
         from .. import policy as policy_mod
-        from ..controller.controller import Controller
+        from .controller import Controller
         from ..observe.display import Display
         from ..observe.events import EventLog
-        from ..launcher import report
+        from ..launch.one_host import report
         from .cluster import Cluster, Deposed
 
         cfg = self.cfg
@@ -256,7 +256,7 @@ class Leader:
         cluster.on_node_lost = lambda n: controller.node_lost(n, "its lease in etcd expired")
         cluster.in_office = lambda: self.lead.alive
         cluster.on_tick = lambda: self._tick(controller, cluster)
-        from ..state.service import KeeperStartError
+        from .keepers import KeeperStartError
 
         try:
             code = controller.run()

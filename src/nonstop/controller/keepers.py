@@ -1,4 +1,4 @@
-"""The launcher's side of node memory: a keeper per node, where each keeper copies its ranks'
+"""The controller's side of node memory: a keeper per node, where each keeper copies its ranks'
 snapshots (a buddy node), disk checkpoints made complete once all their parts are written, and
 emergency saves when the memory is about to be lost."""
 
@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from . import checkpoint, wire
-from .memory import own
-from .outcomes import DiskCheckpoints
+from ..state import checkpoint, wire
+from ..state.memory import own
+from .checkpoints import DiskCheckpoints
 
 CONNECT_S = 60.0  # a new keeper has this long to listen: a bare Python start, well under 1 s
 # alone, but 8 hosts starting together on 2 cores (16 torch imports) took over 15 s (bench scale)
@@ -46,7 +46,7 @@ RESTART_RETRY_S = 30.0
 
 
 class Keepers:
-    """The launcher's side of node memory (the ranks' side is ``memory.NodeMemory``): the
+    """The controller's side of node memory (the ranks' side is ``state/memory.NodeMemory``): the
     keepers, where each copies its ranks' snapshots, disk checkpoints, emergency saves. Lives in
     the controller's loop."""
 

@@ -1,11 +1,9 @@
-"""Node memory across hosts: each host's keeper (its ranks' snapshots, the replicas of another
-host's) is started by that host's agent and reached by the controller through it.
-
-The controller's side (``RemoteKeeperLink``) has the interface of a link to a keeper on its own
-host: requests and their answers, the keeper's reports, its replica address. The agent's side
-(``HostKeepers``) holds the local connections and relays, in a thread of its own so that a slow
-keeper never holds up the agent's loop. Replicas go keeper to keeper over the hosts' addresses,
-on the job's authenticated channel; the controller only tells each keeper where to send them.
+"""Node memory across hosts, the agent's side: each host's keeper (its ranks' snapshots, the
+replicas of another host's) is started by that host's agent, which relays the controller's
+requests to it and its reports back (``controller/remote_keepers.py`` is the other end), in a
+thread of its own so that a slow keeper never holds up the agent's loop. Replicas go keeper to
+keeper over the hosts' addresses, on the job's authenticated channel; the controller only tells
+each keeper where to send them.
 """
 
 from __future__ import annotations
@@ -14,68 +12,14 @@ import hashlib
 import hmac
 import queue
 import threading
-import time
 from typing import Any, Callable
 
 from ..protocol import messages as m
-
-CALL_TIMEOUT_S = 5.0  # a keeper's answer, relayed (a listing, a persist order)
 
 
 def replica_secret(secret: bytes) -> str:
     """The keepers' own secret, derived from the job's: a key for one purpose only."""
     return hmac.new(secret, b"nonstop/keeper-replicas/1", hashlib.sha256).hexdigest()
-
-
-class RemoteKeeperLink:
-    """The controller's link to the keeper of a node on another host, through its agent."""
-
-    def __init__(self, cluster: Any, node: int, name: str, tcp: str):
-        self.cluster, self.node, self.name, self.tcp = cluster, node, name, tcp
-
-    @classmethod
-    def open(cls, cluster: Any, node: int, name: str, deadline: float) -> RemoteKeeperLink:
-        """Once the host's agent is connected to its keeper (TimeoutError at ``deadline``)."""
-        while True:
-            left = deadline - time.time()
-            if left <= 0:
-                raise TimeoutError(f"the keeper of node {node} did not answer")
-            if not cluster.host_up(node):  # its host went meanwhile: no waiting out the deadline
-                raise TimeoutError(f"node {node}'s host cannot be reached")
-            reply = cluster.request(node, m.KeeperOpen(name=name), timeout_s=min(left, 1.0))
-            if reply is not None and reply.tcp:
-                return cls(cluster, node, name, reply.tcp)
-            if reply is not None and reply.error:
-                raise TimeoutError(reply.error)
-            time.sleep(0.05)
-
-    def call(self, msg: dict[str, Any]) -> dict[str, Any]:
-        from ..state.wire import KeeperError
-
-        reply = self.cluster.request(self.node, m.KeeperCall(name=self.name, msg=msg),
-                                     timeout_s=CALL_TIMEOUT_S)
-        if reply is None:
-            raise ConnectionError(f"no answer from the keeper of node {self.node}")
-        if reply.error:
-            raise KeeperError(reply.error)
-        return dict(reply.reply or {})
-
-    def tell(self, msg: dict[str, Any]) -> None:
-        """Sent, not waited for: the agent reports a failure as a keeper event."""
-        self.cluster.tell(self.node, m.KeeperCall(name=self.name, msg=msg))
-
-    def answers(self, timeout_s: float) -> bool:
-        """Whether the keeper answers through its host's agent within ``timeout_s``: a host cut
-        off (its ranks silent, its lease not yet expired) does not, and its node is lost now."""
-        reply = self.cluster.request(self.node, m.KeeperCall(name=self.name, msg={"op": "list"}),
-                                     timeout_s=timeout_s)
-        return reply is not None and not reply.error
-
-    def events(self) -> list[dict[str, Any]]:
-        return self.cluster.keeper_events(self.node)
-
-    def close(self) -> None:
-        pass  # nothing held here: the agent's connection ends with its keeper
 
 
 class HostKeepers:

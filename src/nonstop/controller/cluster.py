@@ -228,7 +228,7 @@ class Cluster:
         return proc
 
     def keeper_link(self, node: int, name: str, deadline: float) -> Any:
-        from .memory import RemoteKeeperLink
+        from .remote_keepers import RemoteKeeperLink
 
         link = self.links.get(node)
         if link is None or link.lost:

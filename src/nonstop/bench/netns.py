@@ -40,6 +40,8 @@ import threading
 import time
 from pathlib import Path
 
+from ..pids import pid_alive
+
 RANGE = ipaddress.ip_network("198.18.0.0/15")  # RFC 2544: benchmarking, never routed
 SUBNETS = RANGE.num_addresses // 256  # 512 /24s to choose from
 GATEWAY_HOST = 254
@@ -90,19 +92,6 @@ def _netns_names() -> set[str]:
         return set(os.listdir(NETNS_DIR))
     except FileNotFoundError:
         return set()
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process of that pid exists (a zombie too)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OverflowError:
-        return False
-    return True
 
 
 def _ns_pids(ns: str) -> list[int]:

@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import inject, policy as policy_mod, protocol
-from .agent import loopback
-from .controller.phase import ENDING
-from .observe import incidents
-from .errors import UsageError
+from .. import inject, policy as policy_mod, protocol
+from ..agent import loopback
+from ..controller.phase import ENDING
+from ..observe import incidents
+from ..errors import UsageError
 
 
 @dataclasses.dataclass
@@ -62,7 +62,7 @@ class RunConfig:
 
     @property
     def across_hosts(self) -> bool:
-        """One host of many (``hosts.launch.run_host`` runs it), not a job on this host alone."""
+        """One host of many (``launch.hosts.run_host`` runs it), not a job on this host alone."""
         return bool(self.rdzv_endpoint or self.rdzv_id or self.nnodes not in (None, "1", "1:1"))
 
 
@@ -188,9 +188,9 @@ class _Interrupted(Exception):
 
 
 def run(cfg: RunConfig) -> int:
-    """A job on this host alone (one host of many: ``hosts.launch.run_host``)."""
+    """A job on this host alone (one host of many: ``launch.hosts.run_host``)."""
     if cfg.across_hosts:
-        raise UsageError("a job across hosts is run by hosts.launch.run_host")
+        raise UsageError("a job across hosts is run by launch.hosts.run_host")
     if cfg.nproc_per_node is not None:  # one host: per host is the total
         if cfg.nproc not in (1, cfg.nproc_per_node):
             raise UsageError(f"--nproc {cfg.nproc} and --nproc-per-node {cfg.nproc_per_node} "
@@ -199,12 +199,12 @@ def run(cfg: RunConfig) -> int:
     pol, faults, uses_nonstop = prepare(cfg)
     served = serve_metrics(cfg, pol)  # a port taken is a usage error before anything starts
     run_dir = make_run_dir(cfg.run_dir)
-    from .agent.agent import Agent
-    from .controller.controller import Controller
-    from .observe.display import Display
-    from .observe.events import EventLog, mark_logs
-    from .state.outcomes import CheckpointsFailing
-    from .state.service import KeeperStartError
+    from ..agent.agent import Agent
+    from ..controller.controller import Controller
+    from ..observe.display import Display
+    from ..observe.events import EventLog, mark_logs
+    from ..controller.checkpoints import CheckpointsFailing
+    from ..controller.keepers import KeeperStartError
 
     display = Display(quiet=cfg.quiet, live=cfg.live)
     log = EventLog(run_dir)
@@ -234,7 +234,7 @@ def run(cfg: RunConfig) -> int:
                   worker_env(run_dir, faults), output)
     agent.start_zygote()  # ranks are forked from it: it imports torch while the launcher does
     loopback.preimport()  # the store's torch, while the ranks wait for the zygote
-    from .agent.mail import StoreMail
+    from ..agent.mail import StoreMail
 
     mail = StoreMail(wids=agent.recent_wids)
     controller = Controller(world=cfg.nproc, spares=cfg.spares, policy=pol, mail=mail, agent=agent,
@@ -303,7 +303,7 @@ def serve_metrics(cfg: RunConfig, pol: Any) -> Any:
     """The metrics endpoint (``--metrics-port``), or None."""
     if cfg.metrics_port is None:
         return None
-    from .observe.metrics import Served
+    from ..observe.metrics import Served
 
     return Served(cfg.metrics_port, cfg.metrics_addr, pol)
 
@@ -311,7 +311,7 @@ def serve_metrics(cfg: RunConfig, pol: Any) -> Any:
 def time_account(controller: Any, records: list[dict[str, Any]], t_end: float) -> dict[str, Any]:
     """The goodput account of the controller's time (``observe.goodput``): ``time_s`` by
     category, ``goodput``, and each incident's ``recomputed_s`` added to its record."""
-    from .observe import goodput
+    from ..observe import goodput
 
     controller.progress.close()
     controller.status.maybe(controller, t_end, force=True)  # the job is over

@@ -27,17 +27,17 @@ from pathlib import Path
 from typing import Any
 
 from .. import inject, protocol
-from ..agent import loopback
-from ..agent.agent import Agent, Proc
+from . import loopback
+from .agent import Agent, Proc
 from ..errors import UsageError
-from ..agent.mail import StoreMail
+from .mail import StoreMail
 from ..net.channel import SECRET_ENV
 from ..protocol import hosts as keys
 from ..protocol import messages as m
-from .config import HostConfig
+from ..launch.config import HostConfig
 from .fencing import CONTROLLER_WID, Fencing, _endpoints
-from .memory import HostKeepers, replica_secret
-from .netif import bound_socket, bound_store, interface_of
+from .host_keepers import HostKeepers, replica_secret
+from ..net.netif import bound_socket, bound_store, interface_of
 
 CLOSED = object()  # in the inbox: the channel it came on is closed
 KEEPER_START_S = 15.0  # the node memory has this long to listen (a bare Python start)
@@ -272,7 +272,7 @@ class HostAgent(Fencing):
         self.lease.keepalive(on_lost=self._on_lease_lost, on_doubt=self._on_doubt)
 
     def _worker_env(self) -> dict[str, str]:
-        from ..launcher import worker_env
+        from ..launch.one_host import worker_env
 
         env = worker_env(self.run_dir, self.faults, pin=False)
         iface = interface_of(self.cfg.addr)
@@ -290,7 +290,7 @@ class HostAgent(Fencing):
         pkg_parent = str(Path(__file__).resolve().parent.parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_parent, env.get("PYTHONPATH")]))
         env[protocol.ENV_LAUNCHER_PID] = str(os.getpid())
-        cmd = [sys.executable, "-u", "-m", "nonstop.hosts.leader", str(conf)]
+        cmd = [sys.executable, "-u", "-m", "nonstop.controller.elected", str(conf)]
         self.agent.procs.pop(CONTROLLER_WID, None)
         self.agent.spawn_command(CONTROLLER_WID, cmd, env, "controller.log")
         self._respawn_at = None
@@ -575,7 +575,7 @@ class HostAgent(Fencing):
             if not d["health_checks"] and d["nvml"] == "off":
                 self.health = False
                 return
-            from ..agent.health import HealthMonitor
+            from .health import HealthMonitor
             from ..policy import HealthCheck
 
             self.health = HealthMonitor([HealthCheck(**c) for c in d["health_checks"]], [0],

@@ -10,9 +10,9 @@ import os
 import signal
 from typing import Any
 
-from .. import launcher
+from . import one_host as launcher
 from ..errors import UsageError
-from .agent import HostAgent
+from ..agent.host import HostAgent
 from .config import HostConfig, etcd_access
 
 
@@ -43,7 +43,7 @@ def run_host(cfg: Any) -> int:
 
     from ..net.channel import load_secret
     from ..store.etcd import parse_endpoints
-    from .netif import interface_of, route_to
+    from ..net.netif import interface_of, route_to
 
     if not cfg.rdzv_endpoint:
         raise UsageError("--nnodes > 1 needs --rdzv-endpoint etcd://HOST:PORT (the etcd the hosts "
