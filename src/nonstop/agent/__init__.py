@@ -6,6 +6,7 @@ mailboxes and health checks.
 - ``host``: the agent of one host of many (``nonstop run --rdzv-endpoint``): registers the host in
   etcd, keeps a standby controller ready, carries out the elected controller's orders and relays
   its processes' reports.
-- ``fencing``: whether that host is cut off or etcd is down, and what the agent does then.
+- ``fencing``: that host's membership in etcd (its lease, record and incarnation; cut off, or etcd
+  down?), told to the agent as verdicts it carries out.
 - ``host_keepers``: the agent's end of node memory reached across hosts.
 """

@@ -1,90 +1,299 @@
-"""A host's agent against etcd: is this host cut off, or is etcd down? etcd out of reach, the agent
-asks its peers; reaching none it fences itself (ends its processes, joins again as a new host),
-reaching some it trains on. Its lease lapsed, it registers again as itself unless the job gave it
-up. Also the job's end, as read from etcd."""
+"""This host's membership in etcd: its lease, record and incarnation; the lease lapsing and the
+host registering again as itself; etcd's silence judged by asking the peers (is this host cut
+off, or is etcd down?); the job's end as read from etcd.
+
+``Membership`` never acts on the host: it returns what happened as a verdict (``Fence``,
+``Rejoined``, ``OutageOver``, ``JobEnded``...) and the host agent (``host.py``) carries it out.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import signal
-import sys
+import secrets
+import socket
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Callable
 
-from ..errors import UsageError
 from ..protocol import hosts as keys
 
-CONTROLLER_WID = -1  # the standby controller in the agent's process table
-DONE_CHECK_S = 1.0
+if TYPE_CHECKING:
+    from ..store.etcd import Etcd
+    from ..store.etcd_lease import Lease
+
 REGISTER_RETRY_S = 0.5
 PEER_PROBE_S = 0.5  # a peer's agent answers a connect within this (or refuses it)
 
+Peer = tuple[str, int]  # another host's agent: its address and channel port
 
-class Fencing:
-    """The part of ``HostAgent`` (``agent.py``) that judges etcd's silence."""
 
-    cfg: Any
-    agent: Any
+# == verdicts ====================================================================================
+@dataclasses.dataclass(frozen=True)
+class EtcdSilent:
+    """etcd has not refreshed this host's lease for a whole TTL: the judgement begins (said once
+    per silence)."""
 
-    def _on_lease_lost(self) -> None:
-        self.lease_lost.set()
+
+@dataclasses.dataclass(frozen=True)
+class Rejoined:
+    """The lease had lapsed (etcd paused or restarted?); the host registered again as itself:
+    its ranks train on."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fence:
+    """The job has moved on without this host: its processes end now - they must never join a
+    newer generation - and it joins again as a new host (``Membership.leave`` and
+    ``register_again``)."""
+
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class OutageOver:
+    """etcd out of reach past the outage tolerance and its margins, and no word from the
+    controller (it gives up at the tolerance and says so): the host ends its processes."""
+
+    seconds: float  # how long etcd has been out of reach
+    tolerance_s: float  # hosts.store_outage_s
+
+
+@dataclasses.dataclass(frozen=True)
+class JobEnded:
+    """etcd holds the job's end: the host ends too, with the job's code."""
+
+    code: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Registered:
+    """After a fence: the host is in the job again, as a new incarnation."""
+
+    incarnation: str
+
+
+Verdict = EtcdSilent | Rejoined | Fence | OutageOver | JobEnded
+
+
+def peer_answers(peer: Peer) -> bool:
+    """Whether another host's agent answers a connect (accepted or refused: either proves the
+    path) within ``PEER_PROBE_S``."""
+    try:
+        with socket.create_connection(peer, timeout=PEER_PROBE_S):
+            return True
+    except ConnectionRefusedError:  # a refusal came back: the path works
+        return True
+    except OSError:
+        return False
+
+
+class Membership:
+    """This host in the job's etcd. Threads report here (the lease's, the store thread through
+    ``read_job``, the rejoin and probe threads started here) and call ``wake``; the agent's loop
+    calls ``poll`` to learn what happened. Nothing here waits on etcd in that loop.
+
+    Args:
+        etcd: the job's etcd client.
+        record: this host's record; each registration gives it a new incarnation.
+        lease_ttl_s: the lease's TTL (hosts.lease_ttl_s).
+        outage_s: how long etcd may be out of reach while the job trains on
+            (hosts.store_outage_s).
+        grace_s: the controller's emergency save at that tolerance (state.emergency.grace_s,
+            0 without one): not cut short here.
+        wake: ends the agent loop's wait, from another thread.
+        stop: set when the agent ends: the threads started here end with it.
+        clock: monotonic seconds.
+        answers: whether a peer's agent answers (a connect, by default).
+    """
+
+    def __init__(self, etcd: Etcd, record: keys.HostRecord, lease_ttl_s: int, outage_s: float,
+                 grace_s: float, wake: Callable[[], None], stop: threading.Event,
+                 clock: Callable[[], float] = time.monotonic,
+                 answers: Callable[[Peer], bool] = peer_answers):
+        self._etcd = etcd
+        self._template = record
+        self._ttl = lease_ttl_s
+        self._outage_s = outage_s
+        # the controller gives up at the tolerance and says so; this host waits 3 TTLs and 5 s
+        # more for its word, and for its emergency save through this host's keeper
+        self.limit_s = outage_s + 3 * lease_ttl_s + 5 + grace_s
+        self._wake = wake
+        self._stop = stop
+        self._clock = clock
+        self._answers = answers
+        self.lease: Lease | None = None
+        self.incarnation = ""  # none before the first registration
+        self.record: keys.HostRecord | None = None  # what this incarnation registered
+        self.peers: list[Peer] = []  # the other hosts' agents, as last read
+        self.peer_names: dict[str, str] = {}  # address -> host id, as etcd lists the hosts
+        self.doubt_since: float | None = None  # etcd unreachable since (clock)
+        self._silent = False  # a silence began that poll has not told yet
+        self._lost = threading.Event()  # etcd says the lease expired
+        self._round = 0  # a fence starts a new round: a thread of an older one is ignored
+        self._rejoiner: threading.Thread | None = None  # registering again after a lapse
+        self._rejoined: Rejoined | Fence | OutageOver | None = None  # ...what came of it
+        self._probe: threading.Thread | None = None
+        self._probed: tuple[float, bool] | None = None  # the last round of probes: when, answered
+        self._given_up: str | None = None  # an incarnation of this host the job marked gone
+        self._ended: JobEnded | None = None
+        self._left: Lease | None = None  # the lease of before a fence: revoked before registering
+
+    # == registering ===========================================================================
+    def register(self) -> bool:
+        """The host's record under a new lease, kept alive in the background, as a new
+        incarnation. False when the host's record is there already (nothing is held then)."""
+        self._lost.clear()
+        self.lease = self._etcd.lease(self._ttl)
+        self.incarnation = secrets.token_hex(6)
+        self.record = dataclasses.replace(self._template, incarnation=self.incarnation)
+        if not self._etcd.create(keys.host_key(self.record.host_id), self.record.dumps(),
+                                 lease=self.lease):
+            self.lease.revoke()
+            return False
+        self.lease.keepalive(on_lost=self._on_lost, on_doubt=self._on_doubt)
+        return True
+
+    def leave(self) -> None:
+        """After a fence: the lease is no longer kept alive (``register_again`` revokes it
+        first, so the controller sees a new host, not the old one back)."""
+        old, self.lease = self.lease, None
+        if old is not None:
+            old.stop()
+            self._left = old
+        self._reset()  # (the lease's thread may have reported until it stopped)
+
+    def register_again(self) -> Registered | JobEnded | None:
+        """One try, once fenced, to join again as a new host; None while etcd does not answer
+        or the old record is still there. The job may have ended meanwhile."""
+        try:
+            ended = self.read_job()
+            if ended is not None:
+                return ended
+            if self._left is not None:  # our old record goes first
+                self._left.revoke()
+                self._left = None
+            if not self.register():
+                return None
+        except Exception:  # noqa: BLE001 - etcd still unreachable: try again
+            return None
+        return Registered(self.incarnation)
+
+    def close(self) -> None:
+        """The agent ends: its record goes now (or with its lease, etcd gone)."""
+        if self.lease is None:
+            return
+        try:
+            self.lease.revoke()
+        except Exception:  # noqa: BLE001 - etcd gone: the lease expires by itself
+            self.lease.stop()
+
+    # == what the agent's loop hears ===========================================================
+    def poll(self, holds_ranks: bool) -> list[Verdict]:
+        """What happened since the last call, in the order to carry it out. ``holds_ranks``:
+        whether this host holds ranks now (a host that holds none has nothing to lose by a
+        fence)."""
+        out: list[Verdict] = []
+        if self._silent:
+            self._silent = False
+            out.append(EtcdSilent())
+        given_up, self._given_up = self._given_up, None
+        verdict: Verdict | None = None
+        if given_up is not None and given_up == self.incarnation:
+            verdict = self._fence("the job gave this host up")
+        elif self._lost.is_set():
+            verdict = self._lapsed()
+        elif self.doubt_since is not None:
+            verdict = self._judge_doubt(holds_ranks)
+        if verdict is not None:
+            out.append(verdict)
+        ended, self._ended = self._ended, None
+        if ended is not None:
+            out.append(ended)
+        return out
+
+    def _fence(self, why: str) -> Fence:
+        self._reset()
+        return Fence(why)
+
+    def _reset(self) -> None:
+        self._round += 1
+        self._lost.clear()
+        self.doubt_since = None
+        self._silent = False
+        self._probed = None
+        self._rejoiner, self._rejoined = None, None
+
+    # == the lease's thread ====================================================================
+    def _on_lost(self) -> None:
+        self._lost.set()
         self._wake()
 
-    # == a lease lapsed ==========================================================================
-    def _lapsed(self) -> None:
+    def _on_doubt(self, doubt: bool) -> None:
+        """etcd unreachable for a whole TTL (or reachable again). Unreachable for everyone (etcd
+        down), the job trains on and etcd extends the leases when it is back; unreachable for this
+        host alone, the job has given this host up: which one is told by the peers."""
+        self.doubt_since = self._clock() if doubt else None
+        if doubt:
+            self._silent = True
+        self._wake()
+
+    # == a lease lapsed ========================================================================
+    def _lapsed(self) -> Rejoined | Fence | OutageOver | None:
         """etcd says this host's lease expired. That alone is not the job moving on without it:
         etcd paused (a VM, a disk stall, a long GC) or restarted expires every lease at once. The
-        host registers again as itself (``_rejoin``, in a thread: etcd is never waited on in this
-        loop) unless the controller in office has given it up meanwhile - one transaction
-        decides which came first - and only then fences itself."""
+        host registers again as itself (``_rejoin``, in a thread: etcd is never waited on in the
+        agent's loop) unless the controller in office has given it up meanwhile - one
+        transaction decides which came first - and only then fences itself."""
         if self._rejoiner is None:
             self._rejoined = None
-            self._rejoiner = threading.Thread(target=self._rejoin, daemon=True,
-                                              name="nonstop-rejoin")
+            self._rejoiner = threading.Thread(target=self._rejoin, args=(self._round,),
+                                              daemon=True, name="nonstop-rejoin")
             self._rejoiner.start()
-            return
+            return None
         verdict = self._rejoined
         if verdict is None:
-            return  # still trying
+            return None  # still trying
         self._rejoiner, self._rejoined = None, None
-        if verdict == "rejoined":
-            self.lease_lost.clear()
-            print(f"nonstop: host {self.cfg.host_id}: its lease in etcd had lapsed (etcd paused "
-                  "or restarted?); registered again: its ranks train on", file=sys.stderr,
-                  flush=True)
-            return
-        self._fence(verdict)
+        match verdict:
+            case Rejoined():
+                self._lost.clear()
+            case Fence(why=why):
+                return self._fence(why)
+        return verdict
 
-    def _rejoin(self) -> None:
+    def _rejoin(self, round_: int) -> None:
         """The lease's thread has ended; a new lease, and the host's own record again under it,
-        while the job has not given this incarnation up. Sets ``_rejoined``: "rejoined", or why
-        the host must fence."""
-        key = keys.host_key(self.cfg.host_id)
-        gone = keys.gone_key(self.cfg.host_id, self.incarnation)
-        old, t0 = self.lease, time.monotonic()
-        while not self._stop.is_set():
+        while the job has not given this incarnation up. Sets ``_rejoined``; gives up as an
+        outage past the limit (``limit_s``) of etcd out of reach."""
+        assert self.record is not None  # (a lease lapses only once registered)
+        key = keys.host_key(self.record.host_id)
+        gone = keys.gone_key(self.record.host_id, self.incarnation)
+        old, t0 = self.lease, self._clock()
+        while not self._stop.is_set() and self._round == round_:
+            if self._clock() - t0 > self.limit_s:
+                self._tell(round_, OutageOver(self._clock() - t0, self._outage_s))
+                return
             lease = None
             try:
-                lease = self.etcd.lease(self.cfg.lease_ttl_s)
-                verdict = self.etcd.rejoin(key, self.record.dumps(), lease, unless=gone)
+                lease = self._etcd.lease(self._ttl)
+                verdict = self._etcd.rejoin(key, self.record.dumps(), lease, unless=gone)
                 if verdict == "present":  # an earlier try of ours, or a newer run of this host
-                    raw, _ = self.etcd.get(key)
+                    raw, _ = self._etcd.get(key)
                     if raw is not None and \
                             keys.HostRecord.loads(raw).incarnation != self.incarnation:
                         verdict = "superseded"
             except Exception:  # noqa: BLE001 - etcd away again: the peers tell meanwhile
                 verdict = None
-                if self.doubt_since is None and time.monotonic() - t0 > self.cfg.lease_ttl_s:
-                    self.doubt_since = t0  # the cut-off judgement (_judge_doubt) runs
-            if verdict == "rejoined":
+                if self.doubt_since is None and self._clock() - t0 > self._ttl:
+                    self.doubt_since = t0
+            if verdict == "rejoined" and lease is not None and self._round == round_:
                 if old is not None:
                     old.stop()
                 self.lease = lease
                 self.doubt_since = None
-                lease.keepalive(on_lost=self._on_lease_lost, on_doubt=self._on_doubt)
-                self._rejoined = "rejoined"
-                self._wake()
+                lease.keepalive(on_lost=self._on_lost, on_doubt=self._on_doubt)
+                self._tell(round_, Rejoined())
                 return
             if lease is not None:
                 try:
@@ -92,152 +301,77 @@ class Fencing:
                 except Exception:  # noqa: BLE001 - it expires by itself
                     lease.stop()
             if verdict == "gone":
-                self._rejoined = "the job gave this host up while its lease had lapsed"
-                self._wake()
+                self._tell(round_, Fence("the job gave this host up while its lease had lapsed"))
                 return
             if verdict == "superseded":
-                self._rejoined = "another run of this host registered in its place"
-                self._wake()
+                self._tell(round_, Fence("another run of this host registered in its place"))
                 return
             self._stop.wait(REGISTER_RETRY_S)
 
-    def _on_doubt(self, doubt: bool) -> None:
-        """etcd unreachable for a whole TTL (or reachable again). Unreachable for everyone (etcd
-        down), the job trains on and etcd extends the leases when it is back; unreachable for this
-        host alone, the job has given this host up: which one is told by the peers."""
-        self.doubt_since = time.monotonic() if doubt else None
-        if doubt:
-            print(f"nonstop: host {self.cfg.host_id} cannot reach etcd at "
-                  f"{_endpoints(self.cfg.endpoints)} (lease not refreshed for "
-                  f"{self.cfg.lease_ttl_s} s)", file=sys.stderr, flush=True)
-        self._wake()
+    def _tell(self, round_: int, verdict: Rejoined | Fence | OutageOver) -> None:
+        if self._round == round_:
+            self._rejoined = verdict
+            self._wake()
 
-    # == fencing ================================================================================
-    def _judge_doubt(self) -> None:
+    # == etcd silent ===========================================================================
+    def _judge_doubt(self, holds_ranks: bool) -> Fence | OutageOver | None:
         """etcd is out of reach. Reaching none of its peers either, this host is the one cut off
         (its lease expires at etcd as ours did here): fence now. Reaching some, etcd itself is
         down: train on, up to the policy's outage tolerance."""
-        now = time.monotonic()
+        now = self._clock()
         since = self.doubt_since  # (cleared by the lease's thread at any moment: read once)
         if since is None:
-            return
+            return None
         done = self._probed  # (when the last round started, whether a peer answered)
         # with no peer known (it was cut off as it joined, before it read them), a host that
         # holds no rank fences too: it has nothing to lose; one that holds ranks alone (a job of
         # one host) cannot tell a cut from etcd down and trains on
-        holds = any(x.get("rank") is not None and not x.get("spare") for x in self.meta.values())
-        if done is not None and done[0] >= since and not done[1] and (self.peers or not holds):
-            self._fence("it reaches neither etcd nor any other host")
-            return
+        if done is not None and done[0] >= since and not done[1] and \
+                (self.peers or not holds_ranks):
+            return self._fence("it reaches neither etcd nor any other host")
         if (self._probe is None or not self._probe.is_alive()) and \
                 (done is None or now - done[0] >= PEER_PROBE_S):
-            self._probe = threading.Thread(target=self._probe_peers, args=(now,), daemon=True,
-                                           name="nonstop-probe")
+            self._probe = threading.Thread(target=self._probe_peers,
+                                           args=(now, list(self.peers), self._round),
+                                           daemon=True, name="nonstop-probe")
             self._probe.start()
-        outage = self.cfg.policy["hosts"]["store_outage_s"]
-        emergency = self.cfg.policy["state"]["emergency"]
-        # the controller gives up at the tolerance and may first save the newest state (its
-        # emergency checkpoint, through this host's keeper, up to its grace): not cut short here
-        grace = emergency["grace_s"] if emergency["on_give_up"] else 0.0
-        if now - since > outage + 3 * self.cfg.lease_ttl_s + 5 + grace:
-            # the controller gives up at the tolerance and says so; it did not reach us
-            print(f"nonstop: error: etcd unreachable for {now - since:.0f} s "
-                  f"(hosts.store_outage_s={outage:g}) and no word from the controller: ending "
-                  "this host's processes", file=sys.stderr, flush=True)
-            self.agent.end_all(0.0)
-            self.code = 1
+        if now - since > self.limit_s:
+            return OutageOver(now - since, self._outage_s)
+        return None
 
-    def _probe_peers(self, started: float) -> None:
-        """Whether any other host answers (a connect accepted or refused: either proves the
-        path); never judged on one host's word about another's clock."""
-        import socket
-
-        for addr, port in list(self.peers):
-            try:
-                with socket.create_connection((addr, port), timeout=PEER_PROBE_S):
-                    pass
-            except ConnectionRefusedError:  # a refusal came back: the path works
-                pass
-            except OSError:
-                continue
-            self._probed = (started, True)
-            return
-        self._probed = (started, False)
-
-    def _fence(self, why: str) -> None:
-        """The job has moved on without this host (it gave it up, or it is cut off). Its
-        processes end now - they must never join a newer generation - then the host offers
-        itself again, as a new host (a spare), once etcd answers."""
-        self.lease_lost.clear()
-        self.doubt_since = None
-        self._probed = None
-        self._rejoiner, self._rejoined = None, None
-        killed = [p.wid for p in self.agent.alive() if p.wid != CONTROLLER_WID]
-        for wid in killed:
-            self.agent.signal(wid, signal.SIGKILL)
-        self.agent.signal(CONTROLLER_WID, signal.SIGKILL)
-        if self.ctl is not None:
-            self.ctl.close()
-            self.ctl = None
-        self.meta.clear()
-        self._unsent_exits.clear()
-        self.history, self._delivered = [], 0
-        print(f"nonstop: host {self.cfg.host_id} fenced ({why}): ended its {len(killed)} "
-              "process(es); it joins again as a new host once etcd answers", file=sys.stderr,
-              flush=True)
-        old, self.lease = self.lease, None
-        if old is not None:
-            old.stop()
-        deadline = time.time() + 3600
-        while self.code is None and time.time() < deadline:
-            self.agent.poll(REGISTER_RETRY_S)
-            try:
-                if self._read_job():
-                    self._end_done()
-                    return
-                if old is not None:  # our old record goes first: the controller sees a new host
-                    old.revoke()
-                    old = None
-                self._register()
+    def _probe_peers(self, started: float, peers: list[Peer], round_: int) -> None:
+        """Whether any other host answers; never judged on one host's word about another's
+        clock. Each connect has its deadline (``PEER_PROBE_S``): a round ends within one per
+        peer, or with the agent."""
+        answered = False
+        for peer in peers:
+            if self._stop.is_set() or self._round != round_:
+                return
+            if self._answers(peer):
+                answered = True
                 break
-            except UsageError:  # our old record is still there
-                continue
-            except Exception:  # noqa: BLE001 - etcd still unreachable: keep trying
-                continue
-        self._respawn_at = time.time()
-
-    def _store_loop(self) -> None:
-        """etcd is read here, never in the loop that serves the ranks: an etcd out of reach makes
-        a call wait for its deadline, and the ranks' heartbeats must not wait with it."""
-        while not self._stop.wait(DONE_CHECK_S):
-            try:
-                self._read_job()
-            except Exception:  # noqa: BLE001 - etcd away for a moment: the job goes on
-                continue
-
-    def _read_job(self) -> bool:
-        """Whether the job has ended (then this host ends too); reads the peers on the way, and
-        whether the job gave this host up (then it fences itself)."""
-        inc = self.incarnation  # (the loop fences only if it is still this one)
-        if inc and self.etcd.get(keys.gone_key(self.cfg.host_id, inc))[0] is not None:
-            self.given_up = inc
+        if self._round == round_:
+            self._probed = (started, answered)
             self._wake()
-        raw, _ = self.etcd.get(keys.DONE)
-        self._yield_secret()
-        rows = self.etcd.get_prefix(keys.HOSTS)
+
+    # == the store thread ======================================================================
+    def read_job(self) -> JobEnded | None:
+        """The job's record, as the store thread reads it every second: whether the job gave
+        this incarnation up (then ``poll`` fences), the peers, and whether the job has ended
+        (then ``poll`` says so too). Raises what etcd raises."""
+        inc = self.incarnation  # (the loop fences only if it is still this one)
+        host = self._template.host_id
+        if inc and self._etcd.get(keys.gone_key(host, inc))[0] is not None:
+            self._given_up = inc
+            self._wake()
+        raw, _ = self._etcd.get(keys.DONE)
+        rows = self._etcd.get_prefix(keys.HOSTS)
         peers = [keys.HostRecord.loads(r[1]) for r in rows]
-        self.peers = [(p.addr, p.ctl_port) for p in peers if p.host_id != self.cfg.host_id]
+        self.peers = [(p.addr, p.ctl_port) for p in peers if p.host_id != host]
         self.peer_names = {p.addr: p.host_id for p in peers}
         if raw is None:
-            return False
-        self.done = json.loads(raw)
+            return None
+        ended = JobEnded(int(json.loads(raw).get("code", 1)))
+        self._ended = ended
         self._wake()
-        return True
-
-    def _end_done(self) -> None:
-        self.agent.end_all(0.0)
-        self.code = int((self.done or {}).get("code", 1))
-
-
-def _endpoints(endpoints: list[tuple[str, int]]) -> str:
-    return ",".join(f"{h}:{p}" for h, p in endpoints)
+        return ended

@@ -7,8 +7,9 @@ progress, exits, output) with its own times turned into ages, so that no decisio
 two hosts' clocks.
 
 Its ranks live and die with it (each asks the kernel to kill it when the agent dies), never with a
-remote controller. When the agent loses its lease (its host cut off from etcd), the job has given
-its ranks up already: it ends them at once - they must never join a newer generation - and
+remote controller. The host's membership in etcd (its lease, its record, etcd's silence judged by
+the peers: ``fencing.py``) tells the agent when the job has moved on without it (its host cut
+off, or given up): it ends its processes at once - they must never join a newer generation - and
 registers again as a new host, a spare.
 """
 
@@ -19,7 +20,7 @@ import json
 import math
 import os
 import queue
-import secrets
+import signal
 import sys
 import threading
 import time
@@ -35,18 +36,24 @@ from ..net.channel import SECRET_ENV
 from ..protocol import hosts as keys
 from ..protocol import messages as m
 from ..launch.config import HostConfig
-from .fencing import CONTROLLER_WID, Fencing, _endpoints
+from .fencing import (REGISTER_RETRY_S, EtcdSilent, Fence, JobEnded, Membership, OutageOver,
+                      Registered, Rejoined, Verdict)
 from .host_keepers import HostKeepers, replica_secret
 from ..net.netif import bound_socket, bound_store, interface_of
 
 CLOSED = object()  # in the inbox: the channel it came on is closed
+CONTROLLER_WID = -1  # the standby controller in the agent's process table
+DONE_CHECK_S = 1.0  # the store thread reads the job's record this often
+FENCED_REGISTER_S = 3600.0  # a fenced host tries to join again this long
 KEEPER_START_S = 15.0  # the node memory has this long to listen (a bare Python start)
 RESPAWN_S = 0.5  # a standby controller that died is replaced after this long
 HISTORY_MAX = 50_000  # events kept for a controller that takes over
 WAITING_SAY_S = 5.0  # a host waiting for the job to form says so this often
 
 
-class HostAgent(Fencing):
+class HostAgent:
+    membership: Membership  # this host in etcd (made in run(), once its ports are known)
+
     def __init__(self, cfg: HostConfig, secret: bytes, faults: list[inject.FaultSpec]):
         self.cfg, self.secret, self.faults = cfg, secret, faults
         self.run_dir = cfg.run_dir
@@ -58,19 +65,7 @@ class HostAgent(Fencing):
         self.inbox: "queue.Queue[tuple[Any, dict[str, Any]]]" = queue.Queue()
         self.meta: dict[int, dict[str, Any]] = {}  # wid -> spare, node, rank (for labels)
         self.code: int | None = None
-        self.lease_lost = threading.Event()
-        self.doubt_since: float | None = None  # etcd unreachable since (monotonic)
-        self.peers: list[tuple[str, int]] = []  # the other hosts' agents, as last read
-        self._probe: threading.Thread | None = None
-        self._probed: tuple[float, bool] | None = None  # the last round of probes: when, answered
-        self.incarnation = ""
-        self.lease: Any = None
-        self.record: keys.HostRecord | None = None  # what this incarnation registered
-        self._rejoiner: threading.Thread | None = None  # registering again after a lapse
-        self._rejoined: str | None = None  # ...its verdict: "rejoined", or why to fence
-        self.given_up: str | None = None  # an incarnation of this host the job marked gone
         self._refusals: dict[tuple[str, str], int] = {}  # (address, reason) -> times refused
-        self.peer_names: dict[str, str] = {}  # address -> host id, as etcd lists the hosts
         self._office_news: tuple[int, str] | None = None  # a new controller (epoch, address)
         self.refused_why: str | None = None  # outvoted on the job's secret: this host leaves
         self.other_secrets = 0  # hosts waiting to join with another secret than ours
@@ -80,7 +75,6 @@ class HostAgent(Fencing):
         self._gen_stores: dict[int, Any] = {}  # a plain script's stores, per generation
         self._delivered = 0  # how many of them reached the controller in office
         self._last_progress = 0.0
-        self.done: dict[str, Any] | None = None  # the job's end, as read from etcd
         self._respawn_at: float | None = None
         self._stop = threading.Event()
         self.preempted_at: float | None = None  # SIGTERM seen (monotonic): a preemption notice
@@ -92,6 +86,11 @@ class HostAgent(Fencing):
     def now(self) -> float:
         """This host's clock (shifted in a test that pretends it is wrong)."""
         return time.time() + self.shift_s
+
+    @property
+    def doubt_since(self) -> float | None:
+        """Since when (monotonic) etcd has been out of reach, None while it answers."""
+        return self.membership.doubt_since
 
     # == start ===================================================================================
     def run(self) -> int:
@@ -111,7 +110,18 @@ class HostAgent(Fencing):
         self.listener = listener.Listener(cfg.addr, self.secret, on_refused=self._refused)
         rdzv_sock = bound_socket(cfg.addr)
         self.rdzv_port = rdzv_sock.getsockname()[1]
-        self._register()
+        emergency = cfg.policy["state"]["emergency"]
+        self.membership = Membership(
+            self.etcd, keys.HostRecord(host_id=cfg.host_id, addr=cfg.addr,
+                                       ctl_port=self.listener.port, rdzv_port=self.rdzv_port,
+                                       pid=os.getpid(), slots=cfg.nproc_per_node, incarnation=""),
+            cfg.lease_ttl_s, outage_s=cfg.policy["hosts"]["store_outage_s"],
+            # the controller gives up at the tolerance and may first save the newest state (its
+            # emergency checkpoint, through this host's keeper, up to its grace)
+            grace_s=emergency["grace_s"] if emergency["on_give_up"] else 0.0,
+            wake=self._wake, stop=self._stop)
+        if not self.membership.register():
+            raise UsageError(f"host '{cfg.host_id}' is already in job '{cfg.job_id}'")
         self.agent: Agent | None = None
         # the controller may connect at once: its hello waits in the inbox until the loop runs
         threading.Thread(target=self._accept_loop, name="nonstop-accept", daemon=True).start()
@@ -144,11 +154,7 @@ class HostAgent(Fencing):
             if self.agent is not None:
                 self.agent.close()
             self.listener.close()
-            if self.lease is not None:
-                try:
-                    self.lease.revoke()
-                except Exception:  # noqa: BLE001 - etcd gone: the lease expires by itself
-                    self.lease.stop()
+            self.membership.close()
             self.etcd.close()
             if self.metrics is not None:
                 self.metrics.close()
@@ -255,21 +261,6 @@ class HostAgent(Fencing):
                             "another secret (NONSTOP_JOB_SECRET / --secret-file) than this "
                             "host's: this host is the one refused")
         self._wake()
-
-    def _register(self) -> None:
-        """The host's record, under a lease kept alive in the background."""
-        self.lease_lost.clear()
-        self.lease = self.etcd.lease(self.cfg.lease_ttl_s)
-        self.incarnation = secrets.token_hex(6)
-        rec = keys.HostRecord(host_id=self.cfg.host_id, addr=self.cfg.addr,
-                              ctl_port=self.listener.port, rdzv_port=self.rdzv_port,
-                              pid=os.getpid(), slots=self.cfg.nproc_per_node,
-                              incarnation=self.incarnation)
-        self.record = rec
-        if not self.etcd.create(keys.host_key(self.cfg.host_id), rec.dumps(), lease=self.lease):
-            self.lease.revoke()
-            raise UsageError(f"host '{self.cfg.host_id}' is already in job '{self.cfg.job_id}'")
-        self.lease.keepalive(on_lost=self._on_lease_lost, on_doubt=self._on_doubt)
 
     def _worker_env(self) -> dict[str, str]:
         from ..launch.one_host import worker_env
@@ -381,15 +372,10 @@ class HostAgent(Fencing):
                     self.metrics.update(self)
             if self.refused_why is not None:
                 raise UsageError(self.refused_why)
-            given_up, self.given_up = self.given_up, None
-            if given_up is not None and given_up == self.incarnation:
-                self._fence("the job gave this host up")
-            elif self.lease_lost.is_set():
-                self._lapsed()
-            elif self.doubt_since is not None:
-                self._judge_doubt()
-            if self.done is not None:
-                self._end_done()
+            holds = any(x.get("rank") is not None and not x.get("spare")
+                        for x in self.meta.values())
+            for verdict in self.membership.poll(holds_ranks=holds):
+                self._carry_out(verdict)
             if self.preempted_at is not None:
                 self._preempting()
             self._check_health(now)
@@ -399,11 +385,75 @@ class HostAgent(Fencing):
                 odd = (f" ({self.other_secrets} host(s) with another secret wait too)"
                        if self.other_secrets else "")
                 print(f"nonstop: host {self.cfg.host_id}: registered in job "
-                      f"'{self.cfg.job_id}'; {len(self.peers) + 1} of its {need} host(s) so "
+                      f"'{self.cfg.job_id}'; {len(self.membership.peers) + 1} of its {need} host(s) so "
                       f"far: waiting for the others{odd}", file=sys.stderr, flush=True)
             if self._respawn_at is not None and now >= self._respawn_at:
                 self._spawn_controller()
         return self.code
+
+    # == this host in etcd =======================================================================
+    def _store_loop(self) -> None:
+        """etcd is read here, never in the loop that serves the ranks: an etcd out of reach makes
+        a call wait for its deadline, and the ranks' heartbeats must not wait with it."""
+        while not self._stop.wait(DONE_CHECK_S):
+            try:
+                self.membership.read_job()
+                self._yield_secret()
+            except Exception:  # noqa: BLE001 - etcd away for a moment: the job goes on
+                continue
+
+    def _carry_out(self, verdict: Verdict) -> None:
+        """What the host's membership in etcd says happened, done."""
+        host = self.cfg.host_id
+        match verdict:
+            case EtcdSilent():
+                print(f"nonstop: host {host} cannot reach etcd at "
+                      f"{_endpoints(self.cfg.endpoints)} (lease not refreshed for "
+                      f"{self.cfg.lease_ttl_s} s)", file=sys.stderr, flush=True)
+            case Rejoined():
+                print(f"nonstop: host {host}: its lease in etcd had lapsed (etcd paused or "
+                      "restarted?); registered again: its ranks train on", file=sys.stderr,
+                      flush=True)
+            case Fence(why=why):
+                self._fence(why)
+            case OutageOver(seconds=seconds, tolerance_s=tolerance):
+                print(f"nonstop: error: etcd unreachable for {seconds:.0f} s "
+                      f"(hosts.store_outage_s={tolerance:g}) and no word from the controller: "
+                      "ending this host's processes", file=sys.stderr, flush=True)
+                self.agent.end_all(0.0)
+                self.code = 1
+            case JobEnded(code=code):
+                self.agent.end_all(0.0)
+                self.code = code
+
+    def _fence(self, why: str) -> None:
+        """The job has moved on without this host (it gave it up, or it is cut off). Its
+        processes end now - they must never join a newer generation - then the host offers
+        itself again, as a new host (a spare), once etcd answers."""
+        killed = [p.wid for p in self.agent.alive() if p.wid != CONTROLLER_WID]
+        for wid in killed:
+            self.agent.signal(wid, signal.SIGKILL)
+        self.agent.signal(CONTROLLER_WID, signal.SIGKILL)
+        if self.ctl is not None:
+            self.ctl.close()
+            self.ctl = None
+        self.meta.clear()
+        self._unsent_exits.clear()
+        self.history, self._delivered = [], 0
+        print(f"nonstop: host {self.cfg.host_id} fenced ({why}): ended its {len(killed)} "
+              "process(es); it joins again as a new host once etcd answers", file=sys.stderr,
+              flush=True)
+        self.membership.leave()
+        deadline = time.time() + FENCED_REGISTER_S
+        while self.code is None and time.time() < deadline:
+            self.agent.poll(REGISTER_RETRY_S)
+            match self.membership.register_again():
+                case JobEnded() as ended:
+                    self._carry_out(ended)
+                    return
+                case Registered():
+                    break
+        self._respawn_at = time.time()
 
     def _on_exit(self, proc: Proc) -> None:
         if proc.wid == CONTROLLER_WID:
@@ -458,8 +508,8 @@ class HostAgent(Fencing):
         workers = [{"wid": p.wid, "pid": p.pid, "alive": p.alive, "code": p.returncode,
                     **self.meta.get(p.wid, {})}
                    for p in self.agent.procs.values() if p.wid != CONTROLLER_WID]
-        self._send(m.State(host=self.cfg.host_id, incarnation=self.incarnation, workers=workers,
-                           takeover=new))
+        self._send(m.State(host=self.cfg.host_id, incarnation=self.membership.incarnation,
+                           workers=workers, takeover=new))
         since = 0 if new else self._delivered
         if self.history[since:]:
             if self._send(m.Events(events=self.history[since:], replay=new)):
@@ -472,8 +522,9 @@ class HostAgent(Fencing):
         if self._office_news is not None and not isinstance(order, (m.End, m.Hello)):
             epoch, addr = self._office_news
             self._office_news = None
+            names = self.membership.peer_names
             where = "this host" if addr == self.cfg.addr else \
-                f"host {self.peer_names[addr]}" if addr in self.peer_names else addr
+                f"host {names[addr]}" if addr in names else addr
             print(f"nonstop: host {self.cfg.host_id}: the controller in office is on {where} "
                   f"(epoch {epoch})", file=sys.stderr, flush=True)
         match order:
@@ -624,3 +675,7 @@ class HostAgent(Fencing):
                   f"{grace:g} s of SIGTERM: it ends them and leaves", file=sys.stderr, flush=True)
             self.agent.end_all(0.0)
             self.code = 130
+
+
+def _endpoints(endpoints: list[tuple[str, int]]) -> str:
+    return ",".join(f"{h}:{p}" for h, p in endpoints)
