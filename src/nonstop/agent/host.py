@@ -110,15 +110,15 @@ class HostAgent:
         self.listener = listener.Listener(cfg.addr, self.secret, on_refused=self._refused)
         rdzv_sock = bound_socket(cfg.addr)
         self.rdzv_port = rdzv_sock.getsockname()[1]
-        emergency = cfg.policy["state"]["emergency"]
+        emergency = cfg.rules.state.emergency
         self.membership = Membership(
             self.etcd, keys.HostRecord(host_id=cfg.host_id, addr=cfg.addr,
                                        ctl_port=self.listener.port, rdzv_port=self.rdzv_port,
                                        pid=os.getpid(), slots=cfg.nproc_per_node, incarnation=""),
-            cfg.lease_ttl_s, outage_s=cfg.policy["hosts"]["store_outage_s"],
+            cfg.lease_ttl_s, outage_s=cfg.rules.hosts.store_outage_s,
             # the controller gives up at the tolerance and may first save the newest state (its
             # emergency checkpoint, through this host's keeper, up to its grace)
-            grace_s=emergency["grace_s"] if emergency["on_give_up"] else 0.0,
+            grace_s=emergency.grace_s if emergency.on_give_up else 0.0,
             wake=self._wake, stop=self._stop)
         if not self.membership.register():
             raise UsageError(f"host '{cfg.host_id}' is already in job '{cfg.job_id}'")
@@ -160,10 +160,10 @@ class HostAgent:
                 self.metrics.close()
 
     def _job_settings(self) -> dict[str, Any]:
-        timeouts = self.cfg.policy["recover"]["timeouts"]
+        timeouts = self.cfg.rules.timeouts
         return {"run_id": self.cfg.job_id, "world": self.cfg.nnodes_max * self.cfg.nproc_per_node,
-                "rendezvous_timeout_s": timeouts["rendezvous_s"],
-                "collective_timeout_s": timeouts["collective_s"], "policy": self.cfg.policy}
+                "rendezvous_timeout_s": timeouts.rendezvous_s,
+                "collective_timeout_s": timeouts.collective_s, "policy": self.cfg.policy}
 
     def _join_job(self) -> None:
         """Agree on the job's settings with the hosts already in it, or refuse clearly."""
@@ -214,7 +214,7 @@ class HostAgent:
         lease.keepalive()
         vote = keys.vote_key(self.cfg.host_id)
         self.etcd.put(vote, mine.secret_check, lease=lease)
-        deadline = time.monotonic() + self.cfg.policy["hosts"]["join_timeout_s"]
+        deadline = time.monotonic() + self.cfg.rules.hosts.join_timeout_s
         say = time.monotonic() + WAITING_SAY_S
         try:
             while time.monotonic() < deadline:
@@ -622,15 +622,13 @@ class HostAgent:
         """This host's health checks (the policy's commands, NVML), run here and reported: a
         check of a host runs on that host."""
         if self.health is None:
-            d = self.cfg.policy["detect"]
-            if not d["health_checks"] and d["nvml"] == "off":
+            d = self.cfg.rules.detect
+            if not d.health_checks and d.nvml == "off":
                 self.health = False
                 return
             from .health import HealthMonitor
-            from ..policy import HealthCheck
 
-            self.health = HealthMonitor([HealthCheck(**c) for c in d["health_checks"]], [0],
-                                        nvml=d["nvml"])
+            self.health = HealthMonitor(list(d.health_checks), [0], nvml=d.nvml)
         if not self.health:
             return
         results = self.health.poll(now)
@@ -657,7 +655,7 @@ class HostAgent:
         """SIGTERM: a scheduler wants this host back. With a grace in the policy, the host stays
         that long for its ranks to move away at a step boundary (the controller releases it
         once they have); a second signal, or the grace spent, ends it at once (130)."""
-        grace = float(self.cfg.policy["hosts"]["preempt_grace_s"])
+        grace = self.cfg.rules.hosts.preempt_grace_s
         if self.preempted_at is not None or grace <= 0 or self.code is not None:
             raise KeyboardInterrupt
         self.preempted_at = time.monotonic()
@@ -666,7 +664,7 @@ class HostAgent:
               flush=True)
 
     def _preempting(self) -> None:
-        grace = float(self.cfg.policy["hosts"]["preempt_grace_s"])
+        grace = self.cfg.rules.hosts.preempt_grace_s
         left = grace - (time.monotonic() - (self.preempted_at or 0.0))
         if not self._preempt_told and self.ctl is not None:
             self._preempt_told = self._send(m.Preempted(grace_s=max(0.0, left)))

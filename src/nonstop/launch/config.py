@@ -4,6 +4,7 @@ record are made from), and how to reach the job's etcd (``etcd_access``)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import hmac
 import json
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
+from ..policy import Policy
 from ..protocol import hosts as keys
 
 ETCD_PASSWORD = "NONSTOP_ETCD_PASSWORD"
@@ -70,6 +72,12 @@ class HostConfig:
     etcd_tls: dict[str, str | None] | None = None  # ca, cert, key (https)
     etcd_user: str | None = None  # its password: $NONSTOP_ETCD_PASSWORD
     managed: bool = True  # the script uses nonstop.wrap (else: restarted whole on any fault)
+
+    @functools.cached_property
+    def rules(self) -> Policy:
+        """The policy, validated into its schema: what the host's agent reads (never the dict,
+        whose defaults would have to be restated)."""
+        return Policy.model_validate(self.policy)
 
     def etcd(self) -> Any:
         """A client of the job's etcd, as the flags say (TLS, a user)."""
