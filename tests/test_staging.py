@@ -131,9 +131,10 @@ def test_a_snapshot_due_while_one_is_written_waits_for_it_and_commits_in_order()
     snaps = _snapshots(memory)
     state.step = 1
     snaps.take(state, 0, 1, 0)
-    threading.Timer(0.3, gate.set).start()
     _train(model, opt)
     state.step = 2
+    # the gate opens 0.3 s from here, however long the step took on a loaded machine
+    threading.Timer(0.3, gate.set).start()
     t0 = time.monotonic()
     snaps.take(state, 0, 1, 0)  # the one before holds the mirror: this one waits for it
     assert time.monotonic() - t0 >= 0.2
