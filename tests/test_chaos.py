@@ -44,7 +44,7 @@ def test_steps_lost_are_held_to_none_but_for_a_corruption_the_steps_since_its_ce
         {"type": "fault", "kind": "sdc", "incident": 2, "t": 2.0},
         inc(2, 2.0, 40, 10, (1, 2)),  # found at a check: back to 30, the newest certified
         {"type": "restore", "gen": 4, "step": 30,
-         "skipped": [{"rank": 1, "why": "its parameters differ from its replicas' (sdc)"}]},
+         "skipped": [{"rank": 1, "cause": "sdc", "why": "its parameters differ from its replicas'"}]},
         inc(3, 3.0, 45, 15, (3, 4)),  # found at a restore: 15 since 30
         {"type": "node_memory_lost", "t": 3.5},  # the memory, and the snapshot of 30, gone
         {"type": "fault", "kind": "sdc", "incident": 4, "t": 4.0},

@@ -11,6 +11,7 @@ import pytest
 from nonstop import inject
 from nonstop.decide import cuda
 from nonstop.decide.faults import Attribution, exit_fault
+from nonstop.protocol.events import Exiting
 from nonstop.decide.ladder import Counters, JobView, Level, decide, charge
 from nonstop.policy import Policy
 from nonstop.runtime import nccl
@@ -80,16 +81,17 @@ def test_a_malformed_cuda_record_is_refused(rec):
 
 
 def test_a_rank_that_ended_on_a_sticky_error_is_a_fault_named_by_the_error():
-    rec = cuda.classify("AcceleratorError", ASSERT).record()
-    f = exit_fault({"error": "AcceleratorError: ...", "cuda": rec, "traceback": "tb"}, 86, 1,
-                   before_any_step=False)
+    found = cuda.classify("AcceleratorError", ASSERT)
+    f = exit_fault(Exiting(code=86, error="AcceleratorError: ...", assigned=True, cuda=found,
+                           traceback="tb"), 86, 1, before_any_step=False)
     assert (f.kind, f.fault_code, f.attribution) == ("cuda_assert", "cudaErrorAssert",
                                                       Attribution.USER)
     assert "cudaErrorAssert (device-side assert triggered)" in f.describe()
-    hw = exit_fault({"cuda": cuda.classify("RuntimeError", "uncorrectable ECC error encountered")
-                     .record()}, 86, 2, before_any_step=False)
+    hw = exit_fault(Exiting(code=86, error="", assigned=True, cuda=cuda.classify(
+        "RuntimeError", "uncorrectable ECC error encountered")), 86, 2, before_any_step=False)
     assert (hw.kind, hw.attribution) == ("gpu_hardware", Attribution.INFRA)
-    hung = exit_fault({"abort_hung": True, "error": "the abort did not return"}, 87, 0, False)
+    hung = exit_fault(Exiting(code=87, error="the abort did not return", assigned=True,
+                              abort_hung=True), 87, 0, False)
     assert (hung.kind, hung.attribution) == ("abort_timeout", Attribution.INFRA)
 
 

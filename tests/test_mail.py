@@ -10,6 +10,7 @@ import pytest
 
 from nonstop import protocol
 from nonstop.agent import loopback
+from nonstop.protocol import events
 from nonstop.agent.mail import SWEEP_S, StoreMail
 from nonstop.runtime.worker import WorkerRuntime
 
@@ -45,19 +46,30 @@ def test_a_delayed_writer_loses_nothing_and_delays_no_one(store):
     mail = StoreMail(wids=lambda: [3, 4])
     mail.attach(store)
     a, b = writer(store, 3), writer(store, 4)
-    a.emit("rank_entered", n=0)
-    b.emit("rank_entered", n=0)
+    a.emit(events.Joining(gen=0, rank=0))
+    b.emit(events.Joining(gen=0, rank=1))
     got = read(mail, lambda g: len(g) == 2)
     assert sorted(e["wid"] for e in got) == [3, 4]
     # 3 is stopped (SIGSTOP, a long pause) for longer than any wait the reader could make...
     for n in (1, 2):
-        b.emit("step", n=n)
-    assert [(e["wid"], e["n"]) for e in read(mail, lambda g: len(g) == 2)] == [(4, 1), (4, 2)]
+        b.emit(events.GroupKept(gen=0, times=n))
+    assert [(e["wid"], e["times"]) for e in read(mail, lambda g: len(g) == 2)] == [(4, 1), (4, 2)]
     time.sleep(2.5)
     # ...and its "left" when it goes on is still read, not skipped
-    a.emit("rank_left", n=1)
+    a.emit(events.LeftGeneration(gen=0, rank=0, step=1, dirty=False, reason="peer", t_caught=1.0))
     (late,) = read(mail, lambda g: len(g) == 1)
-    assert (late["wid"], late["type"], late["n"]) == (3, "rank_left", 1)
+    assert (late["wid"], late["type"], late["step"]) == (3, "left", 1)
+
+
+def test_what_a_rank_emits_the_controller_decodes_as_it_was_with_its_wid_and_time(store):
+    mail = StoreMail(wids=lambda: [6])
+    mail.attach(store)
+    t0 = time.time()
+    writer(store, 6).emit(events.FirstStep(gen=2, rank=1, step=5, steps=False, via="report"))
+    (raw,) = read(mail, lambda g: len(g) == 1)
+    ev = events.decode(raw)
+    assert ev == events.FirstStep(wid=6, t=ev.t, gen=2, rank=1, step=5, steps=False, via="report")
+    assert t0 <= ev.t <= time.time()
 
 
 def test_an_event_written_without_its_doorbell_is_found_by_the_sweep(store):
@@ -79,7 +91,7 @@ def test_events_from_many_threads_of_one_worker_arrive_once_each_in_their_order(
 
     def work(t: int) -> None:
         for i in range(per):
-            rt.emit("x", thread=t, i=i)
+            rt.emit(events.GroupKept(gen=t, times=i))
 
     workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
     for w in workers:
@@ -89,15 +101,15 @@ def test_events_from_many_threads_of_one_worker_arrive_once_each_in_their_order(
         w.join(10)
     assert len(got) == threads * per
     for t in range(threads):
-        assert [e["i"] for e in got if e["thread"] == t] == list(range(per))
+        assert [e["times"] for e in got if e["gen"] == t] == list(range(per))
 
 
 def test_a_worker_no_longer_listed_is_forgotten(store):
     listed = [8]
     mail = StoreMail(wids=lambda: list(listed))
     mail.attach(store)
-    writer(store, 8).emit("x")
+    writer(store, 8).emit(events.Started(pid=1))
     assert len(read(mail, lambda g: len(g) == 1)) == 1
     listed.clear()
-    writer(store, 9).emit("y")  # rings the doorbell: a sweep
+    writer(store, 9).emit(events.Started(pid=2))  # rings the doorbell: a sweep
     assert list(mail.events()) == [] and mail._next == {}

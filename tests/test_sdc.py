@@ -72,7 +72,7 @@ def test_a_corruption_found_when_a_generation_forms_after_the_memory_was_lost(tm
     restores = {e["gen"]: e for e in run.of("restore")}
     assert restores[1]["step"] == 13 and restores[2]["step"] == 14  # (reached, then resumed)
     back = restores[max(restores)]
-    assert back["step"] == 14 and any("(sdc)" in s["why"] for s in back["skipped"])
+    assert back["step"] == 14 and any(s["cause"] == "sdc" for s in back["skipped"])
     found = run.summary["sdc"]["found"]
     assert [(f["step"], f["verdict"]) for f in found] == [(18, "corruption")]
     inc = run.summary["incident_list"][-1]

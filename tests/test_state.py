@@ -78,7 +78,8 @@ def test_a_corrupted_snapshot_is_skipped_for_the_buddy_copy(tmp_path, reference)
     (rest,) = restored(r)
     assert rest["step"] == 16 and rest["sources"]["1"] == "buddy"
     (skip,) = rest["skipped"]
-    assert skip["source"] == "memory" and skip["step"] == 16 and "checksum" in skip["why"]
+    assert skip["source"] == "memory" and skip["step"] == 16 and skip["cause"] == "bad_copy"
+    assert "checksum" in skip["why"]
     assert r.summary["steps_lost"] == 0
     assert bitwise_equal(out, reference(2, *ARGS, script=SHARDED))
 

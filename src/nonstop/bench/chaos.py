@@ -206,7 +206,7 @@ def is_corruption(inc: dict[str, Any], events: list[dict[str, Any]]) -> bool:
         return True
     first, last = inc.get("gen_from", 0) + 1, inc.get("gen_to")
     return any(e.get("type") == "restore" and first <= e.get("gen", -1) <= (last or first)
-               and any("(sdc)" in str(s.get("why")) for s in e.get("skipped") or ())
+               and any(s.get("cause") == "sdc" for s in e.get("skipped") or ())
                for e in events)
 
 

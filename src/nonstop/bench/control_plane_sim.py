@@ -24,6 +24,7 @@ from typing import Any
 
 from ..launch.config import HostConfig
 from ..net import listener
+from ..protocol import events
 from ..protocol import hosts as keys
 from ..protocol import messages as m
 from .. import protocol
@@ -84,8 +85,9 @@ class _Host:
             self.send(m.Events(events=evs))
 
 
-def _ev(kind: str, wid: int, **fields: Any) -> dict[str, Any]:
-    return {"t": time.time(), "type": kind, "wid": wid, **fields}
+def _ev(record: type[events.RankEvent], wid: int, **fields: Any) -> dict[str, Any]:
+    """A rank's event as its process writes it (the controller refuses one that is not)."""
+    return events.encode(record(wid=wid, t=time.time(), **fields))
 
 
 class Sim:
@@ -253,9 +255,10 @@ class Sim:
             case m.Spawn(wid=wid, spare=spare):
                 r = _Rank(wid, spare)
                 h.ranks[wid] = r
-                evs = [_ev("hello", wid, pid=wid)]
+                evs = [_ev(events.Started, wid, pid=wid)]
                 if spare:
-                    evs += [_ev("wrapped", wid, pid=wid), _ev("ready", wid, pid=wid, mode="script")]
+                    evs += [_ev(events.Wrapped, wid, pid=wid),
+                            _ev(events.Ready, wid, pid=wid, mode="script")]
                 h.events(evs)
             case m.Send(wid=wid, msg=body):
                 r = self._mail(h, wid, body)
@@ -273,9 +276,9 @@ class Sim:
                     r = h.ranks.get(wid)
                     if r is not None and r.alive and r.gen == gen and r.left < gen:
                         r.left = gen
-                        evs.append(_ev("left", wid, gen=gen, rank=r.rank, step=r.step,
-                                       dirty=False, destroy_s=0.0, reason="abort", t_caught=now,
-                                       phase="train"))
+                        evs.append(_ev(events.LeftGeneration, wid, gen=gen, rank=r.rank,
+                                       step=r.step, dirty=False, destroy_s=0.0, reason="abort",
+                                       t_caught=now, phase="train"))
                 with self.lock:
                     if gen == self.fault_gen:
                         self.aborted[h.i] = now
@@ -319,8 +322,8 @@ class Sim:
             h, batch = item
             # (a rank says it runs inside nonstop.wrap once in its life: a spare at its start,
             # a rank of the first generation when it first joins)
-            h.events([_ev("wrapped", x.wid, pid=x.wid) for x in batch if x.gen == 0] +
-                     [_ev("joining", x.wid, gen=x.gen, rank=x.rank) for x in batch])
+            h.events([_ev(events.Wrapped, x.wid, pid=x.wid) for x in batch if x.gen == 0] +
+                     [_ev(events.Joining, x.wid, gen=x.gen, rank=x.rank) for x in batch])
             k = h.i % self.groups
             for x in batch:
                 with h.lock:
@@ -360,13 +363,14 @@ class Sim:
                     self.gen_hosts[gen] = self.gen_hosts.get(gen, 0) + len(joined)
                     if self.gen_hosts[gen] >= world:
                         self.rdzv_done[gen] = now
-                entered = [_ev("entered", r.wid, gen=gen, rank=r.rank, step=r.step,
-                               source="memory", holder=None, receivers=[], sources={}, skipped=[],
-                               nbytes=0, restore_s=0.0, restore_phases={}, sharded=False,
-                               t_assigned=r.t_assigned, t_pg=now, t_restored=now) for r in joined]
+                entered = [_ev(events.EnteredGeneration, r.wid, gen=gen, rank=r.rank,
+                               step=r.step, source="memory", holder=None, receivers=[],
+                               sources={}, skipped=[], nbytes=0, restore_s=0.0, restore_phases={},
+                               sharded=False, t_assigned=r.t_assigned, t_pg=now, t_restored=now)
+                           for r in joined]
                 for r in joined:
                     r.step += 1
-                steps = [_ev("first_step", r.wid, gen=gen, rank=r.rank, step=r.step)
+                steps = [_ev(events.FirstStep, r.wid, gen=gen, rank=r.rank, step=r.step)
                          for r in joined]
                 h.events(entered + steps)
                 with self.lock:

@@ -12,7 +12,8 @@ from typing import Any
 
 from ..decide.faults import Domain
 from ..decide.ladder import Fault
-from ..observe.incidents import Incident, restore_record
+from ..observe.incidents import Incident, restore_record, skipped_once
+from ..protocol import events
 
 INJECT_MEMORY_S = 30.0  # an injection reported this long before a fault is taken as its start
 # injections whose moment starts no incident (a node's memory killed alone opens none: an
@@ -97,12 +98,14 @@ class IncidentBook:
         self.log.write("attempt_interrupted", incident=self.open.id, gen=gen, phase=phase,
                        level=self.open.levels[-1] if self.open.levels else None)
 
-    def formed(self, evs: list[dict[str, Any]], resume_step: int | None) -> None:
-        """Every rank entered the new generation: when each phase ended on the latest rank."""
+    def formed(self, evs: list[events.EnteredGeneration], resume_step: int | None) -> None:
+        """Every rank entered the new generation: when each phase ended on the latest rank (a
+        plain script's rank says only when it was assigned: its entry's time stands for the
+        rest)."""
         inc = self.open
-        inc.t_assigned = max(e.get("t_assigned", e["t"]) for e in evs)
-        inc.t_pg = max(e.get("t_pg", e["t"]) for e in evs)
-        inc.t_restored = max(e.get("t_restored", e["t"]) for e in evs)
+        inc.t_assigned = max(e.t_assigned for e in evs)
+        inc.t_pg = max(e.t if e.t_pg is None else e.t_pg for e in evs)
+        inc.t_restored = max(e.t if e.t_restored is None else e.t_restored for e in evs)
         inc.resume_step = resume_step
 
     def retry_opened(self, step: int, now: float, gen: int, max_step: int) -> None:
@@ -121,16 +124,16 @@ class IncidentBook:
         inc.resume_step = step + 1 if decision.skip else step
         inc.step_before = max(inc.step_before, step)
 
-    def restored(self, gen: int, evs: list[dict[str, Any] | None], ledger: Any) -> None:
+    def restored(self, gen: int, evs: list[events.EnteredGeneration | None], ledger: Any) -> None:
         """Where every rank's state came from in generation ``gen`` (and a resumed job says so)."""
-        evs = [e for e in evs if e is not None and not e.get("plain")]
-        if not evs:
+        entered = [e for e in evs if e is not None and not e.plain]
+        if not entered:
             return
-        rec = restore_record(evs)
+        rec = restore_record(entered)
         self.log.write("restore", gen=gen, **rec)
-        for s in rec["skipped"]:
-            self.display.info(f"rank {s.get('rank')}: {s.get('source')} copy of step "
-                              f"{s.get('step')} skipped: {s.get('why')}")
+        for s in skipped_once(entered):
+            whose = f"rank {s.rank}" if s.rank is not None else f"shard {s.shard}"
+            self.display.info(f"{whose}: {s.source} copy of step {s.step} skipped: {s.why}")
         if gen == 0:
             ledger.resumed_step = rec["step"] or 0
             if rec["step"]:

@@ -24,6 +24,7 @@ from ..observe.incidents import Incident
 from ..observe.progress import ProgressLog
 from ..observe.status import StatusWriter
 from ..policy import Policy
+from ..protocol import events
 from ..protocol import hosts as keys
 from ..protocol.hosts import progress_every
 from .keepers import Keepers
@@ -81,7 +82,7 @@ class Controller(ProcessExits, WorkerEvents):
         self.progress = ProgressLog(run_dir)  # the ranks' steps as they completed
         self.metrics: Any = None  # observe.metrics.JobMetrics, with --metrics-port
         self.status = StatusWriter(run_dir)  # for nonstop status
-        self._last_entered: dict[str, Any] = {}
+        self._last_entered: events.EnteredGeneration | None = None  # the newest entry
         self._deferred: set[str] = set()  # a run of events judged after its last (_read_events)
         self.outcome = Outcome(policy=policy, log=log, display=display, agent=agent,
                                table=self.table, memory=self.memory, book=self.book,
@@ -399,22 +400,23 @@ class Controller(ProcessExits, WorkerEvents):
                                f"node {node} isolated: the job goes on without it")
         self._release.clear()
         ev = self._last_entered
+        assert ev is not None  # (formed: every rank entered)
         ranks = self._ranks()
         self._t_running = time.time()
         if self.t_ready is None:
             self.t_ready = self._t_running
         self.watchers.logs.start(self._t_running, self.plan.keys())
-        if not ev.get("replay"):
+        if not ev.replay:
             self.book.restored(self.gen, [x.entered_ev for x in ranks], self.ledger)
         inc = self.book.open
         if inc is None:
             return
         evs = [x.entered_ev for x in ranks if x.entered_ev is not None]
-        self.book.formed(evs, ev.get("step"))
-        if ev.get("plain") or not self.ledger.progress_seen:
+        self.book.formed(evs, ev.step)
+        if ev.plain or not self.ledger.progress_seen:
             # no step or mark seen in this run (a plain script, or a function that shows
             # progress only by its collectives): recovered once it runs again, steps lost unknown
-            self._close_incident(max(e["t"] for e in evs), None)
+            self._close_incident(max(e.t for e in evs), None)
 
     def _do_RetryOpened(self, c: mc.RetryOpened) -> None:
         self.book.retry_opened(c.step, time.time(), self.gen, self._reached())

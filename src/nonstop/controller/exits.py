@@ -81,7 +81,7 @@ class ProcessExits:
 
     def _exit_fault(self, w: Worker, code: int | None) -> Fault:
         report = w.exit_report
-        if report is not None and report.get("import_error") and not report.get("assigned"):
+        if report is not None and report.import_error and not report.assigned:
             self.gens.spares_wait(report)  # it ran the script without its rank: spares must not
         first = self.max_step == 0 if self.managed else self.gen == 0
         return exit_fault(report, code, w.rank, before_any_step=first)

@@ -14,6 +14,7 @@ from .. import protocol
 from ..decide import takeover
 from ..decide.ladder import Decision, Level
 from ..observe.incidents import Incident
+from ..protocol import events
 from ..protocol.hosts import JournalRecord
 from .placement import spare_nodes
 from .workers import Worker, WorkerTable
@@ -307,7 +308,7 @@ class Generations:
     def spare_lost(self, w: Worker, code: int | None) -> None:
         self.table.spare_failures += 1
         report = w.exit_report
-        at_import = bool(report and report.get("import_error"))
+        at_import = report is not None and report.import_error
         if at_import:
             self.spares_wait(report)
         self.log.write("spare_lost", wid=w.wid, code=code, ready=w.ready, at_import=at_import,
@@ -315,16 +316,16 @@ class Generations:
         if not at_import:
             self.display.info(f"spare worker {w.wid} exited (code {code}); refilling the pool")
 
-    def spares_wait(self, report: dict[str, Any]) -> None:
+    def spares_wait(self, report: events.Exiting) -> None:
         """The script failed at import in a process that ran it without a rank (a warm spare): it
         may need one there. From now on spares run it only once they hold a rank, so they cannot
         fail that way again (no refill loop), and a rank's own failure at import stops the job."""
         if self.table.spare_mode != "script":
             return
         self.table.spare_mode = "import"
-        self.log.write("spare_mode", mode="import", error=report.get("error"))
+        self.log.write("spare_mode", mode="import", error=report.error)
         self.display.info("warm spares now wait for a rank before running the script: it failed "
-                          f"in a spare before reaching nonstop.wrap ({report.get('error')})")
+                          f"in a spare before reaching nonstop.wrap ({report.error})")
 
 
 def adopted_workers(adoption: takeover.Adoption, seen: list[takeover.Seen],

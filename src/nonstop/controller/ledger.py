@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from ..observe.incidents import Incident
+from ..protocol import events
 
 
 class TrainingLedger:
@@ -26,24 +27,24 @@ class TrainingLedger:
         self.progress_seen = True
         self.steps_seen = self.steps_seen or not stepless
 
-    def done(self, ev: dict[str, Any]) -> None:
+    def done(self, ev: events.Done) -> None:
         """A rank's training function returned: whether it iterated ctx.steps, and the faults it
         was to fire at steps it never reached."""
-        self.steps_seen = self.steps_seen or bool(ev.get("steps"))
-        self.unfired += [f for f in ev.get("unfired") or () if f not in self.unfired]
+        self.steps_seen = self.steps_seen or ev.steps
+        self.unfired += [f for f in ev.unfired if f not in self.unfired]
 
-    def no_steps(self, ev: dict[str, Any]) -> tuple[str | None, str | None]:
+    def no_steps(self, ev: events.NoSteps) -> tuple[str | None, str | None]:
         """A rank runs without ctx.steps (its "no_steps" report): its progress is its marks, what
         a failure loses is unknown, and faults keyed to steps can never fire. Returns what to
         fail the run with (a usage error), and what to warn of (once per run)."""
         first, self.stepless = not self.stepless, True
-        fn = ev.get("function") or "the training function"
-        faults = ev.get("faults") or []
+        fn = ev.function or "the training function"
+        faults = ev.faults
         if faults:
             return (f"--inject {'; '.join(faults)} cannot fire: {fn}() does not iterate ctx.steps, "
                     "and these faults are keyed to its steps (loop with `for step in "
                     "ctx.steps(total)`)", None)
-        if first and ev.get("registered"):
+        if first and ev.registered:
             return None, (f"{fn}() registers nonstop.State but does not iterate ctx.steps: after a "
                           "failure it starts again from its beginning on top of the trained state, "
                           "and the steps lost are unknown; loop with `for step in "
@@ -80,12 +81,13 @@ class SdcBook:
     checks that agreed, and each mismatch found - for the summary's certificate."""
 
     def __init__(self) -> None:
-        self.by_gen: dict[int, dict[str, Any]] = {}  # gen -> its checks (the fullest report)
+        self.by_gen: dict[int, events.DigestChecks] = {}  # gen -> its checks (the fullest report)
         self.found: list[dict[str, Any]] = []  # mismatches: step, suspects, gen
 
-    def report(self, gen: int, stats: dict[str, Any] | None) -> None:
+    def report(self, gen: int, stats: events.DigestChecks | None) -> None:
         """A rank's digests at the end of a generation (left, or done)."""
-        if stats and stats.get("checks", 0) >= self.by_gen.get(gen, {}).get("checks", 0):
+        had = self.by_gen.get(gen)
+        if stats is not None and stats.checks >= (had.checks if had is not None else 0):
             self.by_gen[gen] = stats
 
     def mismatch(self, gen: int, step: int, suspects: list[int], repaired: bool = True) -> bool:
@@ -101,7 +103,7 @@ class SdcBook:
         if not self.by_gen and not self.found:
             return None
         gens = sorted(self.by_gen)
-        checks = sum(self.by_gen[g]["checks"] for g in gens)
-        last = max((self.by_gen[g].get("last_step") or 0 for g in gens), default=None)
+        checks = sum(self.by_gen[g].checks for g in gens)
+        last = max((self.by_gen[g].last_step or 0 for g in gens), default=None)
         return {"checks": checks, "mismatches": len(self.found), "found": self.found,
-                "last_step": last, "chain": self.by_gen[gens[-1]].get("chain") if gens else None}
+                "last_step": last, "chain": self.by_gen[gens[-1]].chain if gens else None}

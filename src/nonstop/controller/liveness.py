@@ -45,7 +45,9 @@ class Signals:
         if stepless:
             self._stepless.add(w.wid)
         if w.entered_ev is not None:
-            self.hang.observe_first_step(t_first - w.entered_ev.get("t_restored", w.entered_ev["t"]))
+            restored = w.entered_ev.t_restored
+            self.hang.observe_first_step(t_first - (restored if restored is not None
+                                                    else w.entered_ev.t))
 
     # -- checks ---------------------------------------------------------------------------------
     def check_hang(self, ranks: Iterable[Worker], gen: int, t_running: float, now: float,

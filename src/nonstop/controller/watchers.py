@@ -13,6 +13,7 @@ from ..decide.ladder import Fault
 from .liveness import Signals
 from ..decide.logrules import LogWatch
 from ..policy import Policy
+from ..protocol import events
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,13 +36,13 @@ class Watchers:
         self.health: Any = None  # the node health checks, once started
         self.signals = Signals(policy)  # hangs and stragglers, from the ranks' progress
 
-    def loss_rule_fired(self, ev: dict[str, Any]) -> tuple[str, str | None]:
+    def loss_rule_fired(self, ev: events.LossRuleFired) -> tuple[str, str]:
         """A loss rule a rank reported: logged and shown; (what to say, its action)."""
-        text = (f"loss rule '{ev.get('rule')}' on rank {ev.get('rank')} at step {ev.get('step')} "
-                f"(loss {ev.get('loss')})")
-        self.log.write("loss_rule_fired", **{k: v for k, v in ev.items() if k != "type"})
+        text = f"loss rule '{ev.rule}' on rank {ev.rank} at step {ev.step} (loss {ev.loss})"
+        self.log.write("loss_rule_fired", **{k: v for k, v in events.encode(ev).items()
+                                             if k != "type"})
         self.display.info(text)
-        return text, ev.get("action")
+        return text, ev.action
 
     def start(self, nodes: Iterable[int], source: Any = None) -> None:
         """Health checks for ``nodes``: run here (one host), or by each host's agent and

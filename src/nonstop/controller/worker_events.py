@@ -6,15 +6,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..decide.cuda import CudaFault
 from ..decide.ladder import Decision, Fault, Level
-from ..observe import event_types
 from ..observe.progress import sample_every
+from ..protocol import events
 from . import machine as mc
 from .phase import ACTIVE, Phase
 from .workers import Worker
 
 DEFERRED = ("entered", "first_step")  # judged after a run of them (_read_events)
+# events about a generation: taken only from a rank of the current one
+ABOUT_GEN = (events.EnteredGeneration, events.FirstStep, events.LeftGeneration, events.NanFound,
+             events.LossRuleFired, events.Done)
 
 
 class WorkerEvents:
@@ -27,10 +29,13 @@ class WorkerEvents:
         # first step follows its entry: the entries are judged first.)
         self._deferred = set()
         for ev in self.table.read_events():
-            if self._deferred and ev.get("type") not in DEFERRED:
+            if self._deferred and ev.type not in DEFERRED:
                 self._judge_deferred()
             self._on_event(ev, defer=True)
         self._judge_deferred()
+        refused, self.table.refused = self.table.refused, []
+        for text in refused:
+            self.display.warning(text)
 
     def _judge_deferred(self) -> None:
         kinds, self._deferred = self._deferred, set()
@@ -42,74 +47,72 @@ class WorkerEvents:
         if "first_step" in kinds:
             self._first_steps()
 
-    def _on_event(self, ev: dict[str, Any], defer: bool = False) -> None:
-        w = self.workers.get(ev.get("wid", -1))
+    def _on_event(self, ev: events.RankEvent, defer: bool = False) -> None:
+        w = self.workers.get(ev.wid)
         if w is None:
             return
-        kind = ev["type"]
-        gen = ev.get("gen")
-        if kind in event_types.RANK_FORWARDED \
-                and not ev.get("replay"):  # a replayed one is in the log of the controller before
-            self.log.write_record("rank_" + kind, ev)
-        about_gen = kind in ("entered", "first_step", "left", "nan", "loss_rule", "done")
-        if about_gen and (gen != self.gen or self.plan.get(ev.get("rank", -1)) != w.wid):
+        if isinstance(ev, ABOUT_GEN) and (ev.gen != self.gen or self.plan.get(ev.rank) != w.wid):
             return  # about an older generation
         w.take_event(ev)
-        if kind == "ready" and w.spare:
-            self.table.spare_failures = 0
-        elif kind == "wrapped":
-            self.ledger.managed = True
-        elif kind == "inject":
-            self._on_inject(w, ev)
-        elif kind == "sdc_mismatch" and self.sdc.mismatch(gen, ev["step"], ev["suspects"], False):
-            self.display.warning(f"the replicas' parameters differ at step {ev['step']} (rank(s) "
-                                 f"{ev['suspects']}); detect.sdc.action is report: training goes on")
-        elif kind == "no_steps":
-            self._on_no_steps(ev)
-        elif kind == "entered":
-            if ev.get("sharded") is not None:
-                self.memory.sharded = bool(ev["sharded"])
-            if ev.get("nccl"):  # its aborts take NCCL's time: the teardown allows for it
-                self.nccl = True
-            odd = [s for s in ev.get("skipped") or () if "(sdc)" in str(s.get("why"))]
-            if odd:  # found at the restore: every rank went back to a snapshot that agreed
-                self._on_sdc_at_restore(gen, ev, odd)
-            self._last_entered = ev
-            if defer:
-                self._deferred.add(kind)
-            else:
-                self._step(mc.Entered(self._seen()))
-        elif kind == "first_step":
-            self._on_first_step(w, ev)
-            if defer:
-                self._deferred.add(kind)
-            else:
-                self._first_steps()
-        elif kind == "left":
-            self._on_left(w, ev)
-        elif kind == "nan":
-            self._step(mc.RetryAsked(self._seen()))
-        elif kind == "loss_rule":
-            self._on_loss_rule(ev)
-        elif kind == "done":
-            self.ledger.done(ev)
-            self._sdc_report(gen, ev.get("sdc"))
-            if ev.get("final_persist") is not None:
-                self.final_persist = max(self.final_persist or 0, ev["final_persist"])
-            self.max_step = max(self.max_step, ev.get("step") or 0)
-            if self.phase is Phase.RUNNING and all(self.workers[x].done >= self.gen
-                                                   for x in self.plan.values()):
-                if self.incident is not None:
-                    self._close_incident(ev["t"], ev.get("step"))
-                self._training_complete(ev["t"])
+        match ev:
+            case events.Ready():
+                if w.spare:
+                    self.table.spare_failures = 0
+            case events.Wrapped():
+                self.ledger.managed = True
+            case events.FaultFired():
+                self._on_inject(w, ev)
+            case events.SdcMismatch(gen=gen, step=step, suspects=suspects):
+                if self.sdc.mismatch(gen, step, suspects, False):
+                    self.display.warning(f"the replicas' parameters differ at step {step} (rank(s) "
+                                         f"{suspects}); detect.sdc.action is report: training "
+                                         "goes on")
+            case events.NoSteps():
+                self._on_no_steps(ev)
+            case events.EnteredGeneration():
+                if ev.sharded is not None:
+                    self.memory.sharded = ev.sharded
+                if ev.nccl:  # its aborts take NCCL's time: the teardown allows for it
+                    self.nccl = True
+                odd = [s for s in ev.skipped if s.cause == "sdc"]
+                if odd:  # found at the restore: every rank went back to a snapshot that agreed
+                    self._on_sdc_at_restore(ev, odd)
+                self._last_entered = ev
+                if defer:
+                    self._deferred.add(ev.type)
+                else:
+                    self._step(mc.Entered(self._seen()))
+            case events.FirstStep():
+                self._on_first_step(w, ev)
+                if defer:
+                    self._deferred.add(ev.type)
+                else:
+                    self._first_steps()
+            case events.LeftGeneration():
+                self._on_left(w, ev)
+            case events.NanFound():
+                self._step(mc.RetryAsked(self._seen()))
+            case events.LossRuleFired():
+                self._on_loss_rule(ev)
+            case events.Done():
+                self.ledger.done(ev)
+                self._sdc_report(ev.gen, ev.sdc)
+                if ev.final_persist is not None:
+                    self.final_persist = max(self.final_persist or 0, ev.final_persist)
+                self.max_step = max(self.max_step, ev.step)
+                if self.phase is Phase.RUNNING and all(self.workers[x].done >= self.gen
+                                                       for x in self.plan.values()):
+                    if self.incident is not None:
+                        self._close_incident(ev.t, ev.step)
+                    self._training_complete(ev.t)
 
-    def _on_inject(self, w: Worker, ev: dict[str, Any]) -> None:
-        if not ev.get("replay"):  # an old one, replayed to a controller taking over: no start
-            self.book.injected(ev["t"], ev.get("kind"))
-        if ev.get("index") is not None:  # fired once in the job: never again (any host)
-            key = str(ev["index"])
+    def _on_inject(self, w: Worker, ev: events.FaultFired) -> None:
+        if not ev.replay:  # an old one, replayed to a controller taking over: no start
+            self.book.injected(ev.t, ev.kind)
+        if ev.index is not None:  # fired once in the job: never again (any host)
+            key = str(ev.index)
             self.gens.claimed[key] = self.gens.claimed.get(key, 0) + 1
-        if ev.get("kind") == "node_crash":  # the rest of the node dies with it
+        if ev.kind == "node_crash":  # the rest of the node dies with it
             for x in self.workers.values():
                 if x.node == w.node and not x.dead:
                     # dead now, as on a machine that died: a rank that already left the
@@ -118,11 +121,11 @@ class WorkerEvents:
                     x.dead = True
                     self.agent.signal(x.wid)
 
-    def _on_first_step(self, w: Worker, ev: dict[str, Any]) -> None:
-        stepless = ev.get("steps") is False  # its marks are its steps (no ctx.steps)
+    def _on_first_step(self, w: Worker, ev: events.FirstStep) -> None:
+        stepless = not ev.steps  # its marks are its steps (no ctx.steps)
         self.ledger.first_step(stepless)
-        self.watchers.signals.on_first_step(w, ev["t"], stepless=stepless)
-        self.max_step = max(self.max_step, ev["step"])
+        self.watchers.signals.on_first_step(w, ev.t, stepless=stepless)
+        self.max_step = max(self.max_step, ev.step)
 
     def _first_steps(self) -> None:
         """After first steps: once every rank has taken one in this generation, the job has
@@ -137,45 +140,46 @@ class WorkerEvents:
         else:
             self._close_incident(max(x.t_first for x in ranks), self.incident.resume_step)
 
-    def _on_loss_rule(self, ev: dict[str, Any]) -> None:
+    def _on_loss_rule(self, ev: events.LossRuleFired) -> None:
         text, action = self.watchers.loss_rule_fired(ev)
         if action == "restart":
-            self._fault(Fault("loss_rule", rank=ev.get("rank"), message=text))
+            self._fault(Fault("loss_rule", rank=ev.rank, message=text))
         elif action == "fail":
             self._fail(Decision(Level.FAIL, reason="loss rule", diagnosis=text))
 
-    def _on_left(self, w: Worker, ev: dict[str, Any]) -> None:
-        self.max_step = max(self.max_step, ev.get("step") or 0)
-        self._sdc_report(ev.get("gen", self.gen), ev.get("sdc"))
+    def _on_left(self, w: Worker, ev: events.LeftGeneration) -> None:
+        self.max_step = max(self.max_step, ev.step)
+        self._sdc_report(ev.gen, ev.sdc)
         if self.incident is not None:
-            self.incident.step_before = max(self.incident.step_before, ev.get("step") or 0)
-        reason = ev.get("reason")
-        if reason == "regroup":
-            self.book.left_to_grow(ev.get("t_caught") or ev["t"], ev.get("step") or 0)
-        elif reason == "exception":
-            self._fault(Fault("exception", rank=w.rank, message=ev.get("error", ""),
-                              traceback=ev.get("traceback")))
-        elif reason == "sdc":
-            self._on_sdc(ev)
-        elif reason == "cuda_oom":
-            cuda = CudaFault.from_record(ev["cuda"])
-            self._fault(Fault(cuda.kind, rank=w.rank, message=cuda.describe(), tag=cuda.name,
-                              traceback=ev.get("traceback")))
-        elif reason == "no_state":
-            self._fault(Fault("no_state", rank=w.rank, message=ev.get("error", "")))
-        elif self.phase in ACTIVE:
-            self._fault(Fault("peer", rank=w.rank, message=ev.get("error", "")))
-        if self.incident is not None and ev.get("t_pg") is not None:  # after any fault it raised
-            self.incident.group_formed(ev["t_pg"])
+            self.incident.step_before = max(self.incident.step_before, ev.step)
+        match ev.reason:
+            case "regroup":
+                self.book.left_to_grow(ev.t_caught, ev.step)
+            case "exception":
+                self._fault(Fault("exception", rank=w.rank, message=ev.error or "",
+                                  traceback=ev.traceback))
+            case "sdc":
+                self._on_sdc(ev)
+            case "cuda_oom" if ev.cuda is not None:
+                self._fault(Fault(ev.cuda.kind, rank=w.rank, message=ev.cuda.describe(),
+                                  tag=ev.cuda.name, traceback=ev.traceback))
+            case "no_state":
+                self._fault(Fault("no_state", rank=w.rank, message=ev.error or ""))
+            case _ if self.phase in ACTIVE:
+                self._fault(Fault("peer", rank=w.rank, message=ev.error or ""))
+        if self.incident is not None and ev.t_pg is not None:  # after any fault it raised
+            self.incident.group_formed(ev.t_pg)
 
-    def _on_sdc(self, ev: dict[str, Any]) -> None:
+    def _on_sdc(self, ev: events.LeftGeneration) -> None:
         """The replicas' parameters differ (every rank found the same, at a snapshot step). A
         corruption: the ranks that differ are at fault, and no rank may resume from state newer
         than the last snapshot, which was compared and agreed. A divergence (the replicas split
         into groups, or differ again after a rollback): the job stops with a diagnosis - no rank
         or node is at fault."""
-        step, suspects = int(ev["sdc_step"]), list(ev.get("suspects") or [])
-        digests = {r: d for r, d in enumerate(ev.get("digests") or [])}
+        if ev.sdc_step is None:
+            return
+        step, suspects = ev.sdc_step, list(ev.suspects or [])
+        digests = dict(enumerate(ev.digests or []))
         if not self.sdc.mismatch(self.gen, step, suspects):
             return
         verdict = self._judge_sdc(step, digests, suspects, self.gen + 1)
@@ -185,25 +189,27 @@ class WorkerEvents:
         for r in verdict.suspects:
             self._fault(Fault("sdc", rank=r, message=(
                 f"its parameters differ from its replicas' at step {step} (digests "
-                f"{ev.get('digests')}): every rank resumes from the last snapshot that agreed")))
+                f"{ev.digests}): every rank resumes from the last snapshot that agreed")))
 
-    def _on_sdc_at_restore(self, gen: int, ev: dict[str, Any], odd: list[dict[str, Any]]) -> None:
+    def _on_sdc_at_restore(self, ev: events.EnteredGeneration,
+                           odd: list[events.SkippedCopy]) -> None:
         """Live states of one step differed when a generation formed (each rank reports the same
         finding): every rank was restored from a snapshot that agreed - or the replicas diverge."""
-        step = int(odd[0].get("step") if odd[0].get("step") is not None else ev.get("step") or 0)
-        ranks = [s["rank"] for s in odd]
-        if not self.sdc.mismatch(gen, step, ranks):
+        first = odd[0]
+        step = first.step if first.step is not None else (ev.step or 0)
+        ranks = [s.rank for s in odd if s.rank is not None]
+        if not self.sdc.mismatch(ev.gen, step, ranks):
             return
-        digests = {int(r): d for r, d in (odd[0].get("digests") or {}).items()}
-        if self._judge_sdc(step, digests, ranks, gen) is not None:
+        digests = {int(r): d for r, d in (first.digests or {}).items()}
+        if self._judge_sdc(step, digests, ranks, ev.gen) is not None:
             self.display.warning(f"rank(s) {ranks}: live parameters differed from their replicas' "
                                  f"at step {step}: every rank restored from a snapshot that agreed")
 
-    def _sdc_report(self, gen: int, stats: dict[str, Any] | None) -> None:
+    def _sdc_report(self, gen: int, stats: events.DigestChecks | None) -> None:
         """A rank's comparisons in a generation it leaves or ends: for the summary, and - some
         agreed - the corruption rolled back before them happened once."""
         self.sdc.report(gen, stats)
-        if stats and stats.get("checks"):
+        if stats is not None and stats.checks:
             self.sdc_judge.agreed(gen)
 
     def _judge_sdc(self, step: int, digests: dict[int, int], suspects: list[int],
@@ -227,7 +233,7 @@ class WorkerEvents:
                                 diagnosis=verdict.diagnosis))
         return None
 
-    def _on_no_steps(self, ev: dict[str, Any]) -> None:
+    def _on_no_steps(self, ev: events.NoSteps) -> None:
         diagnosis, warning = self.ledger.no_steps(ev)
         if diagnosis is not None and self.outcome.exit_code is None:
             self._fail(Decision(Level.FAIL, reason="injected faults cannot fire", usage_error=True,

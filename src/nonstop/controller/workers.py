@@ -11,6 +11,7 @@ from typing import Any, Iterator
 from .. import protocol
 from ..agent.agent import Agent, Proc
 from ..observe.events import EventLog
+from ..protocol import events
 
 DUMP_GRACE_S = 0.3  # between asking a stuck process for its stacks and killing it
 
@@ -44,8 +45,8 @@ class Worker:
     busy: float = 0.0
     first_gen: int = -1  # newest generation in which it completed a step
     t_first: float = 0.0
-    entered_ev: dict[str, Any] | None = None
-    exit_report: dict[str, Any] | None = None
+    entered_ev: events.EnteredGeneration | None = None
+    exit_report: events.Exiting | None = None  # its last words
     hb: float = 0.0  # the last heartbeat of its background thread
     where: str = ""  # its main thread: "torch", "nonstop", "python"
     loc: str = ""  # file:line in function
@@ -65,35 +66,33 @@ class Worker:
         if name in SEEN_FIELDS:
             object.__setattr__(self, "seen", None)
 
-    def take_event(self, ev: dict[str, Any]) -> None:
+    def take_event(self, ev: events.RankEvent) -> None:
         """What its own event says of it: the record only (what it means for the job is the
         controller's). Events about a generation are taken only for its current one."""
-        kind, gen = ev["type"], ev.get("gen")
-        if kind == "ready":
-            self.ready = True
-        elif kind == "wrapped":
-            self.wrapped = True
-        elif kind == "joining":
-            self.joining = max(self.joining, gen)
-        elif kind == "exit":
-            self.exit_report = ev
-        elif kind == "entered":
-            self.entered, self.entered_ev, self.joining = gen, ev, max(self.joining, gen)
-            self.step, self.step_gen, self.t_step = ev.get("step", 0), gen, ev["t"]
-        elif kind == "first_step":
-            self.step, self.step_gen, self.t_step = ev["step"], gen, ev["t"]
-            self.first_gen, self.t_first = gen, ev["t"]
-        elif kind == "left":
-            self.left = gen
-            step = ev.get("step")  # it may have completed a step it had not published yet
-            if step is not None and gen is not None and (self.step_gen != gen
-                                                         or step > (self.step or 0)):
-                self.step, self.step_gen = step, gen
-        elif kind == "nan":
-            self.retry_step, self.retry_loss = ev.get("step"), ev.get("output")
-        elif kind == "done":
-            self.done, self.busy = gen, ev.get("busy", self.busy)
-            self.step = ev.get("step", self.step)
+        match ev:
+            case events.Ready():
+                self.ready = True
+            case events.Wrapped():
+                self.wrapped = True
+            case events.Joining(gen=gen):
+                self.joining = max(self.joining, gen)
+            case events.Exiting():
+                self.exit_report = ev
+            case events.EnteredGeneration(gen=gen):
+                self.entered, self.entered_ev, self.joining = gen, ev, max(self.joining, gen)
+                self.step, self.step_gen, self.t_step = ev.step, gen, ev.t
+            case events.FirstStep(gen=gen):
+                self.step, self.step_gen, self.t_step = ev.step, gen, ev.t
+                self.first_gen, self.t_first = gen, ev.t
+            case events.LeftGeneration(gen=gen, step=step):
+                self.left = gen
+                # it may have completed a step it had not published yet
+                if self.step_gen != gen or step > (self.step or 0):
+                    self.step, self.step_gen = step, gen
+            case events.NanFound():
+                self.retry_step, self.retry_loss = ev.step, ev.output
+            case events.Done(gen=gen):
+                self.done, self.busy, self.step = gen, ev.busy, ev.step
 
     def take_progress(self, rec: dict[str, Any], gen: int) -> int:
         """A progress record it published; returns the step it reports for ``gen`` (else 0)."""
@@ -127,6 +126,8 @@ class WorkerTable:
         self.workers: dict[int, Worker] = {}
         self.spare_failures = 0  # spares lost in a row
         self._pending_kills: list[tuple[float, int]] = []
+        self.refused: list[str] = []  # events refused since the controller last looked
+        self._refused_from: set[int | None] = set()  # processes whose events were refused
 
     def new(self, spare: bool, node: int = 0) -> Worker:
         w = Worker(wid=self.agent.new_wid(), spare=spare, node=node)
@@ -205,9 +206,32 @@ class WorkerTable:
         for wid in due:
             self.agent.signal(wid, signal.SIGKILL)
 
-    def read_events(self) -> Iterator[dict[str, Any]]:
-        """The workers' new events, in the order they were written."""
-        return self.mail.events()
+    def read_events(self) -> Iterator[events.RankEvent]:
+        """The workers' new events, in the order they were written, decoded; those of a process
+        of this job that are ``logged`` are written to the event log as they came (a replayed
+        one is in the log of the controller before). One that is not a rank event as this
+        version of nonstop writes it (a process of another version, a bug) is refused here:
+        logged (``event_refused``), said once per process (``refused``), and passed over - what
+        it would have told is then waited for until its deadline, as if it had been lost."""
+        for raw in self.mail.events():
+            try:
+                ev = events.decode(raw)
+            except events.BadEvent as exc:
+                self._refuse(raw, str(exc))
+                continue
+            if ev.logged and not ev.replay and ev.wid in self.workers:
+                self.log.write_record("rank_" + ev.type, raw)
+            yield ev
+
+    def _refuse(self, raw: Any, why: str) -> None:
+        wid = raw.get("wid") if isinstance(raw, dict) else None
+        wid = wid if type(wid) is int else None
+        self.log.write("event_refused", wid=wid, error=why, event=raw)
+        if wid not in self._refused_from:
+            self._refused_from.add(wid)
+            self.refused.append(f"worker {wid}: an event was refused ({why}); its later "
+                                "refusals are only logged" if wid is not None else
+                                f"an event was refused ({why})")
 
     def read_progress(self, ranks: list[Worker]) -> list[tuple[Worker, dict[str, Any]]]:
         """The ranks' newest progress records."""

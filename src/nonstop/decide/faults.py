@@ -8,6 +8,8 @@ import enum
 import re
 import signal as _signal
 
+from ..protocol.events import Exiting
+
 
 class Attribution(str, enum.Enum):
     USER = "user"
@@ -111,30 +113,28 @@ def _signal_name(num: int) -> str:
         return f"SIG{num}"
 
 
-def exit_fault(report: dict | None, code: int | None, rank: int | None, before_any_step: bool) -> Fault:
+def exit_fault(report: Exiting | None, code: int | None, rank: int | None,
+               before_any_step: bool) -> Fault:
     """The fault of a rank process that ended, from its exit code and what it reported on its
     way out (``report``: its last words, None if it said nothing). ``before_any_step``: the job
     has not got past the script's start yet, so a failure there is the same on every attempt."""
-    if report is not None and report.get("import_error"):
+    if report is not None and report.import_error:
         # It failed before reaching its training function: the script's own error - unless it
         # ran without its rank (a spare taken mid-import), or the job had got past that point
         # before (then something changed: the ladder retries).
-        kind = "import_error" if before_any_step and report.get("assigned") else "exception"
-        return Fault(kind, rank=rank, code=code, message=report.get("error", ""),
-                     traceback=report.get("traceback"))
-    if report is not None and report.get("abort_hung"):
-        return Fault("abort_timeout", rank=rank, code=code, message=report.get("error", ""))
-    if report is not None and report.get("cuda") is not None:
-        from .cuda import CudaFault
-
-        cuda = CudaFault.from_record(report["cuda"])
+        kind = "import_error" if before_any_step and report.assigned else "exception"
+        return Fault(kind, rank=rank, code=code, message=report.error, traceback=report.traceback)
+    if report is not None and report.abort_hung:
+        return Fault("abort_timeout", rank=rank, code=code, message=report.error)
+    if report is not None and report.cuda is not None:
+        cuda = report.cuda
         return Fault(cuda.kind, rank=rank, code=code, message=cuda.describe(), tag=cuda.name,
-                     traceback=report.get("traceback"))
-    if report is not None and report.get("collective"):
-        return Fault("peer", rank=rank, code=code, message=report.get("error", ""))
+                     traceback=report.traceback)
+    if report is not None and report.collective:
+        return Fault("peer", rank=rank, code=code, message=report.error)
     if report is not None:
-        return Fault("exception", rank=rank, code=code, message=report.get("error", ""),
-                     traceback=report.get("traceback"))
+        return Fault("exception", rank=rank, code=code, message=report.error,
+                     traceback=report.traceback)
     if code is not None and code < 0:
         return Fault("crash", rank=rank, code=code)
     return Fault("exit", rank=rank, code=code)

@@ -1,15 +1,19 @@
 """Every type of event the event log (``events.jsonl``) holds: the controller's own, and the
 ranks' reports it forwards as ``rank_<kind>``. ``EventLog.write`` refuses any other type, so a
 renamed event cannot leave a reader (or a test asserting its absence) looking for the old name;
-docs/events.md documents each one (tests/test_event_types.py checks both)."""
+docs/events.md documents each one (tests/test_event_types.py checks both). The ranks' reports
+are typed in ``protocol/events.py``: the list of those forwarded is taken from there."""
 
 from __future__ import annotations
+
+from ..protocol import events
 
 CONTROLLER = frozenset({
     # the run
     "run_start", "metrics", "training_complete", "give_up", "interrupted", "run_end",
     # processes and generations
     "spawn", "generation", "replace", "kill", "exit", "spare_lost", "spare_mode", "deadline",
+    "event_refused",
     # faults, decisions, incidents
     "fault", "fault_ignored", "abort", "decision", "attempt_interrupted", "incident", "isolate",
     "hook", "inject_unfired",
@@ -29,8 +33,6 @@ CONTROLLER = frozenset({
 })
 
 # what a rank reports that the controller writes to the log, as ``rank_<kind>``
-RANK_FORWARDED = ("ready", "wrapped", "joining", "entered", "first_step", "left", "done",
-                  "no_steps", "inject", "exit", "snapshot_interval", "snapshot_failed",
-                  "group_kept", "bitflip", "sdc_mismatch")
+RANK_FORWARDED = tuple(kind for kind, record in events.KINDS.items() if record.logged)
 
 ALL = CONTROLLER | frozenset(f"rank_{kind}" for kind in RANK_FORWARDED)

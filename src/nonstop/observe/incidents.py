@@ -11,6 +11,9 @@ import dataclasses
 import statistics
 from typing import Any, Iterable
 
+from ..protocol.events import EnteredGeneration, SkippedCopy
+from ..protocol.records import plain
+
 PHASES = ("detect", "decide", "teardown", "replace", "rendezvous", "restore", "first_step")
 
 
@@ -171,14 +174,20 @@ def summarize(incidents: list[dict[str, Any]], wall_s: float, productive_s: floa
     }
 
 
-def restore_record(entered: list[dict[str, Any]]) -> dict[str, Any]:
-    """A generation's restore from its ranks' "entered" reports: the step, where each rank's
-    state came from, the sources that were skipped (each once), the slowest rank's seconds and
-    the bytes moved."""
-    skipped: list[dict[str, Any]] = []
-    for s in (s for e in entered for s in (e.get("skipped") or [])):
-        if s not in skipped:  # every rank learnt of every failed source
+def skipped_once(entered: list[EnteredGeneration]) -> list[SkippedCopy]:
+    """The copies a generation's restore did not use, each once (every rank learnt of each)."""
+    skipped: list[SkippedCopy] = []
+    for s in (s for e in entered for s in e.skipped):
+        if s not in skipped:
             skipped.append(s)
-    return {"step": entered[0].get("step"), "sources": {str(e["rank"]): e.get("source") for e in entered},
-            "skipped": skipped, "seconds": max(e.get("restore_s") or 0.0 for e in entered),
-            "bytes": sum(e.get("nbytes") or 0 for e in entered)}
+    return skipped
+
+
+def restore_record(entered: list[EnteredGeneration]) -> dict[str, Any]:
+    """A generation's restore from its ranks' "entered" reports: the step, where each rank's
+    state came from, the copies that were skipped (each once), the slowest rank's seconds and
+    the bytes moved."""
+    return {"step": entered[0].step, "sources": {str(e.rank): e.source for e in entered},
+            "skipped": [plain(s) for s in skipped_once(entered)],
+            "seconds": max(e.restore_s or 0.0 for e in entered),
+            "bytes": sum(e.nbytes or 0 for e in entered)}

@@ -69,8 +69,7 @@ def inject_key(index: int) -> str:
 # -- messages: controller -> worker (its mailbox) -------------------------------------------------
 # Typed here, written to the mailbox as ``mail_record`` (JSON), read back by ``mail_from``: a
 # message of an unknown type, or with a field this side does not know, is refused.
-# worker -> controller (events): JSON records with a "type" (hello, ready, wrapped, joining,
-# entered, first_step, left, done, nan, loss_rule, inject, exit, no_steps...), see runtime/.
+# worker -> controller (events): typed records, one per type of event, in events.py.
 ASSIGN = "assign"
 COMPLETE = "complete"
 EXIT = "exit"

@@ -25,6 +25,7 @@ import traceback
 from typing import Any
 
 import nonstop.protocol as protocol
+from ..protocol import events
 from ..decide.cuda import of_exception
 
 PR_SET_PDEATHSIG = 1
@@ -90,7 +91,7 @@ def main() -> None:
     if rt is None:
         print("nonstop bootstrap: not started by nonstop run", file=sys.stderr)
         sys.exit(2)
-    rt.emit("hello", pid=os.getpid())
+    rt.emit(events.Started(pid=os.getpid()))
     names, uses_nonstop, uses_ddp = script_imports(script)
     watch_group_init()
     t0 = time.time()
@@ -98,7 +99,7 @@ def main() -> None:
     mode = os.environ.get(protocol.ENV_SPARE_MODE, "script" if uses_nonstop else "import")
     msg = rt.poll_message()
     if msg is None and mode == "import":
-        rt.emit("ready", pid=os.getpid(), mode="import", warm_s=time.time() - t0)
+        rt.emit(events.Ready(pid=os.getpid(), mode="import", warm_s=time.time() - t0))
         msg = rt.wait_message()
     elif msg is None and mode == "rank":
         # A rank's assignment is published as soon as the store is up (a replacement's before it
@@ -111,8 +112,8 @@ def main() -> None:
         rt.apply_env(rt.assignment)
         if not uses_nonstop:
             rt.assignment_consumed = True
-            rt.emit("entered", gen=rt.assignment.gen, rank=rt.assignment.rank, plain=True,
-                    step=None, t_assigned=time.time())
+            rt.emit(events.EnteredGeneration(gen=rt.assignment.gen, rank=rt.assignment.rank,
+                                             plain=True, step=None, t_assigned=time.time()))
     run_script(rt, script, args)
 
 
@@ -191,17 +192,16 @@ def run_script(rt: Any, script: str, args: list[str]) -> None:
             # the script gave up at its top level (argparse, a check of its own): every attempt
             # would do the same, and it said why in its output (no traceback to add)
             error, _ = _describe(exc, script)
-            rt.emit("exit", code=code, error=error, traceback=None, import_error=True,
-                    assigned=assigned, collective=False,
-                    **_assigned_to(rt))
+            rt.emit(events.Exiting(code=code, error=error, traceback=None, import_error=True,
+                                   assigned=assigned, collective=False, **_assigned_to(rt)))
         _end(code or 0)
     except BaseException as exc:  # noqa: BLE001 - report the user's error to the launcher, once
         error, text = _describe(exc, script)
         at_import = _before_training(rt)
         cuda = None if at_import else of_exception(exc)
-        rt.emit("exit", code=1, error=error, traceback=text, import_error=at_import,
-                assigned=assigned, collective=not at_import and worker.is_collective_error(exc),
-                cuda=cuda.record() if cuda is not None else None, **_assigned_to(rt))
+        rt.emit(events.Exiting(code=1, error=error, traceback=text, import_error=at_import,
+                               assigned=assigned, cuda=cuda, **_assigned_to(rt),
+                               collective=not at_import and worker.is_collective_error(exc)))
         _end(1)
     _end(0, kept)
 

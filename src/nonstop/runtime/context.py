@@ -11,6 +11,7 @@ import math
 import time
 from typing import Any, Iterator
 
+from ..protocol import events
 from .registered import State
 
 
@@ -89,8 +90,8 @@ class Context:
                     rt.injector.check("start", self.rank, step)
                     if rt.injector.claim_kind("bitflip", self.rank, step):
                         where = state.flip_bit(seed=step)
-                        rt.emit("bitflip", gen=self.generation, rank=self.rank, step=step,
-                                where=where)
+                        rt.emit(events.BitFlipped(gen=self.generation, rank=self.rank, step=step,
+                                                  where=where))
                 if reseed is not None:
                     import torch
 
@@ -139,9 +140,9 @@ class Context:
         if self._loss_rules is not None and self._loss is not None and self._rt is not None:
             value = float(self._loss)
             for rule in self._loss_rules.observe(value):
-                self._rt.emit("loss_rule", rule=rule.name, action=rule.action, rank=self.rank,
-                              step=self._state.step, loss=value if math.isfinite(value) else str(value),
-                              gen=self.generation)
+                self._rt.emit(events.LossRuleFired(
+                    rule=rule.name, action=rule.action, rank=self.rank, step=self._state.step,
+                    loss=value if math.isfinite(value) else str(value), gen=self.generation))
 
     def progress(self) -> None:
         """Say that the training function made progress, for a loop that does not iterate

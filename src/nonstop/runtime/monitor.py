@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 import nonstop.protocol as protocol
-from ..protocol import last_step
+from ..protocol import events, last_step
 
 if TYPE_CHECKING:
     from .pg import GenerationGroup
@@ -73,6 +73,9 @@ class Runtime(Protocol):
     def reconnect(self, exc: BaseException) -> None:
         """This thread's store connection failed: a new one."""
 
+    def emit(self, event: events.RankEvent) -> None:
+        """Report an event to the controller."""
+
 
 class Monitor:
     def __init__(self, rt: Runtime):
@@ -85,7 +88,7 @@ class Monitor:
         self._changed = threading.Event()
         # progress, written by the main thread
         self._progress: dict[str, Any] | None = None
-        self._first_step: dict[str, Any] | None = None
+        self._first_step: events.FirstStep | None = None
         self._last_publish = 0.0
         self._wake = threading.Event()
         self._started = False
@@ -214,7 +217,7 @@ class Monitor:
         self._last_step.write(gen, step, now, busy, stall)
         if first:
             self._stepped_gen = gen
-            self._first_step = {"gen": gen, "rank": rank, "step": step, "t": now}
+            self._first_step = events.FirstStep(gen=gen, rank=rank, step=step, t=now)
             self._wake.set()
         elif now - self._last_publish >= PUBLISH_INTERVAL_S:
             self._wake.set()
@@ -252,8 +255,8 @@ class Monitor:
         self._last_step.write(gen, step, now, math.nan, math.nan)
         if self._stepped_gen != gen:
             self._stepped_gen = gen
-            self._first_step = {"gen": gen, "rank": rt.rank, "step": step, "t": now,
-                                "steps": False, "via": source}
+            self._first_step = events.FirstStep(gen=gen, rank=rt.rank, step=step, t=now,
+                                                steps=False, via=source)
             self._wake.set()
         elif now - self._last_publish >= PUBLISH_INTERVAL_S:
             self._wake.set()
@@ -266,9 +269,9 @@ class Monitor:
     def _no_steps(self, via: str) -> None:
         self.stepless = True
         rt = self._rt
-        rt.emit("no_steps", gen=self._gen, rank=rt.rank, via=via, registered=rt.registered,
-                function=getattr(rt, "function_name", None),
-                faults=[f.describe() for f in rt.injector.need_steps(rt.registered)])
+        rt.emit(events.NoSteps(gen=self._gen, rank=rt.rank, via=via, registered=rt.registered,
+                               function=getattr(rt, "function_name", None),
+                               faults=[f.describe() for f in rt.injector.need_steps(rt.registered)]))
 
     def pause(self, label: str | None) -> None:
         """Mark the rank as busy with something long that is not a step (None: done)."""
@@ -300,7 +303,7 @@ class Monitor:
             self._wake.clear()
             first, self._first_step = self._first_step, None
             if first is not None:
-                rt.emit("first_step", **first)
+                rt.emit(first)
             now = time.time()
             where, location = self._where()
             if location != place:

@@ -15,6 +15,7 @@ from typing import Any
 
 import nonstop.inject as inject
 import nonstop.protocol as protocol
+from ..protocol import events
 
 _RUNTIME: "WorkerRuntime | None" = None
 RELEASE_RETRY_S = 5.0  # a group kept busy is tried again after this, doubling each time
@@ -106,13 +107,16 @@ class WorkerRuntime:
             self._local.store = client
         return client
 
-    def emit(self, event_type: str, /, **fields: Any) -> None:
-        fields.setdefault("t", time.time())
-        fields["type"] = event_type
-        fields["wid"] = self.worker_id
+    def emit(self, event: events.RankEvent) -> None:
+        """Report ``event`` to the controller: its ``wid`` is this process's, its ``t`` now
+        unless it says when."""
+        rec = events.encode(event)
+        rec["wid"] = self.worker_id
+        if not event.t:
+            rec["t"] = time.time()
         store = self.store
         with self._ev_lock:  # the number is taken only once the event is written: no gaps
-            store.set(protocol.event_key(self.worker_id, self._ev_seq), protocol.dumps(fields))
+            store.set(protocol.event_key(self.worker_id, self._ev_seq), protocol.dumps(rec))
             self._ev_seq += 1
         store.add(protocol.EVENT_COUNT_KEY, 1)
 
@@ -168,7 +172,7 @@ class WorkerRuntime:
         for group in groups:
             if not group.release(budget_s):
                 self.closed_groups.append(group)
-                self.emit("group_kept", gen=group.gen, times=group.undrained)
+                self.emit(events.GroupKept(gen=group.gen, times=group.undrained))
         self._next_release = time.monotonic() + RELEASE_RETRY_S * (
             2 ** min(6, max((g.undrained for g in self.closed_groups), default=0)))
 
@@ -226,16 +230,17 @@ class WorkerRuntime:
             return 0.0
         spent, changed = snaps.after_step(state, rank, world, gen, step_s, first, self.injector)
         if changed and rank == 0:
-            self.emit("snapshot_interval", gen=gen, step=state.step, **snaps.stats())
+            self.emit(events.SnapshotInterval(gen=gen, step=state.step, **snaps.stats()))
         found = snaps.digests.mismatch if snaps.digests is not None else None
         if found is not None:  # the policy only reports it: training goes on
             snaps.digests.mismatch = None
-            self.emit("sdc_mismatch", gen=gen, rank=rank, step=found.step,
-                      suspects=found.suspects, digests=found.digests)
+            self.emit(events.SdcMismatch(gen=gen, rank=rank, step=found.step,
+                                         suspects=found.suspects, digests=found.digests))
         if snaps.error != self._snapshot_error:
             self._snapshot_error = snaps.error
             if snaps.error:
-                self.emit("snapshot_failed", gen=gen, rank=rank, step=state.step, error=snaps.error)
+                self.emit(events.SnapshotFailed(gen=gen, rank=rank, step=state.step,
+                                                error=snaps.error))
         return spent
 
     def steps_done(self, state: Any, rank: int, world: int, gen: int) -> None:
@@ -249,8 +254,8 @@ class WorkerRuntime:
 
     def _announce_fault(self, fault: inject.FaultSpec, step: int, index: int | None = None) -> None:
         gen = self.assignment.gen if self.assignment is not None else None
-        self.emit("inject", fault=fault.describe(), kind=fault.kind, rank=fault.rank, step=step,
-                  gen=gen, pid=os.getpid(), index=index)
+        self.emit(events.FaultFired(fault=fault.describe(), kind=fault.kind, rank=fault.rank,
+                                    step=step, gen=gen, pid=os.getpid(), index=index))
 
     def _adopt_claims(self, claimed: dict[str, int]) -> None:
         """Faults already fired elsewhere in the job (another host's store counted them): count

@@ -17,6 +17,7 @@ import traceback
 from typing import Any, Callable, TypeVar
 
 import nonstop.protocol as protocol
+from ..protocol import events
 from . import nccl
 from .context import Context
 from ..decide.cuda import of_exception
@@ -86,12 +87,12 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
     rt.registered = state is not None
     if not rt.wrapped:
         rt.wrapped = True
-        rt.emit("wrapped", pid=os.getpid())
+        rt.emit(events.Wrapped(pid=os.getpid()))
     while True:
         if rt.assignment is None:
             if nccl.uses_nccl(backend):  # a warm spare: NCCL's environment and CUDA, now
                 _warm_gpu()
-            rt.emit("ready", pid=os.getpid(), mode="script")
+            rt.emit(events.Ready(pid=os.getpid(), mode="script"))
             if rt.node_memory is not None and state is not None:  # a warm spare
                 rt.node_memory.prepare(until=lambda: rt.assignment is not None)
         msg = rt.next_assignment()
@@ -120,7 +121,7 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
         # Everything alive now (torch, the model, the script's setup) is moved out of the
         # collector's sight: the collection at teardown then only walks this generation's objects.
         gc.freeze()
-        rt.emit("joining", gen=gen, rank=rank)
+        rt.emit(events.Joining(gen=gen, rank=rank))
         rt.monitor.begin(gen, group)
         outcome = _enter(rt, group, fn, tracked, has_state, msg, t_assigned, args, kwargs)
         while isinstance(outcome, _Retry):
@@ -142,9 +143,10 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
             rt.monitor.end()
             t_destroy = group.close()
             rt.closed_groups.append(group)
-            rt.emit("left", gen=gen, rank=rank, step=tracked.step, dirty=tracked.dirty,
-                    destroy_s=t_destroy, collected=group.collected,
-                    sockets_shut=group.sockets_shut, **outcome.detail)
+            rt.emit(events.LeftGeneration(gen=gen, rank=rank, step=tracked.step,
+                                          dirty=tracked.dirty, destroy_s=t_destroy,
+                                          collected=group.collected,
+                                          sockets_shut=group.sockets_shut, **outcome.detail))
             continue
         result = outcome
         rt.monitor.returned()
@@ -152,10 +154,11 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
         # ctx.steps moves the step index, so only then is it known how far it got)
         unfired = [f.describe() for f in rt.injector.unreached(rank, tracked.step)] \
             if rt.monitor.steps_seen else []
-        rt.emit("done", gen=gen, rank=rank, step=tracked.step, busy=rt.busy, unfired=unfired,
-                steps=rt.monitor.steps_seen, sdc=rt.snapshots.digests.stats()
-                if rt.snapshots is not None and rt.snapshots.digests is not None else None,
-                final_persist=rt.snapshots.final_persist if rt.snapshots is not None else None)
+        rt.emit(events.Done(gen=gen, rank=rank, step=tracked.step, busy=rt.busy, unfired=unfired,
+                            steps=rt.monitor.steps_seen, sdc=rt.snapshots.digests.stats()
+                            if rt.snapshots is not None and rt.snapshots.digests is not None
+                            else None, final_persist=rt.snapshots.final_persist
+                            if rt.snapshots is not None else None))
         verdict = rt.wait_message()
         if isinstance(verdict, protocol.Complete):
             rt.monitor.end()
@@ -164,8 +167,8 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
         rt.monitor.end()
         group.close()
         rt.closed_groups.append(group)
-        rt.emit("left", gen=gen, rank=rank, reason="reassigned", step=tracked.step,
-                dirty=tracked.dirty, t_caught=time.time())
+        rt.emit(events.LeftGeneration(gen=gen, rank=rank, reason="reassigned", step=tracked.step,
+                                      dirty=tracked.dirty, t_caught=time.time()))
         if isinstance(verdict, protocol.Exit):
             _retire()
 
@@ -188,7 +191,7 @@ def _report_retry(rt: Any, tracked: State, gen: int, rank: int, retry: "_Retry")
     """Every rank saw the same non-finite gradients (they were reduced together): report, and
     let the controller say retry (same generation, no teardown) or call it off. Returns the
     retry message, or None when called off (a new assignment is then waiting)."""
-    rt.emit("nan", gen=gen, rank=rank, step=retry.step, output=retry.loss)
+    rt.emit(events.NanFound(gen=gen, rank=rank, step=retry.step, output=retry.loss))
     verdict = rt.wait_message()
     if isinstance(verdict, protocol.Exit):
         _retire()
@@ -203,7 +206,7 @@ def _report_retry(rt: Any, tracked: State, gen: int, rank: int, retry: "_Retry")
 
 class _Failure:
     def __init__(self, detail: dict[str, Any]):
-        self.detail = detail
+        self.detail = detail  # the fields of its LeftGeneration event that say why
 
 
 class _Retry:
@@ -247,15 +250,15 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
         rt.entries += 1
         rt.ever_entered = True
         os.environ[protocol.ENV_ENTRIES] = str(rt.entries)
-        rt.emit("entered", gen=gen, rank=rank, step=resumed.step, source=resumed.source,
-                holder=resumed.holder, receivers=list(resumed.receivers),
-                sources={str(r): s for r, s in resumed.sources.items()}, skipped=resumed.skipped,
-                nbytes=resumed.nbytes, restore_s=round(resumed.seconds, 6),
-                restore_phases=resumed.phases,
-                sharded=tracked.sharded, nccl=group.nccl,
-                t_assigned=t_assigned, t_pg=t_pg, t_restored=t_restored,
-                fds=len(os.listdir("/proc/self/fd")), threads=len(os.listdir("/proc/self/task")),
-                rss_mb=_rss_mb())
+        rt.emit(events.EnteredGeneration(
+            gen=gen, rank=rank, step=resumed.step, source=resumed.source, holder=resumed.holder,
+            receivers=list(resumed.receivers),
+            sources={str(r): s for r, s in resumed.sources.items()}, skipped=resumed.skipped,
+            nbytes=resumed.nbytes, restore_s=round(resumed.seconds, 6),
+            restore_phases=resumed.phases, sharded=tracked.sharded, nccl=group.nccl,
+            t_assigned=t_assigned, t_pg=t_pg, t_restored=t_restored,
+            fds=len(os.listdir("/proc/self/fd")), threads=len(os.listdir("/proc/self/task")),
+            rss_mb=_rss_mb()))
         ctx = _context(rt, tracked, msg, resumed)
         phase = "train"
         return fn(ctx, *args, **kwargs)
@@ -295,7 +298,7 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
         if isinstance(exc, SilentCorruption):
             detail.update(sdc_step=exc.step, suspects=exc.suspects, digests=exc.digests)
         if cuda is not None:
-            detail["cuda"] = cuda.record()
+            detail["cuda"] = cuda
         if rt.snapshots is not None and rt.snapshots.digests is not None:
             detail["sdc"] = rt.snapshots.digests.stats()
         _release_frames(exc)
@@ -376,9 +379,10 @@ def _poisoned(rt: Any, group: Any, exc: BaseException, cuda: Any, gen: int, rank
     print(f"nonstop: rank {rank}: {cuda.name} ({cuda.text}): this process's CUDA context is "
           f"unusable; it ends and its rank gets a new process", file=sys.stderr, flush=True)
     try:
-        rt.emit("exit", code=protocol.EXIT_CUDA, error=f"{type(exc).__name__}: {exc}"[:2000],
-                traceback=_user_traceback(exc)[-20000:], cuda=cuda.record(), gen=gen,
-                rank=rank, phase=phase, step=step)
+        rt.emit(events.Exiting(code=protocol.EXIT_CUDA, assigned=True,
+                               error=f"{type(exc).__name__}: {exc}"[:2000],
+                               traceback=_user_traceback(exc)[-20000:], cuda=cuda,
+                               gen=gen, rank=rank, phase=phase, step=step))
     finally:
         _exit(protocol.EXIT_CUDA)
 
@@ -389,8 +393,8 @@ def _abort_hung(rt: Any, gen: int, rank: int, why: str) -> None:
     print(f"nonstop: rank {rank}: {why}; this process ends and its rank gets a new one",
           file=sys.stderr, flush=True)
     try:
-        rt.emit("exit", code=protocol.EXIT_ABORT_HUNG, error=why, abort_hung=True, gen=gen,
-                rank=rank)
+        rt.emit(events.Exiting(code=protocol.EXIT_ABORT_HUNG, error=why, assigned=True,
+                               abort_hung=True, gen=gen, rank=rank))
     finally:
         _exit(protocol.EXIT_ABORT_HUNG)
 

@@ -20,6 +20,8 @@ import statistics
 import time
 from typing import Any
 
+from ..protocol.events import DigestChecks
+
 _MIX = 1_000_003  # digests of the tensors combined in order: a swap of two changes the result
 _MOD = 2**64  # a sum of 64-bit words wraps: every bit of it counts, the top one too
 
@@ -169,7 +171,7 @@ class Digests:
         """A generation begins: its checks are counted from here (the chain goes on)."""
         self.checks, self.first_step, self.last_step = 0, None, None
 
-    def stats(self) -> dict[str, Any]:
-        return {"checks": self.checks, "first_step": self.first_step, "last_step": self.last_step,
-                "chain": self.chain, "cost_s": self.cost_s, "certified": self.certified,
-                "certified_t": self.certified_t}
+    def stats(self) -> DigestChecks:
+        return DigestChecks(checks=self.checks, first_step=self.first_step,
+                            last_step=self.last_step, chain=self.chain, cost_s=self.cost_s,
+                            certified=self.certified, certified_t=self.certified_t)

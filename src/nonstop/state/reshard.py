@@ -24,7 +24,8 @@ from typing import Any, Iterator
 from . import memory as mem
 from . import packing, staging
 from .plan import NoConsistentState
-from .restore import RestoreResult, _all_gather_json, _Bad, verified
+from ..protocol.events import SkippedCopy
+from .restore import RestoreResult, _all_gather_json, _Bad, said, verified
 
 MAX_ATTEMPTS = 4
 _SOURCES = ("live", "memory", "buddy", "disk")  # cheapest first
@@ -125,7 +126,7 @@ def reshard(state: Any, rank: int, world: int, worlds: dict[int, int],
     if agreed is not None:  # a fault injection point: the offers are known, nothing moved yet
         agreed()
     excluded: set[tuple[int, str, int]] = set()
-    skipped: list[dict[str, Any]] = []
+    skipped: list[SkippedCopy] = []
     for _ in range(MAX_ATTEMPTS):
         step, old_world, sources = plan(inventories, worlds, excluded, prefer)
         shards, nbytes, failed = _exchange(state, rank, step, old_world, sources, where)
@@ -133,11 +134,12 @@ def reshard(state: Any, rank: int, world: int, worlds: dict[int, int],
             break
         for src in failed:
             excluded.add((src.shard, src.kind, step))
-            skipped.append({"shard": src.shard, "source": src.kind, "step": step,
-                            "holder": src.holder})
+            skipped.append(SkippedCopy(cause="bad_copy", source=src.kind, rank=None, step=step,
+                                       why="its holder could not read it, or it arrived broken",
+                                       shard=src.shard, holder=src.holder))
     else:
         raise NoConsistentState(f"no good copy of every shard after {MAX_ATTEMPTS} attempts; "
-                                f"failed: {skipped}")
+                                f"failed: {said(skipped)}")
     t_moved = time.monotonic()
     state.load_state_dict(staging.to_device(state, merge(shards)))
     state.step, state.dirty = step, False

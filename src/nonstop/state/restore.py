@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from ..protocol.events import SkippedCopy
 from . import memory as mem
 from . import packing, staging
 from . import plan as planning
@@ -39,7 +40,7 @@ class RestoreResult:
     receivers: tuple[int, ...]  # ranks whose state moved or was read (not live in place)
     nbytes: int = 0
     seconds: float = 0.0
-    skipped: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # sources that failed
+    skipped: list[SkippedCopy] = dataclasses.field(default_factory=list)  # copies not used, and why
     agreed: dict[str, Any] = dataclasses.field(default_factory=dict)  # schedule agreed by all
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # where the time went
 
@@ -182,9 +183,9 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
     t_gathered = time.monotonic()
     if agreed is not None:
         agreed()
-    skipped: list[dict[str, Any]] = [
-        {**f, "source": "live", "why": "its parameters differ from its replicas' (sdc)"}
-        for f in odd]
+    skipped = [SkippedCopy(cause="sdc", source="live", rank=f["rank"], step=f["step"],
+                           why="its parameters differ from its replicas'", digests=f["digests"])
+               for f in odd]
     for attempt in range(MAX_ATTEMPTS):
         p = planning.plan(offers, where.sharded)
         nbytes, failure = _execute(p, offers, state, rank, where)
@@ -193,16 +194,20 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
         failed = [f for f in statuses if f is not None]
         if not failed:
             break
-        skipped.extend(failed)
+        skipped.extend(SkippedCopy(cause="bad_copy", source=f["source"], rank=f["rank"],
+                                   step=f["step"], why=f["why"], offered_by=f["offered_by"])
+                       for f in failed)
         offers = _without(offers, failed)
     else:
-        raise NoConsistentState(f"no good source after {MAX_ATTEMPTS} attempts; failed: {skipped}")
+        raise NoConsistentState(f"no good source after {MAX_ATTEMPTS} attempts; failed: "
+                                f"{said(skipped)}")
     mine = p.actions[rank]
     state.step = p.step
     state.dirty = False
     receivers = tuple(a.rank for a in p.actions if not (a.source == "live" and a.holder is None))
     if problems:
-        skipped.append({"rank": rank, "source": "memory", "why": problems["memory"]})
+        skipped.append(SkippedCopy(cause="memory_unreachable", source="memory", rank=rank,
+                                   step=None, why=problems["memory"]))
     # (alike on every rank: the same offers, minus the same failed sources)
     newest = held(offers, where.sharded, p.step)
     # the step where a mismatch was found (by the comparison before a snapshot: the step after
@@ -222,6 +227,12 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
                                  "agree": round(t_gathered - t_offer, 6),  # waits for the last rank
                                  "move": round(t_moved - t_gathered, 6),  # the final attempt
                                  "confirm": round(t_end - t_moved, 6)})
+
+
+def said(skipped: list[SkippedCopy]) -> str:
+    """The copies not used, for people: whose, from where, of which step, and why."""
+    return "; ".join(f"{'rank ' + str(s.rank) if s.rank is not None else 'shard ' + str(s.shard)}"
+                     f" {s.source} copy of step {s.step}: {s.why}" for s in skipped) or "none"
 
 
 GATHER_BYTES = 4096  # a rank's JSON this long or shorter goes in the one all_gather

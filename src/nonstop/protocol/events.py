@@ -1,0 +1,373 @@
+"""What a rank process reports to the controller, typed: one frozen record per kind of event.
+
+The rank writes each ``encode``d (a JSON object: its ``type``, a top-level ``t`` that a relay
+across hosts moves onto the controller's clock, ``wid``, its fields) to its host's store; the
+controller reads it back with ``decode``, which refuses (``BadEvent``) an unknown type, a field
+missing or not known, or a value of the wrong type. A record that is ``logged`` goes to the event
+log as ``rank_<type>`` (``observe/event_types.py`` takes the list from here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Literal
+
+from ..decide.cuda import CudaFault
+from .records import BadRecord, Reader, plain
+
+KINDS: dict[str, type[RankEvent]] = {}  # type -> its record
+
+# where a rank was in a generation when it failed: joining its group, agreeing on the state,
+# running the training function, or waiting to retry a step
+Phase = Literal["rendezvous", "restore", "train", "retry"]
+# a copy of the state: the rank's own in its process, its node's memory, the certified copy the
+# process keeps, a replica on the buddy node, a checkpoint on disk
+Source = Literal["live", "memory", "kept", "buddy", "disk"]
+
+
+class BadEvent(BadRecord):
+    """A rank's event that is not one of these, or not as it should be."""
+
+
+# == what events carry ===============================================================================
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SkippedCopy:
+    """A copy of the state a restore did not use, and why (``cause``, for decisions; ``why``,
+    for people)."""
+
+    # sdc: the rank's live state differed from its replicas' at the same step (silent
+    # corruption); bad_copy: missing or failed its checksum when read; memory_unreachable: the
+    # node's memory did not answer when the rank listed what it holds
+    cause: Literal["sdc", "bad_copy", "memory_unreachable"]
+    source: Source
+    rank: int | None  # whose state (None: a shard's, after a reshard)
+    step: int | None
+    why: str
+    offered_by: int | None = None  # the rank that offered the copy
+    shard: int | None = None  # a reshard's: the old shard, and the rank that held it
+    holder: int | None = None
+    digests: dict[str, int] | None = None  # sdc: every compared rank's digest
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DigestChecks:
+    """A rank's comparisons of the replicas' parameters (``detect.sdc``) so far."""
+
+    checks: int
+    first_step: int | None
+    last_step: int | None
+    chain: str  # a digest of every agreeing comparison, in order
+    cost_s: float | None
+    certified: int | None  # the newest snapshot committed of a step whose check agreed
+    certified_t: float | None  # ...and when (wall clock)
+
+
+# == the events ======================================================================================
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RankEvent:
+    type: ClassVar[str] = ""
+    logged: ClassVar[bool] = True  # written to the event log, as rank_<type>
+
+    wid: int = -1  # the process (stamped by WorkerRuntime.emit)
+    t: float = 0.0  # when it happened (0: when it is emitted)
+    replay: bool = False  # relayed again to a controller taking over: its predecessor logged it
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.type:
+            KINDS[cls.type] = cls
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Started(RankEvent):
+    """The process is up (bootstrap), before its slow imports."""
+
+    type: ClassVar[str] = "hello"
+    logged: ClassVar[bool] = False
+    pid: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Ready(RankEvent):
+    """A process without a rank is warm: it waits for one (a spare)."""
+
+    type: ClassVar[str] = "ready"
+    pid: int
+    mode: Literal["script", "import"]  # ran the script up to nonstop.wrap, or imported only
+    warm_s: float | None = None  # import: how long its imports took
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Wrapped(RankEvent):
+    """The script reached ``nonstop.wrap`` (once in the process's life)."""
+
+    type: ClassVar[str] = "wrapped"
+    pid: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Joining(RankEvent):
+    type: ClassVar[str] = "joining"
+    gen: int
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EnteredGeneration(RankEvent):
+    """The rank's group formed and its state was agreed: it runs the training function. A
+    plain script's rank (``plain``) says only when it was assigned: the rest is None."""
+
+    type: ClassVar[str] = "entered"
+    gen: int
+    rank: int
+    step: int | None
+    t_assigned: float
+    plain: bool = False
+    source: str | None = None  # a Source, or how a reshard merged them ("live+memory, resharded")
+    holder: int | None = None  # the rank its state came from
+    receivers: list[int] | None = None  # ranks whose state moved or was read
+    sources: dict[str, str] | None = None  # every rank's source
+    skipped: list[SkippedCopy] = dataclasses.field(default_factory=list)
+    nbytes: int | None = None
+    restore_s: float | None = None
+    restore_phases: dict[str, float] | None = None
+    sharded: bool | None = None
+    nccl: bool | None = None
+    t_pg: float | None = None  # its group formed
+    t_restored: float | None = None
+    fds: int | None = None  # its open files, threads and memory (leaks across generations)
+    threads: int | None = None
+    rss_mb: float | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FirstStep(RankEvent):
+    """The first step the rank completed in a generation (``t``: when). A function without
+    ``ctx.steps`` reports its first progress instead (``steps`` false, ``via`` what it was)."""
+
+    type: ClassVar[str] = "first_step"
+    gen: int
+    rank: int
+    step: int
+    steps: bool = True
+    via: Literal["optimizer", "report", "progress"] | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LeftGeneration(RankEvent):
+    """The rank left a generation: it failed there (or a peer did), or it was done and was
+    given another place (``reassigned``)."""
+
+    type: ClassVar[str] = "left"
+    gen: int
+    rank: int
+    step: int
+    dirty: bool  # its state is mid-step: not to be offered
+    reason: Literal["regroup", "sdc", "abort", "no_state", "cuda_oom", "peer", "exception",
+                    "reassigned"]
+    t_caught: float
+    phase: Phase | None = None
+    error: str | None = None
+    traceback: str | None = None  # a user exception's, or an out-of-memory's
+    t_pg: float | None = None  # left while restoring: when its group had formed
+    destroy_s: float | None = None  # its group's teardown
+    collected: int | None = None
+    sockets_shut: int | None = None
+    sdc_step: int | None = None  # sdc: where the replicas' parameters differed...
+    suspects: list[int] | None = None  # ...which ranks differ from the others
+    digests: list[int] | None = None  # ...every rank's digest
+    cuda: CudaFault | None = None
+    sdc: DigestChecks | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Done(RankEvent):
+    """The training function returned."""
+
+    type: ClassVar[str] = "done"
+    gen: int
+    rank: int
+    step: int
+    busy: float  # seconds in completed steps, over the process's life
+    unfired: list[str]  # injected faults keyed to steps it never reached
+    steps: bool  # it iterated ctx.steps
+    sdc: DigestChecks | None
+    final_persist: int | None  # the last step it sent to disk
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NanFound(RankEvent):
+    """Non-finite gradients at ``step``: the rank waits to be told to retry or skip it."""
+
+    type: ClassVar[str] = "nan"
+    logged: ClassVar[bool] = False
+    gen: int
+    rank: int
+    step: int
+    output: float | Literal["nan"] | None  # this rank's forward output: 1.0 finite, or not
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossRuleFired(RankEvent):
+    """A loss rule of the policy held on this rank (logged by the controller as
+    ``loss_rule_fired``)."""
+
+    type: ClassVar[str] = "loss_rule"
+    logged: ClassVar[bool] = False
+    gen: int
+    rank: int
+    step: int
+    rule: str
+    action: Literal["report", "restart", "fail"]
+    loss: float | Literal["nan", "inf", "-inf"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NoSteps(RankEvent):
+    """The training function runs without ``ctx.steps``: its progress is its marks."""
+
+    type: ClassVar[str] = "no_steps"
+    gen: int | None
+    rank: int
+    via: Literal["optimizer", "report", "progress", "returned"]
+    registered: bool  # it registered a nonstop.State
+    function: str | None
+    faults: list[str]  # injected faults keyed to steps: they cannot fire
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FaultFired(RankEvent):
+    """An injected fault fired (``--inject``)."""
+
+    type: ClassVar[str] = "inject"
+    fault: str  # as it was given
+    kind: str
+    rank: int  # -1: every rank
+    step: int  # -1: a recovery point's
+    gen: int | None
+    pid: int
+    index: int | None  # its place in the list: fired once in the job
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Exiting(RankEvent):
+    """The process's last words, as it ends on its own: an error in the script (at import, or
+    in the training function of a plain script), a sticky CUDA error, communicators that would
+    not abort."""
+
+    type: ClassVar[str] = "exit"
+    code: int
+    error: str
+    assigned: bool  # it held a rank when it ran the script (a spare may run it without)
+    traceback: str | None = None
+    import_error: bool = False  # it failed before reaching its training function
+    abort_hung: bool = False
+    collective: bool = False  # the error looks like a failed collective (a peer's fault)
+    cuda: CudaFault | None = None
+    gen: int | None = None
+    rank: int | None = None
+    phase: Phase | None = None
+    step: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SnapshotInterval(RankEvent):
+    """Rank 0: the agreed snapshot interval changed."""
+
+    type: ClassVar[str] = "snapshot_interval"
+    gen: int
+    step: int
+    every: int
+    cost_s: float | None
+    step_s: float | None
+    repl_s: float | None
+    last: int | None
+    taken: int
+    spent_s: float
+    error: str | None
+    staged: bool
+    write_s: float | None
+    skipped: int  # snapshots not taken: the one before was still being written
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SnapshotFailed(RankEvent):
+    type: ClassVar[str] = "snapshot_failed"
+    gen: int
+    rank: int
+    step: int
+    error: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupKept(RankEvent):
+    """An aborted generation's process group was still busy after its release budget: kept,
+    to be destroyed later (``times``: tried so far)."""
+
+    type: ClassVar[str] = "group_kept"
+    gen: int
+    times: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BitFlipped(RankEvent):
+    """An injected bit flip struck the rank's parameters."""
+
+    type: ClassVar[str] = "bitflip"
+    gen: int
+    rank: int
+    step: int
+    where: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SdcMismatch(RankEvent):
+    """The replicas' digests disagreed at a snapshot, and the policy only reports it."""
+
+    type: ClassVar[str] = "sdc_mismatch"
+    gen: int
+    rank: int
+    step: int
+    suspects: list[int]
+    digests: list[int]
+
+
+# == on the wire =====================================================================================
+_READ = Reader()
+_SCALARS = (int, float, str, bool, type(None))
+_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def encode(ev: RankEvent) -> dict[str, Any]:
+    """The JSON object of an event: its ``type``, then its fields (``replay`` only when set)."""
+    names = _NAMES.get(type(ev))
+    if names is None:
+        names = _NAMES[type(ev)] = tuple(f.name for f in dataclasses.fields(ev)
+                                         if f.name != "replay")
+    out: dict[str, Any] = {"type": ev.type}
+    for name in names:
+        value = getattr(ev, name)
+        out[name] = value if type(value) in _SCALARS else plain(value)
+    if ev.replay:
+        out["replay"] = True
+    return out
+
+
+def decode(raw: Any) -> RankEvent:
+    """The event a JSON object holds; BadEvent for one that is not a rank event as this version
+    of nonstop writes it."""
+    kind = raw.get("type") if type(raw) is dict else None
+    cls = KINDS.get(kind) if type(kind) is str else None
+    if cls is None:
+        raise BadEvent(f"unknown rank event {_short(kind if type(raw) is dict else raw)}")
+    try:
+        return _READ.record(cls, raw, cls.type, skip=("type",), may_lack=("replay",))
+    except BadEvent:
+        raise
+    except BadRecord as exc:
+        raise BadEvent(str(exc)) from None
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
