@@ -13,6 +13,7 @@ import gc
 import os
 import signal
 import time
+from types import MappingProxyType
 from typing import Any
 
 from .. import protocol
@@ -36,7 +37,7 @@ from .ledger import SdcBook, TrainingLedger
 from .requests import Preemptions, Requests
 from .phase import ACTIVE, ENDING, Phase
 from .watchers import Command, Watchers
-from .exits import ProcessExits
+from .exits import JobNow, ProcessExits
 from .worker_events import WorkerEvents
 from .workers import Worker, WorkerTable
 
@@ -46,7 +47,7 @@ TICK_IDLE_S = 0.05  # ...while it trains
 SCAN_PER_RANK_S = 10e-6  # the whole job is looked at no more often than this, a rank (_check)
 
 
-class Controller(ProcessExits, WorkerEvents):
+class Controller(WorkerEvents):
     def __init__(self, *, world: int, spares: int, policy: Policy, mail: Any, agent: Agent,
                  log: EventLog, display: Any, managed: bool, nodes: int = 1, spare_nodes: int = 0,
                  run_dir: Any = None):
@@ -68,6 +69,7 @@ class Controller(ProcessExits, WorkerEvents):
         self.workers = self.table.workers
         self.book = IncidentBook(log, display)
         self.state = mc.JobState()
+        self._dispatching = False  # the machine's commands are being carried out (_step)
         self.gens = Generations(world=world, spares=spares, nodes=nodes, spare_nodes=spare_nodes,
                                 policy=policy, mail=mail, table=self.table, memory=self.memory,
                                 watchers=self.watchers, log=log, display=display)
@@ -80,6 +82,7 @@ class Controller(ProcessExits, WorkerEvents):
         self._t_retry = 0.0  # when its ranks were last told to redo a step
         self.t_ready: float | None = None  # when the first one did (the end of start-up)
         self.progress = ProgressLog(run_dir)  # the ranks' steps as they completed
+        self.exits = ProcessExits(self.workers, self.memory, self.gens, self.progress, log, display)
         self.metrics: Any = None  # observe.metrics.JobMetrics, with --metrics-port
         self.status = StatusWriter(run_dir)  # for nonstop status
         self._last_entered: events.EnteredGeneration | None = None  # the newest entry
@@ -166,6 +169,36 @@ class Controller(ProcessExits, WorkerEvents):
         self.watchers.close()
         return self.outcome.exit_code
 
+    def _on_exit(self, proc: Any) -> None:
+        """A process ended: what it means (``exits.py``), carried out."""
+        what = self.exits.on_exit(proc, JobNow(
+            state=self.state, plan=MappingProxyType(self.plan), managed=self.managed,
+            max_step=self.max_step, total_nodes=self.total_nodes, leaving=self.preempts.told))
+        if what.reached is not None:
+            self._reached_step(what.reached)
+        if what.diagnosis is not None and self.outcome.diagnosis is None:
+            self.outcome.diagnosis = what.diagnosis
+        if what.refill_spares:
+            self._refill_spares()
+        if what.complete_at is not None:
+            self._training_complete(what.complete_at)
+        if what.fault is not None:
+            self._fault(what.fault)
+
+    def _reached_step(self, step: int) -> None:
+        """A rank completed ``step``: the newest the job has reached (and, should the open
+        incident roll back past it, lost)."""
+        self.max_step = max(self.max_step, step)
+        if self.incident is not None and step:
+            self.incident.step_before = max(self.incident.step_before, step)
+
+    def _check_keepers(self, now: float) -> None:
+        if self.phase in ENDING:
+            return
+        self.memory.revive(now, lambda: {w.node for w in self.workers.values() if not w.dead},
+                           self.phase is Phase.RUNNING and self.incident is None,
+                           self.gens.node_of, lambda: self.state.usable_nodes(self.total_nodes))
+
     def _seen(self, now: float | None = None) -> mc.Seen:
         """The job as the machine sees it now."""
         now = time.time() if now is None else now
@@ -199,53 +232,65 @@ class Controller(ProcessExits, WorkerEvents):
                        target_world=self.gens.target, ready_spares=self.gens.ready_spares())
 
     def _step(self, ob: mc.Observation) -> None:
-        """One observation through the machine; its commands carried out in order."""
-        self.state, commands = mc.step(self.state, ob, self.policy)
-        for c in commands:
-            self._carry_out(c)
+        """One observation through the machine, its commands carried out in order; what a
+        command's handler observed in turn (a probe's answer, an incident closed, the end) is fed
+        next, once the commands before it are carried out: the machine is never re-entered while
+        it is dispatching."""
+        if self._dispatching:
+            raise RuntimeError(f"the machine was re-entered with {type(ob).__name__} while it "
+                               "dispatched: a handler must return what it observed")
+        self._dispatching = True
+        try:
+            pending = [ob]
+            while pending:
+                self.state, commands = mc.step(self.state, pending.pop(0), self.policy)
+                for c in commands:
+                    pending += self._carry_out(c)
+        finally:
+            self._dispatching = False
 
-    def _carry_out(self, c: mc.Command) -> None:
+    def _carry_out(self, c: mc.Command) -> list[mc.Observation]:
         """One command of the machine, by its type (tests/test_machine.py checks that every
-        command type has its case here)."""
+        command type has its case here); what its handler observed."""
         match c:
             case mc.Raise():
-                self._do_Raise(c)
+                return self._do_Raise(c)
             case mc.Ignore():
-                self._do_Ignore(c)
+                return self._do_Ignore(c)
             case mc.Interrupt():
-                self._do_Interrupt(c)
+                return self._do_Interrupt(c)
             case mc.Abort():
-                self._do_Abort(c)
+                return self._do_Abort(c)
             case mc.Kill():
-                self._do_Kill(c)
+                return self._do_Kill(c)
             case mc.Probe():
-                self._do_Probe(c)
+                return self._do_Probe(c)
             case mc.Decide():
-                self._do_Decide(c)
+                return self._do_Decide(c)
             case mc.CarryOut():
-                self._do_CarryOut(c)
+                return self._do_CarryOut(c)
             case mc.Regroup():
-                self._do_Regroup(c)
+                return self._do_Regroup(c)
             case mc.DrainRefused():
-                self._do_DrainRefused(c)
+                return self._do_DrainRefused(c)
             case mc.Publish():
-                self._do_Publish(c)
+                return self._do_Publish(c)
             case mc.Formed():
-                self._do_Formed(c)
+                return self._do_Formed(c)
             case mc.RetryOpened():
-                self._do_RetryOpened(c)
+                return self._do_RetryOpened(c)
             case mc.Retry():
-                self._do_Retry(c)
+                return self._do_Retry(c)
             case mc.Fail():
-                self._do_Fail(c)
+                return self._do_Fail(c)
             case mc.Finish():
-                self._do_Finish(c)
+                return self._do_Finish(c)
             case mc.End():
-                self._do_End(c)
+                return self._do_End(c)
             case mc.Missed():
-                self._do_Missed(c)
+                return self._do_Missed(c)
             case mc.Overdue():
-                self._do_Overdue(c)
+                return self._do_Overdue(c)
             case _:
                 raise TypeError(f"the controller has no handler for {type(c).__name__}")
 
@@ -294,16 +339,19 @@ class Controller(ProcessExits, WorkerEvents):
         self._step(mc.Start(self._seen()))
 
     # == commands ================================================================================
-    def _do_Raise(self, c: mc.Raise) -> None:
+    def _do_Raise(self, c: mc.Raise) -> list[mc.Observation]:
         self.book.fault(c.fault, time.time(), self.gen, self._reached(), c.t_fault)
+        return []
 
-    def _do_Ignore(self, c: mc.Ignore) -> None:
+    def _do_Ignore(self, c: mc.Ignore) -> list[mc.Observation]:
         self.log.write("fault_ignored", fault=c.fault.describe(), phase=self.phase)
+        return []
 
-    def _do_Interrupt(self, c: mc.Interrupt) -> None:
+    def _do_Interrupt(self, c: mc.Interrupt) -> list[mc.Observation]:
         self.book.interrupt(time.time(), c.phase, self.gen)
+        return []
 
-    def _do_Abort(self, c: mc.Abort) -> None:
+    def _do_Abort(self, c: mc.Abort) -> list[mc.Observation]:
         inc = self.book.open
         if inc is not None and inc.t_decide is None:
             inc.t_decide = self.state.t_abort
@@ -314,8 +362,9 @@ class Controller(ProcessExits, WorkerEvents):
                 self.workers[wid].killed = True  # its exit is ours, not a new fault
                 self.agent.signal(wid, signal.SIGTERM)
         self.log.write("abort", gen=c.gen, managed=c.managed)
+        return []
 
-    def _do_Kill(self, c: mc.Kill) -> None:
+    def _do_Kill(self, c: mc.Kill) -> list[mc.Observation]:
         w = self.workers[c.wid]
         self.table.kill(w, c.why, dump=c.dump)
         if c.fault is not None:  # it overstayed the teardown
@@ -331,12 +380,13 @@ class Controller(ProcessExits, WorkerEvents):
                                   f"{c.late_s:.2f} s: killed; its stacks are in "
                                   f"{self.agent.procs[w.wid].log_path}")
             self.book.log_fault(c.fault, self.gen)
+        return []
 
-    def _do_Probe(self, c: mc.Probe) -> None:
+    def _do_Probe(self, c: mc.Probe) -> list[mc.Observation]:
         self.memory.confirm(c.nodes)
-        self._step(mc.Tick(self._seen()))  # the decision, with what the memory said
+        return [mc.Tick(self._seen())]  # the decision, with what the memory said
 
-    def _do_Decide(self, c: mc.Decide) -> None:
+    def _do_Decide(self, c: mc.Decide) -> list[mc.Observation]:
         d = c.decision
         extra = {"step": c.step} if c.step is not None else {
             "replace": sorted(d.replace), "isolate": sorted(d.isolate),
@@ -347,11 +397,12 @@ class Controller(ProcessExits, WorkerEvents):
         if inc is not None and c.step is None:
             inc.t_torn = time.time()
             inc.levels.append(d.level.value)
+        return []
 
-    def _do_CarryOut(self, c: mc.CarryOut) -> None:
+    def _do_CarryOut(self, c: mc.CarryOut) -> list[mc.Observation]:
         d = c.decision
-        for node in sorted(d.isolate):
-            self._isolate(node)
+        for node in sorted(d.isolate):  # (the machine counts them isolated already)
+            self._set_aside(node)
         if d.level is Level.JOB_RESTART:
             for wid in self.plan.values():
                 self.table.kill(self.workers[wid], "job restart")
@@ -371,25 +422,29 @@ class Controller(ProcessExits, WorkerEvents):
         for w in new:
             self.table.spawn(w)
         self._refill_spares()
+        return []
 
-    def _do_Regroup(self, c: mc.Regroup) -> None:
+    def _do_Regroup(self, c: mc.Regroup) -> list[mc.Observation]:
         self.mail.abort(c.gen, list(self.plan.values()), regroup=True)
         self.book.regrouped(time.time(), c.gen, len(self.plan), self.max_step, c.drain)
+        return []
 
-    def _do_DrainRefused(self, c: mc.DrainRefused) -> None:
+    def _do_DrainRefused(self, c: mc.DrainRefused) -> list[mc.Observation]:
         self.log.write("drain_refused", asked=c.asked, why=c.why)
         self.display.warning(f"cannot drain {c.asked}: {c.why}")
+        return []
 
     def drain(self, ranks: tuple[int, ...] = (), node: int | None = None, why: str = "asked") -> None:
         """Move ranks (or a node's) to warm spares at the next step boundary (``nonstop drain``,
         a preemption notice); refused, with a line, when it cannot be done now."""
         self._step(mc.Drain(self._seen(), ranks, node, why))
 
-    def _do_Publish(self, c: mc.Publish) -> None:
+    def _do_Publish(self, c: mc.Publish) -> list[mc.Observation]:
         self.gens.publish(c.gen, initial=c.initial, level=c.level,
                           usable=self.state.usable_nodes(self.total_nodes))
+        return []
 
-    def _do_Formed(self, c: mc.Formed) -> None:
+    def _do_Formed(self, c: mc.Formed) -> list[mc.Observation]:
         # What the job holds now (every rank's record, its entry...) lives until the next
         # generation: out of the collector's sight. With 16,384 ranks a full collection took
         # 0.1-0.15 s every 0.7 s, in the middle of recoveries.
@@ -410,18 +465,20 @@ class Controller(ProcessExits, WorkerEvents):
             self.book.restored(self.gen, [x.entered_ev for x in ranks], self.ledger)
         inc = self.book.open
         if inc is None:
-            return
+            return []
         evs = [x.entered_ev for x in ranks if x.entered_ev is not None]
         self.book.formed(evs, ev.step)
         if ev.plain or not self.ledger.progress_seen:
             # no step or mark seen in this run (a plain script, or a function that shows
             # progress only by its collectives): recovered once it runs again, steps lost unknown
-            self._close_incident(max(e.t for e in evs), None)
+            return self._incident_closed(max(e.t for e in evs), None)
+        return []
 
-    def _do_RetryOpened(self, c: mc.RetryOpened) -> None:
+    def _do_RetryOpened(self, c: mc.RetryOpened) -> list[mc.Observation]:
         self.book.retry_opened(c.step, time.time(), self.gen, self._reached())
+        return []
 
-    def _do_Retry(self, c: mc.Retry) -> None:
+    def _do_Retry(self, c: mc.Retry) -> list[mc.Observation]:
         self._t_retry = time.time()
         self.book.retried(c.decision, c.step, self._t_retry)
         self.display.info(f"{c.decision.level.value} (generation {self.gen}) [{c.decision.reason}]")
@@ -429,23 +486,26 @@ class Controller(ProcessExits, WorkerEvents):
             w = self.workers[wid]
             w.retry_step, w.first_gen = None, -1  # the incident closes at the next step of all
             self.table.send(w, protocol.Retry(skip=c.decision.skip))
+        return []
 
-    def _do_Fail(self, c: mc.Fail) -> None:
-        self._fail(c.decision)
+    def _do_Fail(self, c: mc.Fail) -> list[mc.Observation]:
+        return self._given_up(c.decision)
 
-    def _do_Finish(self, c: mc.Finish) -> None:
+    def _do_Finish(self, c: mc.Finish) -> list[mc.Observation]:
         self.outcome.finish(self.gen, self.max_step, self._ranks(), self.managed,
                             self.ledger.unfired)
+        return []
 
-    def _do_End(self, c: mc.End) -> None:
-        self._end(0 if self.outcome.diagnosis is None else 1)
+    def _do_End(self, c: mc.End) -> list[mc.Observation]:
+        return self._ended(0 if self.outcome.diagnosis is None else 1)
 
-    def _do_Missed(self, c: mc.Missed) -> None:
+    def _do_Missed(self, c: mc.Missed) -> list[mc.Observation]:
         self.log.deadline(c.what, c.limit_s, gen=c.gen, ranks=list(c.ranks), detail=c.detail)
+        return []
 
-    def _do_Overdue(self, c: mc.Overdue) -> None:
+    def _do_Overdue(self, c: mc.Overdue) -> list[mc.Observation]:
         self.outcome.overdue([self.workers[w] for w in c.wids], self.final_persist)
-        self._end(1)
+        return self._ended(1)
 
     # == workers, spares, nodes ==================================================================
     def _refill_spares(self) -> None:
@@ -456,6 +516,11 @@ class Controller(ProcessExits, WorkerEvents):
         """Never place a rank or a spare on this node again in this job; its host is released
         once the next generation has formed (its memory may still serve the restore)."""
         self._step(mc.Isolate(self._seen(), node))
+        self._set_aside(node)
+
+    def _set_aside(self, node: int) -> None:
+        """An isolated node: no rank or spare placed on it again; its host released once the
+        next generation has formed."""
         self.gens.isolate(node, planned=node in self.preempts.told)
         self._release.add(node)
 
@@ -641,13 +706,18 @@ class Controller(ProcessExits, WorkerEvents):
         self._step(mc.Completed(self._seen(), self.policy.timeouts.finish_s))
 
     def _close_incident(self, t_first: float, resume_step: int | None) -> None:
+        for ob in self._incident_closed(t_first, resume_step):
+            self._step(ob)
+
+    def _incident_closed(self, t_first: float, resume_step: int | None) -> list[mc.Observation]:
+        """The open incident is over: measured and closed; the machine hears it recovered."""
         if self.book.open is None:
-            return
+            return []
         self.book.close(t_first, resume_step, self.ledger.steps_known())
         if resume_step is not None:
             self.resumed_at, self.resumed_gen = resume_step, self.gen
         self.gens.not_after = None  # resumed: what the ranks hold now is trusted again
-        self._step(mc.Recovered(self._seen(), progressed=resume_step is not None))
+        return [mc.Recovered(self._seen(), progressed=resume_step is not None)]
 
     # == the end =================================================================================
     def give_up(self, reason: str, diagnosis: str) -> None:
@@ -655,18 +725,22 @@ class Controller(ProcessExits, WorkerEvents):
         self._fail(Decision(Level.FAIL, reason=reason, diagnosis=diagnosis))
 
     def _fail(self, decision: Decision) -> None:
+        for ob in self._given_up(decision):
+            self._step(ob)
+
+    def _given_up(self, decision: Decision) -> list[mc.Observation]:
         code = self.outcome.give_up(decision, self.gen, self.max_step, self._ranks(),
                                     self.state.faulty_nodes, self.gens.shut_node)
-        if code is not None:
-            self._end(code)
+        return [] if code is None else self._ended(code)
 
     def emergency(self, reason: str) -> None:
         """The memory is about to be lost (a signal to the launcher): save the newest state."""
         self.outcome.emergency(reason, self._ranks(), self.state.faulty_nodes, self.gens.shut_node)
 
-    def _end(self, code: int) -> None:
-        self._step(mc.Over())
+    def _ended(self, code: int) -> list[mc.Observation]:
+        """Every process ends; the machine hears the job is over."""
         self.outcome.ended(code)
+        return [mc.Over()]
 
     def _ranks(self) -> list[Worker]:
         return [self.workers[wid] for wid in self.plan.values()]
