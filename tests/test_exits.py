@@ -10,7 +10,8 @@ import pytest
 
 from nonstop.agent.agent import Proc
 from nonstop.controller import machine as mc
-from nonstop.controller.exits import NOTHING, Exited, JobNow, ProcessExits
+from nonstop.controller.exits import NOTHING, Exited, ProcessExits
+from nonstop.controller.facts import JobNow
 from nonstop.controller.phase import Phase
 from nonstop.controller.workers import Worker
 from nonstop.decide.ladder import Counters

@@ -25,7 +25,6 @@ from ..observe.incidents import Incident
 from ..observe.progress import ProgressLog
 from ..observe.status import StatusWriter
 from ..policy import Policy
-from ..protocol import events
 from ..protocol import hosts as keys
 from ..protocol.hosts import progress_every
 from .keepers import Keepers
@@ -37,8 +36,9 @@ from .ledger import SdcBook, TrainingLedger
 from .requests import Preemptions, Requests
 from .phase import ACTIVE, ENDING, Phase
 from .watchers import Command, Watchers
-from .exits import JobNow, ProcessExits
-from .worker_events import WorkerEvents
+from .exits import ProcessExits
+from . import worker_events as reports
+from .facts import JobNow
 from .workers import Worker, WorkerTable
 
 TICK_BUSY_S = 0.002  # loop period while survivors leave a failed generation
@@ -47,7 +47,7 @@ TICK_IDLE_S = 0.05  # ...while it trains
 SCAN_PER_RANK_S = 10e-6  # the whole job is looked at no more often than this, a rank (_check)
 
 
-class Controller(WorkerEvents):
+class Controller:
     def __init__(self, *, world: int, spares: int, policy: Policy, mail: Any, agent: Agent,
                  log: EventLog, display: Any, managed: bool, nodes: int = 1, spare_nodes: int = 0,
                  run_dir: Any = None):
@@ -56,7 +56,6 @@ class Controller(WorkerEvents):
         self.ledger = TrainingLedger(managed)
         self.sdc = SdcBook()  # the replicas' comparisons, for the summary
         self.sdc_judge = SdcJudge()  # a corruption, or a divergence (decide/sdc.py)
-        self.nccl = False  # a rank said its groups run NCCL
         self.policy = policy
         self.mail = mail
         self.agent = agent
@@ -75,18 +74,17 @@ class Controller(WorkerEvents):
                                 watchers=self.watchers, log=log, display=display)
         self.plan = self.gens.plan  # rank -> wid, for the current generation
         self._next_scan = 0.0  # when the whole job is looked at again (_check)
-        self._hints: dict[str, int] = {}  # where _some_rank last found a rank, by what it asks
-        self.final_persist: int | None = None  # the last step's checkpoint, awaited at the end
-        self.snap_stats: dict[str, Any] | None = None  # rank 0's snapshot numbers
         self._t_running = 0.0  # when the current generation formed on every rank
         self._t_retry = 0.0  # when its ranks were last told to redo a step
         self.t_ready: float | None = None  # when the first one did (the end of start-up)
         self.progress = ProgressLog(run_dir)  # the ranks' steps as they completed
         self.exits = ProcessExits(self.workers, self.memory, self.gens, self.progress, log, display)
+        self.reports = reports.RankReports(
+            table=self.table, ledger=self.ledger, book=self.book, gens=self.gens,
+            memory=self.memory, sdc=self.sdc, sdc_judge=self.sdc_judge, watchers=self.watchers,
+            progress=self.progress, agent=agent, log=log, display=display)
         self.metrics: Any = None  # observe.metrics.JobMetrics, with --metrics-port
         self.status = StatusWriter(run_dir)  # for nonstop status
-        self._last_entered: events.EnteredGeneration | None = None  # the newest entry
-        self._deferred: set[str] = set()  # a run of events judged after its last (_read_events)
         self.outcome = Outcome(policy=policy, log=log, display=display, agent=agent,
                                table=self.table, memory=self.memory, book=self.book,
                                run_dir=run_dir)
@@ -171,9 +169,7 @@ class Controller(WorkerEvents):
 
     def _on_exit(self, proc: Any) -> None:
         """A process ended: what it means (``exits.py``), carried out."""
-        what = self.exits.on_exit(proc, JobNow(
-            state=self.state, plan=MappingProxyType(self.plan), managed=self.managed,
-            max_step=self.max_step, total_nodes=self.total_nodes, leaving=self.preempts.told))
+        what = self.exits.on_exit(proc, self._job_now())
         if what.reached is not None:
             self._reached_step(what.reached)
         if what.diagnosis is not None and self.outcome.diagnosis is None:
@@ -184,6 +180,79 @@ class Controller(WorkerEvents):
             self._training_complete(what.complete_at)
         if what.fault is not None:
             self._fault(what.fault)
+
+    def _job_now(self) -> JobNow:
+        """The facts of the job its collaborators judge against (``facts.py``)."""
+        return JobNow(state=self.state, plan=MappingProxyType(self.plan), managed=self.managed,
+                      max_step=self.max_step, total_nodes=self.total_nodes,
+                      leaving=self.preempts.told, incident=self.incident,
+                      over=self.outcome.exit_code is not None)
+
+    # == what the ranks report (worker_events.py) ================================================
+    def _read_events(self) -> None:
+        """The ranks' new events, each judged against the job as the ones before it left it; a
+        run of entries and first steps judged once, after its last (``RankReports``)."""
+        r = self.reports
+        for ev in self.table.read_events():
+            if r.ends_run(ev):
+                self._judge_run()
+            self._carry_out_orders(r.on_event(ev, self._job_now()))
+        self._judge_run()
+        refused, self.table.refused = self.table.refused, []
+        for text in refused:
+            self.display.warning(text)
+
+    def _judge_run(self) -> None:
+        entries, first_steps = self.reports.take_run()
+        if entries:
+            self._carry_out_orders(self.reports.entries(self._job_now()))
+        if first_steps:  # (the generation may have formed on the entries)
+            self._carry_out_orders(self.reports.first_steps(self._job_now()))
+
+    def _read_progress(self) -> None:
+        self._carry_out_orders(self.reports.read_progress(self._job_now()))
+
+    def _carry_out_orders(self, orders: list[reports.Order]) -> None:
+        """What the ranks' reports say the job must do, in order."""
+        for o in orders:
+            match o:
+                case reports.AllEntered():
+                    self._step(mc.Entered(self._seen()))
+                case reports.RetryAsked():
+                    self._step(mc.RetryAsked(self._seen()))
+                case reports.Faulted(fault=fault):
+                    self._fault(fault)
+                case reports.GiveUp(decision=decision):
+                    self._fail(decision)
+                case reports.Reached(step=step, before_fault=True):
+                    self._reached_step(step)
+                case reports.Reached(step=step):
+                    self.max_step = max(self.max_step, step)
+                case reports.CloseIncident(t_first=t, resume_step=step):
+                    self._close_incident(t, step)
+                case reports.Complete(t=t):
+                    self._training_complete(t)
+                case reports.GroupFormed(t_pg=t_pg):
+                    if self.book.open is not None:
+                        self.book.open.group_formed(t_pg)
+                case _:
+                    raise TypeError(f"the controller has no case for {type(o).__name__}")
+
+    def _waiting_for_a_rank_to_leave(self, now: float) -> bool:
+        """A generation tears down, before its deadline, and a rank has still to leave it: the
+        machine's tick has nothing to do. Told from the workers' records (a job of 16,384 ranks
+        would otherwise be judged whole every turn of the loop, 2 ms apart, while their events
+        come in)."""
+        s = self.state
+        if s.phase is not Phase.TEARING_DOWN or now > s.deadline:
+            return False
+        return self.table.some_rank("leave", self.plan,
+                                    lambda w: mc.still_to_leave(w, s.gen, self.managed))
+
+    def snapshot(self) -> dict[str, Any]:
+        """The job's status, for the console."""
+        return {"gen": self.gen, "phase": self.phase, **self.table.status(self.plan),
+                "incidents": self.book.count, "max_step": self.max_step}
 
     def _reached_step(self, step: int) -> None:
         """A rank completed ``step``: the newest the job has reached (and, should the open
@@ -228,7 +297,7 @@ class Controller(WorkerEvents):
         return mc.Seen(now=now, ranks=tuple(ranks), managed=self.managed,
                        total_nodes=self.gens.total_nodes, slots=self.gens.slots, lost_memory=lost,
                        slowest_step_s=self.watchers.signals.hang.slowest_step(),
-                       abort_s=self.policy.timeouts.abort_s if self.nccl else 0.0,
+                       abort_s=self.policy.timeouts.abort_s if self.reports.nccl else 0.0,
                        target_world=self.gens.target, ready_spares=self.gens.ready_spares())
 
     def _step(self, ob: mc.Observation) -> None:
@@ -454,7 +523,7 @@ class Controller(WorkerEvents):
                                if node in self.preempts.told else
                                f"node {node} isolated: the job goes on without it")
         self._release.clear()
-        ev = self._last_entered
+        ev = self.reports.last_entered
         assert ev is not None  # (formed: every rank entered)
         ranks = self._ranks()
         self._t_running = time.time()
@@ -504,7 +573,7 @@ class Controller(WorkerEvents):
         return []
 
     def _do_Overdue(self, c: mc.Overdue) -> list[mc.Observation]:
-        self.outcome.overdue([self.workers[w] for w in c.wids], self.final_persist)
+        self.outcome.overdue([self.workers[w] for w in c.wids], self.reports.final_persist)
         return self._ended(1)
 
     # == workers, spares, nodes ==================================================================
@@ -671,7 +740,7 @@ class Controller(WorkerEvents):
         for node in self.preempts.due(now):
             self._preempt(node)
         if self.phase is Phase.FINISHING:
-            self._step(mc.Settled(self._seen(now), self.memory.settled(self.final_persist)))
+            self._step(mc.Settled(self._seen(now), self.memory.settled(self.reports.final_persist)))
             return
         # The whole job is looked at (its deadlines, its ranks' hangs) at most every
         # SCAN_PER_RANK_S a rank: 2 ranks at every turn, 16,384 every 0.16 s (each look is

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Container, Mapping
+from typing import Any
 
 from ..agent.agent import Proc
 from ..observe.display import Display
@@ -22,30 +22,9 @@ from ..decide.faults import exit_fault
 from ..decide.ladder import Fault
 from .generations import Generations
 from .keepers import Keepers
-from .machine import JobState
+from .facts import JobNow
 from .phase import ENDING, Phase
 from .workers import Worker
-
-
-@dataclasses.dataclass(frozen=True)
-class JobNow:
-    """The facts of the job an exit is judged against, as the controller holds them (read, never
-    changed here; the plan and the nodes leaving are the controller's own, not copies: a job
-    restart of 16,384 ranks is as many exits)."""
-    state: JobState  # the machine's: phase, generation, isolated nodes
-    plan: Mapping[int, int]  # rank -> wid, this generation's
-    managed: bool
-    max_step: int
-    total_nodes: int
-    leaving: Container[int] = frozenset()  # nodes whose hosts were told to stop (preempted)
-
-    @property
-    def phase(self) -> Phase:
-        return self.state.phase
-
-    @property
-    def gen(self) -> int:
-        return self.state.gen
 
 
 @dataclasses.dataclass(frozen=True)

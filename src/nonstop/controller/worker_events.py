@@ -1,58 +1,139 @@
-"""What the ranks report to the controller (``controller.py``): their events (entered, first
-step, left, done, NaN, injections, silent corruption...) and their progress, and what each means
-for the job. A mixin of ``Controller``: the same state, one concept per module."""
+"""What the ranks report (their events: entered, first step, left, done, NaN, injections, silent
+corruption...; and their progress) and what each means for the job.
+
+``RankReports`` is the controller's (``controller.py``) collaborator for it. It keeps the records
+it is given up to date (the workers, the ledger, the incident book, the replicas' comparisons)
+and says what the job must do as orders (``Order``), which the controller carries out one event
+at a time, so that each event is judged against the job as the events before it left it; it never
+steps the machine or reads the controller's state, only the facts it is given (``JobNow``).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+from ..agent.agent import Agent
+from ..decide import sdc as sdc_verdicts
 from ..decide.ladder import Decision, Fault, Level
-from ..observe.progress import sample_every
+from ..decide.sdc import Judge as SdcJudge
+from ..observe.display import Display
+from ..observe.events import EventLog
+from ..observe.progress import ProgressLog, sample_every
 from ..protocol import events
-from . import machine as mc
+from .book import IncidentBook
+from .facts import JobNow
+from .generations import Generations
+from .keepers import Keepers
+from .ledger import SdcBook, TrainingLedger
 from .phase import ACTIVE, Phase
-from .workers import Worker
+from .watchers import Watchers
+from .workers import Worker, WorkerTable
 
-DEFERRED = ("entered", "first_step")  # judged after a run of them (_read_events)
+DEFERRED = ("entered", "first_step")  # judged after a run of them (RankReports.take_run)
 # events about a generation: taken only from a rank of the current one
 ABOUT_GEN = (events.EnteredGeneration, events.FirstStep, events.LeftGeneration, events.NanFound,
              events.LossRuleFired, events.Done)
 
 
-class WorkerEvents:
-    # == worker events ==========================================================================
-    def _read_events(self) -> None:
-        # A run of "entered" and "first_step" events is judged once, after its last one: what
-        # the job as a whole does next depends on all of its ranks, and judging after each of
-        # 16,384 ranks would cost the job's size squared. Any other event ends the run first, so
-        # the order of what the controller does is the events' order. (Within a run, a rank's
-        # first step follows its entry: the entries are judged first.)
-        self._deferred = set()
-        for ev in self.table.read_events():
-            if self._deferred and ev.type not in DEFERRED:
-                self._judge_deferred()
-            self._on_event(ev, defer=True)
-        self._judge_deferred()
-        refused, self.table.refused = self.table.refused, []
-        for text in refused:
-            self.display.warning(text)
+# == orders: what the controller carries out ======================================================
+@dataclasses.dataclass(frozen=True)
+class AllEntered:
+    """Every rank of the generation has entered it: the machine forms it."""
 
-    def _judge_deferred(self) -> None:
-        kinds, self._deferred = self._deferred, set()
+
+@dataclasses.dataclass(frozen=True)
+class RetryAsked:
+    """A rank found a non-finite loss or gradient: the machine decides on a step retry."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Faulted:
+    fault: Fault
+
+
+@dataclasses.dataclass(frozen=True)
+class GiveUp:
+    decision: Decision
+
+
+@dataclasses.dataclass(frozen=True)
+class Reached:
+    """A rank completed ``step``. ``before_fault``: reported as a rank left a failed generation,
+    so the open incident counts it as reached (and, rolled back past, lost)."""
+    step: int
+    before_fault: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class CloseIncident:
+    t_first: float
+    resume_step: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Complete:
+    """Every rank has finished training."""
+    t: float
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupFormed:
+    """A rank that left had formed its group at ``t_pg``: a phase of the open incident (once any
+    fault the leaving raised has opened it)."""
+    t_pg: float
+
+
+Order = AllEntered | RetryAsked | Faulted | GiveUp | Reached | CloseIncident | Complete | GroupFormed
+
+
+class RankReports:
+    def __init__(self, *, table: WorkerTable, ledger: TrainingLedger, book: IncidentBook,
+                 gens: Generations, memory: Keepers, sdc: SdcBook, sdc_judge: SdcJudge,
+                 watchers: Watchers, progress: ProgressLog, agent: Agent, log: EventLog,
+                 display: Display):
+        self.table, self.workers = table, table.workers
+        self.ledger, self.book, self.gens, self.memory = ledger, book, gens, memory
+        self.sdc, self.sdc_judge, self.watchers, self.progress = sdc, sdc_judge, watchers, progress
+        self.agent, self.log, self.display = agent, log, display
+        self.nccl = False  # a rank said its groups run NCCL (its aborts take NCCL's time)
+        self.final_persist: int | None = None  # the last step's checkpoint, awaited at the end
+        self.snap_stats: dict[str, Any] | None = None  # rank 0's snapshot numbers
+        self.last_entered: events.EnteredGeneration | None = None  # the newest entry
+        self._run: set[str] = set()  # the kinds of a run of events judged after its last
+
+    # == events ==================================================================================
+    # A run of "entered" and "first_step" events is judged once, after its last one: what the job
+    # as a whole does next depends on all of its ranks, and judging after each of 16,384 ranks
+    # would cost the job's size squared. Any other event ends the run first, so the order of what
+    # the controller does is the events' order. (Within a run, a rank's first step follows its
+    # entry: the entries are judged first.)
+    def ends_run(self, ev: events.RankEvent) -> bool:
+        """Whether the run of deferred events must be judged before ``ev``."""
+        return bool(self._run) and ev.type not in DEFERRED
+
+    def take_run(self) -> tuple[bool, bool]:
+        """The run to judge now: whether it held entries, and first steps. The controller
+        judges the entries (``entries``) and carries that out before the first steps
+        (``first_steps``): the generation may have formed meanwhile."""
+        kinds, self._run = self._run, set()
+        return "entered" in kinds, "first_step" in kinds
+
+    def entries(self, job: JobNow) -> list[Order]:
         # (the machine forms the generation once every rank has entered it, and does nothing
         # else on an entry: the job's view is built only then)
-        if "entered" in kinds and self.phase is Phase.RENDEZVOUS and \
-                not self._some_rank("enter", lambda w: w.entered < self.gen):
-            self._step(mc.Entered(self._seen()))
-        if "first_step" in kinds:
-            self._first_steps()
+        if job.phase is Phase.RENDEZVOUS and \
+                not self.table.some_rank("enter", job.plan, lambda w: w.entered < job.gen):
+            return [AllEntered()]
+        return []
 
-    def _on_event(self, ev: events.RankEvent, defer: bool = False) -> None:
+    def on_event(self, ev: events.RankEvent, job: JobNow) -> list[Order]:
+        """One event (its kind deferred to the run's judgement where it can be)."""
         w = self.workers.get(ev.wid)
         if w is None:
-            return
-        if isinstance(ev, ABOUT_GEN) and (ev.gen != self.gen or self.plan.get(ev.rank) != w.wid):
-            return  # about an older generation
+            return []
+        if isinstance(ev, ABOUT_GEN) and (ev.gen != job.gen or job.plan.get(ev.rank) != w.wid):
+            return []  # about an older generation
         w.take_event(ev)
         match ev:
             case events.Ready():
@@ -68,43 +149,49 @@ class WorkerEvents:
                                          f"{suspects}); detect.sdc.action is report: training "
                                          "goes on")
             case events.NoSteps():
-                self._on_no_steps(ev)
+                return self._on_no_steps(ev, job)
             case events.EnteredGeneration():
                 if ev.sharded is not None:
                     self.memory.sharded = ev.sharded
                 if ev.nccl:  # its aborts take NCCL's time: the teardown allows for it
                     self.nccl = True
+                self.last_entered = ev
+                self._run.add(ev.type)
                 odd = [s for s in ev.skipped if s.cause == "sdc"]
                 if odd:  # found at the restore: every rank went back to a snapshot that agreed
-                    self._on_sdc_at_restore(ev, odd)
-                self._last_entered = ev
-                if defer:
-                    self._deferred.add(ev.type)
-                else:
-                    self._step(mc.Entered(self._seen()))
+                    return self._on_sdc_at_restore(ev, odd, job)
             case events.FirstStep():
-                self._on_first_step(w, ev)
-                if defer:
-                    self._deferred.add(ev.type)
-                else:
-                    self._first_steps()
+                stepless = not ev.steps  # its marks are its steps (no ctx.steps)
+                self.ledger.first_step(stepless)
+                self.watchers.signals.on_first_step(w, ev.t, stepless=stepless)
+                self._run.add(ev.type)
+                return [Reached(ev.step)]
             case events.LeftGeneration():
-                self._on_left(w, ev)
+                return self._on_left(w, ev, job)
             case events.NanFound():
-                self._step(mc.RetryAsked(self._seen()))
+                return [RetryAsked()]
             case events.LossRuleFired():
-                self._on_loss_rule(ev)
+                text, action = self.watchers.loss_rule_fired(ev)
+                if action == "restart":
+                    return [Faulted(Fault("loss_rule", rank=ev.rank, message=text))]
+                if action == "fail":
+                    return [GiveUp(Decision(Level.FAIL, reason="loss rule", diagnosis=text))]
             case events.Done():
-                self.ledger.done(ev)
-                self._sdc_report(ev.gen, ev.sdc)
-                if ev.final_persist is not None:
-                    self.final_persist = max(self.final_persist or 0, ev.final_persist)
-                self.max_step = max(self.max_step, ev.step)
-                if self.phase is Phase.RUNNING and all(self.workers[x].done >= self.gen
-                                                       for x in self.plan.values()):
-                    if self.incident is not None:
-                        self._close_incident(ev.t, ev.step)
-                    self._training_complete(ev.t)
+                return self._on_done(ev, job)
+        return []
+
+    def _on_done(self, ev: events.Done, job: JobNow) -> list[Order]:
+        self.ledger.done(ev)
+        self._sdc_report(ev.gen, ev.sdc)
+        if ev.final_persist is not None:
+            self.final_persist = max(self.final_persist or 0, ev.final_persist)
+        orders: list[Order] = [Reached(ev.step)]
+        if job.phase is Phase.RUNNING and all(self.workers[x].done >= job.gen
+                                              for x in job.plan.values()):
+            if job.incident is not None:
+                orders.append(CloseIncident(ev.t, ev.step))
+            orders.append(Complete(ev.t))
+        return orders
 
     def _on_inject(self, w: Worker, ev: events.FaultFired) -> None:
         if not ev.replay:  # an old one, replayed to a controller taking over: no start
@@ -121,89 +208,78 @@ class WorkerEvents:
                     x.dead = True
                     self.agent.signal(x.wid)
 
-    def _on_first_step(self, w: Worker, ev: events.FirstStep) -> None:
-        stepless = not ev.steps  # its marks are its steps (no ctx.steps)
-        self.ledger.first_step(stepless)
-        self.watchers.signals.on_first_step(w, ev.t, stepless=stepless)
-        self.max_step = max(self.max_step, ev.step)
-
-    def _first_steps(self) -> None:
+    def first_steps(self, job: JobNow) -> list[Order]:
         """After first steps: once every rank has taken one in this generation, the job has
         grown (or recovered, and the open incident closes)."""
-        if self.phase is not Phase.RUNNING or \
-                self._some_rank("first_step", lambda w: w.first_gen != self.gen):
-            return  # (not every rank has stepped: nothing to do yet)
-        ranks = self._ranks()
+        if job.phase is not Phase.RUNNING or \
+                self.table.some_rank("first_step", job.plan, lambda w: w.first_gen != job.gen):
+            return []  # (not every rank has stepped: nothing to do yet)
+        ranks = [self.workers[wid] for wid in job.plan.values()]
         self.gens.trained_world = len(ranks)  # sharded state now has this size
-        if self.incident is None:
-            self.book.grown(max(x.t_first for x in ranks), self.gen, len(ranks))
-        else:
-            self._close_incident(max(x.t_first for x in ranks), self.incident.resume_step)
+        t_first = max(x.t_first for x in ranks)
+        if job.incident is None:
+            self.book.grown(t_first, job.gen, len(ranks))
+            return []
+        return [CloseIncident(t_first, job.incident.resume_step)]
 
-    def _on_loss_rule(self, ev: events.LossRuleFired) -> None:
-        text, action = self.watchers.loss_rule_fired(ev)
-        if action == "restart":
-            self._fault(Fault("loss_rule", rank=ev.rank, message=text))
-        elif action == "fail":
-            self._fail(Decision(Level.FAIL, reason="loss rule", diagnosis=text))
-
-    def _on_left(self, w: Worker, ev: events.LeftGeneration) -> None:
-        self.max_step = max(self.max_step, ev.step)
+    def _on_left(self, w: Worker, ev: events.LeftGeneration, job: JobNow) -> list[Order]:
         self._sdc_report(ev.gen, ev.sdc)
-        if self.incident is not None:
-            self.incident.step_before = max(self.incident.step_before, ev.step)
+        orders: list[Order] = [Reached(ev.step, before_fault=True)]
         match ev.reason:
             case "regroup":
                 self.book.left_to_grow(ev.t_caught, ev.step)
             case "exception":
-                self._fault(Fault("exception", rank=w.rank, message=ev.error or "",
-                                  traceback=ev.traceback))
+                orders.append(Faulted(Fault("exception", rank=w.rank, message=ev.error or "",
+                                            traceback=ev.traceback)))
             case "sdc":
-                self._on_sdc(ev)
+                orders += self._on_sdc(ev, job)
             case "cuda_oom" if ev.cuda is not None:
-                self._fault(Fault(ev.cuda.kind, rank=w.rank, message=ev.cuda.describe(),
-                                  tag=ev.cuda.name, traceback=ev.traceback))
+                orders.append(Faulted(Fault(ev.cuda.kind, rank=w.rank, message=ev.cuda.describe(),
+                                            tag=ev.cuda.name, traceback=ev.traceback)))
             case "no_state":
-                self._fault(Fault("no_state", rank=w.rank, message=ev.error or ""))
-            case _ if self.phase in ACTIVE:
-                self._fault(Fault("peer", rank=w.rank, message=ev.error or ""))
-        if self.incident is not None and ev.t_pg is not None:  # after any fault it raised
-            self.incident.group_formed(ev.t_pg)
+                orders.append(Faulted(Fault("no_state", rank=w.rank, message=ev.error or "")))
+            case _ if job.phase in ACTIVE:
+                orders.append(Faulted(Fault("peer", rank=w.rank, message=ev.error or "")))
+        if ev.t_pg is not None:  # after any fault it raised
+            orders.append(GroupFormed(ev.t_pg))
+        return orders
 
-    def _on_sdc(self, ev: events.LeftGeneration) -> None:
+    def _on_sdc(self, ev: events.LeftGeneration, job: JobNow) -> list[Order]:
         """The replicas' parameters differ (every rank found the same, at a snapshot step). A
         corruption: the ranks that differ are at fault, and no rank may resume from state newer
         than the last snapshot, which was compared and agreed. A divergence (the replicas split
         into groups, or differ again after a rollback): the job stops with a diagnosis - no rank
         or node is at fault."""
         if ev.sdc_step is None:
-            return
+            return []
         step, suspects = ev.sdc_step, list(ev.suspects or [])
         digests = dict(enumerate(ev.digests or []))
-        if not self.sdc.mismatch(self.gen, step, suspects):
-            return
-        verdict = self._judge_sdc(step, digests, suspects, self.gen + 1)
+        if not self.sdc.mismatch(job.gen, step, suspects):
+            return []
+        verdict, orders = self._judge_sdc(step, digests, suspects, job.gen + 1, job)
         if verdict is None:
-            return
+            return orders
         self.gens.not_after = step - 1
-        for r in verdict.suspects:
-            self._fault(Fault("sdc", rank=r, message=(
-                f"its parameters differ from its replicas' at step {step} (digests "
-                f"{ev.digests}): every rank resumes from the last snapshot that agreed")))
+        return [Faulted(Fault("sdc", rank=r, message=(
+            f"its parameters differ from its replicas' at step {step} (digests "
+            f"{ev.digests}): every rank resumes from the last snapshot that agreed")))
+            for r in verdict.suspects]
 
-    def _on_sdc_at_restore(self, ev: events.EnteredGeneration,
-                           odd: list[events.SkippedCopy]) -> None:
+    def _on_sdc_at_restore(self, ev: events.EnteredGeneration, odd: list[events.SkippedCopy],
+                           job: JobNow) -> list[Order]:
         """Live states of one step differed when a generation formed (each rank reports the same
         finding): every rank was restored from a snapshot that agreed - or the replicas diverge."""
         first = odd[0]
         step = first.step if first.step is not None else (ev.step or 0)
         ranks = [s.rank for s in odd if s.rank is not None]
         if not self.sdc.mismatch(ev.gen, step, ranks):
-            return
+            return []
         digests = {int(r): d for r, d in (first.digests or {}).items()}
-        if self._judge_sdc(step, digests, ranks, ev.gen) is not None:
+        verdict, orders = self._judge_sdc(step, digests, ranks, ev.gen, job)
+        if verdict is not None:
             self.display.warning(f"rank(s) {ranks}: live parameters differed from their replicas' "
                                  f"at step {step}: every rank restored from a snapshot that agreed")
+        return orders
 
     def _sdc_report(self, gen: int, stats: events.DigestChecks | None) -> None:
         """A rank's comparisons in a generation it leaves or ends: for the summary, and - some
@@ -213,75 +289,48 @@ class WorkerEvents:
             self.sdc_judge.agreed(gen)
 
     def _judge_sdc(self, step: int, digests: dict[int, int], suspects: list[int],
-                   redo_gen: int) -> Any:
-        """A corruption's verdict (None: a divergence, and the job is being stopped for it).
+                   redo_gen: int, job: JobNow) -> tuple[Any, list[Order]]:
+        """A corruption's verdict (None: a divergence, and the order to stop the job for it).
         ``redo_gen``: the first generation that redoes the steps after its rollback."""
-        from ..decide import sdc
-
         if len(set(digests.values())) < 2:  # not said: each suspect alone, the others agreeing
-            world = max(len(self.plan), max(suspects, default=0) + 1)
+            world = max(len(job.plan), max(suspects, default=0) + 1)
             digests = {r: (r + 1 if r in suspects else 0) for r in range(world)}
         verdict = self.sdc_judge.judge(step, digests, self.gens.node_of(), redo_gen)
         self.sdc.found[-1]["verdict"] = verdict.kind
-        if verdict.kind == sdc.CORRUPTION:
-            return verdict
+        if verdict.kind == sdc_verdicts.CORRUPTION:
+            return verdict, []
         self.sdc.found[-1]["repaired"] = False
-        self.log.write("sdc_divergence", step=step, gen=self.gen,
+        self.log.write("sdc_divergence", step=step, gen=job.gen,
                        groups=[list(g) for g in verdict.groups], diagnosis=verdict.diagnosis)
-        if self.outcome.exit_code is None:
-            self._fail(Decision(Level.FAIL, reason="the replicas diverge",
-                                diagnosis=verdict.diagnosis))
-        return None
+        if job.over:
+            return None, []
+        return None, [GiveUp(Decision(Level.FAIL, reason="the replicas diverge",
+                                      diagnosis=verdict.diagnosis))]
 
-    def _on_no_steps(self, ev: events.NoSteps) -> None:
+    def _on_no_steps(self, ev: events.NoSteps, job: JobNow) -> list[Order]:
         diagnosis, warning = self.ledger.no_steps(ev)
-        if diagnosis is not None and self.outcome.exit_code is None:
-            self._fail(Decision(Level.FAIL, reason="injected faults cannot fire", usage_error=True,
-                                diagnosis=diagnosis))
-        elif warning is not None:
+        if diagnosis is not None and not job.over:
+            return [GiveUp(Decision(Level.FAIL, reason="injected faults cannot fire",
+                                    usage_error=True, diagnosis=diagnosis))]
+        if warning is not None:
             self.display.warning(warning)
+        return []
 
-    def _waiting_for_a_rank_to_leave(self, now: float) -> bool:
-        """A generation tears down, before its deadline, and a rank has still to leave it: the
-        machine's tick has nothing to do. Told from the workers' records (a job of 16,384 ranks
-        would otherwise be judged whole every turn of the loop, 2 ms apart, while their events
-        come in)."""
-        s = self.state
-        if s.phase is not Phase.TEARING_DOWN or now > s.deadline:
-            return False
-        return self._some_rank("leave", lambda w: mc.still_to_leave(w, s.gen, self.managed))
-
-    def _some_rank(self, what: str, pred: Any) -> bool:
-        """Whether ``pred`` holds for some rank of the plan, looked for from the rank where the
-        last look for ``what`` found one: asked after every batch of events while thousands of
-        ranks report one by one, this stays about one test per rank in all, not one per rank
-        per batch."""
-        wids = list(self.plan.values())
-        if not wids:
-            return False
-        start = self._hints.get(what, 0) % len(wids)
-        for i in range(len(wids)):
-            k = (start + i) % len(wids)
-            if pred(self.workers[wids[k]]):
-                self._hints[what] = k
-                return True
-        return False
-
-    # == progress ===============================================================================
-    def _read_progress(self) -> None:
-        ranks = self._ranks()
+    # == progress ================================================================================
+    def read_progress(self, job: JobNow) -> list[Order]:
+        """The ranks' newest progress records: their steps, rank 0's snapshot numbers, the
+        hang and straggler signals (and the hang timeout, tuned from the steps' times)."""
+        ranks = [self.workers[wid] for wid in job.plan.values()]
         self.progress.every_s = sample_every(len(ranks))
+        newest = 0
         for w, rec in self.table.read_progress(ranks):
-            self.max_step = max(self.max_step, w.take_progress(rec, self.gen))
+            newest = max(newest, w.take_progress(rec, job.gen))
             self.progress.take(w.wid, w.rank, w.node, rec)
             if w.rank == 0 and rec.get("snap"):
                 self.snap_stats = rec["snap"]
-            self.watchers.signals.on_progress(w, rec, self.gen)
+            self.watchers.signals.on_progress(w, rec, job.gen)
         tuned = self.watchers.signals.timeout_changed()
         if tuned is not None:
             self.log.write("hang_timeout", timeout_s=round(tuned, 3),
                            first_step_s=round(self.watchers.signals.hang.first_step_timeout(), 3))
-
-    def snapshot(self) -> dict[str, Any]:
-        return {"gen": self.gen, "phase": self.phase, **self.table.status(self.plan),
-                "incidents": self.book.count, "max_step": self.max_step}
+        return [Reached(newest)] if newest else []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from .. import protocol
 from ..agent.agent import Agent, Proc
@@ -128,6 +128,23 @@ class WorkerTable:
         self._pending_kills: list[tuple[float, int]] = []
         self.refused: list[str] = []  # events refused since the controller last looked
         self._refused_from: set[int | None] = set()  # processes whose events were refused
+        self._hints: dict[str, int] = {}  # where some_rank last found a rank, by what it asks
+
+    def some_rank(self, what: str, plan: Mapping[int, int], pred: Callable[[Worker], bool]) -> bool:
+        """Whether ``pred`` holds for some rank of the plan, looked for from the rank where the
+        last look for ``what`` found one: asked after every batch of events while thousands of
+        ranks report one by one, this stays about one test per rank in all, not one per rank
+        per batch."""
+        wids = list(plan.values())
+        if not wids:
+            return False
+        start = self._hints.get(what, 0) % len(wids)
+        for i in range(len(wids)):
+            k = (start + i) % len(wids)
+            if pred(self.workers[wids[k]]):
+                self._hints[what] = k
+                return True
+        return False
 
     def new(self, spare: bool, node: int = 0) -> Worker:
         w = Worker(wid=self.agent.new_wid(), spare=spare, node=node)

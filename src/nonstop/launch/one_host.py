@@ -317,7 +317,7 @@ def time_account(controller: Any, records: list[dict[str, Any]], t_end: float) -
     controller.status.maybe(controller, t_end, force=True)  # the job is over
     # across hosts, the whole job's: what the controllers before this one counted too
     acct, cats = controller.account(t_end, records, controller.outcome.t_train_end,
-                                    final_checkpoint=controller.final_persist is not None)
+                                    final_checkpoint=controller.reports.final_persist is not None)
     costs = {x["id"]: x for x in acct["by_incident"]}
     for rec in records:
         if rec["id"] in costs:
@@ -350,7 +350,7 @@ def report(controller: Any, log: Any, run_dir: Path, code: int, display: Any) ->
     summary["finish_s"] = round(t_exit - train_end, 3)
     summary["run_dir"] = str(run_dir)
     summary["diagnosis"] = controller.outcome.diagnosis
-    summary["state"] = dict(controller.memory.summary(), snapshot=controller.snap_stats)
+    summary["state"] = dict(controller.memory.summary(), snapshot=controller.reports.snap_stats)
     summary["sdc"] = controller.sdc.summary()
     earlier = controller.book.base  # across hosts: incidents of the controllers before this one
     if earlier:

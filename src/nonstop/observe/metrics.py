@@ -167,7 +167,7 @@ class JobMetrics:
         for phase in type(controller.phase):
             self.phase.labels(phase.value).set(1 if phase is controller.phase else 0)
         self.step.set(controller.max_step)
-        snap = controller.snap_stats or {}
+        snap = controller.reports.snap_stats or {}
         rank0 = controller.progress.rank0
         if rank0 and rank0[-1].get("step_s") is not None:
             self.step_s.set(rank0[-1]["step_s"])

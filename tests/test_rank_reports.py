@@ -1,0 +1,226 @@
+"""What the ranks report, and what it means for the job (controller/worker_events.py), with no
+process: typed events in, orders out, the controller's collaborators real where they hold no
+process (the ledger, the incident book, the replicas' comparisons and their judge, the watchers)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from types import MappingProxyType
+
+import pytest
+
+from nonstop.controller import machine as mc
+from nonstop.controller import worker_events as reports
+from nonstop.controller.book import IncidentBook
+from nonstop.controller.controller import Controller
+from nonstop.controller.facts import JobNow
+from nonstop.controller.ledger import SdcBook, TrainingLedger
+from nonstop.controller.phase import Phase
+from nonstop.controller.watchers import Watchers
+from nonstop.controller.workers import WorkerTable
+from nonstop.decide.sdc import Judge
+from nonstop.observe.progress import ProgressLog
+from nonstop.policy import Policy
+from nonstop.protocol import events
+
+GEN = 2
+PLAN = {0: 100, 1: 101, 2: 102}  # rank -> wid; wids 100 and 101 on node 0, 102 on node 1
+
+
+class Recorder:
+    """The event log and the display: what they were told."""
+
+    def __init__(self):
+        self.lines = []
+
+    def write(self, kind, **fields):
+        self.lines.append((kind, fields))
+
+    def warning(self, text):
+        self.lines.append(("warning", text))
+
+    def info(self, text):
+        self.lines.append(("info", text))
+
+    def __getattr__(self, name):  # anything else the book says (incident lines, status)
+        return lambda *a, **k: self.lines.append((name, a))
+
+
+class FakeAgent:
+    def __init__(self):
+        self.signalled = []
+        self._wid = 500
+
+    def new_wid(self):
+        self._wid += 1
+        return self._wid
+
+    def signal(self, wid, sig=None):
+        self.signalled.append(wid)
+
+
+class FakeGens:
+    def __init__(self):
+        self.claimed, self.trained_world, self.not_after = {}, None, None
+
+    def node_of(self):
+        return {0: 0, 1: 0, 2: 1}
+
+
+class FakeMemory:
+    sharded = None
+
+
+def make(incident=False, phase=Phase.RUNNING):
+    rec, agent = Recorder(), FakeAgent()
+    table = WorkerTable(agent, None, rec, "script")
+    for rank, wid in PLAN.items():
+        w = table.new(spare=False, node=0 if rank < 2 else 1)
+        table.workers[wid] = table.workers.pop(w.wid)
+        table.workers[wid].wid, table.workers[wid].rank = wid, rank
+    book = IncidentBook(rec, rec)
+    r = reports.RankReports(
+        table=table, ledger=TrainingLedger(True), book=book, gens=FakeGens(),
+        memory=FakeMemory(), sdc=SdcBook(), sdc_judge=Judge(),
+        watchers=Watchers(Policy(), rec, rec), progress=ProgressLog(None), agent=agent,
+        log=rec, display=rec)
+    inc = book.begin(1.0, GEN - 1, 10) if incident else None
+    job = JobNow(state=mc.JobState(phase=phase, gen=GEN), plan=MappingProxyType(PLAN),
+                 managed=True, max_step=10, total_nodes=2, incident=inc)
+    return r, job, table, rec, agent
+
+
+def entered(rank, **kw):
+    return events.EnteredGeneration(wid=PLAN[rank], t=5.0, gen=GEN, rank=rank, step=10,
+                                    t_assigned=4.0, **kw)
+
+
+def left(rank, reason, **kw):
+    return events.LeftGeneration(wid=PLAN[rank], t=6.0, gen=GEN, rank=rank, step=12, dirty=False,
+                                 reason=reason, t_caught=6.0, **kw)
+
+
+def done(rank):
+    return events.Done(wid=PLAN[rank], t=9.0, gen=GEN, rank=rank, step=20, busy=1.0, unfired=[],
+                       steps=True, sdc=None, final_persist=None)
+
+
+def test_the_generation_forms_once_every_rank_has_entered_it_judged_after_the_run():
+    r, job, *_ = make(phase=Phase.RENDEZVOUS)
+    for rank in (0, 1):
+        assert r.on_event(entered(rank), job) == []
+    assert r.take_run() == (True, False)
+    assert r.entries(job) == []  # rank 2 has not entered
+    r.on_event(entered(2), job)
+    assert not r.ends_run(events.FirstStep(wid=100, gen=GEN, rank=0, step=11))
+    assert r.ends_run(events.NanFound(wid=100, gen=GEN, rank=0, step=11, output="nan")) is True
+    assert r.take_run() == (True, False)
+    assert r.entries(job) == [reports.AllEntered()]
+    assert r.last_entered.rank == 2
+
+
+def test_an_event_about_an_older_generation_or_another_process_is_passed_over():
+    r, job, table, *_ = make()
+    old = dataclasses.replace(left(0, "exception", error="boom"), gen=GEN - 1)
+    assert r.on_event(old, job) == []
+    assert r.on_event(dataclasses.replace(left(0, "exception"), wid=101), job) == []
+    assert r.on_event(dataclasses.replace(left(0, "exception"), wid=999), job) == []
+    assert table.workers[100].left == -1
+
+
+def test_a_rank_that_left_on_its_own_exception_is_a_fault_after_its_step_counts():
+    r, job, table, *_ = make()
+    orders = r.on_event(left(1, "exception", error="boom", traceback="tb"), job)
+    assert orders[0] == reports.Reached(12, before_fault=True)
+    assert isinstance(orders[1], reports.Faulted)
+    f = orders[1].fault
+    assert (f.kind, f.rank, f.message, f.traceback) == ("exception", 1, "boom", "tb")
+    assert table.workers[101].left == GEN
+
+
+def test_a_rank_leaving_an_active_generation_for_a_peer_is_a_peer_fault_not_when_it_forms():
+    r, job, *_ = make()
+    orders = r.on_event(left(0, "abort"), job)
+    assert [o.fault.kind for o in orders if isinstance(o, reports.Faulted)] == ["peer"]
+    r, job, *_ = make(phase=Phase.TEARING_DOWN)
+    orders = r.on_event(left(0, "abort", t_pg=5.5), job)
+    assert not any(isinstance(o, reports.Faulted) for o in orders)
+    assert orders[-1] == reports.GroupFormed(5.5)  # after any fault it raised
+
+
+def test_a_nan_asks_the_machine_for_a_retry():
+    r, job, *_ = make()
+    ev = events.NanFound(wid=100, t=5.0, gen=GEN, rank=0, step=11, output="nan")
+    assert r.on_event(ev, job) == [reports.RetryAsked()]
+
+
+def test_training_completes_when_every_rank_is_done_and_an_open_incident_closes_first():
+    r, job, *_ = make(incident=True)
+    assert r.on_event(done(0), job) == [reports.Reached(20)]
+    assert r.on_event(done(1), job) == [reports.Reached(20)]
+    assert r.on_event(done(2), job) == [reports.Reached(20), reports.CloseIncident(9.0, 20),
+                                         reports.Complete(9.0)]
+
+
+def test_the_first_steps_of_every_rank_close_the_incident_at_its_resume_step():
+    r, job, table, *_ = make(incident=True)
+    job.incident.resume_step = 10
+    for rank in PLAN:
+        ev = events.FirstStep(wid=PLAN[rank], t=7.0 + rank, gen=GEN, rank=rank, step=11)
+        assert r.on_event(ev, job) == [reports.Reached(11)]
+    assert r.take_run() == (False, True)
+    assert r.first_steps(job) == [reports.CloseIncident(9.0, 10)]
+    # with no incident open, the job has grown: the book says so, nothing to close
+    r, job, table, rec, _ = make()
+    for rank in PLAN:
+        r.on_event(events.FirstStep(wid=PLAN[rank], t=7.0, gen=GEN, rank=rank, step=11), job)
+    assert r.first_steps(job) == [] and r.gens.trained_world == 3
+
+
+def test_an_injected_node_crash_takes_the_rest_of_its_node_with_it():
+    r, job, table, _, agent = make()
+    ev = events.FaultFired(wid=100, t=5.0, fault="node_crash:rank=0,step=5", kind="node_crash",
+                           rank=0, step=5, gen=GEN, pid=1, index=0)
+    assert r.on_event(ev, job) == []
+    assert agent.signalled == [100, 101]  # node 0's ranks; rank 2 (node 1) lives
+    assert table.workers[101].dead and not table.workers[102].dead
+    assert r.gens.claimed == {"0": 1}  # fired once in the job
+
+
+def test_silent_corruption_found_at_a_restore_is_told_by_its_cause_not_its_text():
+    r, job, _, rec, _ = make(phase=Phase.RENDEZVOUS)
+    text_only = events.SkippedCopy(cause="bad_copy", source="memory", rank=1, step=10,
+                                   why="its parameters differ (sdc)")
+    r.on_event(entered(0, skipped=[text_only]), job)
+    assert r.sdc.found == []
+    sdc = events.SkippedCopy(cause="sdc", source="live", rank=1, step=10, why="differs")
+    assert r.on_event(entered(1, skipped=[sdc]), job) == []  # one replica: a corruption
+    assert r.sdc.found and any(k == "warning" and "rank(s) [1]" in str(v) for k, v in rec.lines)
+
+
+def test_injected_faults_that_cannot_fire_give_up_as_a_usage_error():
+    r, job, *_ = make()
+    ev = events.NoSteps(wid=100, t=5.0, gen=GEN, rank=0, via="returned", registered=True,
+                        function="train", faults=["crash:rank=0,step=30"])
+    (order,) = r.on_event(ev, job)
+    assert isinstance(order, reports.GiveUp) and order.decision.usage_error
+    r, job, *_ = make()
+    assert r.on_event(ev, dataclasses.replace(job, over=True)) == []  # already ending
+
+
+def test_progress_reaches_the_newest_step():
+    r, job, table, *_ = make()
+
+    class Mail:
+        def progress(self, wids):
+            return {100: {"gen": GEN, "step": 15, "t": 8.0}, 102: {"gen": GEN, "step": 14, "t": 8.0}}
+
+    table.mail = Mail()
+    assert r.read_progress(job) == [reports.Reached(15)]
+    assert table.workers[100].step == 15
+
+
+@pytest.mark.parametrize("order", [o.__name__ for o in reports.Order.__args__])
+def test_every_order_has_its_case_in_the_controller(order):
+    assert f"case reports.{order}(" in inspect.getsource(Controller._carry_out_orders)
