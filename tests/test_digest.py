@@ -8,6 +8,7 @@ import types
 
 import torch
 
+from nonstop.protocol.rank_policy import RankSdc
 from nonstop.runtime.registered import State
 from nonstop.state.digest import Digests, digest, odd_ones
 from nonstop.state.restore import Where, _offer
@@ -57,7 +58,7 @@ def test_the_injected_flip_changes_one_bit_of_one_parameter():
 
 
 def test_checks_are_spaced_to_their_share_of_step_time():
-    d = Digests({"enabled": True, "action": "replace", "max_overhead_pct": 1.0})
+    d = Digests(RankSdc(enabled=True, action="replace", max_overhead_pct=1.0))
     assert d.interval(0.1) == 1  # nothing measured yet
     d._costs.append(0.002)
     assert d.interval(0.1) == 2 and d.interval(0.4) == 1 and d.interval(0.01) == 20

@@ -4,6 +4,9 @@ alone waits in the comparison while the others step on (a hang)."""
 
 from __future__ import annotations
 
+import dataclasses
+
+from nonstop.protocol.rank_policy import RankCheckpoint, RankSdc, RankSnapshot, RankState
 from nonstop.state.snapshot import Snapshots
 
 
@@ -27,8 +30,10 @@ class _Gone:
         pass
 
 
-CFG = {"snapshot": {"enabled": True, "every_steps": 5, "max_overhead_pct": 5.0},
-       "checkpoint": {"dir": "/nonexistent/ckpt", "every_steps": 3, "at_end": True}}
+CFG = RankState(RankSnapshot(enabled=True, every_steps=5, max_overhead_pct=5.0),
+                RankCheckpoint(dir="/nonexistent/ckpt", every_steps=3, at_end=True))
+AUTO = RankState(RankSnapshot(enabled=True, every_steps="auto", max_overhead_pct=1.0),
+                 RankCheckpoint(dir=None, every_steps=100, at_end=False))
 
 
 def _due_steps(memory):
@@ -50,14 +55,12 @@ def test_a_rank_without_memory_or_whose_memory_fails_snapshots_at_the_same_steps
 
 
 def test_one_share_of_the_steps_covers_the_copy_its_replication_and_the_digest():
-    cfg = {"snapshot": {"enabled": True, "every_steps": "auto", "max_overhead_pct": 1.0},
-           "checkpoint": {"dir": None, "every_steps": 100, "at_end": False}}
-    snaps = Snapshots(cfg, None)
+    snaps = Snapshots(AUTO, None)
     step_s = 0.025  # 1% of it: 0.25 ms a step
     assert snaps._interval(0.001, step_s, 0.0) == 4  # a 1 ms snapshot: every 4 steps
     assert snaps._interval(0.001, step_s, 0.0005) == 6  # ...and its replication
-    snaps = Snapshots(cfg, None, sdc={"enabled": True, "action": "replace",
-                                      "max_overhead_pct": 0.5})
+    snaps = Snapshots(AUTO, None, sdc=RankSdc(enabled=True, action="replace",
+                                              max_overhead_pct=0.5))
     # the digest joins the same share (it had one of its own: 1% and 0.5% beside each other)
     assert snaps._interval(0.001, step_s, 0.0005, 0.0005) == 8
     # ...and stays within its own share too
@@ -65,8 +68,8 @@ def test_one_share_of_the_steps_covers_the_copy_its_replication_and_the_digest()
 
 
 # == where the next snapshot is counted from, and when one is taken at once =======================
-FIXED = {"snapshot": {"enabled": True, "every_steps": 5, "max_overhead_pct": 5.0},
-         "checkpoint": {"dir": None, "every_steps": 100, "at_end": False}}
+FIXED = RankState(RankSnapshot(enabled=True, every_steps=5, max_overhead_pct=5.0),
+                  RankCheckpoint(dir=None, every_steps=100, at_end=False))
 
 
 class _Taking(Snapshots):
@@ -129,7 +132,8 @@ class _Memory:
 
 def test_a_memory_that_lost_the_newest_snapshot_gets_one_at_the_next_agreement():
     memory = _Memory()
-    snaps = _Taking({**FIXED, "snapshot": {**FIXED["snapshot"], "every_steps": 8}}, memory)
+    snaps = _Taking(dataclasses.replace(
+        FIXED, snapshot=dataclasses.replace(FIXED.snapshot, every_steps=8)), memory)
     snaps.adopt([{"every": 8, "held": None}], 0, from_disk=False)
     state = _State()
     for step in range(1, 31):
@@ -142,9 +146,7 @@ def test_a_memory_that_lost_the_newest_snapshot_gets_one_at_the_next_agreement()
 
 
 def test_the_interval_is_agreed_from_steady_costs_only():
-    cfg = {"snapshot": {"enabled": True, "every_steps": "auto", "max_overhead_pct": 1.0},
-           "checkpoint": {"dir": None, "every_steps": 100, "at_end": False}}
-    snaps = Snapshots(cfg, None)
+    snaps = Snapshots(AUTO, None)
     snaps._first_cost = 0.5  # a promoted spare's first snapshot, into new memory
     assert snaps.cost_s == 0.5 and snaps.schedule()["cost_s"] is None
     snaps._costs.append(0.002)

@@ -3,6 +3,7 @@ tensors) count only once committed; restores come back through pinned bounce buf
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -17,12 +18,13 @@ import torch
 import nonstop
 from nonstop.state import packing, restore, shm, staging
 from nonstop.state.memory import NodeMemory, own
+from nonstop.protocol.rank_policy import RankCheckpoint, RankSnapshot, RankState
 from nonstop.state.snapshot import Snapshots
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-CFG = {"snapshot": {"enabled": True, "every_steps": 1, "max_overhead_pct": 1.0},
-       "checkpoint": {"dir": None, "every_steps": 1000, "at_end": False}}
+CFG = RankState(RankSnapshot(enabled=True, every_steps=1, max_overhead_pct=1.0),
+                RankCheckpoint(dir=None, every_steps=1000, at_end=False))
 
 
 class _Memory:
@@ -227,7 +229,8 @@ def test_host_state_keeps_the_synchronous_path():
 
 
 def test_a_staged_snapshot_is_due_only_once_the_one_before_is_written():
-    snaps = Snapshots({**CFG, "snapshot": {**CFG["snapshot"], "every_steps": "auto"}}, None)
+    snaps = Snapshots(dataclasses.replace(
+        CFG, snapshot=dataclasses.replace(CFG.snapshot, every_steps="auto")), None)
     step_s = 0.1
     assert snaps._interval(0.0005, step_s, 0.0) == 1  # 0.5 ms on the step: every step...
     assert snaps._interval(0.0005, step_s, 0.0, 0.0, 0.35) == 4  # ...unless still being written

@@ -126,6 +126,7 @@ def run(hidden: int, layers: int, device: str = "cuda", steps: int = 30, warmup:
 
     from ..runtime.registered import State
     from ..state import packing, restore, staging
+    from ..protocol.rank_policy import RankCheckpoint, RankSnapshot, RankState
     from ..state.snapshot import Snapshots
 
     t_begin = time.monotonic()
@@ -194,10 +195,10 @@ def run(hidden: int, layers: int, device: str = "cuda", steps: int = 30, warmup:
     del pageable
 
     # (c) the real snapshot (staged, written and committed by its thread), then restores from it
-    cfg = {"snapshot": {"enabled": True, "every_steps": "auto", "max_overhead_pct": 1.0},
-           "checkpoint": {"dir": None, "every_steps": 1_000_000, "at_end": False}}
+    policy = RankState(RankSnapshot(enabled=True, every_steps="auto", max_overhead_pct=1.0),
+                       RankCheckpoint(dir=None, every_steps=1_000_000, at_end=False))
     memory = LocalMemory()
-    snaps = Snapshots(cfg, memory)
+    snaps = Snapshots(policy, memory)
     snaps.staged = None if cuda else True
     snaps._staging = stg  # the mirror already pinned
     reference = [t.detach().clone() for t in lay.tensors]

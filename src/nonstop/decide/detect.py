@@ -7,9 +7,11 @@ import collections
 import dataclasses
 import math
 import statistics
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
-from ..policy import Hang, HangTuning, LossRule, Straggler
+if TYPE_CHECKING:  # (the rank evaluates loss rules: it must not pay for the schema's import)
+    from ..policy import Hang, HangTuning, Straggler
+    from ..protocol.rank_policy import RankLossRule
 
 
 def _clamp(value: float, tuning: HangTuning) -> float:
@@ -125,12 +127,12 @@ class LossRules:
     """Loss rules evaluated on every reported loss of one rank: a rule fires when its condition
     holds for ``data_points`` consecutive losses, then re-arms once it stops holding."""
 
-    def __init__(self, rules: Iterable[LossRule]):
+    def __init__(self, rules: Iterable[RankLossRule]):
         self.rules = list(rules)
         self._streak = [0] * len(self.rules)
         self._fired = [False] * len(self.rules)
 
-    def observe(self, loss: float) -> list[LossRule]:
+    def observe(self, loss: float) -> list[RankLossRule]:
         fired = []
         for i, rule in enumerate(self.rules):
             if math.isfinite(loss) and _OPS[rule.operator](loss, rule.threshold):

@@ -15,7 +15,7 @@ from typing import Any
 
 import nonstop.inject as inject
 import nonstop.protocol as protocol
-from ..protocol import events
+from ..protocol import events, rank_policy
 
 _RUNTIME: "WorkerRuntime | None" = None
 RELEASE_RETRY_S = 5.0  # a group kept busy is tried again after this, doubling each time
@@ -58,6 +58,7 @@ class WorkerRuntime:
         self.host, self.port, self.worker_id = host, port, worker_id
         self._local = threading.local()
         self.job: dict[str, Any] = protocol.loads(self.store.get(protocol.JOB_KEY))
+        self.policy = rank_policy.read(self.job["policy"])  # validated by the launcher
         self._seq = 0  # next mailbox message to read
         self._ev_seq = 0  # next event to write
         self._ev_lock = threading.Lock()  # events come from several threads, in one sequence
@@ -78,15 +79,14 @@ class WorkerRuntime:
         self.registered = False  # whether the wrapped function registered a nonstop.State
         self.node_memory: Any = None  # this node's memory (its keeper), when snapshots are on
         self.snapshots: Any = None
-        state_cfg = self.job.get("policy", {}).get("state")
         keeper = os.environ.get(protocol.ENV_KEEPER)
-        if keeper and state_cfg and state_cfg["snapshot"]["enabled"]:
+        if keeper and self.policy.state.snapshot.enabled:
             from ..state.memory import NodeMemory
             from ..state.snapshot import Snapshots
 
             self.node_memory = NodeMemory(keeper)
-            self.snapshots = Snapshots(state_cfg, self.node_memory,
-                                       sdc=self.job["policy"].get("detect", {}).get("sdc"))
+            self.snapshots = Snapshots(self.policy.state, self.node_memory,
+                                       sdc=self.policy.detect.sdc)
         self._snapshot_error: str | None = None
         from .monitor import Monitor
 

@@ -115,7 +115,7 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
                                 protocol.pg_prefix(gen), job["rendezvous_timeout_s"],
                                 job["collective_timeout_s"],
                                 escalate=functools.partial(_abort_hung, rt, gen, rank),
-                                abort_s=_abort_s(job))
+                                abort_s=rt.policy.recover.timeouts.abort_s)
         if rt.snapshots is not None:
             rt.snapshots.may_commit = group.may_commit
         # Everything alive now (torch, the model, the script's setup) is moved out of the
@@ -175,8 +175,7 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
 
 def _attach(rt: Any, tracked: State) -> None:
     """Connect the state's hooks to this process's runtime and policy."""
-    detect = rt.job.get("policy", {}).get("detect", {})
-    tracked.check_finite = bool(detect.get("nan", {}).get("enabled", True))
+    tracked.check_finite = rt.policy.detect.nan.enabled
 
     def optimizer_stepped() -> None:
         rt.injector.check("optimizer", rt.rank, tracked.step)
@@ -309,16 +308,15 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
 
 def _context(rt: Any, tracked: State, msg: dict[str, Any], resumed: Any) -> Context:
     rt.monitor.in_steps = False  # a loop left by a failure may not have said so yet
-    rules = rt.job.get("policy", {}).get("detect", {}).get("loss_rules") or None
-    if rules:
+    policy = rt.policy
+    rules = None
+    if policy.detect.loss_rules:
         from ..decide.detect import LossRules
-        from ..policy import LossRule
 
-        rules = LossRules(LossRule(**r) for r in rules)
-    scale = rt.job.get("policy", {}).get("recover", {}).get("levels", {}).get("scale_in", {})
+        rules = LossRules(policy.detect.loss_rules)
     return Context(msg.rank, msg.world, msg.gen, rt.entries, msg.replacements,
                    tracked, rt, resumed, loss_rules=rules, full_world_size=msg.full_world,
-                   scale_lr=scale.get("batch") == "scale_lr")
+                   scale_lr=policy.recover.levels.scale_in.batch == "scale_lr")
 
 
 def _rss_mb() -> float:
@@ -351,11 +349,6 @@ def _warm_gpu() -> None:
     if torch.cuda.is_available():
         torch.cuda.init()
         torch.empty(0, device="cuda")  # the context of the current device
-
-
-def _abort_s(job: dict[str, Any]) -> float:
-    timeouts = ((job.get("policy") or {}).get("recover") or {}).get("timeouts") or {}
-    return float(timeouts.get("abort_s", nccl.ABORT_S))
 
 
 def _free_device_memory() -> None:

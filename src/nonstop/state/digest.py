@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from ..protocol.events import DigestChecks
+from ..protocol.rank_policy import RankSdc
 
 _MIX = 1_000_003  # digests of the tensors combined in order: a swap of two changes the result
 _MOD = 2**64  # a sum of 64-bit words wraps: every bit of it counts, the top one too
@@ -102,10 +103,10 @@ class Digests:
     """One rank process's checks: their cost (which spaces the snapshots out when needed), and
     the chain of the agreeing ones."""
 
-    def __init__(self, cfg: dict[str, Any]):
-        self.enabled = bool(cfg.get("enabled", True))
-        self.report_only = cfg.get("action") == "report"
-        self.max_share = float(cfg.get("max_overhead_pct", 1.0)) / 100
+    def __init__(self, policy: RankSdc):
+        self.enabled = policy.enabled
+        self.report_only = policy.action == "report"
+        self.max_share = policy.max_overhead_pct / 100
         self._costs: collections.deque[float] = collections.deque(maxlen=9)
         self.checks = 0
         self.first_step: int | None = None

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..protocol.rank_policy import RankSdc, RankState
 from . import memory as mem
 from . import packing, shm
 from .digest import Digests
@@ -62,20 +63,20 @@ class _Job:
 class Snapshots:
     """The snapshot schedule of one rank process, and its measurements."""
 
-    def __init__(self, cfg: dict[str, Any], memory: mem.NodeMemory | None,
-                 sdc: dict[str, Any] | None = None):
-        snap, ckpt = cfg["snapshot"], cfg["checkpoint"]
+    def __init__(self, policy: RankState, memory: mem.NodeMemory | None,
+                 sdc: RankSdc | None = None):
+        snap, ckpt = policy.snapshot, policy.checkpoint
         self.memory = memory
         # the replicas' parameters compared before each snapshot (detect.sdc): every snapshot
         # written is one whose digests agreed, the step a corruption is rolled back to
-        self.digests = Digests(sdc) if sdc is not None and sdc.get("enabled", True) else None
-        self.enabled = bool(snap["enabled"])
-        self.auto = snap["every_steps"] == "auto"
-        self.every = 1 if self.auto else int(snap["every_steps"])
-        self.max_share = float(snap["max_overhead_pct"]) / 100
-        self.root = Path(ckpt["dir"]) if ckpt.get("dir") else None
-        self.persist_every = int(ckpt["every_steps"])
-        self.at_end = bool(ckpt["at_end"])
+        self.digests = Digests(sdc) if sdc is not None and sdc.enabled else None
+        self.enabled = snap.enabled
+        self.auto = snap.every_steps == "auto"
+        self.every = 1 if snap.every_steps == "auto" else snap.every_steps
+        self.max_share = snap.max_overhead_pct / 100
+        self.root = Path(ckpt.dir) if ckpt.dir else None
+        self.persist_every = ckpt.every_steps
+        self.at_end = ckpt.at_end
         self.last_persist = 0  # newest step sent to disk (agreed: every rank moves it alike)
         self._costs: collections.deque[float] = collections.deque(maxlen=_RECENT)
         self._steps: collections.deque[float] = collections.deque(maxlen=_RECENT)
