@@ -16,6 +16,7 @@ from nonstop.controller.phase import Phase
 from nonstop.controller.workers import Worker
 from nonstop.decide.ladder import Counters
 from nonstop.protocol import events
+from nonstop.protocol.last_step import LastStep
 
 
 @dataclasses.dataclass
@@ -65,7 +66,7 @@ class Recorder:
         self.lines.append(("info", text))
 
     def take(self, wid, rank, node, last):
-        self.lines.append(("progress", wid, rank, node, last["step"]))
+        self.lines.append(("progress", wid, rank, node, last.step))
 
 
 def setup(phase=Phase.RUNNING, gen=3, managed=True, max_step=10, isolated=(), keepers=None):
@@ -94,7 +95,7 @@ def proc(wid, code, last=None):
 
 def test_a_rank_that_crashes_is_a_fault_and_its_last_step_counts_as_reached():
     exits, job, workers, *_ , rec = setup()
-    what = exits.on_exit(proc(101, -9, last={"step": 12, "gen": 3, "t": 5.0}), job)
+    what = exits.on_exit(proc(101, -9, last=LastStep(step=12, gen=3, t=5.0, busy=None, stall=None)), job)
     assert what.fault is not None and what.fault.kind == "crash" and what.fault.rank == 1
     assert what.reached == 12
     assert workers[101].dead
@@ -145,7 +146,7 @@ def test_an_import_error_before_any_step_is_the_scripts_and_not_retried():
     exits, job, workers, _, gens, _ = setup(max_step=0)
     # its last step, read by its agent, says the job got past the start: a retry may help
     workers[100].exit_report = report(assigned=True)
-    assert exits.on_exit(proc(100, 1, last={"step": 4, "gen": 3, "t": 5.0}), job).fault.kind == "exception"
+    assert exits.on_exit(proc(100, 1, last=LastStep(step=4, gen=3, t=5.0, busy=None, stall=None)), job).fault.kind == "exception"
     exits, job, workers, _, gens, _ = setup(max_step=0)
     workers[100].exit_report = report(assigned=False)
     exits.on_exit(proc(100, 1), job)

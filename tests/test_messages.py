@@ -113,7 +113,7 @@ def test_a_remote_records_times_are_moved_onto_this_hosts_clock():
     from nonstop.protocol.hosts import shift_times
 
     rec = {"t": 10.0, "hb": 11, "t_pg": 12.5, "t_flag": True, "type": "entered", "step": 7,
-           "tail": 3.0, "": 1, "life": [4, 13.0]}
+           "tail": 3.0, "": 1, "t_life": 13.0}
     assert shift_times(rec, 0.5) == {"t": 10.5, "hb": 11.5, "t_pg": 13.0, "t_flag": True,
                                      "type": "entered", "step": 7, "tail": 3.0, "": 1,
-                                     "life": [4, 13.5]}
+                                     "t_life": 13.5}

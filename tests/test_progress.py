@@ -9,6 +9,13 @@ import pytest
 from nonstop import inject, policy
 from nonstop.controller.liveness import Signals
 from nonstop.controller.workers import Worker
+from nonstop.protocol.progress import Progress
+
+
+def _life(gen: int, t: float) -> Progress:
+    """A progress record with nothing but a sign of life from the rank's collectives."""
+    return Progress(hb=100.0, pid=1, where="torch", loc="", same_s=0.0, paused=None,
+                    max_step_s=0.0, compute_s=None, life_gen=gen, t_life=t)
 
 
 def _rank(wid: int, rank: int, t_step: float = 0.0, first_gen: int = -1) -> Worker:
@@ -20,11 +27,11 @@ def test_signs_of_life_keep_a_rank_without_steps_from_being_hung():
     allowance = sig.hang.first_step_timeout()
     a, b = _rank(1, 0), _rank(2, 1)
     # generation 3 formed at t=0; neither rank has completed a step in it
-    sig.on_progress(a, {"hb": 100.0, "life": [3, allowance - 1.0]}, gen=3)
-    sig.on_progress(b, {"hb": 100.0, "life": [2, allowance - 1.0]}, gen=3)  # an older generation's
+    sig.on_progress(a, _life(3, allowance - 1.0), gen=3)
+    sig.on_progress(b, _life(2, allowance - 1.0), gen=3)  # an older generation's
     fault, _ = sig.check_hang([a, b], gen=3, t_running=0.0, now=allowance + 0.5)
     assert fault is not None and sig.last_progress == 0.0  # b: nothing since the group formed
-    sig.on_progress(b, {"hb": 100.0, "life": [3, allowance - 0.5]}, gen=3)
+    sig.on_progress(b, _life(3, allowance - 0.5), gen=3)
     fault, _ = sig.check_hang([a, b], gen=3, t_running=0.0, now=allowance + 0.5)
     assert fault is None
     fault, _ = sig.check_hang([a, b], gen=3, t_running=0.0, now=2 * allowance)
@@ -41,7 +48,7 @@ def test_a_hang_is_dated_from_the_last_progress_of_the_stalled_ranks():
     assert sig.last_progress == 52.0 and "no step completed" in fault.message
     # a rank whose marks are its steps (no ctx.steps) is judged by its signs of life as well
     sig.on_first_step(b, 52.0, stepless=True)
-    sig.on_progress(b, {"hb": 100.0, "life": [1, 52.0 + steady]}, gen=1)
+    sig.on_progress(b, _life(1, 52.0 + steady), gen=1)
     fault, _ = sig.check_hang([b], gen=1, t_running=0.0, now=52.0 + steady + 0.1)
     assert fault is None
     fault, _ = sig.check_hang([b], gen=1, t_running=0.0, now=52.0 + 2 * steady + 0.1)
@@ -87,16 +94,16 @@ def test_the_last_step_survives_its_writer_and_a_torn_write_leaves_the_one_befor
     w = last_step.Writer(path)
     w.write(0, 1, 10.0, 0.5, 0.0)
     w.write(0, 2, 11.0, 1.0, 0.25)
-    assert last_step.read(path, remove=False) == {"gen": 0, "step": 2, "t": 11.0, "busy": 1.0,
-                                                  "stall": 0.25}
+    assert last_step.read(path, remove=False) == last_step.LastStep(gen=0, step=2, t=11.0,
+                                                                     busy=1.0, stall=0.25)
     # the next record half written (the header not yet moved): the one before is read
     with open(path, "r+b") as f:
         f.seek(last_step._HEAD.size + (3 % 2) * last_step._REC.size)
         f.write(last_step._REC.pack(1, 99, 12.0, 2.0, 0.0)[:12])
-    assert last_step.read(path, remove=False)["step"] == 2
+    assert last_step.read(path, remove=False).step == 2
     # a writer that opens the file again goes on from its count; a mark has no busy time
     last_step.Writer(path).write(1, 3, 13.0, math.nan, math.nan)
-    assert last_step.read(path) == {"gen": 1, "step": 3, "t": 13.0, "busy": None, "stall": None}
+    assert last_step.read(path) == last_step.LastStep(gen=1, step=3, t=13.0, busy=None, stall=None)
     assert not os.path.exists(path)  # read once, gone
     assert last_step.read(path) is None and last_step.Writer(path).write(0, 1, 0, 0, 0) is None
     # a process killed by SIGKILL right after its write: the page is the file's, not its own
@@ -106,4 +113,29 @@ def test_the_last_step_survives_its_writer_and_a_torn_write_leaves_the_one_befor
             "os.kill(os.getpid(), signal.SIGKILL)")
     p = subprocess.run([sys.executable, "-c", code, path], timeout=60)
     assert p.returncode == -signal.SIGKILL
-    assert last_step.read(path)["step"] == 5000
+    assert last_step.read(path).step == 5000
+
+
+def test_a_progress_record_goes_through_json_and_a_malformed_one_is_refused():
+    import json
+
+    import pytest
+
+    from nonstop.protocol import progress
+
+    rec = Progress(hb=1.0, pid=7, where="torch", loc="f.py:3 in g", same_s=0.5, paused=None,
+                   max_step_s=0.2, compute_s=0.1, life_gen=2, t_life=0.9,
+                   snap=progress.SnapshotNumbers(every=5, cost_s=0.01, step_s=0.2, last=40,
+                                                 repl_s=None),
+                   gen=2, rank=0, step=41, t=0.95, loss="nan", busy=3.0, stall=0.0, step_s=0.2)
+    raw = json.loads(json.dumps(progress.encode(rec)))
+    assert progress.decode(raw) == rec
+    bare = Progress(hb=1.0, pid=7, where="", loc="", same_s=0.0, paused=None, max_step_s=0.0,
+                    compute_s=None)
+    assert "step" not in progress.encode(bare)  # before its first step: no step fields
+    assert progress.decode(progress.encode(bare)) == bare
+    for bad in ({**raw, "where": "gpu"}, {**raw, "step": "41"}, {**raw, "extra": 1},
+                {k: v for k, v in raw.items() if k != "hb"}, {**raw, "loss": "big"},
+                {**raw, "snap": {"every": 5}}, [raw]):
+        with pytest.raises(progress.BadProgress):
+            progress.decode(bad)

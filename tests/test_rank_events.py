@@ -93,8 +93,19 @@ def test_every_type_has_a_sample_and_each_goes_through_json_and_back_unchanged()
 @pytest.mark.parametrize("ev", SAMPLES, ids=lambda ev: ev.type)
 def test_a_field_missing_unknown_or_of_the_wrong_type_is_refused(ev):
     raw = _over_json(events.encode(ev))
+    defaults = {f.name for f in dataclasses.fields(ev)
+                if f.default is not dataclasses.MISSING
+                or f.default_factory is not dataclasses.MISSING}
     for name in raw:
         if name == "type":
+            continue
+        if name in defaults:  # left out, a field takes its default (encode leaves it out so)
+            back = events.decode({k: v for k, v in raw.items() if k != name})
+            assert getattr(back, name) == dataclasses.replace(
+                ev, **{name: type(ev).__dataclass_fields__[name].default
+                       if type(ev).__dataclass_fields__[name].default is not dataclasses.MISSING
+                       else type(ev).__dataclass_fields__[name].default_factory()}
+            ).__getattribute__(name)
             continue
         with pytest.raises(events.BadEvent, match=f"field '{name}' is missing"):
             events.decode({k: v for k, v in raw.items() if k != name})

@@ -22,7 +22,7 @@ from nonstop.controller.workers import WorkerTable
 from nonstop.decide.sdc import Judge
 from nonstop.observe.progress import ProgressLog
 from nonstop.policy import Policy
-from nonstop.protocol import events
+from nonstop.protocol import events, progress
 
 GEN = 2
 PLAN = {0: 100, 1: 101, 2: 102}  # rank -> wid; wids 100 and 101 on node 0, 102 on node 1
@@ -209,16 +209,24 @@ def test_injected_faults_that_cannot_fire_give_up_as_a_usage_error():
     assert r.on_event(ev, dataclasses.replace(job, over=True)) == []  # already ending
 
 
+def _progress(step):
+    return progress.encode(progress.Progress(
+        hb=8.0, pid=1, where="python", loc="x.py:1 in f", same_s=0.0, paused=None,
+        max_step_s=0.1, compute_s=None, gen=GEN, rank=0, step=step, t=8.0, loss=0.5))
+
+
 def test_progress_reaches_the_newest_step():
     r, job, table, *_ = make()
 
     class Mail:
         def progress(self, wids):
-            return {100: {"gen": GEN, "step": 15, "t": 8.0}, 102: {"gen": GEN, "step": 14, "t": 8.0}}
+            return {100: _progress(15), 102: _progress(14), 101: {"gen": GEN, "step": "x"}}
 
     table.mail = Mail()
     assert r.read_progress(job) == [reports.Reached(15)]
     assert table.workers[100].step == 15
+    # a record that is not one is refused and said once, the others taken
+    assert table.workers[101].step is None and "a progress record was refused" in table.refused[0]
 
 
 @pytest.mark.parametrize("order", [o.__name__ for o in reports.Order.__args__])

@@ -38,7 +38,7 @@ class Proc:
     _partial: bytes = b""
     console: ConsoleFilter | None = None
     last_step_path: str | None = None  # where a rank writes its last step (protocol.last_step)
-    last: dict[str, Any] | None = None  # ...read there once it exited
+    last: last_step.LastStep | None = None  # ...read there once it exited
 
     @property
     def pid(self) -> int:

@@ -35,6 +35,7 @@ from .mail import StoreMail
 from ..net.channel import SECRET_ENV
 from ..protocol import hosts as keys
 from ..protocol import messages as m
+from ..protocol.records import plain
 from ..launch.config import HostConfig
 from .fencing import (REGISTER_RETRY_S, EtcdSilent, Fence, JobEnded, Membership, OutageOver,
                       Registered, Rejoined, Verdict)
@@ -464,7 +465,7 @@ class HostAgent:
             self.keepers.gone(self.meta[proc.wid]["keeper"])
         rec = {"wid": proc.wid, "code": proc.returncode}
         if proc.last is not None:
-            rec["last"] = proc.last
+            rec["last"] = plain(proc.last)
         if not self._send(m.Exits(exits=[rec])):
             self._unsent_exits.append(rec)
 

@@ -238,9 +238,11 @@ class Sim:
             if now - last_progress >= every:
                 last_progress = now
                 for h in self.hosts:
+                    # (as progress.encode writes a Progress: built directly, thousands a round)
                     recs = {str(r.wid): {"hb": now, "pid": r.wid, "where": "python",
-                                         "loc": "train", "same_s": 0.0, "paused": False,
-                                         "gen": r.gen, "step": r.step, "t": now}
+                                         "loc": "train", "same_s": 0.0, "paused": None,
+                                         "max_step_s": 0.0, "compute_s": None, "gen": r.gen,
+                                         "rank": r.rank, "step": r.step, "t": now}
                             for r in h.ranks.values() if r.alive and r.rank is not None}
                     if recs and h.ch is not None:
                         h.send(m.Progress(recs=recs, stopped=[]))

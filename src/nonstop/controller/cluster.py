@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import queue
 import signal
 import sys
@@ -20,9 +21,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from ..protocol import hosts as keys
+from ..protocol import hosts as keys, last_step
 from ..protocol import messages as m
 from .readers import Readers
+
+log = logging.getLogger("nonstop.controller")
 
 RECONNECT_S = 0.2
 HOST_LOST_CODE = -int(signal.SIGKILL)  # what a lost host's processes are reported to exit with
@@ -39,7 +42,7 @@ class RemoteProc:
     pid: int | None = None
     returncode: int | None = None
     t_exit: float | None = None
-    last: dict[str, Any] | None = None  # the last step it completed (protocol.last_step)
+    last: last_step.LastStep | None = None  # the last step it completed (protocol.last_step)
 
     @property
     def alive(self) -> bool:
@@ -351,7 +354,7 @@ class Cluster:
                     if p is not None and p.alive:
                         p.returncode = e["code"] if e.get("code") is not None else HOST_LOST_CODE
                         p.t_exit = now
-                        p.last = e.get("last") if isinstance(e.get("last"), dict) else None
+                        p.last = _last_step(e.get("last"), link.offset)
                         self._exited.append(p)
             case m.Events(events=events, replay=replay):
                 for ev in events:
@@ -535,3 +538,16 @@ class RemoteHealth:
 
 class Deposed(Exception):
     """A host answered that a newer controller is in office."""
+
+
+def _last_step(raw: Any, offset: float) -> last_step.LastStep | None:
+    """The last step of a process that exited on another host, on this host's clock (None: it
+    completed none, or the record is not one - then its steps since its last progress are not
+    counted, as if its file had been lost)."""
+    if not isinstance(raw, dict):
+        return None
+    try:
+        return last_step.decode(keys.shift_times(dict(raw), offset))
+    except ValueError:
+        log.warning("a last step that is not one was passed over: %r", raw)
+        return None

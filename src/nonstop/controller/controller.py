@@ -13,7 +13,6 @@ import gc
 import os
 import signal
 import time
-from types import MappingProxyType
 from typing import Any
 
 from .. import protocol
@@ -38,7 +37,6 @@ from .phase import ACTIVE, ENDING, Phase
 from .watchers import Command, Watchers
 from .exits import ProcessExits
 from . import worker_events as reports
-from .facts import JobNow
 from .workers import Worker, WorkerTable
 
 TICK_BUSY_S = 0.002  # loop period while survivors leave a failed generation
@@ -169,7 +167,7 @@ class Controller:
 
     def _on_exit(self, proc: Any) -> None:
         """A process ended: what it means (``exits.py``), carried out."""
-        what = self.exits.on_exit(proc, self._job_now())
+        what = self.exits.on_exit(proc, self)
         if what.reached is not None:
             self._reached_step(what.reached)
         if what.diagnosis is not None and self.outcome.diagnosis is None:
@@ -181,12 +179,16 @@ class Controller:
         if what.fault is not None:
             self._fault(what.fault)
 
-    def _job_now(self) -> JobNow:
-        """The facts of the job its collaborators judge against (``facts.py``)."""
-        return JobNow(state=self.state, plan=MappingProxyType(self.plan), managed=self.managed,
-                      max_step=self.max_step, total_nodes=self.total_nodes,
-                      leaving=self.preempts.told, incident=self.incident,
-                      over=self.outcome.exit_code is not None)
+    # == the facts its collaborators judge against (a facts.JobView) ===========================
+    @property
+    def leaving(self) -> set[int]:
+        """Nodes whose hosts were told to stop (preempted)."""
+        return self.preempts.told
+
+    @property
+    def over(self) -> bool:
+        """The job's exit code is known: it is ending."""
+        return self.outcome.exit_code is not None
 
     # == what the ranks report (worker_events.py) ================================================
     def _read_events(self) -> None:
@@ -196,7 +198,7 @@ class Controller:
         for ev in self.table.read_events():
             if r.ends_run(ev):
                 self._judge_run()
-            self._carry_out_orders(r.on_event(ev, self._job_now()))
+            self._carry_out_orders(r.on_event(ev, self))
         self._judge_run()
         refused, self.table.refused = self.table.refused, []
         for text in refused:
@@ -205,12 +207,12 @@ class Controller:
     def _judge_run(self) -> None:
         entries, first_steps = self.reports.take_run()
         if entries:
-            self._carry_out_orders(self.reports.entries(self._job_now()))
+            self._carry_out_orders(self.reports.entries(self))
         if first_steps:  # (the generation may have formed on the entries)
-            self._carry_out_orders(self.reports.first_steps(self._job_now()))
+            self._carry_out_orders(self.reports.first_steps(self))
 
     def _read_progress(self) -> None:
-        self._carry_out_orders(self.reports.read_progress(self._job_now()))
+        self._carry_out_orders(self.reports.read_progress(self))
 
     def _carry_out_orders(self, orders: list[reports.Order]) -> None:
         """What the ranks' reports say the job must do, in order."""

@@ -5,24 +5,24 @@ over). The last step a rank completed, read by its agent once it is gone, counts
 ``ProcessExits`` is the controller's (``controller.py``) collaborator for it: it keeps the
 process records up to date and says what the exit means as records (``Exited``'s fields), which
 the controller carries out; it never steps the machine or reads the controller's state, only the
-facts it is given (``JobNow``).
+facts it is given (``JobView``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
 
 from ..agent.agent import Proc
 from ..observe.display import Display
 from ..observe.events import EventLog
 from ..observe.progress import ProgressLog
+from ..protocol.last_step import LastStep
 from ..decide.faults import exit_fault
 from ..decide.ladder import Fault
 from .generations import Generations
 from .keepers import Keepers
-from .facts import JobNow
+from .facts import JobView
 from .phase import ENDING, Phase
 from .workers import Worker
 
@@ -46,7 +46,7 @@ class ProcessExits:
         self.workers, self.memory, self.gens = workers, memory, gens
         self.progress, self.log, self.display = progress, log, display
 
-    def on_exit(self, proc: Proc, job: JobNow) -> Exited:
+    def on_exit(self, proc: Proc, job: JobView) -> Exited:
         if self.memory.node_of_wid(proc.wid) is not None:
             self._on_keeper_exit(proc, job)
             return NOTHING
@@ -59,10 +59,9 @@ class ProcessExits:
         code = proc.returncode
         last = proc.last
         self.log.write("exit", wid=w.wid, rank=w.rank, spare=w.spare, code=code, killed=was_killed,
-                       **({"last_step": last.get("step"), "last_gen": last.get("gen")}
-                          if last else {}))
+                       **({"last_step": last.step, "last_gen": last.gen} if last else {}))
         reached = None
-        if last and w.rank is not None and not w.spare:
+        if last is not None and w.rank is not None and not w.spare:
             reached = self._take_last_step(w, last, job.gen)
         if w.spare:
             if job.phase in ENDING or w.killed:
@@ -83,14 +82,14 @@ class ProcessExits:
             return Exited(reached=reached, complete_at=time.time() if done else None)
         return Exited(fault=self._exit_fault(w, code, job, reached), reached=reached)
 
-    def _take_last_step(self, w: Worker, last: dict[str, Any], gen: int) -> int:
+    def _take_last_step(self, w: Worker, last: LastStep, gen: int) -> int:
         """The step a rank that is gone completed last, read by its agent: steps it completed
         since it last published count as reached (and, if rolled back, as lost)."""
         step = w.take_progress(last, gen)
         self.progress.take(w.wid, w.rank, w.node, last)
         return step
 
-    def _on_keeper_exit(self, proc: Proc, job: JobNow) -> None:
+    def _on_keeper_exit(self, proc: Proc, job: JobView) -> None:
         """A node's memory is gone. With its ranks gone too, the node is lost (the next decision
         says so); otherwise a new, empty memory takes over and training goes on."""
         h = self.memory.on_exit(proc.wid, proc.returncode)
@@ -102,7 +101,7 @@ class ProcessExits:
         # the other nodes stop copying their snapshots to it now, not once it is replaced
         self.memory.configure(self.gens.node_of(), job.state.usable_nodes(job.total_nodes))
 
-    def _exit_fault(self, w: Worker, code: int | None, job: JobNow, reached: int | None) -> Fault:
+    def _exit_fault(self, w: Worker, code: int | None, job: JobView, reached: int | None) -> Fault:
         report = w.exit_report
         if report is not None and report.import_error and not report.assigned:
             self.gens.spares_wait(report)  # it ran the script without its rank: spares must not

@@ -9,6 +9,7 @@ from typing import Any, Iterable
 from ..decide.detect import HangTimer, RankView, StragglerWatch, describe_stall, hung_ranks
 from ..decide.ladder import Fault
 from ..policy import Policy
+from ..protocol.progress import Progress
 from .workers import Worker
 
 
@@ -25,19 +26,17 @@ class Signals:
         self._stepless: set[int] = set()  # wids whose progress is marks, not ctx.steps steps
 
     # -- observations ---------------------------------------------------------------------------
-    def on_progress(self, w: Worker, rec: dict[str, Any], gen: int) -> None:
+    def on_progress(self, w: Worker, rec: Progress, gen: int) -> None:
         """A rank's progress record (read from the store): heartbeat, where its main thread is,
         its slowest recent step, its compute time."""
-        w.take_liveness(rec.get("hb", w.hb), rec.get("where", ""), rec.get("loc", ""),
-                        rec.get("same_s", 0.0), rec.get("paused"))
-        life = rec.get("life")
-        if life and life[0] == gen:
-            self._life[w.wid] = (life[0], life[1])
-        if rec.get("gen") == gen:
-            if rec.get("max_step_s"):
-                self.hang.observe_step(rec["max_step_s"])
-            if rec.get("compute_s") is not None:
-                w.compute_s = rec["compute_s"]
+        w.take_liveness(rec.hb, rec.where, rec.loc, rec.same_s, rec.paused)
+        if rec.life_gen == gen and rec.t_life is not None:
+            self._life[w.wid] = (rec.life_gen, rec.t_life)
+        if rec.gen == gen:
+            if rec.max_step_s:
+                self.hang.observe_step(rec.max_step_s)
+            if rec.compute_s is not None:
+                w.compute_s = rec.compute_s
 
     def on_first_step(self, w: Worker, t_first: float, stepless: bool = False) -> None:
         """The first step of a generation on one rank: how long it took after the group formed.

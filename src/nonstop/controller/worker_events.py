@@ -5,7 +5,7 @@ corruption...; and their progress) and what each means for the job.
 it is given up to date (the workers, the ledger, the incident book, the replicas' comparisons)
 and says what the job must do as orders (``Order``), which the controller carries out one event
 at a time, so that each event is judged against the job as the events before it left it; it never
-steps the machine or reads the controller's state, only the facts it is given (``JobNow``).
+steps the machine or reads the controller's state, only the facts it is given (``JobView``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ..observe.events import EventLog
 from ..observe.progress import ProgressLog, sample_every
 from ..protocol import events
 from .book import IncidentBook
-from .facts import JobNow
+from .facts import JobView
 from .generations import Generations
 from .keepers import Keepers
 from .ledger import SdcBook, TrainingLedger
@@ -119,7 +119,7 @@ class RankReports:
         kinds, self._run = self._run, set()
         return "entered" in kinds, "first_step" in kinds
 
-    def entries(self, job: JobNow) -> list[Order]:
+    def entries(self, job: JobView) -> list[Order]:
         # (the machine forms the generation once every rank has entered it, and does nothing
         # else on an entry: the job's view is built only then)
         if job.phase is Phase.RENDEZVOUS and \
@@ -127,7 +127,7 @@ class RankReports:
             return [AllEntered()]
         return []
 
-    def on_event(self, ev: events.RankEvent, job: JobNow) -> list[Order]:
+    def on_event(self, ev: events.RankEvent, job: JobView) -> list[Order]:
         """One event (its kind deferred to the run's judgement where it can be)."""
         w = self.workers.get(ev.wid)
         if w is None:
@@ -136,6 +136,28 @@ class RankReports:
             return []  # about an older generation
         w.take_event(ev)
         match ev:
+            # (the kinds a big job's ranks send by the thousand first: a match tries its cases
+            # in order)
+            case events.FirstStep():
+                stepless = not ev.steps  # its marks are its steps (no ctx.steps)
+                self.ledger.first_step(stepless)
+                self.watchers.signals.on_first_step(w, ev.t, stepless=stepless)
+                self._run.add(ev.type)
+                return [Reached(ev.step)]
+            case events.LeftGeneration():
+                return self._on_left(w, ev, job)
+            case events.EnteredGeneration():
+                if ev.sharded is not None:
+                    self.memory.sharded = ev.sharded
+                if ev.nccl:  # its aborts take NCCL's time: the teardown allows for it
+                    self.nccl = True
+                self.last_entered = ev
+                self._run.add(ev.type)
+                odd = [s for s in ev.skipped if s.cause == "sdc"]
+                if odd:  # found at the restore: every rank went back to a snapshot that agreed
+                    return self._on_sdc_at_restore(ev, odd, job)
+            case events.Done():
+                return self._on_done(ev, job)
             case events.Ready():
                 if w.spare:
                     self.table.spare_failures = 0
@@ -150,24 +172,6 @@ class RankReports:
                                          "goes on")
             case events.NoSteps():
                 return self._on_no_steps(ev, job)
-            case events.EnteredGeneration():
-                if ev.sharded is not None:
-                    self.memory.sharded = ev.sharded
-                if ev.nccl:  # its aborts take NCCL's time: the teardown allows for it
-                    self.nccl = True
-                self.last_entered = ev
-                self._run.add(ev.type)
-                odd = [s for s in ev.skipped if s.cause == "sdc"]
-                if odd:  # found at the restore: every rank went back to a snapshot that agreed
-                    return self._on_sdc_at_restore(ev, odd, job)
-            case events.FirstStep():
-                stepless = not ev.steps  # its marks are its steps (no ctx.steps)
-                self.ledger.first_step(stepless)
-                self.watchers.signals.on_first_step(w, ev.t, stepless=stepless)
-                self._run.add(ev.type)
-                return [Reached(ev.step)]
-            case events.LeftGeneration():
-                return self._on_left(w, ev, job)
             case events.NanFound():
                 return [RetryAsked()]
             case events.LossRuleFired():
@@ -176,11 +180,9 @@ class RankReports:
                     return [Faulted(Fault("loss_rule", rank=ev.rank, message=text))]
                 if action == "fail":
                     return [GiveUp(Decision(Level.FAIL, reason="loss rule", diagnosis=text))]
-            case events.Done():
-                return self._on_done(ev, job)
         return []
 
-    def _on_done(self, ev: events.Done, job: JobNow) -> list[Order]:
+    def _on_done(self, ev: events.Done, job: JobView) -> list[Order]:
         self.ledger.done(ev)
         self._sdc_report(ev.gen, ev.sdc)
         if ev.final_persist is not None:
@@ -208,7 +210,7 @@ class RankReports:
                     x.dead = True
                     self.agent.signal(x.wid)
 
-    def first_steps(self, job: JobNow) -> list[Order]:
+    def first_steps(self, job: JobView) -> list[Order]:
         """After first steps: once every rank has taken one in this generation, the job has
         grown (or recovered, and the open incident closes)."""
         if job.phase is not Phase.RUNNING or \
@@ -222,7 +224,7 @@ class RankReports:
             return []
         return [CloseIncident(t_first, job.incident.resume_step)]
 
-    def _on_left(self, w: Worker, ev: events.LeftGeneration, job: JobNow) -> list[Order]:
+    def _on_left(self, w: Worker, ev: events.LeftGeneration, job: JobView) -> list[Order]:
         self._sdc_report(ev.gen, ev.sdc)
         orders: list[Order] = [Reached(ev.step, before_fault=True)]
         match ev.reason:
@@ -244,7 +246,7 @@ class RankReports:
             orders.append(GroupFormed(ev.t_pg))
         return orders
 
-    def _on_sdc(self, ev: events.LeftGeneration, job: JobNow) -> list[Order]:
+    def _on_sdc(self, ev: events.LeftGeneration, job: JobView) -> list[Order]:
         """The replicas' parameters differ (every rank found the same, at a snapshot step). A
         corruption: the ranks that differ are at fault, and no rank may resume from state newer
         than the last snapshot, which was compared and agreed. A divergence (the replicas split
@@ -266,7 +268,7 @@ class RankReports:
             for r in verdict.suspects]
 
     def _on_sdc_at_restore(self, ev: events.EnteredGeneration, odd: list[events.SkippedCopy],
-                           job: JobNow) -> list[Order]:
+                           job: JobView) -> list[Order]:
         """Live states of one step differed when a generation formed (each rank reports the same
         finding): every rank was restored from a snapshot that agreed - or the replicas diverge."""
         first = odd[0]
@@ -289,7 +291,7 @@ class RankReports:
             self.sdc_judge.agreed(gen)
 
     def _judge_sdc(self, step: int, digests: dict[int, int], suspects: list[int],
-                   redo_gen: int, job: JobNow) -> tuple[Any, list[Order]]:
+                   redo_gen: int, job: JobView) -> tuple[Any, list[Order]]:
         """A corruption's verdict (None: a divergence, and the order to stop the job for it).
         ``redo_gen``: the first generation that redoes the steps after its rollback."""
         if len(set(digests.values())) < 2:  # not said: each suspect alone, the others agreeing
@@ -307,7 +309,7 @@ class RankReports:
         return None, [GiveUp(Decision(Level.FAIL, reason="the replicas diverge",
                                       diagnosis=verdict.diagnosis))]
 
-    def _on_no_steps(self, ev: events.NoSteps, job: JobNow) -> list[Order]:
+    def _on_no_steps(self, ev: events.NoSteps, job: JobView) -> list[Order]:
         diagnosis, warning = self.ledger.no_steps(ev)
         if diagnosis is not None and not job.over:
             return [GiveUp(Decision(Level.FAIL, reason="injected faults cannot fire",
@@ -317,7 +319,7 @@ class RankReports:
         return []
 
     # == progress ================================================================================
-    def read_progress(self, job: JobNow) -> list[Order]:
+    def read_progress(self, job: JobView) -> list[Order]:
         """The ranks' newest progress records: their steps, rank 0's snapshot numbers, the
         hang and straggler signals (and the hang timeout, tuned from the steps' times)."""
         ranks = [self.workers[wid] for wid in job.plan.values()]
@@ -326,8 +328,8 @@ class RankReports:
         for w, rec in self.table.read_progress(ranks):
             newest = max(newest, w.take_progress(rec, job.gen))
             self.progress.take(w.wid, w.rank, w.node, rec)
-            if w.rank == 0 and rec.get("snap"):
-                self.snap_stats = rec["snap"]
+            if w.rank == 0 and rec.snap is not None:  # (for the summary and the metrics)
+                self.snap_stats = dataclasses.asdict(rec.snap)
             self.watchers.signals.on_progress(w, rec, job.gen)
         tuned = self.watchers.signals.timeout_changed()
         if tuned is not None:

@@ -11,6 +11,9 @@ from typing import Any, Callable, Iterator, Mapping
 from .. import protocol
 from ..agent.agent import Agent, Proc
 from ..observe.events import EventLog
+from ..protocol import progress
+from ..protocol.last_step import LastStep
+from ..protocol.progress import Progress
 from ..protocol import events
 
 DUMP_GRACE_S = 0.3  # between asking a stuck process for its stacks and killing it
@@ -94,17 +97,20 @@ class Worker:
             case events.Done(gen=gen):
                 self.done, self.busy, self.step = gen, ev.busy, ev.step
 
-    def take_progress(self, rec: dict[str, Any], gen: int) -> int:
-        """A progress record it published; returns the step it reports for ``gen`` (else 0)."""
+    def take_progress(self, rec: Progress | LastStep, gen: int) -> int:
+        """A progress record it published (or the last step its agent read once it was gone);
+        returns the step it reports for ``gen`` (else 0)."""
         # (written past __setattr__: none of these is in what the machine sees, and 16,384 ranks
         # report every second)
         d = self.__dict__
-        step = rec.get("step") if rec.get("gen") == gen else None
-        if step is not None and (self.step_gen != gen or step >= (self.step or 0)):
-            d["step"], d["step_gen"], d["t_step"] = step, gen, rec["t"]
-        loss = rec.get("loss")
-        d["loss"] = loss if isinstance(loss, (int, float)) else None
-        d["busy"] = rec.get("busy", self.busy)
+        step = rec.step if rec.gen == gen else None
+        if step is not None and rec.t is not None and \
+                (self.step_gen != gen or step >= (self.step or 0)):
+            d["step"], d["step_gen"], d["t_step"] = step, gen, rec.t
+        if isinstance(rec, Progress):
+            d["loss"] = rec.loss if isinstance(rec.loss, (int, float)) else None
+        if rec.busy is not None:
+            d["busy"] = rec.busy
         return step or 0
 
     def take_liveness(self, hb: float, where: str, loc: str, same_s: float,
@@ -129,6 +135,7 @@ class WorkerTable:
         self.refused: list[str] = []  # events refused since the controller last looked
         self._refused_from: set[int | None] = set()  # processes whose events were refused
         self._hints: dict[str, int] = {}  # where some_rank last found a rank, by what it asks
+        self._progress: dict[int, tuple[Any, Progress]] = {}  # wid -> its newest record, decoded
 
     def some_rank(self, what: str, plan: Mapping[int, int], pred: Callable[[Worker], bool]) -> bool:
         """Whether ``pred`` holds for some rank of the plan, looked for from the rank where the
@@ -240,17 +247,35 @@ class WorkerTable:
                 self.log.write_record("rank_" + ev.type, raw)
             yield ev
 
-    def _refuse(self, raw: Any, why: str) -> None:
+    def _refuse(self, raw: Any, why: str, what: str = "an event") -> None:
         wid = raw.get("wid") if isinstance(raw, dict) else None
         wid = wid if type(wid) is int else None
         self.log.write("event_refused", wid=wid, error=why, event=raw)
         if wid not in self._refused_from:
             self._refused_from.add(wid)
-            self.refused.append(f"worker {wid}: an event was refused ({why}); its later "
+            self.refused.append(f"worker {wid}: {what} was refused ({why}); its later "
                                 "refusals are only logged" if wid is not None else
-                                f"an event was refused ({why})")
+                                f"{what} was refused ({why})")
 
-    def read_progress(self, ranks: list[Worker]) -> list[tuple[Worker, dict[str, Any]]]:
-        """The ranks' newest progress records."""
+    def read_progress(self, ranks: list[Worker]) -> list[tuple[Worker, Progress]]:
+        """The ranks' newest progress records, decoded; one that is not a progress record as this
+        version of nonstop writes it is refused as an event is (``read_events``)."""
         recs = self.mail.progress([w.wid for w in ranks])
-        return [(w, recs[w.wid]) for w in ranks if w.wid in recs]
+        out = []
+        decoded = self._progress
+        for w in ranks:
+            raw = recs.get(w.wid)
+            if raw is None:
+                continue
+            last = decoded.get(w.wid)
+            if last is not None and last[0] is raw:  # the same record again (across hosts, a
+                out.append((w, last[1]))  # rank's newest is kept until its host sends another)
+                continue
+            try:
+                rec = progress.decode(raw)
+            except progress.BadProgress as exc:
+                self._refuse({"wid": w.wid, "progress": raw}, str(exc), "a progress record")
+                continue
+            decoded[w.wid] = (raw, rec)
+            out.append((w, rec))
+        return out

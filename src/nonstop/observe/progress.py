@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..protocol import fastjson
+from ..protocol.last_step import LastStep
+from ..protocol.progress import Progress
 
 FILENAME = "progress.jsonl"
 EVERY_S = 0.5  # a rank other than 0 is sampled at most this often while it steps
@@ -47,13 +49,14 @@ class ProgressLog:
             except OSError:
                 self._fh = None
 
-    def take(self, wid: int, rank: int, node: int, rec: dict[str, Any]) -> None:
-        """A rank's newest progress record (the same record may come again)."""
-        if not isinstance(rec.get("step"), int) or "t" not in rec:
+    def take(self, wid: int, rank: int, node: int, rec: Progress | LastStep) -> None:
+        """A rank's newest progress record, or the last step its agent read once it was gone
+        (the same record may come again)."""
+        if rec.step is None or rec.t is None:
             return
-        sample = {"t": rec["t"], "wid": wid, "rank": rank, "node": node, "gen": rec.get("gen"),
-                  "step": rec["step"], "busy": rec.get("busy"), "stall": rec.get("stall"),
-                  "step_s": rec.get("step_s")}
+        sample = {"t": rec.t, "wid": wid, "rank": rank, "node": node, "gen": rec.gen,
+                  "step": rec.step, "busy": rec.busy, "stall": rec.stall,
+                  "step_s": rec.step_s if isinstance(rec, Progress) else None}
         last, pending = self._last.get(wid), self._pending.get(wid)
         newest = pending or last
         if newest is not None and (newest["gen"], newest["step"]) == (sample["gen"], sample["step"]):

@@ -335,22 +335,44 @@ class SdcMismatch(RankEvent):
 # == on the wire =====================================================================================
 _READ = Reader()
 _SCALARS = (int, float, str, bool, type(None))
-_NAMES: dict[type, tuple[str, ...]] = {}
+_LAYOUT: dict[type, tuple[tuple[str, Any], ...]] = {}
+_OPTIONAL: dict[type, tuple[str, ...]] = {}
+_REQUIRED = object()
 
 
 def encode(ev: RankEvent) -> dict[str, Any]:
-    """The JSON object of an event: its ``type``, then its fields (``replay`` only when set)."""
-    names = _NAMES.get(type(ev))
-    if names is None:
-        names = _NAMES[type(ev)] = tuple(f.name for f in dataclasses.fields(ev)
-                                         if f.name != "replay")
+    """The JSON object of an event: its ``type``, then its fields - a field at its default left
+    out (a plain script's entry says little; a big job's controller reads, relays and logs
+    tens of thousands of these in a recovery)."""
+    layout = _LAYOUT.get(type(ev))
+    if layout is None:
+        layout = _LAYOUT[type(ev)] = _layout(type(ev))
     out: dict[str, Any] = {"type": ev.type}
-    for name in names:
+    for name, default in layout:
         value = getattr(ev, name)
+        if default is not _REQUIRED and (value is default or value == default):
+            continue
         out[name] = value if type(value) in _SCALARS else plain(value)
-    if ev.replay:
-        out["replay"] = True
     return out
+
+
+def _layout(cls: type) -> tuple[tuple[str, Any], ...]:
+    """Each field's name and its default (``_REQUIRED``: none)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else \
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else _REQUIRED
+        out.append((f.name, default))
+    return tuple(out)
+
+
+def _optional(cls: type) -> tuple[str, ...]:
+    """The fields an encoded event may leave out: those with a default."""
+    names = _OPTIONAL.get(cls)
+    if names is None:
+        layout = _LAYOUT.get(cls) or _LAYOUT.setdefault(cls, _layout(cls))
+        names = _OPTIONAL[cls] = tuple(n for n, default in layout if default is not _REQUIRED)
+    return names
 
 
 def decode(raw: Any) -> RankEvent:
@@ -361,7 +383,7 @@ def decode(raw: Any) -> RankEvent:
     if cls is None:
         raise BadEvent(f"unknown rank event {_short(kind if type(raw) is dict else raw)}")
     try:
-        return _READ.record(cls, raw, cls.type, skip=("type",), may_lack=("replay",))
+        return _READ.reader(cls, cls.type, ("type",), _optional(cls))(raw)
     except BadEvent:
         raise
     except BadRecord as exc:

@@ -221,9 +221,6 @@ def shift_times(obj: dict[str, Any], offset: float) -> dict[str, Any]:
         if key[:1] in "th" and (key in TIME_FIELDS or key.startswith("t_")) and \
                 isinstance(value, (int, float)) and not isinstance(value, bool):
             obj[key] = value + offset
-    life = obj.get("life")
-    if isinstance(life, list) and len(life) == 2 and isinstance(life[1], (int, float)):
-        obj["life"] = [life[0], life[1] + offset]
     return obj
 
 

@@ -12,11 +12,14 @@ the middle of a write leaves the one before intact.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import mmap
 import os
 import struct
 from typing import Any
+
+from .records import Reader
 
 ENV = "NONSTOP_LAST_STEP"  # the file's path, given to the rank by its agent
 _HEAD = struct.Struct("<q")  # the count of records written; the newest is in slot count % 2
@@ -61,9 +64,29 @@ class Writer:
         self._n = n
 
 
-def read(path: str, remove: bool = True) -> dict[str, Any] | None:
-    """The newest record (gen, step, t, busy, stall), or None when no step was written; the
-    file is removed with ``remove``."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LastStep:
+    """The last step a rank completed, as its file holds it (``t``: the rank's clock)."""
+
+    gen: int
+    step: int
+    t: float
+    busy: float | None  # None: a rank that steps outside ctx.steps
+    stall: float | None
+
+
+_READ = Reader()
+
+
+def decode(raw: Any) -> LastStep:
+    """A record relayed from another host (``plain(record)``, its time shifted); BadRecord for
+    one that is not."""
+    return _READ.record(LastStep, raw, "last step")
+
+
+def read(path: str, remove: bool = True) -> LastStep | None:
+    """The newest record, or None when no step was written; the file is removed with
+    ``remove``."""
     try:
         with open(path, "rb") as f:
             data = f.read(SIZE)
@@ -77,6 +100,5 @@ def read(path: str, remove: bool = True) -> dict[str, Any] | None:
     if n <= 0:
         return None
     gen, step, t, busy, stall = _REC.unpack_from(data, _HEAD.size + (n % 2) * _REC.size)
-    return {"gen": gen, "step": step, "t": t,  # NaN: a rank that steps outside ctx.steps
-            "busy": None if math.isnan(busy) else busy,
-            "stall": None if math.isnan(stall) else stall}
+    return LastStep(gen=gen, step=step, t=t, busy=None if math.isnan(busy) else busy,
+                    stall=None if math.isnan(stall) else stall)

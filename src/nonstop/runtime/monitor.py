@@ -15,7 +15,8 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 import nonstop.protocol as protocol
-from ..protocol import events, last_step
+from ..protocol import events, last_step, progress
+from ..protocol.progress import SnapshotNumbers
 
 if TYPE_CHECKING:
     from .pg import GenerationGroup
@@ -59,6 +60,20 @@ def _readable(loss: Any) -> Any:
         except Exception:  # noqa: BLE001 - the step's own CUDA calls will report it
             return None
     return loss
+
+
+def _loss_value(loss: Any) -> float | str | None:
+    """A reported loss as the progress record holds it: a number, or "nan"/"inf"/"-inf" (JSON
+    has no NaN), or None (none reported, or one that cannot be read)."""
+    if loss is None:
+        return None
+    if isinstance(loss, DeviceValue):
+        loss = loss.get()
+    try:
+        value = float(loss)
+    except Exception:  # noqa: BLE001 - a loss we cannot read is not worth a crash
+        return None
+    return value if math.isfinite(value) else str(value)
 
 
 class Runtime(Protocol):
@@ -308,36 +323,26 @@ class Monitor:
             where, location = self._where()
             if location != place:
                 place, since = location, now
-            record: dict[str, Any] = {"hb": now, "pid": pid, "where": where, "loc": location,
-                                      "same_s": round(now - since, 3), "paused": self._paused,
-                                      "max_step_s": self._max_step_s, "compute_s": self._compute}
-            self._max_step_s = 0.0
+            max_step_s, self._max_step_s = self._max_step_s, 0.0
             if now - self._t_traffic >= TRAFFIC_EVERY_S:
                 self._t_traffic = now
                 self._sample_traffic(now)
-            if self._life is not None:
-                record["life"] = list(self._life)
+            life = self._life
             snaps = rt.snapshots
-            if snaps is not None and snaps.taken:
-                record["snap"] = {"every": snaps.every, "cost_s": snaps.cost_s,
-                                  "step_s": snaps.step_s, "last": snaps.last_step,
-                                  "repl_s": snaps.repl_s}
-            progress = self._progress
-            if progress is not None:
-                record.update(progress)
-                loss = progress.get("loss")
-                if isinstance(loss, DeviceValue):
-                    record["loss"] = loss = loss.get()
-                if loss is not None and not isinstance(loss, (int, float)):
-                    try:
-                        record["loss"] = float(loss)
-                    except Exception:  # noqa: BLE001 - a loss we cannot read is not worth a crash
-                        record["loss"] = None
-                if record.get("loss") is not None and not math.isfinite(record["loss"]):
-                    record["loss"] = str(record["loss"])  # JSON has no NaN
+            snap = SnapshotNumbers(every=snaps.every, cost_s=snaps.cost_s, step_s=snaps.step_s,
+                                   last=snaps.last_step, repl_s=snaps.repl_s) \
+                if snaps is not None and snaps.taken else None
+            steps = dict(self._progress or {})
+            steps["loss"] = _loss_value(steps.get("loss"))
+            record = progress.Progress(
+                hb=now, pid=pid, where=where, loc=location, same_s=round(now - since, 3),
+                paused=self._paused, max_step_s=max_step_s, compute_s=self._compute,
+                life_gen=life[0] if life is not None else None,
+                t_life=life[1] if life is not None else None, snap=snap, **steps)
             self._last_publish = now
             try:
-                rt.store.set(protocol.progress_key(rt.worker_id), protocol.dumps(record))
+                rt.store.set(protocol.progress_key(rt.worker_id),
+                             protocol.dumps(progress.encode(record)))
             except Exception as exc:  # noqa: BLE001
                 rt.reconnect(exc)
                 time.sleep(HEARTBEAT_S)
