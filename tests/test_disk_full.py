@@ -17,6 +17,7 @@ import torch
 
 from conftest import (TRAIN, bitwise_equal, finish, nonstop_cmd, policy_file, run_nonstop, start,
                       wait_for_event)
+from nonstop.protocol import keeper_messages as km
 from nonstop.state import checkpoint as ck
 from nonstop.state import wire
 from nonstop.state.memory import own
@@ -204,34 +205,34 @@ def test_failed_writes_leave_nothing_and_later_ones_succeed(small_fs):
 def test_the_keeper_keeps_a_failed_part_and_writes_it_again(keepers, small_fs):  # noqa: F811
     mem = keepers(0, writer=True)
     events = wire.Client(mem.name)
-    events.call({"op": "subscribe"})
+    events.call(km.Subscribe())
     events.sock.settimeout(60)
     root = small_fs / "ckpt"
     root.mkdir()
-    persist = {"root": str(root), "rank": 0, "world": 1, "sharded": False, "gen": 0,
-               "reason": "periodic"}
+    persist = km.DiskPart(holder="r0", step=10, root=str(root), rank=0, world=1, sharded=False,
+                          reason="periodic")
     sd = {"w": torch.randn(50_000)}
     filler = fill(small_fs)
     snapshot(mem, 0, sd, 10, persist)
 
-    def next_part() -> dict:
+    def next_part() -> km.PartDone | km.PartFailed:
         while True:
-            msg, _ = wire.recv(events.sock)
-            if msg.get("ev") in ("part_done", "part_failed"):
+            msg = km.decode_report(wire.recv(events.sock)[0])
+            if isinstance(msg, (km.PartDone, km.PartFailed)):
                 return msg
 
     failed = next_part()
-    assert failed["ev"] == "part_failed" and failed["job"]["step"] == 10
-    assert (failed["errno"], failed["message"]) == ("ENOSPC", "No space left on device")
-    assert "Traceback" in failed["traceback"] and temps(root) in ([], [".tmp-step-0000000010"])
+    assert isinstance(failed, km.PartFailed) and failed.job.step == 10
+    assert (failed.errno, failed.message) == ("ENOSPC", "No space left on device")
+    assert "Traceback" in failed.traceback and temps(root) in ([], [".tmp-step-0000000010"])
     snapshot(mem, 0, sd, 11)
     snapshot(mem, 0, sd, 12)  # step 10 is no longer in the node's memory, only kept for disk
     filler.unlink()
-    reply, _ = mem.client.call({**failed["job"], "op": "persist", "again": True})
-    assert reply["kept"]
+    reply, _ = mem.client.call(km.Persist(part=failed.job, again=True))
+    assert reply.kept
     done = next_part()
-    assert done["ev"] == "part_done", done  # the same writer, from the kept copy
-    ck.finalize(root, 10, {0: done["part"]}, world=1, sharded=False)
+    assert isinstance(done, km.PartDone), done  # the same writer, from the kept copy
+    ck.finalize(root, 10, {0: km.encode(done.part)}, world=1, sharded=False)
     assert torch.equal(ck.read_part(root, 10, 0)[0]["w"], sd["w"])
 
 

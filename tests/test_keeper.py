@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from nonstop.net.channel import SECRET_ENV
+from nonstop.protocol import keeper_messages as km
 from nonstop.state import checkpoint, packing, shm, wire
 from nonstop.state.memory import NodeMemory, own, replica
 
@@ -111,8 +112,8 @@ def test_a_leased_slot_is_not_overwritten(keepers):
 
 def test_snapshots_reach_the_buddy_node_before_the_older_slot_is_reused(keepers):
     a, b = keepers(0), keepers(1)
-    tcp_b = b.client.call({"op": "ping"})[0]["tcp"]
-    a.client.call({"op": "configure", "replicate": {own(0): tcp_b}})
+    tcp_b = b.client.call(km.Ping())[0].tcp
+    a.client.call(km.Configure(replicate={own(0): tcp_b}))
     sd = {"w": torch.randn(200_000)}
     for step in range(1, 6):
         sd["w"].add_(1)
@@ -124,16 +125,16 @@ def test_snapshots_reach_the_buddy_node_before_the_older_slot_is_reused(keepers)
         assert rinfo.checksum == info.checksum and slot.verify(rinfo)
         assert torch.equal(packing.unpack(*slot.read(rinfo))["w"], sd["w"])
     # the sender hears the buddy's ack a moment after the buddy has the replica
-    wait_for(lambda: a.listing()[own(0)]["replicated_step"] == 5)
-    assert a.listing()[own(0)]["repl_error"] is None
+    wait_for(lambda: a.listing()[own(0)].replicated_step == 5)
+    assert a.listing()[own(0)].repl_error is None
 
 
 def test_a_replica_without_the_jobs_token_is_refused(keepers):
     a, b = keepers(0, token="right"), keepers(1, token="other job")
-    a.client.call({"op": "configure", "replicate": {own(0): b.client.call({"op": "ping"})[0]["tcp"]}})
+    a.client.call(km.Configure(replicate={own(0): b.client.call(km.Ping())[0].tcp}))
     for step in (1, 2, 3):
         snapshot(a, 0, {"w": torch.ones(10)}, step)
-    wait_for(lambda: a.listing()[own(0)]["repl_error"] is not None)
+    wait_for(lambda: a.listing()[own(0)].repl_error is not None)
     assert replica(0) not in b.listing()  # nothing was written into the other job's memory
 
 
@@ -144,10 +145,10 @@ def test_replicas_across_hosts_travel_over_the_authenticated_channel(keepers):
     # different tokens: the replica can only have come through the channel (the job's secret)
     a = keepers(0, token="one", secret=SECRET)
     b = keepers(1, token="two", secret=SECRET)
-    tcp_b = b.client.call({"op": "ping"})[0]["tcp"]
+    tcp_b = b.client.call(km.Ping())[0].tcp
     host, _, port = tcp_b.rpartition(":")
     assert host == "127.0.0.1" and int(port) > 0  # "host:port" as before
-    a.client.call({"op": "configure", "replicate": {own(0): tcp_b}})
+    a.client.call(km.Configure(replicate={own(0): tcp_b}))
     sd = {"w": torch.randn(300_000)}
     for step in (1, 2, 3):
         sd["w"].add_(1)
@@ -157,21 +158,21 @@ def test_replicas_across_hosts_travel_over_the_authenticated_channel(keepers):
         assert rinfo == oinfo == info and rslot.verify(rinfo)
         assert bytes(rslot.buffer[:info.total]) == bytes(oslot.buffer[:info.total])
         assert torch.equal(packing.unpack(*rslot.read(rinfo))["w"], sd["w"])
-    wait_for(lambda: a.listing()[own(0)]["replicated_step"] == 3)  # (its ack comes a moment later)
-    assert a.listing()[own(0)]["repl_error"] is None
+    wait_for(lambda: a.listing()[own(0)].replicated_step == 3)  # (its ack comes a moment later)
+    assert a.listing()[own(0)].repl_error is None
 
 
 def test_a_replica_without_the_jobs_secret_is_refused_and_logged(keepers, tmp_path):
     log = tmp_path / "b.log"
     b = keepers(1, secret=SECRET, log=log)
-    tcp_b = b.client.call({"op": "ping"})[0]["tcp"]
+    tcp_b = b.client.call(km.Ping())[0].tcp
     other = keepers(0, secret="another-jobs-secret-0123456789abcdef")
     plain = keepers(2)  # no secret at all: the one-host token path
     for sender in (other, plain):
-        sender.client.call({"op": "configure", "replicate": {own(0): tcp_b}})
+        sender.client.call(km.Configure(replicate={own(0): tcp_b}))
         snapshot(sender, 0, {"w": torch.ones(10)}, 1)
-        wait_for(lambda: sender.listing()[own(0)]["repl_error"] is not None)
-    assert "refused" in other.listing()[own(0)]["repl_error"]
+        wait_for(lambda: sender.listing()[own(0)].repl_error is not None)
+    assert "refused" in other.listing()[own(0)].repl_error
     assert replica(0) not in b.listing()  # nothing was written into this job's memory
     wait_for(lambda: log.read_text().count("refused") >= 2)
     lines = [line for line in log.read_text().splitlines() if "refused" in line]
@@ -196,8 +197,8 @@ def test_an_empty_job_secret_or_token_is_no_keeper(env, said):
 
 def test_a_replica_is_refused_rather_than_written_into_a_slot_leased_to_a_restore(keepers):
     a, b = keepers(0), keepers(1)
-    b.client.call({"op": "configure", "free_within_s": 0.3})
-    a.client.call({"op": "configure", "replicate": {own(0): b.client.call({"op": "ping"})[0]["tcp"]}})
+    b.client.call(km.Configure(free_within_s=0.3))
+    a.client.call(km.Configure(replicate={own(0): b.client.call(km.Ping())[0].tcp}))
     sd = {"w": torch.zeros(50_000)}
     for step in (1, 2):
         sd["w"].fill_(step)
@@ -207,32 +208,32 @@ def test_a_replica_is_refused_rather_than_written_into_a_slot_leased_to_a_restor
     with reader.lease(replica(0), 1) as (info, slot):  # a restore loads step 1 from the replica
         sd["w"].fill_(3)
         snapshot(a, 0, sd, 3)  # its replica would go to the leased slot: refused, not written
-        wait_for(lambda: a.listing()[own(0)]["repl_error"] is not None)
-        assert "leased" in a.listing()[own(0)]["repl_error"]
+        wait_for(lambda: a.listing()[own(0)].repl_error is not None)
+        assert "leased" in a.listing()[own(0)].repl_error
         assert slot.verify(info)  # the bytes under the lease are still step 1's
         assert torch.equal(packing.unpack(*slot.read(info))["w"], torch.full((50_000,), 1.0))
     sd["w"].fill_(4)
     snapshot(a, 0, sd, 4)  # the lease given back: replication goes on, over the same connection
     wait_for(lambda: b.steps(replica(0)) == [4, 2])
     # (the buddy lists step 4 a moment before the sender has read its reply)
-    wait_for(lambda: a.listing()[own(0)]["repl_error"] is None)
+    wait_for(lambda: a.listing()[own(0)].repl_error is None)
 
 
 def test_a_dead_buddy_does_not_stop_snapshots(keepers):
     a = keepers(0)
-    a.client.call({"op": "configure", "replicate": {own(0): "127.0.0.1:1"}})  # nothing listens
+    a.client.call(km.Configure(replicate={own(0): "127.0.0.1:1"}))  # nothing listens
     sd = {"w": torch.ones(10)}
     for step in range(1, 5):
         snapshot(a, 0, sd, step)
     assert a.steps(own(0)) == [4, 3]
-    assert "Error" in a.listing()[own(0)]["repl_error"]
+    assert "Error" in a.listing()[own(0)].repl_error
 
 
 def test_corruption_is_caught_by_the_checksum(keepers):
     mem = keepers(0)
     snapshot(mem, 0, {"w": torch.ones(10_000)}, 1)
     out = mem.corrupt(own(0))
-    assert out["step"] == 1
+    assert out.step == 1
     with mem.lease(own(0), 1) as (info, slot):
         assert not slot.verify(info)
 
@@ -250,19 +251,19 @@ def test_the_keepers_death_is_the_nodes_memory_lost(keepers):
 def test_a_snapshot_goes_to_disk_as_a_dcp_part(keepers, tmp_path):
     mem = keepers(0, writer=True)
     events = wire.Client(mem.name)
-    events.call({"op": "subscribe"})
+    events.call(km.Subscribe())
     model = torch.nn.Linear(4, 3)
-    persist = {"root": str(tmp_path), "rank": 0, "world": 1, "sharded": False, "gen": 0,
-               "reason": "periodic"}
+    persist = km.DiskPart(holder=own(0), step=10, root=str(tmp_path), rank=0, world=1,
+                          sharded=False, reason="periodic")
     snapshot(mem, 0, {"model": model.state_dict()}, 10, persist)
     snapshot(mem, 0, {"model": model.state_dict()}, 11)  # the slot is free again at once...
     snapshot(mem, 0, {"model": model.state_dict()}, 12)  # ...the part comes from a staged copy
     events.sock.settimeout(60)
-    msg, _ = wire.recv(events.sock)
-    while msg.get("ev") != "part_done":
-        assert msg.get("ev") != "part_failed", msg
-        msg, _ = wire.recv(events.sock)
-    assert msg["job"]["step"] == 10
-    checkpoint.finalize(tmp_path, 10, {0: msg["part"]}, world=1, sharded=False)
+    msg = km.decode_report(wire.recv(events.sock)[0])
+    while not isinstance(msg, km.PartDone):
+        assert not isinstance(msg, km.PartFailed), msg
+        msg = km.decode_report(wire.recv(events.sock)[0])
+    assert msg.job.step == 10
+    checkpoint.finalize(tmp_path, 10, {0: km.encode(msg.part)}, world=1, sharded=False)
     sd, info = checkpoint.read_part(tmp_path, 10, 0)
     assert info["step"] == 10 and torch.equal(sd["model"]["weight"], model.weight.detach())

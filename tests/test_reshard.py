@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from nonstop.protocol.keeper_messages import HolderEntry
 from nonstop.state import reshard
 from nonstop.state.plan import NoConsistentState
+from nonstop.state.shm import SlotInfo
 
 
 W = {0: 4, 1: 3}  # generation -> world size
@@ -14,8 +16,14 @@ W = {0: 4, 1: 3}  # generation -> world size
 
 def inv(live=None, memory=None, disk=None, gen=0):
     """An inventory; ``memory``: holder -> steps of snapshots taken in generation ``gen``."""
-    return reshard.inventory_of(live, {k: {"slots": [{"step": s, "gen": gen} for s in v] + [None]}
-                                       for k, v in (memory or {}).items()}, disk or {})
+    def entry(steps):
+        slots = [SlotInfo(seq=i, step=s, meta_len=0, data_len=0, checksum=0, written_at=0.0,
+                          rank=0, gen=gen) for i, s in enumerate(steps)]
+        return HolderEntry(slots=[*slots, None], replicated_step=None, repl_s=None,
+                           repl_error=None, buddy=None)
+
+    return reshard.inventory_of(live, {k: entry(v) for k, v in (memory or {}).items()},
+                                disk or {})
 
 
 def test_live_shards_first_the_lost_one_from_memory_then_its_replica():

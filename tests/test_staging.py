@@ -18,6 +18,7 @@ import torch
 import nonstop
 from nonstop.state import packing, restore, shm, staging
 from nonstop.state.memory import NodeMemory, own
+from nonstop.protocol import keeper_messages as km
 from nonstop.protocol.rank_policy import RankCheckpoint, RankSnapshot, RankState
 from nonstop.state.snapshot import Snapshots
 
@@ -53,7 +54,8 @@ class _Memory:
             self.slots[i] = shm.Slot(fd)
         finally:
             os.close(fd)
-        return i, self.allocs, self.slots[i], {"slot": i, "seq": self.allocs, "fresh": False}
+        return i, self.allocs, self.slots[i], km.Allocated(slot=i, seq=self.allocs, size=size,
+                                                            repl_s=None, fresh=False)
 
     def commit(self, holder, slot, persist=None):
         info = self.slots[slot].info()

@@ -93,12 +93,30 @@ class HostKeepers:
             elif link is None:
                 answer = m.Reply(id=job.id, error=f"keeper {job.name} is not connected")
             else:
-                try:
-                    answer = m.Reply(id=job.id, reply=link.call(job.msg))
-                except Exception as exc:  # noqa: BLE001 - said to the controller, which logs it
-                    answer = m.Reply(id=job.id, error=f"{type(exc).__name__}: {exc}")
+                answer = self._relay(link, job)
             if job.id is not None:
                 self.send(answer)
             elif answer.error:  # nobody waits for the answer: a report of the failure
-                self.send(m.KeeperEvents(events=[{"ev": "keeper_error", "op": job.msg.get("op"),
-                                                  "error": answer.error}]))
+                from ..protocol import keeper_messages as km
+
+                op = job.msg.get("op")
+                self.send(m.KeeperEvents(events=[km.encode(km.RequestFailed(
+                    op=op if type(op) is str else None, error=answer.error))]))
+
+    @staticmethod
+    def _relay(link: Any, call: m.KeeperCall) -> m.Reply:
+        """The controller's request to the keeper, and its answer (or why there is none)."""
+        # (imported once a keeper is asked something: not on the agent's way to answering)
+        from ..protocol import keeper_messages as km
+
+        try:
+            request = km.decode_request(call.msg)
+        except km.BadKeeperMessage as exc:
+            return m.Reply(id=call.id, error=f"a malformed request: {exc}")
+        try:
+            if request.answer is None:  # told: the keeper never answers it
+                link.tell(request)
+                return m.Reply(id=call.id)
+            return m.Reply(id=call.id, reply=km.encode(link.call(request)))
+        except Exception as exc:  # noqa: BLE001 - said to the controller, which logs it
+            return m.Reply(id=call.id, error=f"{type(exc).__name__}: {exc}")

@@ -9,6 +9,7 @@ import statistics
 import time
 from typing import Any
 
+from ..protocol.keeper_messages import Allocated
 from ..state import shm
 
 REPEATS = 3  # the best of this many copies is a bandwidth
@@ -32,7 +33,7 @@ class LocalMemory:
     def twin(self) -> "LocalMemory":
         return self
 
-    def alloc(self, holder: str, size: int) -> tuple[int, int, shm.Slot, dict[str, Any]]:
+    def alloc(self, holder: str, size: int) -> tuple[int, int, shm.Slot, Allocated]:
         i = self.seq % 2
         slot, fresh = self.slots[i], False
         if slot is None or slot.size < size:
@@ -47,7 +48,8 @@ class LocalMemory:
                 os.close(fd)
             fresh = True
         self.seq += 1
-        return i, self.seq, slot, {"slot": i, "seq": self.seq, "fresh": fresh}
+        return i, self.seq, slot, Allocated(slot=i, seq=self.seq, size=slot.size, repl_s=None,
+                                            fresh=fresh)
 
     def commit(self, holder: str, slot: int, persist: Any = None) -> None:
         self.committed = slot

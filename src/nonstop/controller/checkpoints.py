@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..protocol import keeper_messages as km
+from ..protocol.records import plain
 from ..state import checkpoint
 
 MANIFEST_PART = -1  # the part to write again when only the step's manifest failed
@@ -167,20 +169,21 @@ class Failures:
                 "last_error": self.last_cause}
 
 
-def cause_text(ev: dict[str, Any], root: Any = None) -> tuple[str, str]:
+def cause_text(message: str | None, errno: str | None, path: str | None,
+               root: Any = None) -> tuple[str, str]:
     """(the cause, the cause with where): ``No space left on device``, ``... (/ckpt)``. Where is
     the checkpoint directory, not the file deep in a temporary one that is gone by now."""
-    message = ev.get("message") or ev.get("error") or "unknown error"
-    where = root or ev.get("path")
-    return message, f"{message} ({where})" if ev.get("errno") and where else message
+    message = message or "unknown error"
+    where = root or path
+    return message, f"{message} ({where})" if errno and where else message
 
 
 class DiskCheckpoints:
-    """The bookkeeping of one job's disk checkpoints. ``call(node, msg)`` asks a node's keeper
-    (None: it is gone), ``keeper_log(node)`` is where its traceback goes."""
+    """The bookkeeping of one job's disk checkpoints. ``call(node, request)`` asks a node's
+    keeper (None: it is gone), ``keeper_log(node)`` is where its traceback goes."""
 
     def __init__(self, cfg: Any, log: Any, display: Any,
-                 call: Callable[[int, dict[str, Any]], dict[str, Any] | None],
+                 call: Callable[[int, km.Request], km.Answer | None],
                  keeper_log: Callable[[int], Path | None]):
         self.root = Path(cfg.dir) if cfg.dir else None
         self.keep = cfg.keep
@@ -190,19 +193,20 @@ class DiskCheckpoints:
         self.completed: list[int] = []  # steps made complete in this run
         self.failures = Failures(cfg.retries, cfg.retry_backoff_s, cfg.on_failure,
                                  cfg.max_consecutive_failures)
-        self.failed_parts: dict[tuple[int, int], tuple[int, dict[str, Any]]] = {}
+        # (step, rank) -> the node and the part that failed there
+        self.failed_parts: dict[tuple[int, int], tuple[int, km.DiskPart]] = {}
         self._said: dict[str, int] = {}  # a failure's cause -> attempts failed so since said
         self._fatal_raised = False
         self.waiting = False  # inside a wait: a give-up is raised in the controller's loop only
 
     # == parts and manifests ======================================================================
-    def part_done(self, job: dict[str, Any], part: dict[str, Any], node: int) -> None:
-        step = job["step"]
-        entry = self.pending.setdefault(step, {"parts": {}, "world": job["world"],
-                                               "sharded": job["sharded"], "reason": job["reason"],
-                                               "sources": {}, "root": job["root"]})
-        entry["parts"][job["rank"]] = part
-        entry["sources"][str(job["rank"])] = f"{job['holder']} on node {node}"
+    def part_done(self, job: km.DiskPart, part: km.PartWritten, node: int) -> None:
+        step = job.step
+        entry = self.pending.setdefault(step, {"parts": {}, "world": job.world,
+                                               "sharded": job.sharded, "reason": job.reason,
+                                               "sources": {}, "root": job.root})
+        entry["parts"][job.rank] = plain(part)  # as the manifest holds it
+        entry["sources"][str(job.rank)] = f"{job.holder} on node {node}"
         needed = entry["world"] if entry["sharded"] else 1
         if len(entry["parts"]) >= needed:
             self._finalize(step)  # even one given up meanwhile: a complete checkpoint is no waste
@@ -249,24 +253,21 @@ class DiskCheckpoints:
         return step is None or step in self.completed or self.failures.settled(step)
 
     # == failures =================================================================================
-    def part_failed(self, ev: dict[str, Any]) -> None:
-        job = ev.get("job") or {}
-        step, rank, node = job.get("step"), job.get("rank"), ev.get("node")
-        self._keep_traceback(node, step, rank, ev.get("traceback"))
-        short, full = cause_text(ev, job.get("root"))
-        if step is None or rank is None:
-            self.log.write("checkpoint_failed", node=node, error=full)
-            return
+    def part_failed(self, node: int, ev: km.PartFailed) -> None:
+        job = ev.job
+        step, rank = job.step, job.rank
+        self._keep_traceback(node, step, rank, ev.traceback)
+        short, full = cause_text(ev.message or ev.error, ev.errno, ev.path, job.root)
         self.failed_parts[(step, rank)] = (node, job)
-        self._attempt_failed(step, rank, short, full, retryable=ev.get("retryable", True),
-                             detail={"rank": rank, "node": node, "reason": job.get("reason"),
-                                     "errno": ev.get("errno"), "path": ev.get("path"),
-                                     "error": ev.get("error"), "need": ev.get("need")})
+        self._attempt_failed(step, rank, short, full, retryable=ev.retryable,
+                             detail={"rank": rank, "node": node, "reason": job.reason,
+                                     "errno": ev.errno, "path": ev.path, "error": ev.error,
+                                     "need": ev.need})
 
     def _manifest_failed(self, step: int, exc: BaseException) -> None:
         root = self.pending[step]["root"]
         cause = checkpoint.failure_cause(exc, Path(root))
-        short, full = cause_text(cause, root)
+        short, full = cause_text(cause["message"], cause["errno"], cause["path"], root)
         self._attempt_failed(step, MANIFEST_PART, short, full,
                              retryable=isinstance(exc, OSError),
                              detail={"part": "manifest", "errno": cause["errno"],
@@ -311,7 +312,7 @@ class DiskCheckpoints:
         self.pending.pop(step, None)
         for key in [k for k in self.failed_parts if k[0] == step]:
             node, job = self.failed_parts.pop(key)
-            self._call(node, {"op": "forget", "holder": job.get("holder"), "step": step})
+            self._call(node, km.Forget(holder=job.holder, step=step))
         if self.root is not None:
             with contextlib.suppress(OSError):
                 checkpoint.clean_temp(self.root, step=step)
@@ -355,9 +356,9 @@ class DiskCheckpoints:
                     self._finalize(step)
                 continue
             node, job = self.failed_parts[(step, part)]
-            if self._call(node, {**job, "op": "persist", "again": True}) is None:
-                self.part_failed({"job": job, "node": node, "retryable": False,
-                                   "error": f"the node memory of node {node} is gone"})
+            if self._call(node, km.Persist(part=job, again=True)) is None:
+                self.part_failed(node, km.PartFailed(
+                    job=job, retryable=False, error=f"the node memory of node {node} is gone"))
 
     def check_fatal(self) -> None:
         """Raise CheckpointsFailing once, when the policy says the job must end for them."""

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from ..protocol import keeper_messages as km
 from ..state import checkpoint, wire
 from ..state.memory import own
 from .checkpoints import DiskCheckpoints
@@ -216,19 +217,20 @@ class Keepers:
             targets[node][own(rank)] = self.keepers[buddy].tcp or ""
             buddies[str(rank)] = buddy
         for node, replicate in targets.items():
-            self._call(node, {"op": "configure", "replicate": replicate}, wait=False)
+            self._call(node, km.Configure(replicate=replicate), wait=False)
         self.log.write("replication", buddies=buddies)
 
-    def _call(self, node: int, msg: dict[str, Any], wait: bool = True) -> dict[str, Any] | None:
-        """A request to a node's keeper; ``wait=False``: sent, not waited for (a keeper on a host
-        that is gone and not yet known to be must not hold up a recovery)."""
+    def _call(self, node: int, request: km.Request, wait: bool = True) -> Any:
+        """A request to a node's keeper: its answer (``request.answer``), or None (the keeper
+        is gone, or refused it: logged); ``wait=False``: sent, not waited for (a keeper on a
+        host that is gone and not yet known to be must not hold up a recovery)."""
         h = self.keepers.get(node)
         if h is None or h.lost or h.link is None:
             return None
         try:
-            return h.link.call(msg) if wait else h.link.tell(msg)
+            return h.link.call(request) if wait else h.link.tell(request)
         except (OSError, ConnectionError, wire.KeeperError) as exc:
-            self.log.write("keeper_error", node=node, op=msg.get("op"), error=str(exc))
+            self.log.write("keeper_error", node=node, op=request.op, error=str(exc))
             return None
 
     # == what the keepers report =================================================================
@@ -237,30 +239,39 @@ class Keepers:
         when the policy says the job must end for its checkpoints."""
         self.disk.retry_due()
         for h in list(self.keepers.values()):
-            for msg in h.link.events() if h.link is not None else ():
-                msg.setdefault("node", h.node)
-                self._on_event(msg)
+            for raw in h.link.events() if h.link is not None else ():
+                self._on_report(h.node, raw)
         self.disk.check_fatal()
 
-    def _on_event(self, ev: dict[str, Any]) -> None:
-        kind = ev.get("ev")
-        if kind == "replicated":
-            self.replicas["count"] += 1
-            self.replicas["bytes"] += ev.get("bytes") or 0
-            self.replicas["seconds"] += ev.get("seconds") or 0.0
-        elif kind == "replication_failed":
-            self.replicas["failures"] += 1
-            self.log.write("replication_failed", node=ev["node"], holder=ev.get("holder"),
-                           step=ev.get("step"), error=ev.get("error"))
-        elif kind == "replication_behind":
-            self.log.write("replication_behind", node=ev["node"], holder=ev.get("holder"),
-                           step=ev.get("step"), to=ev.get("to"), waited_s=ev.get("waited_s"))
-        elif kind == "keeper_error":  # a request nobody waited for (across hosts)
-            self.log.write("keeper_error", node=ev["node"], op=ev.get("op"), error=ev.get("error"))
-        elif kind == "part_done":
-            self.disk.part_done(ev["job"], ev["part"], ev["node"])
-        elif kind == "part_failed":
-            self.disk.part_failed(ev)
+    def _on_report(self, node: int, raw: Any) -> None:
+        """One report of node ``node``'s keeper, as it came: one that is not a report this
+        version of nonstop sends is logged (``keeper_error``, op ``report``) and passed over."""
+        try:
+            report = km.decode_report(raw)
+        except km.BadKeeperMessage as exc:
+            self.log.write("keeper_error", node=node, op="report",
+                           error=f"a malformed report: {exc}")
+            return
+        match report:
+            case km.Replicated():
+                self.replicas["count"] += 1
+                self.replicas["bytes"] += report.bytes
+                self.replicas["seconds"] += report.seconds
+            case km.ReplicationFailed():
+                self.replicas["failures"] += 1
+                self.log.write("replication_failed", node=node, holder=report.holder,
+                               step=report.step, error=report.error)
+            case km.ReplicationBehind():
+                self.log.write("replication_behind", node=node, holder=report.holder,
+                               step=report.step, to=report.to, waited_s=report.waited_s)
+            case km.RequestFailed():  # a request nobody waited for (across hosts)
+                self.log.write("keeper_error", node=node, op=report.op, error=report.error)
+            case km.PartDone():
+                self.disk.part_done(report.job, report.part, node)
+            case km.PartFailed():
+                self.disk.part_failed(node, report)
+            case km.PeerRefused() | km.ReplicaRefused():
+                pass  # the listener logs a peer refused; a replica refused is the sender's failure
 
     def _keeper_log(self, node: int) -> Path | None:
         h = self.keepers.get(node)
@@ -321,9 +332,9 @@ class Keepers:
         for node in sorted(faulty - used):
             kill_node(node)  # its state is held elsewhere: it goes now, saving nothing
         for rank, (node, holder) in sorted(sources.items()):
-            self._call(node, {"op": "persist", "holder": holder, "step": step,
-                              "root": str(self.root), "rank": rank, "world": self.world,
-                              "sharded": self.sharded, "reason": reason, "node": node})
+            self._call(node, km.Persist(part=km.DiskPart(
+                holder=holder, step=step, root=str(self.root), rank=rank, world=self.world,
+                sharded=self.sharded, reason=reason, node=node)))
         record.update(step=step, sources={str(r): f"{h} on node {n}" for r, (n, h) in sources.items()})
         self.display.info(f"emergency checkpoint of step {step} ({reason}) to {self.root}")
         if wait_s is not None:
@@ -339,12 +350,12 @@ class Keepers:
         """rank -> step -> [(node, holder)] over every live keeper's memory."""
         out: dict[int, dict[int, list[tuple[int, str]]]] = {}
         for node, h in sorted(self.keepers.items()):
-            listing = self._call(node, {"op": "list"})
-            for name, entry in ((listing or {}).get("holders") or {}).items():
+            listing = self._call(node, km.ListHolders())
+            for name, entry in (listing.holders if listing is not None else {}).items():
                 rank = int(name[3:]) if name.startswith("rep") else int(name[1:])
-                for info in entry["slots"]:
+                for info in entry.slots:
                     if info is not None:
-                        out.setdefault(rank, {}).setdefault(info["step"], []).append((node, name))
+                        out.setdefault(rank, {}).setdefault(info.step, []).append((node, name))
         return out
 
     def _choose(self, copies: dict[int, dict[int, list[tuple[int, str]]]], faulty: set[int]

@@ -11,20 +11,19 @@ after the slot has moved on; ``forget`` frees it when the launcher gives that st
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import selectors
 import socket
 import subprocess
 import sys
-from typing import Any, Callable
+from typing import Callable
 
+from ..protocol import keeper_messages as km
 from . import shm, wire
 from .slots import Holder, Slots
 
-# What the writer says about a failed write, passed on to the launcher as it is.
-_CAUSE = ("error", "errno", "message", "path", "need", "traceback")
-
-Job = tuple[dict[str, Any], shm.SlotInfo, int]  # a part to write: (job, snapshot, staged copy)
+Job = tuple[km.DiskPart, shm.SlotInfo, int]  # a part to write: (job, snapshot, staged copy)
 
 
 class DiskWrites:
@@ -32,10 +31,11 @@ class DiskWrites:
     (a staged copy is ready); ``sel``: the keeper's selector, which watches the writer's socket
     (tagged ``"writer"``: the loop calls ``from_writer``)."""
 
-    def __init__(self, slots: Slots, emit: Callable[[dict[str, Any]], None],
+    def __init__(self, slots: Slots, emit: Callable[[km.Report], None],
                  wake: Callable[[], None], sel: selectors.BaseSelector):
         self.slots, self.emit, self.wake, self.sel = slots, emit, wake, sel
-        self.stage_queue: collections.deque[dict[str, Any]] = collections.deque()
+        # parts to stage, with the slot leased for each (None: the holder's snapshot of its step)
+        self.stage_queue: collections.deque[tuple[km.DiskPart, int | None]] = collections.deque()
         self.write_queue: collections.deque[Job] = collections.deque()
         self.writer: subprocess.Popen | None = None
         self.writer_sock: socket.socket | None = None
@@ -47,13 +47,13 @@ class DiskWrites:
         h.unlease(i, "stager")
         self.slots.changed.notify_all()
 
-    def stage(self, h: Holder, i: int, info: shm.SlotInfo, persist: dict[str, Any]) -> None:
-        """A snapshot just committed goes to disk (``persist``: the part's job). Called with the
-        slots' lock held."""
+    def stage(self, h: Holder, i: int, info: shm.SlotInfo, persist: km.DiskPart) -> None:
+        """A snapshot just committed goes to disk (``persist``: the part, of the snapshot in
+        slot ``i``). Called with the slots' lock held."""
         # the stager's lease is taken now: by the time it runs, two more snapshots may have
         # come, and the slot must not be written over before it is copied
         h.leases[i]["stager"] += 1
-        self.stage_queue.append(dict(persist, holder=h.name, step=info.step, slot=i))
+        self.stage_queue.append((dataclasses.replace(persist, holder=h.name, step=info.step), i))
 
     def stager(self) -> None:
         """The staging thread: each job's snapshot copied into memory of its own, for the
@@ -62,26 +62,26 @@ class DiskWrites:
             with self.slots.changed:
                 while not self.stage_queue:
                     self.slots.changed.wait(1.0)
-                job = self.stage_queue.popleft()
-                h = self.slots.holders.get(job["holder"])
-                slot = job.pop("slot", None)  # leased for us when the snapshot came in
+                job, slot = self.stage_queue.popleft()  # (slot: leased when the snapshot came in)
+                h = self.slots.holders.get(job.holder)
                 if h is not None and slot is not None:
                     info = h.infos()[slot]
-                    found = (slot, info) if info is not None and info.step == job["step"] else None
+                    found = (slot, info) if info is not None and info.step == job.step else None
                     if found is None:
                         self._unlease_stager(h, slot)
                 else:
-                    found = h.newest(job["step"]) if h is not None else None
+                    found = h.newest(job.step) if h is not None else None
                     if found is not None:
                         h.leases[found[0]]["stager"] += 1
                 if found is None:  # nothing left to write from: not worth retrying
-                    self.emit({"ev": "part_failed", "job": job, "retryable": False,
-                               "error": f"no snapshot of step {job['step']} in {job['holder']}"})
+                    self.emit(km.PartFailed(
+                        job=job, retryable=False,
+                        error=f"no snapshot of step {job.step} in {job.holder}"))
                     continue
                 i, info = found
                 src = os.dup(h.fds[i])
             try:
-                staged = shm.create(f"{job['holder']}.disk", info.total)
+                staged = shm.create(f"{job.holder}.disk", info.total)
                 done = 0
                 while done < info.total:  # in the kernel: no copy through this process
                     n = os.sendfile(staged, src, done, info.total - done)
@@ -90,7 +90,7 @@ class DiskWrites:
                     done += n
                 os.lseek(staged, 0, os.SEEK_SET)
             except OSError as exc:
-                self.emit({"ev": "part_failed", "job": job, "error": f"staging: {exc}"})
+                self.emit(km.PartFailed(job=job, error=f"staging: {exc}"))
                 staged = None
             finally:
                 os.close(src)
@@ -103,31 +103,33 @@ class DiskWrites:
                     self.write_queue.append((job, info, staged))
             self.wake()
 
-    def request(self, msg: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    def request(self, request: km.Persist | km.Forget) -> km.Answer:
         """``persist`` (``again``: from the copy kept after a failure, if there is one) or
         ``forget``. Called with the slots' lock held."""
-        holder, step = msg["holder"], msg["step"]
-        kept = self.kept.get(holder)
-        if msg["op"] == "forget":
-            if kept is not None and kept[0]["step"] == step:
-                self._forget(holder)
-            return {"ok": True}, []
-        if msg.get("again") and kept is not None and kept[0]["step"] == step:
-            del self.kept[holder]
-            self.write_queue.append(kept)
-            return {"ok": True, "kept": True}, []
-        self.stage_queue.append({k: v for k, v in msg.items() if k != "again"})
-        self.slots.changed.notify_all()
-        return {"ok": True, "kept": False}, []
+        match request:
+            case km.Forget(holder=holder, step=step):
+                kept = self.kept.get(holder)
+                if kept is not None and kept[0].step == step:
+                    self._forget(holder)
+                return km.Forgotten()
+            case km.Persist(part=part, again=again):
+                kept = self.kept.get(part.holder)
+                if again and kept is not None and kept[0].step == part.step:
+                    del self.kept[part.holder]
+                    self.write_queue.append(kept)
+                    return km.Persisting(kept=True)
+                self.stage_queue.append((part, None))
+                self.slots.changed.notify_all()
+                return km.Persisting(kept=False)
 
-    def _keep(self, job: dict[str, Any], info: shm.SlotInfo, fd: int) -> None:
+    def _keep(self, job: km.DiskPart, info: shm.SlotInfo, fd: int) -> None:
         with self.slots.lock:
-            kept = self.kept.get(job["holder"])
-            if kept is not None and kept[0]["step"] > job["step"]:
+            kept = self.kept.get(job.holder)
+            if kept is not None and kept[0].step > job.step:
                 os.close(fd)  # a newer failed step's copy is the one worth keeping
                 return
-            self._forget(job["holder"])
-            self.kept[job["holder"]] = (job, info, fd)
+            self._forget(job.holder)
+            self.kept[job.holder] = (job, info, fd)
 
     def _forget(self, holder: str) -> None:
         kept = self.kept.pop(holder, None)
@@ -158,35 +160,48 @@ class DiskWrites:
             self._writer_gone(keep_job=True)
             self.start_writer()
         try:
-            wire.send(self.writer_sock, {"op": "write", "job": job, "info": info.to_wire()}, [fd])
+            wire.send(self.writer_sock, km.encode(km.Write(job=job, info=info)), [fd])
         except OSError:
             self._writer_gone()
 
     def from_writer(self) -> None:
-        """The keeper's loop: the writer said something (a part done or failed) or went away."""
+        """The keeper's loop: the writer said something (a part done or failed) or went away.
+        Something malformed fails the part it was writing."""
+        fds: list[int] = []
+        said: km.WriterMessage | str | None
         try:
-            msg, fds = wire.recv(self.writer_sock)
+            raw, fds = wire.recv(self.writer_sock)
+            said = km.decode_writer(raw) if raw is not None else None
         except OSError:
-            msg, fds = None, []
+            said = None
+        except ValueError as exc:  # not JSON, or not a writer's message (BadKeeperMessage)
+            said = f"the checkpoint writer said something malformed: {exc}"
         for fd in fds:
             os.close(fd)
-        if msg is None:
+        if said is None:
             self._writer_gone()
             return
-        if self.writer_job is None or msg.get("op") not in ("done", "failed"):
+        if self.writer_job is None:
             return
         job, info, fd = self.writer_job
         self.writer_job = None
-        if msg["op"] == "done":
-            os.close(fd)  # the staged copy: freed once the writer unmaps it too
-            with self.slots.lock:
-                kept = self.kept.get(job["holder"])
-                if kept is not None and kept[0]["step"] <= job["step"]:
-                    self._forget(job["holder"])  # a newer step written supersedes the failed one
-            self.emit({"ev": "part_done", "job": job, "part": msg.get("part")})
-            return
-        self._keep(job, info, fd)
-        self.emit({"ev": "part_failed", "job": job, **{k: msg.get(k) for k in _CAUSE}})
+        match said:
+            case km.WriteDone(part=part):
+                os.close(fd)  # the staged copy: freed once the writer unmaps it too
+                with self.slots.lock:
+                    kept = self.kept.get(job.holder)
+                    if kept is not None and kept[0].step <= job.step:
+                        self._forget(job.holder)  # a newer step written supersedes the failed one
+                self.emit(km.PartDone(job=job, part=part))
+            case km.WriteFailed():  # its cause, passed on to the launcher as it is
+                self._keep(job, info, fd)
+                self.emit(km.PartFailed(job=job, error=said.error, errno=said.errno,
+                                        message=said.message, path=said.path, need=said.need,
+                                        traceback=said.traceback))
+            case _:
+                self._keep(job, info, fd)
+                self.emit(km.PartFailed(job=job, error=said if isinstance(said, str) else
+                                        f"the checkpoint writer said {said.op!r}"))
 
     def _writer_gone(self, keep_job: bool = False) -> None:
         if self.writer_sock is not None:
@@ -205,4 +220,4 @@ class DiskWrites:
             job, info, fd = self.writer_job
             self.writer_job = None
             self._keep(job, info, fd)
-            self.emit({"ev": "part_failed", "job": job, "error": "the checkpoint writer died"})
+            self.emit(km.PartFailed(job=job, error="the checkpoint writer died"))

@@ -4,12 +4,14 @@ ranks' training path.
 
     python -m nonstop.state.keeper NAME --node N [--host HOST] [--writer]
 
-A rank asks for a slot (``alloc``), fills it, and says so (``commit``). Each holder (``r3``: rank
-3's own snapshots; ``rep3``: a replica of them from another node) has two slots; a write goes to
-the older one, and waits while a reader holds it or while the newer one has not reached the
-buddy yet, so own memory and the replica always share a step. The slots are memfds: only
-processes they are handed to can read them, and they are freed when the keeper and the ranks are
-gone - the keeper's death is the node's memory lost.
+A rank asks for a slot (``alloc``), fills it, and says so (``commit``): every request, answer
+and report is a record of ``protocol/keeper_messages.py``, and a request that is not one is
+answered with an error (or logged, if it would not have been answered) and passed over. Each
+holder (``r3``: rank 3's own snapshots; ``rep3``: a replica of them from another node) has two
+slots; a write goes to the older one, and waits while a reader holds it or while the newer one
+has not reached the buddy yet, so own memory and the replica always share a step. The slots are
+memfds: only processes they are handed to can read them, and they are freed when the keeper and
+the ranks are gone - the keeper's death is the node's memory lost.
 
 The slots and their lock are a ``slots.Slots``; the keeper owns the two parts that work on them
 besides its requests, each handed the slots and what else it uses: ``replicas.Replication`` (to
@@ -33,6 +35,7 @@ import threading
 import time
 from typing import Any
 
+from ..protocol import keeper_messages as km
 from . import shm, wire
 from .disk import DiskWrites
 from .replicas import Replication, job_secret
@@ -43,6 +46,9 @@ from .slots import DEFER_LIMIT_S, Slots
 # the job's secret. On one host, every frame carries this token instead (from the environment,
 # which only the job's user can read), or it is refused.
 ENV_TOKEN = "NONSTOP_KEEPER_TOKEN"
+
+log = logging.getLogger(__name__)
+Out = tuple[km.Answer | None, list[int]]  # an answer (None: none) and the descriptors with it
 
 
 class Keeper:
@@ -69,8 +75,8 @@ class Keeper:
         self.conns: dict[int, socket.socket] = {}
         self._ids = itertools.count(1)
         self.subscribers: set[int] = set()
-        self.deferred: list[tuple[int, dict[str, Any], float]] = []
-        self.events: list[dict[str, Any]] = []
+        self.deferred: list[tuple[int, km.Request, float]] = []
+        self.events: list[km.Report] = []
         self.want_writer = writer
         self.disk = DiskWrites(self.slots, self.emit, self.wake, self.sel)
         for sock, tag in ((self.listener, "listen"), (self.replication.tcp, "tcp"),
@@ -84,18 +90,17 @@ class Keeper:
         except (BlockingIOError, OSError):
             pass
 
-    def emit(self, ev: dict[str, Any]) -> None:
-        """An event for the subscribers (the controller); sent by the main thread."""
-        ev.setdefault("t", time.time())
-        ev["node"] = self.node
+    def emit(self, report: km.Report) -> None:
+        """A report for the subscribers (the controller); sent by the main thread."""
         with self.slots.lock:
-            self.events.append(ev)
+            self.events.append(report)
         self.wake()
 
     def _flush_events(self) -> None:
         with self.slots.lock:
             events, self.events = self.events, []
-        for ev in events:
+        for report in events:
+            ev = km.encode(report)
             for cid in list(self.subscribers):
                 sock = self.conns.get(cid)
                 try:
@@ -162,29 +167,52 @@ class Keeper:
             msg, fds = wire.recv(sock)
         except OSError:
             msg, fds = None, []
+        except ValueError as exc:  # not JSON
+            self._reply(cid, km.Refused(error=f"a malformed request: {exc}"), [])
+            return
         if msg is None:
             self._drop(cid)
             return
         for fd in fds:  # clients send no descriptors
             os.close(fd)
-        try:
-            with self.slots.lock:
-                out = self._handle(cid, msg)
-        except Exception as exc:  # noqa: BLE001 - a bad request must not take the node's memory down
-            out = ({"error": f"{type(exc).__name__}: {exc}"}, [])
+        out, request = self.serve(cid, msg)
         if out is None:
-            self.deferred.append((cid, msg, time.time()))
+            self.deferred.append((cid, request, time.time()))  # type: ignore[arg-type]
             return
         self._reply(cid, *out)
 
-    def _reply(self, cid: int, reply: dict[str, Any] | None, fds: list[int]) -> None:
+    def serve(self, cid: int, raw: Any) -> tuple[Out | None, km.Request | None]:
+        """One request as it came (JSON) from client ``cid``: what to answer (None: later) and
+        the request. A request that is not one, or that fails, is answered with why (a bad
+        request must not take the node's memory down), unless its sender waits for no answer:
+        then it is logged."""
+        try:
+            request = km.decode_request(raw)
+        except km.BadKeeperMessage as exc:
+            told = km.told(raw)
+            return self._refuse(f"a malformed request: {exc}", told), None
+        try:
+            with self.slots.lock:
+                out = self._handle(cid, request)
+        except Exception as exc:  # noqa: BLE001 - a bad request must not take the node's memory down
+            return self._refuse(f"{request.op}: {type(exc).__name__}: {exc}",
+                                request.answer is None), request
+        return out, request
+
+    def _refuse(self, why: str, told: bool) -> Out:
+        if told:  # an answer would be taken for the one to the sender's next request
+            log.warning("%s (passed over)", why)
+            return None, []
+        return km.Refused(error=why), []
+
+    def _reply(self, cid: int, reply: km.Answer | None, fds: list[int]) -> None:
         if reply is None:
             return
         sock = self.conns.get(cid)
         if sock is None:
             return
         try:
-            wire.send(sock, reply, fds)
+            wire.send(sock, km.encode(reply), fds)
         except OSError:
             self._drop(cid)
 
@@ -194,114 +222,121 @@ class Keeper:
         now = time.time()
         with self.slots.lock:
             waiting, self.deferred = self.deferred, []
-            for cid, msg, t0 in waiting:
+            for cid, request, t0 in waiting:
                 if now - t0 > DEFER_LIMIT_S:
-                    self._reply(cid, {"error": f"{msg['op']} {msg.get('holder')}: no free slot "
-                                               f"after {DEFER_LIMIT_S:g} s"}, [])
+                    holder = getattr(request, "holder", None)
+                    self._reply(cid, km.Refused(error=f"{request.op} {holder}: no free slot after "
+                                                      f"{DEFER_LIMIT_S:g} s"), [])
                     continue
-                out = self._handle(cid, msg)
+                try:
+                    out = self._handle(cid, request)
+                except Exception as exc:  # noqa: BLE001 - as in ``serve``
+                    out = self._refuse(f"{request.op}: {type(exc).__name__}: {exc}",
+                                       request.answer is None)
                 if out is None:
-                    self.deferred.append((cid, msg, t0))
+                    self.deferred.append((cid, request, t0))
                 else:
                     self._reply(cid, *out)
 
     # == requests ================================================================================
-    def _handle(self, cid: int, msg: dict[str, Any]) -> tuple[dict[str, Any] | None, list[int]] | None:
-        """Answer one request: (reply, descriptors), or None to answer it later."""
-        op = msg.get("op")
-        if op == "alloc":
-            return self._alloc(cid, msg)
-        if op == "commit":
-            return self._commit(cid, msg)
-        if op == "lease":
-            return self._lease(cid, msg)
-        if op == "release":
-            self.slots.holder(msg["holder"]).unlease(msg["slot"], cid)
-            self.slots.changed.notify_all()
-            return ({"ok": True} if msg.get("reply") else None), []
-        if op == "list":
-            return {"holders": self._listing(), "node": self.node,
-                    "tcp": self.replication.tcp_addr}, []
-        if op == "configure":
-            return self._configure(msg)
-        if op in ("persist", "forget"):
-            return self.disk.request(msg)
-        if op == "corrupt":
-            return self._corrupt(msg)
-        if op == "subscribe":
-            self.subscribers.add(cid)
-            return {"ok": True, "tcp": self.replication.tcp_addr, "node": self.node,
-                    "pid": os.getpid()}, []
-        if op == "ping":
-            return {"ok": True, "pid": os.getpid(), "tcp": self.replication.tcp_addr}, []
-        return {"error": f"unknown request {op!r}"}, []
+    def _handle(self, cid: int, request: km.Request) -> Out | None:
+        """Answer one request: (answer, descriptors), or None to answer it later."""
+        match request:
+            case km.Alloc():
+                return self._alloc(cid, request)
+            case km.Commit():
+                self._commit(cid, request)
+                return None, []
+            case km.Lease():
+                return self._lease(cid, request)
+            case km.Release(holder=holder, slot=slot):
+                self.slots.holder(holder).unlease(slot, cid)
+                self.slots.changed.notify_all()
+                return None, []
+            case km.ListHolders():
+                return km.Listing(holders=self._listing(), node=self.node,
+                                  tcp=self.replication.tcp_addr), []
+            case km.Configure():
+                return self._configure(request)
+            case km.Persist() | km.Forget():
+                return self.disk.request(request), []
+            case km.Corrupt():
+                return self._corrupt(request)
+            case km.Subscribe():
+                self.subscribers.add(cid)
+                return km.Subscribed(tcp=self.replication.tcp_addr, node=self.node,
+                                     pid=os.getpid()), []
+            case km.Ping():
+                return km.Pong(pid=os.getpid(), tcp=self.replication.tcp_addr), []
+        return km.Refused(error=f"{request.op!r} is not served by a keeper"), []
 
-    def _listing(self) -> dict[str, Any]:
+    def _listing(self) -> dict[str, km.HolderEntry]:
         out = {}
         for name, h in self.slots.holders.items():
-            out[name] = {"slots": [None if info is None or h.writing[i] is not None else info.to_wire()
-                                   for i, info in enumerate(h.infos())],
-                         "replicated_step": h.replicated_step, "repl_s": h.repl_s,
-                         "repl_error": h.repl_error, "buddy": self.replication.buddy(name)}
+            out[name] = km.HolderEntry(
+                slots=[None if info is None or h.writing[i] is not None else info
+                       for i, info in enumerate(h.infos())],
+                replicated_step=h.replicated_step, repl_s=h.repl_s, repl_error=h.repl_error,
+                buddy=self.replication.buddy(name))
         return out
 
-    def _alloc(self, cid: int, msg: dict[str, Any]) -> tuple[dict[str, Any], list[int]] | None:
-        h = self.slots.holder(msg["holder"])
+    def _alloc(self, cid: int, request: km.Alloc) -> Out | None:
+        h = self.slots.holder(request.holder)
         i = h.older()
         if not h.free(i):
             return None  # a reader (replication, a disk write, a restore) holds it
         if self.replication.holds_back(h, h.infos()[1 - i]):
             return None  # the newer snapshot has not reached the buddy: keep the older one
-        fd, fresh = h.ensure(i, int(msg["size"]))
+        fd, fresh = h.ensure(i, request.size)
         h.writing[i] = cid
         seq = 1 + max((info.seq for info in h.infos() if info is not None), default=0)
-        return {"slot": i, "seq": seq, "size": os.fstat(fd).st_size,
-                "repl_s": self.replication.expected_s(h), "fresh": fresh}, [fd]
+        return km.Allocated(slot=i, seq=seq, size=os.fstat(fd).st_size,
+                            repl_s=self.replication.expected_s(h), fresh=fresh), [fd]
 
-    def _commit(self, cid: int, msg: dict[str, Any]) -> tuple[dict[str, Any] | None, list[int]]:
-        h = self.slots.holder(msg["holder"])
-        i = msg["slot"]
+    def _commit(self, cid: int, request: km.Commit) -> None:
+        h = self.slots.holder(request.holder)
+        i = request.slot
         if h.writing[i] == cid:
             h.writing[i] = None
         info = h.infos()[i]
         if info is not None:
             self.replication.committed(h.name)
-            if msg.get("persist"):
-                self.disk.stage(h, i, info, msg["persist"])
+            if request.persist is not None:
+                self.disk.stage(h, i, info, request.persist)
         self.slots.changed.notify_all()
-        return ({"ok": info is not None} if msg.get("reply") else None), []
 
-    def _lease(self, cid: int, msg: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        h = self.slots.holders.get(msg["holder"])
-        found = h.newest(msg.get("step")) if h is not None else None
+    def _lease(self, cid: int, request: km.Lease) -> Out:
+        h = self.slots.holders.get(request.holder)
+        found = h.newest(request.step) if h is not None else None
         if found is None:
-            return {"slot": None}, []
+            return km.Leased(slot=None, info=None), []
         i, info = found
         h.leases[i][cid] += 1
-        return {"slot": i, "info": info.to_wire()}, [h.fds[i]]
+        return km.Leased(slot=i, info=info), [h.fds[i]]
 
-    def _configure(self, msg: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        if "replicate" in msg:
-            self.replication.configure(dict(msg["replicate"] or {}))
-        if "free_within_s" in msg:  # how long a replica waits for a slot leased to a reader
-            self.replication.free_within_s = max(0.0, float(msg["free_within_s"]))
-        if msg.get("writer") and self.disk.writer is None:
+    def _configure(self, request: km.Configure) -> Out:
+        if request.replicate is not None:
+            self.replication.configure(dict(request.replicate))
+        if request.free_within_s is not None:  # a replica's wait for a slot leased to a reader
+            self.replication.free_within_s = max(0.0, request.free_within_s)
+        if request.writer and self.disk.writer is None:
             self.disk.start_writer()
         self.slots.changed.notify_all()
-        return {"ok": True, "tcp": self.replication.tcp_addr}, []
+        return km.Configured(tcp=self.replication.tcp_addr), []
 
-    def _corrupt(self, msg: dict[str, Any]) -> tuple[dict[str, Any], list[int]] | None:
+    def _corrupt(self, request: km.Corrupt) -> Out | None:
         """Fault injection: a bit flips in the holder's newest snapshot, once its replica (if it
         has a buddy) is safe on the other node."""
-        h = self.slots.holders.get(msg["holder"])
+        h = self.slots.holders.get(request.holder)
         found = h.newest() if h is not None else None
         if found is None:
-            return {"error": f"{msg['holder']}: no snapshot to corrupt"}, []
+            return km.Refused(error=f"{request.holder}: no snapshot to corrupt"), []
         i, info = found
         if self.replication.pending(h, info.seq):
             return None
         offset = shm.Slot(h.fds[i]).flip_bit(info)
-        return {"ok": True, "step": info.step, "offset": offset}, []
+        return km.Corrupted(step=info.step, offset=offset), []
+
 
 def die_with(parent: int) -> None:
     """Ask the kernel to end this process when its parent ends (the node's agent)."""

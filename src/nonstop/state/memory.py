@@ -5,11 +5,13 @@ costs a page fault per page on its first write, a mapped slot only the copy."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import time
 from typing import Any, Iterator
 
+from ..protocol import keeper_messages as km
 from . import shm, wire
 
 
@@ -53,9 +55,10 @@ class NodeMemory:
     def keeper_pid(self) -> int:
         return self.client.pid
 
-    def _call(self, msg: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    def _call(self, request: km.Request) -> tuple[Any, list[int]]:
+        """The answer to ``request`` (its own record: ``request.answer``), and its descriptors."""
         try:
-            return self.client.call(msg)
+            return self.client.call(request)
         except (OSError, ConnectionError):
             self.reset()
             raise
@@ -116,13 +119,13 @@ class NodeMemory:
         try:
             client = wire.Client(self.name, timeout_s=10.0)  # its own: calls are one at a time
             try:
-                listing = client.call({"op": "list"})[0]["holders"]
+                listing = client.call(km.ListHolders())[0]
             finally:
                 client.close()
         except (OSError, ConnectionError, wire.KeeperError):
             return 0
-        return max((s["data_len"] for name, e in listing.items() if name.startswith("r")
-                    and not name.startswith("rep") for s in e["slots"] if s), default=0)
+        return max((s.data_len for name, e in listing.holders.items() if name.startswith("r")
+                    and not name.startswith("rep") for s in e.slots if s), default=0)
 
     def buffer(self, nbytes: int) -> Any:
         """Memory for ``nbytes`` of restored state, to keep (the state loaded from it may alias
@@ -136,47 +139,53 @@ class NodeMemory:
         return torch.empty(nbytes, dtype=torch.uint8)
 
     # -- writing ------------------------------------------------------------------------------
-    def alloc(self, holder: str, size: int) -> tuple[int, int, shm.Slot, dict[str, Any]]:
-        """A slot to write the next snapshot into: (slot, seq, mapped slot, the keeper's reply,
-        whose ``fresh`` says the memory is new here: this snapshot's time is not a steady cost).
-        Blocks while the keeper keeps the older slot (being read, or its newer twin not yet on
-        the buddy node)."""
-        reply, fds = self._call({"op": "alloc", "holder": holder, "size": size})
-        slot, mapped = self._slot(holder, reply["slot"], fds[0], populate=True)
-        reply["fresh"] = bool(reply.get("fresh")) or mapped
-        return reply["slot"], reply["seq"], slot, reply
+    def alloc(self, holder: str, size: int) -> tuple[int, int, shm.Slot, km.Allocated]:
+        """A slot to write the next snapshot into: (slot, seq, mapped slot, the keeper's answer,
+        whose ``fresh`` says the memory is new here - to the keeper or mapped in this process
+        just now: this snapshot's time is not a steady cost). Blocks while the keeper keeps the
+        older slot (being read, or its newer twin not yet on the buddy node)."""
+        reply, fds = self._call(km.Alloc(holder=holder, size=size))
+        slot, mapped = self._slot(holder, reply.slot, fds[0], populate=True)
+        if mapped and not reply.fresh:
+            reply = dataclasses.replace(reply, fresh=True)
+        return reply.slot, reply.seq, slot, reply
 
-    def commit(self, holder: str, slot: int, persist: dict[str, Any] | None = None) -> None:
-        self.client.tell({"op": "commit", "holder": holder, "slot": slot, "persist": persist})
+    def commit(self, holder: str, slot: int, persist: km.DiskPart | None = None) -> None:
+        self.client.tell(km.Commit(holder=holder, slot=slot, persist=persist))
 
-    def corrupt(self, holder: str) -> dict[str, Any]:
-        return self._call({"op": "corrupt", "holder": holder})[0]
+    def persist(self, part: km.DiskPart) -> None:
+        """Write a part of a disk checkpoint from a snapshot committed before (answered at once:
+        the write itself is not waited for)."""
+        self._call(km.Persist(part=part))
+
+    def corrupt(self, holder: str) -> km.Corrupted:
+        return self._call(km.Corrupt(holder=holder))[0]
 
     # -- reading ------------------------------------------------------------------------------
-    def listing(self) -> dict[str, Any]:
-        return self._call({"op": "list"})[0]["holders"]
+    def listing(self) -> dict[str, km.HolderEntry]:
+        return self._call(km.ListHolders())[0].holders
 
-    def steps(self, holder: str, listing: dict[str, Any] | None = None) -> list[int]:
+    def steps(self, holder: str, listing: dict[str, km.HolderEntry] | None = None) -> list[int]:
         """Steps of the holder's complete snapshots, newest first (not yet verified)."""
         entry = (listing if listing is not None else self.listing()).get(holder)
         if not entry:
             return []
-        infos = [s for s in entry["slots"] if s is not None]
-        return [s["step"] for s in sorted(infos, key=lambda s: -s["seq"])]
+        infos = [s for s in entry.slots if s is not None]
+        return [s.step for s in sorted(infos, key=lambda s: -s.seq)]
 
     @contextlib.contextmanager
     def lease(self, holder: str, step: int | None = None) -> Iterator[tuple[shm.SlotInfo, shm.Slot] | None]:
         """The holder's snapshot of ``step`` (or its newest), kept from being overwritten until
         the block ends; None if there is none."""
-        reply, fds = self._call({"op": "lease", "holder": holder, "step": step})
-        if reply.get("slot") is None:
+        reply, fds = self._call(km.Lease(holder=holder, step=step))
+        if reply.slot is None:
             yield None
             return
-        i = reply["slot"]
+        i = reply.slot
         try:
-            yield shm.SlotInfo(**reply["info"]), self._slot(holder, i, fds[0])[0]
+            yield reply.info, self._slot(holder, i, fds[0])[0]
         finally:
             try:
-                self.client.tell({"op": "release", "holder": holder, "slot": i})
+                self.client.tell(km.Release(holder=holder, slot=i))
             except OSError:
                 self.reset()

@@ -11,13 +11,15 @@ Two ways over TCP, chosen by the keeper's environment:
   the authenticated channel (``nonstop.net.channel``): the listener proves both ends hold the
   secret, every frame is MACed, and a frame that fails its check never reaches a slot. One frame
   per replica: a JSON header and the slot's bytes as payload, sent from a mapping of the memfd;
-  the answer is a frame ``{"ack": "k"|"f"}``.
+  the answer is a frame ``{"ack": "k"|"f"|"refused"}``.
 - without it (one host, loopback), a plain socket: each replica's header carries the token
   ``$NONSTOP_KEEPER_TOKEN``; the copy goes from the slot's memfd straight into the socket
   (``sendfile``) and from the socket straight into the replica slot; the ack is one byte.
 
-Either way the replica's header is written last, so a copy cut short is never valid, and ``k``
-says the buddy wrote into memory in place, ``f`` into memory it had to allocate.
+The header and the channel's ack are records of ``protocol/keeper_messages.py``
+(``ReplicaHeader``, ``ReplicaAck``), read strictly: a malformed one ends the connection. Either
+way the replica's header is written last, so a copy cut short is never valid, and ``k`` says the
+buddy wrote into memory in place, ``f`` into memory it had to allocate.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import time
 from typing import Any, Callable, Iterator, Mapping
 
 from ..net import channel, listener
+from ..protocol import keeper_messages as km
 from . import shm
 from .slots import DEFER_LIMIT_S, Holder, Slots
 
@@ -60,7 +63,7 @@ class Replication:
     (a replica came in); ``name``: the keeper's, for its log; ``host``: the address replicas
     arrive at; ``secret``: the job's (the channel), else None and ``token`` (the token path)."""
 
-    def __init__(self, slots: Slots, emit: Callable[[dict[str, Any]], None],
+    def __init__(self, slots: Slots, emit: Callable[[km.Report], None],
                  wake: Callable[[], None], *, name: str, node: int, host: str, token: str,
                  secret: bytes | None):
         self.slots, self.emit, self.wake = slots, emit, wake
@@ -106,8 +109,9 @@ class Replication:
                 return True
             h.repl_error = (f"the buddy did not take step {newer.step} within {limit:.2f} s: "
                             "snapshots go on without waiting for it")
-            self.emit({"ev": "replication_behind", "holder": h.name, "step": newer.step,
-                       "to": self.replicate_to.get(h.name), "waited_s": round(limit, 3)})
+            self.emit(km.ReplicationBehind(holder=h.name, step=newer.step,
+                                           to=self.replicate_to.get(h.name),
+                                           waited_s=round(limit, 3)))
         h.repl_wait_since = None
         return False
 
@@ -164,7 +168,7 @@ class Replication:
 
     def _replica_refused(self, peer: tuple[str, int], why: str) -> None:
         # the listener has logged it (one line on stderr); the subscribers hear of it too
-        self.emit({"ev": "replica_refused", "peer": f"{peer[0]}:{peer[1]}", "why": why})
+        self.emit(km.PeerRefused(peer=f"{peer[0]}:{peer[1]}", why=why))
 
     # == sending =================================================================================
     def sender(self) -> None:
@@ -205,9 +209,11 @@ class Replication:
                 elif error is not None:
                     h.repl_error = error
                 self.slots.changed.notify_all()
-            self.emit({"ev": "replicated" if error is None else "replication_failed",
-                       "holder": name, "step": info.step, "bytes": info.total,
-                       "seconds": round(time.time() - t0, 6), "to": addr, "error": error})
+            seconds = round(time.time() - t0, 6)
+            self.emit(km.Replicated(holder=name, step=info.step, bytes=info.total,
+                                    seconds=seconds, to=addr) if error is None else
+                      km.ReplicationFailed(holder=name, step=info.step, bytes=info.total,
+                                           seconds=seconds, to=addr, error=error))
 
     def _send_replica(self, addr: str, name: str, info: shm.SlotInfo,
                       fd: int) -> tuple[str | None, bool]:
@@ -221,8 +227,9 @@ class Replication:
                 sock.settimeout(REPLICA_TIMEOUT_S)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small frames, no waits
                 self.conns[addr] = sock
-            head = json.dumps({"owner": name, "total": info.total, "step": info.step,
-                               "seq": info.seq, "from": self.node, "token": self.token}).encode()
+            head = json.dumps(km.encode(km.ReplicaHeader(
+                owner=name, total=info.total, step=info.step, seq=info.seq, node=self.node,
+                token=self.token))).encode()
             sock.sendall(struct.pack("<I", len(head)) + head)
             with os.fdopen(os.dup(fd), "rb") as fh:
                 sock.sendfile(fh, 0, info.total)  # from the memfd straight into the socket
@@ -245,14 +252,13 @@ class Replication:
             if ch is None:
                 host, _, port = addr.rpartition(":")
                 ch = self.conns[addr] = channel.connect(host, int(port), self.secret, CONNECT_S)
-            ch.send({"owner": name, "total": info.total, "step": info.step, "seq": info.seq,
-                     "from": self.node}, payload=slot.buffer[:info.total])
+            ch.send(km.encode(km.ReplicaHeader(owner=name, total=info.total, step=info.step,
+                                               seq=info.seq, node=self.node)),
+                    payload=slot.buffer[:info.total])
             reply, _ = ch.recv(timeout=REPLICA_TIMEOUT_S)
-            ack = reply.get("ack")
+            ack = km.read(km.ReplicaAck, reply).ack  # (malformed: a ValueError, as is)
             if ack == "refused":
                 return "the buddy refused it: its slot is leased to a reader", False
-            if ack not in ("k", "f"):
-                raise ConnectionError(f"the buddy did not acknowledge the replica: {reply}")
             return None, ack == "f"
         except (OSError, ValueError, channel.AuthError, channel.ChannelClosed) as exc:
             _forget(self.conns, addr)
@@ -282,8 +288,8 @@ class Replication:
                 if slot is None or slot.inode != os.fstat(fd).st_ino or slot.size < total:
                     slot = mapped[(name, i)] = shm.Slot(fd, populate=True)
         if refused:
-            self.emit({"ev": "replica_refused", "holder": name,
-                       "why": f"its slot stayed leased for {self.free_within_s:g} s"})
+            self.emit(km.ReplicaRefused(holder=name, why=f"its slot stayed leased for "
+                                                         f"{self.free_within_s:g} s"))
             yield None
             return
         try:
@@ -302,15 +308,18 @@ class Replication:
         try:
             while True:
                 (n,) = struct.unpack("<I", _recv_exact(sock, 4))
-                head = json.loads(_recv_exact(sock, n))
+                raw = json.loads(_recv_exact(sock, n))
                 if not self.token:  # fail closed: a keeper told no token takes nothing
                     self._replica_refused(sock.getpeername()[:2], "this keeper has no token")
                     raise ValueError("this keeper has no token: every replica is refused")
-                if not hmac.compare_digest(str(head.get("token", "")), self.token):
+                token = raw.get("token") if type(raw) is dict else None
+                if type(token) is not str or not hmac.compare_digest(token.encode(),
+                                                                     self.token.encode()):
                     self._replica_refused(sock.getpeername()[:2], "a wrong token")
                     raise ValueError("a replica without this job's token: refused")
-                total = int(head["total"])
-                with self._incoming(mapped, head["owner"], total) as into:
+                head = km.read(km.ReplicaHeader, raw)
+                total = head.total
+                with self._incoming(mapped, head.owner, total) as into:
                     if into is None:  # read and dropped: the connection stays in step
                         _discard(sock, total)
                         sock.sendall(b"r")
@@ -338,16 +347,17 @@ class Replication:
         try:
             while True:
                 msg, payload = ch.recv(timeout=None)  # an idle buddy stays connected
-                total = int(msg["total"])
+                head = km.read(km.ReplicaHeader, msg)
+                total = head.total
                 if total < shm.HEADER or len(payload) != total:
                     raise ValueError(f"a replica of {len(payload)} bytes says {total}")
                 info = shm.parse_header(payload[:shm.HEADER])
                 if info is not None and info.total != total:
                     raise ValueError(f"a replica of {total} bytes whose header says {info.total}")
-                with self._incoming(mapped, str(msg["owner"]), total) as into:
+                with self._incoming(mapped, head.owner, total) as into:
                     if into is None:
                         del payload
-                        ch.send({"ack": "refused"})
+                        ch.send(km.encode(km.ReplicaAck(ack="refused")))
                         continue
                     slot, fresh = into
                     buf = slot.buffer
@@ -357,7 +367,7 @@ class Replication:
                     if info is not None:
                         slot.commit(info)  # the header last: valid only once complete
                 del payload
-                ch.send({"ack": "f" if fresh else "k"})
+                ch.send(km.encode(km.ReplicaAck(ack="f" if fresh else "k")))
                 self.wake()
         except (OSError, ValueError, KeyError, TypeError, channel.AuthError,
                 channel.ChannelClosed) as exc:

@@ -21,6 +21,7 @@ import dataclasses
 import time
 from typing import Any, Iterator
 
+from ..protocol.keeper_messages import HolderEntry
 from . import memory as mem
 from . import packing, staging
 from .plan import NoConsistentState
@@ -38,7 +39,7 @@ class Source:
     holder: int  # the (new) rank that reads it and sends it to all
 
 
-def inventory_of(live: tuple[int, int, int] | None, listing: dict[str, Any] | None,
+def inventory_of(live: tuple[int, int, int] | None, listing: dict[str, HolderEntry] | None,
                  disk: dict[int, dict[int, list[int]]]) -> dict[str, Any]:
     """What one rank can offer: its live shard (old rank, step, world), every snapshot its node's
     memory holds (own snapshots and replicas: step and generation), and the parts of sharded disk
@@ -46,7 +47,7 @@ def inventory_of(live: tuple[int, int, int] | None, listing: dict[str, Any] | No
     held: dict[str, list[list[int]]] = {}
     for name, entry in (listing or {}).items():
         if entry and (name.startswith("r") or name.startswith("rep")):
-            held[name] = [[s["step"], s.get("gen", -1)] for s in entry["slots"] if s is not None]
+            held[name] = [[s.step, s.gen] for s in entry.slots if s is not None]
     return {"live": list(live) if live else None, "memory": held,
             "disk": {str(w): {str(k): v for k, v in parts.items()} for w, parts in disk.items()}}
 

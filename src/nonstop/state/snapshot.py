@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..protocol.keeper_messages import DiskPart
 from ..protocol.rank_policy import RankSdc, RankState
 from . import memory as mem
 from . import packing, shm
@@ -49,7 +50,7 @@ AT_EXIT_S = 10.0
 class _Job:
     """A staged snapshot between its copy's start and its commit (or its failure)."""
 
-    def __init__(self, step: int, meta: bytes, nbytes: int, persist: dict[str, Any] | None,
+    def __init__(self, step: int, meta: bytes, nbytes: int, persist: DiskPart | None,
                  rank: int, gen: int, midway: Any, injector: Any):
         self.step, self.meta, self.nbytes, self.persist = step, meta, nbytes, persist
         self.rank, self.gen, self.midway, self.injector = rank, gen, midway, injector
@@ -271,7 +272,7 @@ class Snapshots:
         # own copy succeeds or not - or it has no memory at all (a rank whose memory is gone must
         # not think a checkpoint is still due at the next step: it would snapshot, and compare
         # digests, alone while the others step on)
-        persist = self._persist(step, rank, world, sharded, gen, final)
+        persist = self._persist(step, rank, world, sharded, final)
         if self.memory is None:
             return 0.0
         t_start = time.perf_counter()
@@ -292,7 +293,7 @@ class Snapshots:
             return self._take_staged(state, lay, job, device, t_start)
         try:
             slot_i, seq, slot, reply = self.memory.alloc(holder, size)
-            self.repl_s = reply.get("repl_s") or self.repl_s
+            self.repl_s = reply.repl_s or self.repl_s
             shm.write_tensors(slot, lay.meta, lay.tensors, lay.specs, lay.nbytes, step, rank, gen,
                               seq, midway)
             if not self._may_commit(step):
@@ -318,7 +319,7 @@ class Snapshots:
         # its time is counted twice: once here and once as repl_s; too few snapshots rather
         # than too many)
         cost = t_end - t_start
-        if reply["fresh"]:
+        if reply.fresh:
             self._first_cost = cost if self._first_cost is None else min(self._first_cost, cost)
         else:
             self._costs.append(cost)
@@ -354,8 +355,8 @@ class Snapshots:
         rank agrees: ``last_persist`` moves alike everywhere)."""
         return self.root is not None and step - self.last_persist >= self.persist_every
 
-    def _persist(self, step: int, rank: int, world: int, sharded: bool, gen: int,
-                 final: bool) -> dict[str, Any] | None:
+    def _persist(self, step: int, rank: int, world: int, sharded: bool,
+                 final: bool) -> DiskPart | None:
         """Whether this snapshot also goes to disk (every rank moves ``last_persist`` alike; only
         the ranks whose part is needed ask for it: all of them for sharded state, else rank 0)."""
         if self.root is None or step <= self.last_persist:
@@ -365,8 +366,8 @@ class Snapshots:
         self.last_persist = step
         if not (sharded or rank == 0):
             return None
-        return {"root": str(self.root), "rank": rank, "world": world, "sharded": sharded,
-                "gen": gen, "reason": "final" if final else "periodic"}
+        return DiskPart(holder=mem.own(rank), step=step, root=str(self.root), rank=rank,
+                        world=world, sharded=sharded, reason="final" if final else "periodic")
 
     def finish(self, state: Any, rank: int, world: int, gen: int) -> None:
         """The training loop ended: the last step goes to disk (if checkpoints are on); the
@@ -386,13 +387,12 @@ class Snapshots:
             return
         if self.last_step == state.step and self.memory is not None:
             job = self._persist(state.step, rank, world, bool(getattr(state, "sharded", False)),
-                                gen, final=True)
+                                final=True)
             if job is not None:
                 try:
-                    self.memory.client.tell(dict(job, op="persist", holder=mem.own(rank),
-                                                 step=state.step))
+                    self.memory.persist(job)
                     self.requested = state.step
-                except OSError as exc:
+                except (OSError, KeeperError) as exc:
                     self.error = f"{type(exc).__name__}: {exc}"
             return
         self.take(state, rank, world, gen, final=True)
@@ -507,13 +507,13 @@ class Snapshots:
                 if job.certified and self.digests is not None:
                     self.digests.certified, self.digests.certified_t = job.step, time.time()
                 with self._lock:
-                    self.repl_s = reply.get("repl_s") or self.repl_s
+                    self.repl_s = reply.repl_s or self.repl_s
                     if job.persist is not None:
                         self.requested = job.step
                     self.last_step = job.step
                     self.taken += 1
                     self.error = None
-                    if not reply["fresh"]:
+                    if not reply.fresh:
                         self._writes.append(time.perf_counter() - t0)
             if job.injector is not None and job.injector.claim_kind("corrupt", job.rank,
                                                                     job.step - 1):

@@ -1,14 +1,18 @@
 """Messages between a node's keeper and its clients: JSON over a local SEQPACKET socket, with
 descriptors passed alongside (SCM_RIGHTS). The socket has an abstract address, and the keeper
-serves only processes of its own user."""
+serves only processes of its own user. What is sent is typed in ``protocol/keeper_messages.py``:
+a client sends a request record and gets its answer record back."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import struct
 from typing import Any
+
+from ..protocol import keeper_messages as km
 
 MAX_MESSAGE = 1 << 20
 MAX_FDS = 4
@@ -32,13 +36,19 @@ def send(sock: socket.socket, msg: dict[str, Any], fds: list[int] | tuple[int, .
 
 
 def recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
-    """One message and the descriptors that came with it; (None, []) when the peer is gone."""
+    """One message and the descriptors that came with it; (None, []) when the peer is gone.
+    ValueError: what came is not JSON (its descriptors are closed)."""
     data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS)
     if not data:
         for fd in fds:
             os.close(fd)
         return None, []
-    return json.loads(data), fds
+    try:
+        return json.loads(data), fds
+    except ValueError:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 def peer_pid_uid(sock: socket.socket) -> tuple[int, int]:
@@ -57,21 +67,32 @@ class Client:
         self.sock.connect(address(name))
         self.pid, _ = peer_pid_uid(self.sock)
 
-    def call(self, msg: dict[str, Any], fds: list[int] | tuple[int, ...] = ()
-             ) -> tuple[dict[str, Any], list[int]]:
-        send(self.sock, msg, fds)
-        reply, got = recv(self.sock)
-        if reply is None:
+    def call(self, request: km.Request) -> tuple[km.Answer, list[int]]:
+        """The answer to ``request`` (of its type, ``request.answer``) and the descriptors that
+        came with it. KeeperError: the keeper refused it, or answered something malformed."""
+        send(self.sock, km.encode(request))
+        try:
+            raw, got = recv(self.sock)
+        except ValueError as exc:
+            raise KeeperError(f"a malformed answer to {request.op!r}: {exc}") from None
+        if raw is None:
             raise ConnectionError(f"the node keeper {self.name!r} went away")
-        if reply.get("error"):
+        try:
+            answer = km.decode_answer(type(request), raw)
+        except km.BadKeeperMessage as exc:
+            answer = km.Refused(error=f"a malformed answer to {request.op!r}: {exc}")
+        if isinstance(answer, km.Refused):
             for fd in got:
                 os.close(fd)
-            raise KeeperError(reply["error"])
-        return reply, got
+            raise KeeperError(answer.error)
+        return answer, got
 
-    def tell(self, msg: dict[str, Any]) -> None:
-        """A message that needs no answer."""
-        send(self.sock, msg)
+    def tell(self, request: km.Request) -> None:
+        """A request the keeper never answers (``commit``, ``release``): an answer left unread
+        would be taken for the one to the next request."""
+        if request.answer is not None:
+            raise ValueError(f"{request.op!r} is answered: call it")
+        send(self.sock, km.encode(request))
 
     def close(self) -> None:
         try:
@@ -92,9 +113,9 @@ class KeeperLink:
     def __init__(self, name: str, timeout_s: float = 30.0):
         self.client = Client(name, timeout_s=timeout_s)
         self._events: Client | None = Client(name, timeout_s=timeout_s)
-        reply, _ = self._events.call({"op": "subscribe"})
+        reply, _ = self._events.call(km.Subscribe())
         self._events.sock.setblocking(False)
-        self.tcp: str = reply["tcp"]  # where other nodes' keepers push replicas
+        self.tcp: str = reply.tcp  # where other nodes' keepers push replicas
 
     @classmethod
     def open(cls, name: str, deadline: float, poll_s: float = 0.02) -> KeeperLink:
@@ -109,11 +130,14 @@ class KeeperLink:
                     raise TimeoutError(f"keeper {name!r} is not listening") from None
                 time.sleep(poll_s)
 
-    def call(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return self.client.call(msg)[0]
+    def call(self, request: km.Request) -> km.Answer:
+        return self.client.call(request)[0]
 
-    def tell(self, msg: dict[str, Any]) -> None:
-        self.call(msg)  # a keeper of this host answers at once
+    def tell(self, request: km.Request) -> None:
+        if request.answer is None:
+            self.client.tell(request)
+        else:
+            self.call(request)  # a keeper of this host answers at once
 
     def answers(self, timeout_s: float) -> bool:
         """False once the keeper's connection has ended (it died); a slow answer counts as alive.
@@ -125,7 +149,7 @@ class KeeperLink:
         except OSError:
             return False
         try:
-            probe.call({"op": "ping"})
+            probe.call(km.Ping())
         except TimeoutError:
             return True
         except (OSError, ConnectionError):
@@ -137,7 +161,8 @@ class KeeperLink:
         return True
 
     def events(self) -> list[dict[str, Any]]:
-        """What the keeper reported since (never blocks)."""
+        """What the keeper reported since, as it was sent (never blocks): read where it arrives
+        (``km.decode_report``), here or at the controller the host's agent relays it to."""
         out: list[dict[str, Any]] = []
         while self._events is not None:
             try:
@@ -146,6 +171,10 @@ class KeeperLink:
                 break
             except OSError:
                 msg, fds = None, []
+            except ValueError as exc:  # not JSON: passed over (the keeper writes none such)
+                logging.getLogger(__name__).warning("a report of keeper %r that is not JSON: %s",
+                                                    self.client.name, exc)
+                continue
             for fd in fds:
                 os.close(fd)
             if msg is None:

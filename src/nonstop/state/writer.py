@@ -16,8 +16,7 @@ import socket
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
-
+from ..protocol import keeper_messages as km
 from . import checkpoint, packing, shm, wire
 from .keeper import die_with
 
@@ -26,44 +25,60 @@ _TRACEBACK_CHARS = 16_000  # the keeper's messages must stay well under wire.MAX
 
 def serve(sock: socket.socket) -> None:
     while True:
-        msg, fds = wire.recv(sock)
-        if msg is None:
-            return
-        job, info = msg["job"], shm.SlotInfo(**msg["info"])
+        fds: list[int] = []
         try:
-            wire.send(sock, {"op": "done", "part": _write(job, info, fds)})
-        except BaseException as exc:  # DCP's CheckpointException is one; report it, live on
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            wire.send(sock, _failed(exc, job, info))
+            raw, fds = wire.recv(sock)
+            order = km.decode_writer(raw) if raw is not None else None
+        except ValueError as exc:  # not JSON, or not an order (BadKeeperMessage)
+            for fd in fds:
+                os.close(fd)
+            wire.send(sock, km.encode(_refused(f"a malformed order: {exc}")))
+            continue
+        match order:
+            case None:
+                return
+            case km.Write(job=job, info=info):
+                try:
+                    wire.send(sock, km.encode(km.WriteDone(part=_write(job, info, fds))))
+                except BaseException as exc:  # DCP's CheckpointException is one; report it, live on
+                    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                        raise
+                    wire.send(sock, km.encode(_failed(exc, job, info)))
+            case _:
+                for fd in fds:
+                    os.close(fd)
+                wire.send(sock, km.encode(_refused(f"{order.op!r} is no order for the writer")))
 
 
-def _write(job: dict[str, Any], info: shm.SlotInfo, fds: list[int]) -> dict[str, Any]:
+def _write(job: km.DiskPart, info: shm.SlotInfo, fds: list[int]) -> km.PartWritten:
     slot = shm.Slot(fds[0])  # the keeper's private copy of the snapshot: ours to read
     for fd in fds:
         os.close(fd)
     if not slot.verify(info):
-        raise ValueError(f"the snapshot of step {info.step} in {job['holder']} fails its "
+        raise ValueError(f"the snapshot of step {info.step} in {job.holder} fails its "
                          "checksum: not written")
-    root = Path(job["root"])
+    root = Path(job.root)
     refused = checkpoint.space_error(root, info.data_len)  # the tensors alone need that much
     if refused is not None:
         raise refused
     meta, data = slot.read(info)
     sd, _ = packing.unpack_with_info(meta, data)
-    part_info = {"step": info.step, "rank": job["rank"], "world": job.get("world"),
-                 "sharded": job.get("sharded"), "source": job["holder"],
-                 "node": job.get("node"), "reason": job.get("reason", "periodic"),
-                 "gen": info.gen}
+    part_info = {"step": info.step, "rank": job.rank, "world": job.world,
+                 "sharded": job.sharded, "source": job.holder, "node": job.node,
+                 "reason": job.reason, "gen": info.gen}
     tmp = checkpoint.temp_dir(root, info.step)
-    return checkpoint.write_part(sd, tmp, job["rank"], part_info)
+    return km.read(km.PartWritten, checkpoint.write_part(sd, tmp, job.rank, part_info))
 
 
-def _failed(exc: BaseException, job: dict[str, Any], info: shm.SlotInfo) -> dict[str, Any]:
-    cause = checkpoint.failure_cause(exc, Path(job["root"]), info.data_len)
-    return {"op": "failed", **cause, "need": info.data_len,
-            "error": f"{type(exc).__name__}: {exc}"[:2000],
-            "traceback": traceback.format_exc()[-_TRACEBACK_CHARS:]}
+def _failed(exc: BaseException, job: km.DiskPart, info: shm.SlotInfo) -> km.WriteFailed:
+    cause = checkpoint.failure_cause(exc, Path(job.root), info.data_len)
+    return km.WriteFailed(errno=cause["errno"], message=cause["message"], path=cause["path"],
+                          need=info.data_len, error=f"{type(exc).__name__}: {exc}"[:2000],
+                          traceback=traceback.format_exc()[-_TRACEBACK_CHARS:])
+
+
+def _refused(why: str) -> km.WriteFailed:
+    return km.WriteFailed(errno=None, message=why, path="", need=0, error=why, traceback="")
 
 
 def main() -> None:
