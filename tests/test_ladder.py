@@ -108,6 +108,22 @@ def test_same_fault_on_one_node_three_times_isolates_it():
     assert c.isolated == {0}
 
 
+def test_a_rank_that_fails_on_one_node_then_another_isolates_neither():
+    """Counted where each fault happened: rank 1 crashed twice on node 0, then once on node 2
+    (it moved to a spare there): that points at the rank, not at node 2's hardware."""
+    f = [Fault("crash", rank=1, code=-9)]
+    c = Counters()
+    for i in range(2):
+        c = ladder.charge(run(f, dead={1}, counters=c), f, c, now=100.0 + i,
+                          node_of=V4.node_of)
+    assert [n for *_, n in c.recent] == [0, 0]
+    moved = JobView(world=4, node_of={0: 0, 1: 2, 2: 1, 3: 1}, spare_nodes=0, capacity=6)
+    d = run(f, dead={1}, view=moved, counters=c, now=102.0)
+    assert d.level is Level.REPLACE_RANK and not d.isolate
+    back = run(f, dead={1}, counters=c, now=102.0)  # on node 0 again: its third there
+    assert back.isolate == frozenset({0})
+
+
 def test_isolation_window_and_quiet_period():
     f = [Fault("crash", rank=1, code=-9)]
     c = Counters()

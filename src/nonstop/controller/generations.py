@@ -205,7 +205,9 @@ class Generations:
             if not old.dead:  # a live process at fault (a level escalated): a fresh one instead
                 self.table.kill(old, f"rank {rank} moves to a new process")
             node = placement[rank]
-            w = self.table.take_spare(node, only=node in spare_nodes)
+            # a spare node's processes stay whole for a node replacement: a rank of a node with
+            # no spare left takes a ready one on another node that holds ranks, else starts cold
+            w = self.table.take_spare(node, only=node in spare_nodes, avoid=spare_nodes)
             cold = w is None
             if w is None:
                 w = self.table.new(spare=False, node=node)

@@ -281,7 +281,7 @@ def _after_teardown(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, lis
     counters = ladder.quiet(s.counters, now, policy)
     decision = ladder.decide(faults, dead, view(set(s.counters.isolated), seen), policy, counters, now,
                              escalate_from=escalate)
-    counters = ladder.charge(decision, faults, counters, now)
+    counters = ladder.charge(decision, faults, counters, now, seen.node_of)
     s = _with(s, round=(), counters=counters, sick=frozenset(sick), attempt=True,
               deadline=math.inf)
     cmds: list[Command] = [Decide(decision, s.gen, escalate.value if escalate else None)]

@@ -146,9 +146,13 @@ def _isolations(faults: list[Fault], view: JobView, policy: Policy, counters: Co
         node = f.node if f.node is not None else view.node_of.get(f.rank) if f.rank is not None else None
         if node is None or node in counters.isolated:
             continue
+        # a rank failing again on the node it failed on, or the node itself failing again; a
+        # rank failing again on another node (it moved to a spare there) points at its own
+        # code or data, not at that node's hardware
         same = 1 + sum(1 for t, code, rank, n in counters.recent
                        if now - t <= rule.window_s and code == f.fault_code
-                       and (n == node or (rank is not None and rank == f.rank)))
+                       and ((n == node and (rank is None or f.rank is None or rank == f.rank))
+                            or (n is None and rank is not None and rank == f.rank)))
         if same >= rule.times:
             out.add(node)
     return out
@@ -353,8 +357,10 @@ def decide_nan(step: int, outputs: dict[int, Any], policy: Policy, counters: Cou
                            + ("skipping the batch" if skip else "redoing the step"))
 
 
-def charge(decision: Decision, faults: list[Fault], counters: Counters, now: float = 0.0) -> Counters:
-    """The counters after carrying out ``decision`` (pure)."""
+def charge(decision: Decision, faults: list[Fault], counters: Counters, now: float = 0.0,
+           node_of: dict[int, int] | None = None) -> Counters:
+    """The counters after carrying out ``decision`` (pure). ``node_of``: where each rank was
+    when it failed (a fault is counted towards isolating that node)."""
     out = counters.but(last_fault_t=now)
     level = decision.level
     if level is Level.STEP_RETRY:
@@ -371,7 +377,8 @@ def charge(decision: Decision, faults: list[Fault], counters: Counters, now: flo
         out.restarts_without_infra = 0 if infra else out.restarts_without_infra + 1
     for f in faults:
         if f.kind != "peer":
-            out.recent.append((now, f.fault_code, f.rank, f.node))
+            node = f.node if f.node is not None or f.rank is None else (node_of or {}).get(f.rank)
+            out.recent.append((now, f.fault_code, f.rank, node))
     out.isolated |= set(decision.isolate)
     return out
 

@@ -180,7 +180,7 @@ class Recover(_Strict):
 
 # -- rules ------------------------------------------------------------------------------------------
 class Isolate(_Strict):
-    times: int = Field(3, ge=1)  # the same fault code on the same rank or node this often...
+    times: int = Field(3, ge=1)  # the same fault code on one node (same rank, or the node) this often...
     window_s: float = Field(86400.0, gt=0)  # ...within this window: hardware; isolate the node
 
 
