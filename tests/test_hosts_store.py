@@ -75,14 +75,14 @@ def _finished(j: HostJob, hosts: int, reference) -> str:
     return both
 
 
-def test_etcd_paused_5_s_then_30_s_costs_the_job_nothing(job, reference):
+def test_etcd_paused_5_s_then_15_s_costs_the_job_nothing(job, reference):
     """One member, paused twice while the job trains: no host fences itself, every host
     registers again as itself, a standby may take office (the leader's lease lapsed too) and
     finds the job steady: no incident, no step lost, the fault-free weights."""
     j = job(2)
     _start(j, 2, sleep_ms=150)  # 45 s of steps: the job trains through both pauses
     _until_step(j, 30, 120)
-    for pause in (5, 30):
+    for pause in (5, 15):  # 15 s: the leases (2 s) lapse many times over
         j.etcd.pause_member("e0")
         time.sleep(pause)
         j.etcd.resume_member("e0")

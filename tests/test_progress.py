@@ -139,3 +139,27 @@ def test_a_progress_record_goes_through_json_and_a_malformed_one_is_refused():
                 {**raw, "snap": {"every": 5}}, [raw]):
         with pytest.raises(progress.BadProgress):
             progress.decode(bad)
+
+
+def test_a_relayed_progress_record_has_every_time_moved_onto_the_controllers_clock():
+    """The progress record's own shift (its time fields known) moves exactly what the generic
+    one moves: every float field whose meaning is a time, and nothing else."""
+    import dataclasses
+    import json
+
+    from nonstop.protocol import hosts, progress
+
+    rec = Progress(hb=10.0, pid=7, where="torch", loc="f.py:3 in g", same_s=0.5, paused=None,
+                   max_step_s=0.2, compute_s=0.1, life_gen=2, t_life=9.0, gen=2, rank=0, step=41,
+                   t=9.5, loss=0.25, busy=3.0, stall=0.0, step_s=0.2)
+    raw = progress.encode(rec)
+    times = {f.name for f in dataclasses.fields(Progress)} & (
+        set(hosts.TIME_FIELDS) | {f.name for f in dataclasses.fields(Progress)
+                                  if f.name.startswith("t_")})
+    assert times == set(hosts.PROGRESS_TIMES)
+    moved = progress.decode(hosts.shift_progress(json.loads(json.dumps(raw)), 100.0))
+    assert moved == progress.decode(hosts.shift_times(json.loads(json.dumps(raw)), 100.0))
+    assert (moved.hb, moved.t, moved.t_life, moved.busy) == (110.0, 109.5, 109.0, 3.0)
+    bad = {**raw, "hb": "late"}  # left for the reader to refuse
+    assert hosts.shift_progress(dict(bad), 5.0)["hb"] == "late"
+    assert hosts.shift_progress(["x"], 5.0) == ["x"]

@@ -224,3 +224,30 @@ def test_the_controller_passes_over_an_event_it_refuses_logs_it_and_says_so_once
     # said once per process (and once for those of no process)
     assert len(table.refused) == 3 and "worker 1" in table.refused[0]
     assert "worker 7" in table.refused[1] and "unknown field(s) ['extra']" in table.refused[1]
+
+
+@pytest.mark.parametrize("ev", SAMPLES, ids=lambda ev: ev.type)
+def test_the_compiled_reader_takes_and_refuses_exactly_what_the_careful_one_does(ev):
+    """The reader written out for each record (the path every record takes) against the one
+    that checks field by field and says what is wrong: every field left out, added, or given
+    each kind of JSON value, the two agree on the record or on refusing it."""
+    cls = type(ev)
+    opt = events._optional(cls)
+    reader = Reader()
+    compiled = reader._compile(cls, ("type",), opt)
+    raw = _over_json(events.encode(ev))
+    values = [None, True, 0, 3, -1, 1.5, "", "sdc", "train", [], [1], ["x"], {}, {"0": 1},
+              {"a": "b"}, WRONG]
+    cases = [raw, {k: v for k, v in raw.items() if k != "type"}, {**raw, "extra": 1}]
+    for name in [f.name for f in dataclasses.fields(cls)]:
+        cases.append({k: v for k, v in raw.items() if k != name})
+        cases += [{**raw, name: v} for v in values]
+    for case in cases:
+        fast = compiled(case)
+        try:
+            careful = reader._record(cls, case, ("type",), opt)
+        except BadRecord:
+            careful = None
+        assert fast == careful, (case, fast, careful)
+        if fast is not None:
+            assert type(fast) is cls

@@ -363,7 +363,7 @@ class Cluster:
                     self._events.append(keys.shift_times(ev, link.offset))
             case m.Progress(recs=recs, stopped=stopped):
                 for wid, rec in recs.items():
-                    self._progress[int(wid)] = keys.shift_times(rec, link.offset)
+                    self._progress[int(wid)] = keys.shift_progress(rec, link.offset)
                 link.stopped = set(stopped)
             case m.KeeperEvents(events=events):
                 self._keeper_events.setdefault(node, []).extend(events)

@@ -42,6 +42,11 @@ from .workers import Worker, WorkerTable
 TICK_BUSY_S = 0.002  # loop period while survivors leave a failed generation
 TICK_WAIT_S = 0.02  # ...while a generation forms
 TICK_IDLE_S = 0.05  # ...while it trains
+# While a recovery is under way, the ranks' progress is read this many times less often: the
+# events that drive it come first (reading 16,384 ranks' records takes the loop 0.1-0.2 s), and
+# what the recovery's own checks read from progress (a rank stuck in its code while its group
+# forms) is judged over seconds.
+PROGRESS_SLOWER_IN_RECOVERY = 3
 SCAN_PER_RANK_S = 10e-6  # the whole job is looked at no more often than this, a rank (_check)
 
 
@@ -91,6 +96,8 @@ class Controller:
         # job (Controller.job_so_far in its journal), for a summary of the whole job, not of this one's term
         self.before: dict[str, Any] | None = None
         self._last_progress = 0.0
+        self._progress_turn = 0.0  # when the last share of the ranks' progress was counted
+        self._progress_owed = 0.0  # the share of them owed a read since (1.0: all)
         self.max_step = 0
         self.resumed_at: int | None = None  # the step the job last resumed from (an incident's)
         self.resumed_gen = 0  # ...in this generation
@@ -129,6 +136,11 @@ class Controller:
         return self.gens.total_nodes
 
     @property
+    def _recovering(self) -> bool:
+        """A generation is being left or formed, or has not completed its first step."""
+        return self.phase in (Phase.TEARING_DOWN, Phase.RENDEZVOUS) or self.book.open is not None
+
+    @property
     def _progress_s(self) -> float:
         """How often the ranks' progress is read: as often as the hosts send it (a big job's
         less often; one host's every 0.1 s)."""
@@ -146,9 +158,9 @@ class Controller:
             for proc in exited:
                 self._on_exit(proc)
             now = time.time()
+            self._read_progress(now)
             if now - self._last_progress >= self._progress_s:
                 self._last_progress = now
-                self._read_progress()
                 if self.display.wants_status(now):
                     self.display.status(self.snapshot())
                 if self.metrics is not None:
@@ -211,8 +223,15 @@ class Controller:
         if first_steps:  # (the generation may have formed on the entries)
             self._carry_out_orders(self.reports.first_steps(self))
 
-    def _read_progress(self) -> None:
-        self._carry_out_orders(self.reports.read_progress(self))
+    def _read_progress(self, now: float) -> None:
+        """A share of the ranks' progress at each turn, every rank's once a period
+        (``_progress_s``; slower while a recovery is under way)."""
+        period = self._progress_s * (PROGRESS_SLOWER_IN_RECOVERY if self._recovering else 1)
+        self._progress_owed += (now - self._progress_turn) / period
+        self._progress_turn = now
+        if self._progress_owed * len(self.plan) >= 1.0:
+            share, self._progress_owed = min(self._progress_owed, 1.0), 0.0
+            self._carry_out_orders(self.reports.read_progress(self, share))
 
     def _carry_out_orders(self, orders: list[reports.Order]) -> None:
         """What the ranks' reports say the job must do, in order."""
@@ -277,20 +296,21 @@ class Controller:
         ranks = []
         workers, stopped = self.workers, self.agent.stopped
         rendezvous = s.phase is Phase.RENDEZVOUS
+        gen, RankSeen = s.gen, mc.RankSeen
         for rank, wid in sorted(self.plan.items()):
             w = workers[wid]
             # whether the kernel has it stopped is asked only while it forms a group
-            st = rendezvous and not w.dead and w.joining >= s.gen > w.entered and stopped(wid)
+            st = rendezvous and not w.dead and w.joining >= gen > w.entered and stopped(wid)
+            warm = w.warm_gen == gen
             cached = w.seen
-            if cached is not None and cached[0] == (rank, s.gen, st):
+            if cached is not None and cached[0] == (rank, warm, st):
                 ranks.append(cached[1])
                 continue
-            r = mc.RankSeen(
-                rank=rank, wid=wid, node=w.node, dead=w.dead, joining=w.joining, entered=w.entered,
-                left=w.left, done=w.done, retry_step=w.retry_step, retry_loss=w.retry_loss,
-                warm=w.warm_gen == s.gen, stopped=st,
-                own_code_s=w.same_s if w.hb and w.where == "python" else 0.0, loc=w.loc)
-            w.__dict__["seen"] = ((rank, s.gen, st), r)  # (past __setattr__: not a change)
+            # (by position: a view of 16,384 ranks is made whole after a teardown)
+            r = RankSeen(rank, wid, w.node, w.dead, w.joining, w.entered, w.left, w.done,
+                         w.retry_step, w.retry_loss, warm, st,
+                         w.same_s if w.hb and w.where == "python" else 0.0, w.loc)
+            w.__dict__["seen"] = ((rank, warm, st), r)  # (past __setattr__: not a change)
             ranks.append(r)
         # a memory whose exit its host's agent reported, while that agent answers, is the memory
         # alone: the host is not lost (one that stopped answering may be the host cut off)

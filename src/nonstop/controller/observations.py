@@ -15,7 +15,8 @@ from ..decide.ladder import Fault
 class RankSeen:
     """One rank's process as the controller knows it (generations are the newest it reached).
     Never changed once made (not frozen only because a frozen one takes 3x as long to make, and
-    a view of 16,384 ranks is made whole after a teardown)."""
+    a view of 16,384 ranks is made whole after a teardown). ``Controller._seen`` makes it by
+    position, in this order (tests/test_machine.py holds it)."""
 
     rank: int
     wid: int

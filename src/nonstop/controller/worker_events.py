@@ -11,6 +11,7 @@ steps the machine or reads the controller's state, only the facts it is given (`
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from ..agent.agent import Agent
@@ -97,6 +98,7 @@ class RankReports:
         self.sdc, self.sdc_judge, self.watchers, self.progress = sdc, sdc_judge, watchers, progress
         self.agent, self.log, self.display = agent, log, display
         self.nccl = False  # a rank said its groups run NCCL (its aborts take NCCL's time)
+        self._progress_at = 0  # where in the plan the next share of progress is read from
         self.final_persist: int | None = None  # the last step's checkpoint, awaited at the end
         self.snap_stats: dict[str, Any] | None = None  # rank 0's snapshot numbers
         self.last_entered: events.EnteredGeneration | None = None  # the newest entry
@@ -319,11 +321,22 @@ class RankReports:
         return []
 
     # == progress ================================================================================
-    def read_progress(self, job: JobView) -> list[Order]:
+    def read_progress(self, job: JobView, share: float = 1.0) -> list[Order]:
         """The ranks' newest progress records: their steps, rank 0's snapshot numbers, the
-        hang and straggler signals (and the hang timeout, tuned from the steps' times)."""
-        ranks = [self.workers[wid] for wid in job.plan.values()]
-        self.progress.every_s = sample_every(len(ranks))
+        hang and straggler signals (and the hang timeout, tuned from the steps' times).
+
+        ``share``: the part of the plan's ranks read now (at least one), on from where the last
+        share ended: a controller of 16,384 ranks reads a slice at each turn of its loop rather
+        than all of them at once (0.1-0.2 s), so that a fault is never kept waiting that long."""
+        wids = list(job.plan.values())
+        n = len(wids)
+        if share < 1.0 and n:
+            k = min(n, max(1, math.ceil(n * share)))
+            at = self._progress_at % n
+            wids = wids[at:at + k] + wids[:max(0, at + k - n)]
+            self._progress_at = (at + k) % n
+        ranks = [self.workers[wid] for wid in wids]
+        self.progress.every_s = sample_every(n)
         newest = 0
         for w, rec in self.table.read_progress(ranks):
             newest = max(newest, w.take_progress(rec, job.gen))

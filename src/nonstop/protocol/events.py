@@ -375,6 +375,9 @@ def _optional(cls: type) -> tuple[str, ...]:
     return names
 
 
+_READERS: dict[type, Any] = {}  # each kind's reader, made once
+
+
 def decode(raw: Any) -> RankEvent:
     """The event a JSON object holds; BadEvent for one that is not a rank event as this version
     of nonstop writes it."""
@@ -382,8 +385,11 @@ def decode(raw: Any) -> RankEvent:
     cls = KINDS.get(kind) if type(kind) is str else None
     if cls is None:
         raise BadEvent(f"unknown rank event {_short(kind if type(raw) is dict else raw)}")
+    read = _READERS.get(cls)
+    if read is None:
+        read = _READERS[cls] = _READ.reader(cls, cls.type, ("type",), _optional(cls))
     try:
-        return _READ.reader(cls, cls.type, ("type",), _optional(cls))(raw)
+        return read(raw)
     except BadEvent:
         raise
     except BadRecord as exc:
