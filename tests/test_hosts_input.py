@@ -12,6 +12,7 @@ import time
 import pytest
 from conftest import TRAIN, policy_file
 
+from nonstop.protocol.hosts import host_key
 from nonstop.store.etcd import Etcd, parse_endpoints
 from nonstop.store.etcd_server import EtcdCluster
 
@@ -112,6 +113,35 @@ def test_a_host_the_job_has_no_room_for_a_host_with_another_secret_or_other_sett
         assert "already in job" in line
     finally:
         end(a, b)
+
+
+def test_a_machine_replacing_a_dead_host_at_once_is_let_in_when_its_record_lapses(tmp_path,
+                                                                                  etcd):
+    """A full job loses a host (killed whole: its record stays in etcd until its lease runs
+    out) and a new machine is started in its place at once: it waits for that room rather
+    than being refused as one host too many."""
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", etcd.url,
+              "--rdzv-id", "again"]
+    a, b = launch(tmp_path, "a", *common), launch(tmp_path, "b", *common)
+    c = None
+    try:
+        store = Etcd(parse_endpoints(etcd.url), "again")
+        deadline = time.time() + 30
+        while len(store.get_prefix("hosts/")) < 2 and time.time() < deadline:
+            time.sleep(0.1)
+        assert a.poll() is None and b.poll() is None
+        os.killpg(b.pid, signal.SIGKILL)
+        b.communicate(timeout=30)
+        assert len(store.get_prefix("hosts/")) == 2  # b's record lingers in its lease
+        c = launch(tmp_path, "c", *common)
+        deadline = time.time() + 30
+        while time.time() < deadline and c.poll() is None and \
+                not any(k == host_key("c") for k, *_ in store.get_prefix("hosts/")):
+            time.sleep(0.1)
+        store.close()
+        assert c.poll() is None, c.communicate(timeout=30)
+    finally:
+        end(*[p for p in (a, b, c) if p is not None])
 
 
 def test_a_host_alone_under_its_own_job_id_gives_up_clearly(tmp_path, etcd):

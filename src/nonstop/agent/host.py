@@ -200,6 +200,14 @@ class HostAgent:
             raise UsageError(f"host '{self.cfg.host_id}' is already in job '{self.cfg.job_id}' "
                              "(two agents with one --node-id, or another job with this --rdzv-id)")
         limit = self.cfg.nnodes_max + self.cfg.spare_nodes
+        # A full job may hold the record of a host that is gone, until its lease runs out (a
+        # machine that replaces a dead one, started at once, would be refused for it): room is
+        # waited for that long before this host is refused.
+        linger = time.monotonic() + min(2 * self.cfg.lease_ttl_s + 1.0,
+                                        self.cfg.rules.hosts.join_timeout_s)
+        while len(hosts) >= limit and time.monotonic() < linger:
+            time.sleep(0.2)
+            hosts = self.etcd.get_prefix(keys.HOSTS)
         if len(hosts) >= limit:
             raise UsageError(f"job '{self.cfg.job_id}' already has {len(hosts)} host(s), the most "
                              f"it takes (--nnodes {self.cfg.nnodes_max} + --spare-nodes "
