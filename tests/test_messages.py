@@ -9,6 +9,7 @@ import json
 import pytest
 
 from nonstop.protocol import messages as m
+from nonstop.protocol.last_step import LastStep
 
 
 def _all() -> list[type[m.Message]]:
@@ -35,16 +36,25 @@ SAMPLES = [
     m.End(code=1, grace_s=0.5, why="etcd unreachable"),
     m.End(code=0, why="node 2 isolated", released=True),
     m.OpenStore(id=5, gen=2),
-    m.State(now=1.5, host="h0", incarnation="abc", workers=[{"wid": 3, "alive": True}],
-            takeover=True),
-    m.Exits(exits=[{"wid": 3, "code": -9}]),
+    m.State(now=1.5, host="h0", incarnation="abc", takeover=True, workers=[
+        m.HostWorker(wid=3, pid=101, alive=True, spare=False, node=1, rank=2, gen=4, seq=5),
+        m.HostWorker(wid=4, pid=102, alive=False, code=-9, spare=True, node=1),
+        m.HostWorker(wid=5, pid=103, alive=True, node=1, keeper="nonstop-x-n1")]),
+    m.Exits(exits=[m.ProcExit(wid=3, code=-9),
+                   m.ProcExit(wid=4, code=1, last=LastStep(gen=2, step=17, t=1.25, busy=0.5,
+                                                           stall=None)),
+                   m.ProcExit(wid=5, code=None)]),
     m.Events(events=[{"type": "entered", "t": 1.0}], replay=True),
     m.Progress(recs={"3": {"step": 5, "t": 2.0}}, stopped=[4]),
     m.Output(wid=3, line="step 5"),
-    m.Health(results=[{"check": "disk", "ok": False}], nvml_status="NVML: off"),
+    m.Health(results=[m.HealthCheck(check="disk", ok=False, code=1, detail="exit 1: full",
+                                    seconds=0.25),
+                      m.HealthCheck(check="stuck", ok=False, code=None, detail="timed out",
+                                    seconds=3, limit_s=3.0)], nvml_status="NVML: off"),
     m.KeeperEvents(events=[{"ev": "replicated"}]),
     m.Preempted(grace_s=19.5),
-    m.Deadlines(records=[{"what": "host_reply", "limit_s": 5.0, "detail": "no answer to spawn"}]),
+    m.Deadlines(records=[m.MissedDeadline("host_reply", 5.0, detail="no answer to spawn"),
+                         m.MissedDeadline("zygote", None, node=3)]),
     m.Refused(why="stale epoch 3 < 7"),
     m.Reply(id=5, port=4242),
 ]
@@ -117,3 +127,216 @@ def test_a_remote_records_times_are_moved_onto_this_hosts_clock():
     assert shift_times(rec, 0.5) == {"t": 10.5, "hb": 11.5, "t_pg": 13.0, "t_flag": True,
                                      "type": "entered", "step": 7, "tail": 3.0, "": 1,
                                      "t_life": 13.5}
+
+
+# == records inside the messages ====================================================================
+def _exits(**rec):
+    return {"op": "exits", "exits": [{"wid": 3, "code": -9, "last": None, **rec}]}
+
+
+GOOD_WORKER = {"wid": 3, "pid": 101, "alive": True, "code": None, "spare": False, "node": 1,
+               "keeper": None, "rank": 0, "gen": 2, "seq": 1}
+GOOD_LAST = {"gen": 2, "step": 17, "t": 1.25, "busy": None, "stall": None}
+
+
+@pytest.mark.parametrize("raw, why", [
+    ({"op": "exits", "exits": [{"wid": 3, "code": -9}]}, r"exits: exits\[0\]: field 'last' is missing"),
+    (_exits(wid="3"), r"exits: exits\[0\].wid: '3' is not int"),
+    (_exits(code=1.5), r"exits\[0\].code"),
+    (_exits(signal=9), r"exits\[0\]: unknown field\(s\) \['signal'\]"),
+    (_exits(last={**GOOD_LAST, "t": "now"}), r"exits\[0\].last.t: 'now' is not float"),
+    (_exits(last={**GOOD_LAST, "extra": 1}), r"exits\[0\].last: unknown field"),
+    (_exits(last=[1, 2]), r"exits\[0\].last: .* is not an object"),
+    ({"op": "exits", "exits": {"wid": 3}}, "exits: exits: .* is not a list"),
+    ({"op": "exits", "exits": [3]}, r"exits\[0\]: 3 is not an object"),
+    ({"op": "state", "workers": [{**GOOD_WORKER, "alive": 1}]}, r"state: workers\[0\].alive"),
+    ({"op": "state", "workers": [GOOD_WORKER, {k: v for k, v in GOOD_WORKER.items()
+                                               if k != "pid"}]},
+     r"state: workers\[1\]: field 'pid' is missing"),
+    ({"op": "state", "workers": [{**GOOD_WORKER, "meta": {}}]}, r"workers\[0\]: unknown field"),
+    ({"op": "deadlines", "records": [{"what": "zygote", "limit_s": 120.0, "detail": None}]},
+     r"deadlines: records\[0\]: field 'node' is missing"),
+    ({"op": "deadlines", "records": [{"what": None, "limit_s": 1.0, "detail": None,
+                                      "node": None}]}, r"records\[0\].what: None is not str"),
+    ({"op": "deadlines", "records": [{"what": "x", "limit_s": "5", "detail": None,
+                                      "node": None}]}, r"records\[0\].limit_s"),
+    ({"op": "health", "results": [{"check": "disk", "ok": "no", "code": 1, "detail": "",
+                                   "seconds": 0.1, "limit_s": None}]}, r"results\[0\].ok"),
+])
+def test_a_malformed_record_inside_a_message_is_refused_with_where(raw, why):
+    with pytest.raises(m.BadMessage, match=why):
+        m.decode(raw)
+
+
+def test_records_travel_as_plain_json_and_come_back_as_records():
+    msg = SAMPLES[[type(s) for s in SAMPLES].index(m.Exits)]
+    wire = m.encode(msg)
+    assert json.loads(json.dumps(wire)) == wire  # plain values only
+    assert wire["exits"][1]["last"] == {"gen": 2, "step": 17, "t": 1.25, "busy": 0.5,
+                                        "stall": None}
+    back = m.decode(json.loads(json.dumps(wire)))
+    assert isinstance(back.exits[1], m.ProcExit) and isinstance(back.exits[1].last, LastStep)
+
+
+def test_a_field_of_records_in_another_shape_is_a_mistake_said_at_once():
+    @dataclasses.dataclass(frozen=True)
+    class Odd(m.Report):  # (no op: never registered)
+        by_wid: dict[str, m.ProcExit] = dataclasses.field(default_factory=dict)
+
+    with pytest.raises(TypeError, match="by_wid"):
+        m.encode(Odd())
+
+
+def test_a_missed_deadline_says_only_what_is_known():
+    assert m.MissedDeadline("zygote", 120.0, detail="slow").fields() == {"detail": "slow"}
+    assert m.MissedDeadline("host_reply", 5.0, detail="no answer to spawn", node=2).fields() == \
+        {"detail": "no answer to spawn", "node": 2}
+    assert m.MissedDeadline("x", None).fields() == {}
+
+
+# == the controller's side: what a host sends, refused or taken ===================================
+@pytest.fixture
+def host(tmp_path):
+    """A cluster (epoch 7) with one host, whose side of a real channel is returned."""
+    import threading
+
+    from nonstop.controller.cluster import Cluster, RemoteProc
+    from nonstop.net.channel import connect, new_secret
+    from nonstop.net.listener import Listener
+    from nonstop.protocol import hosts as keys
+
+    secret = new_secret().encode()
+    with Listener("127.0.0.1", secret) as lst:
+        box: dict = {}
+        t = threading.Thread(target=lambda: box.setdefault("ch", lst.accept(10)))
+        t.start()
+        cluster = Cluster(7, secret, tmp_path, lambda wid, line: None)
+        rec = keys.HostRecord(host_id="h0", addr="127.0.0.1", ctl_port=lst.port, rdzv_port=1,
+                              pid=1, slots=1, incarnation="a")
+        cluster.add_host(0, rec, ch=connect("127.0.0.1", lst.port, secret))
+        t.join(10)
+        agent = box["ch"]
+        assert isinstance(m.decode(agent.recv(5)[0]), m.Hello)
+        for wid in (3, 4):
+            cluster.procs[wid] = RemoteProc(wid, 0, False, tmp_path / f"worker-{wid}.log")
+        yield cluster, agent
+        cluster.close()
+        agent.close()
+
+
+def _poll_until(cluster, cond, timeout_s=5.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    got = []
+    while time.monotonic() < deadline:
+        got += cluster.poll(0.02)
+        if cond(got):
+            break
+    return got
+
+
+def test_a_malformed_report_is_refused_and_the_reader_reads_on(host, capfd):
+    import time
+
+    cluster, agent = host
+    for bad in ({"op": "exits", "exits": [{"wid": 3, "code": "dead", "last": None}]},
+                {"op": "deadlines", "records": [{"what": "zygote", "limit_s": 1.0}]},
+                {"op": "state", "host": "h0", "workers": [{"wid": 4, "alive": False}]},
+                {"op": "exits", "exits": [{"wid": 4, "code": 1, "last": {"step": 3}}]},
+                {"op": ["exits"]}):
+        agent.send(bad)
+    # then good ones, on the host's clock (100 s behind this one)
+    now = time.time() - 100.0
+    agent.send(m.encode(m.Deadlines(now=now, records=[m.MissedDeadline("zygote", 120.0,
+                                                                       detail="slow")])))
+    agent.send(m.encode(m.Exits(now=now, exits=[m.ProcExit(
+        wid=3, code=-9, last=LastStep(gen=1, step=5, t=now - 1.0, busy=None, stall=None))])))
+    (p,) = _poll_until(cluster, lambda got: got)
+    assert p.wid == 3 and p.returncode == -9 and cluster.procs[4].alive  # the bad ones: nothing
+    assert p.last is not None and p.last.step == 5 and abs(p.last.t - (time.time() - 1.0)) < 2.0
+    assert cluster.deadlines() == [m.MissedDeadline("zygote", 120.0, detail="slow", node=0)]
+    err = capfd.readouterr().err
+    assert err.count("a message from host h0 refused") == 5, err
+    assert "exits: exits[0].code" in err and "deadlines: records[0]: field" in err
+    assert "state: workers[0]: field 'pid' is missing" in err and "exits[0].last" in err
+
+
+def test_a_hosts_state_is_adopted_typed(host):
+    cluster, agent = host
+    agent.send(m.encode(m.State(host="h0", incarnation="a", workers=[
+        m.HostWorker(wid=4, pid=104, alive=False, code=-11, node=0),
+        m.HostWorker(wid=9, pid=109, alive=True, spare=True, node=0)])))
+    (p,) = _poll_until(cluster, lambda got: got)
+    assert (p.wid, p.returncode, p.pid) == (4, -11, 104)
+    assert cluster.procs[9].spare and cluster.procs[9].alive and cluster.next_wid == 10
+    assert cluster.links[0].state.workers[1] == m.HostWorker(wid=9, pid=109, alive=True,
+                                                             spare=True, node=0)
+
+
+# == requests from outside the job (nonstop drain) ================================================
+def test_a_request_is_typed_and_a_malformed_one_refused_once_with_why(tmp_path):
+    from nonstop.controller.requests import FOLDER, RefusedRequest, Requests, send
+    from nonstop.protocol.requests import DrainRequest
+
+    good = DrainRequest(ranks=[1, 2], node=None, why="ECC errors")
+    send(tmp_path, good)
+    folder = tmp_path / FOLDER
+    bad = {"a-missing.json": {"op": "drain", "ranks": [1], "why": "x"},
+           "b-type.json": {"op": "drain", "ranks": ["1"], "node": None, "why": "x"},
+           "c-unknown.json": {"op": "drain", "ranks": [], "node": 1, "why": "x", "force": True},
+           "d-op.json": {"op": "reboot"},
+           "e-list.json": [1]}
+    for name, raw in bad.items():
+        (folder / name).write_text(json.dumps(raw))
+    (folder / "f-torn.json").write_text('{"op": "dr')
+    got = Requests(tmp_path).poll(1.0)
+    assert [r for r in got if isinstance(r, DrainRequest)] == [good]
+    refused = {r.why.split(":", 1)[0]: r for r in got if isinstance(r, RefusedRequest)}
+    assert refused.pop("f-torn.json").request is None
+    assert refused == {n: RefusedRequest(bad[n], f"{n}: {why}") for n, why in (
+        ("a-missing.json", "request: field 'node' is missing"),
+        ("b-type.json", "request.ranks[0]: '1' is not int"),
+        ("c-unknown.json", "request: unknown field(s) ['force']"),
+        ("d-op.json", "unknown request 'reboot'"),
+        ("e-list.json", "[1] is not an object"))}
+    assert Requests(tmp_path).poll(2.0) == []  # each taken once, malformed or not
+    assert sorted(p.suffix for p in folder.iterdir()) == [".taken"] * 7
+
+
+def test_the_controller_logs_requests_refused_and_deadlines_as_before(tmp_path):
+    """``Controller._check``'s reading of requests and missed deadlines (the rest stubbed)."""
+    from types import SimpleNamespace
+
+    from nonstop.controller.controller import Controller
+    from nonstop.controller.phase import Phase
+    from nonstop.controller.requests import FOLDER, Requests, send
+    from nonstop.observe.events import EventLog, read
+    from nonstop.protocol.requests import DrainRequest
+
+    send(tmp_path, DrainRequest(ranks=[], node=2, why="maintenance"))
+    (tmp_path / FOLDER / "x.json").write_text(json.dumps({"op": "drain", "ranks": [0]}))
+    drained = []
+    log = EventLog(tmp_path)
+    me = SimpleNamespace(
+        table=SimpleNamespace(kill_due=lambda now: None), requests=Requests(tmp_path),
+        drain=lambda ranks, node, why: drained.append((ranks, node, why)), log=log,
+        agent=SimpleNamespace(deadlines=lambda: [
+            m.MissedDeadline("zygote", 120.0, detail="its imports did not finish"),
+            m.MissedDeadline("host_reply", 5.0, detail="no answer to open_store", node=1)],
+            preempted=lambda: []),
+        preempts=SimpleNamespace(due=lambda now: []), phase=Phase.FINISHING,
+        _step=lambda obs: None, _seen=lambda now=None: None,
+        memory=SimpleNamespace(settled=lambda final: True),
+        reports=SimpleNamespace(final_persist=None))
+    Controller._check(me, 1.0)  # type: ignore[arg-type]
+    log.close()
+    assert drained == [((), 2, "maintenance")]
+    evs = [{k: v for k, v in e.items() if k not in ("t", "attempt")} for e in read(tmp_path)]
+    assert evs == [
+        {"type": "request_refused", "request": {"op": "drain", "ranks": [0]},
+         "why": "x.json: request: field 'node' is missing"},
+        {"type": "deadline", "what": "zygote", "limit_s": 120.0,
+         "detail": "its imports did not finish"},
+        {"type": "deadline", "what": "host_reply", "limit_s": 5.0,
+         "detail": "no answer to open_store", "node": 1}]

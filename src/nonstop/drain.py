@@ -12,6 +12,7 @@ from pathlib import Path
 from .controller import requests
 from .errors import UsageError
 from .pids import pid_alive
+from .protocol.requests import DrainRequest
 
 
 def drain(run_dir: str, ranks: tuple[int, ...], node: int | None, why: str,
@@ -28,7 +29,7 @@ def drain(run_dir: str, ranks: tuple[int, ...], node: int | None, why: str,
     if pid is not None and not pid_alive(int(pid)):
         raise UsageError(f"the job of {run_dir} is not running (its launcher, pid {pid}, is gone)")
     offset = log.stat().st_size
-    requests.send(root, {"op": "drain", "ranks": list(ranks), "node": node, "why": why})
+    requests.send(root, DrainRequest(ranks=list(ranks), node=node, why=why))
     what = f"node {node}" if node is not None else "rank " + ", ".join(map(str, ranks))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

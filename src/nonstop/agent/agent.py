@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from .. import protocol
 from ..protocol import last_step
+from ..protocol.messages import MissedDeadline
 from ..observe.console import ConsoleFilter
 
 LATE_S = 10.0  # a process's events are read for this long after it ended
@@ -69,7 +70,7 @@ class Agent:
         self._next_wid = 0
         self.zygote: Any = None  # ranks are forked from it (zygote.py), once it is ready
         self.zygote_error: str | None = None  # why ranks are started directly instead
-        self.missed: list[dict[str, Any]] = []  # deadlines that fired here (deadlines())
+        self.missed: list[MissedDeadline] = []  # deadlines that fired here (deadlines())
         self._sel = selectors.DefaultSelector()
         self._logs: dict[int, object] = {}
         # another thread (a host's channel to its controller) ends a wait early through this
@@ -136,8 +137,8 @@ class Agent:
         if not z.ready(READY_S):
             self.zygote_error = z.broken or f"not ready within {READY_S:g} s"
             if not z.broken:
-                self.missed.append({"what": "zygote", "limit_s": READY_S,
-                                    "detail": "its imports did not finish: ranks start directly"})
+                self.missed.append(MissedDeadline(
+                    "zygote", READY_S, detail="its imports did not finish: ranks start directly"))
             return None
         return z
 
@@ -187,8 +188,8 @@ class Agent:
         except OSError:  # full: a wake-up is already pending
             pass
 
-    def deadlines(self) -> list[dict[str, Any]]:
-        """The deadlines that fired here since the last call (``what``, ``limit_s``, ...)."""
+    def deadlines(self) -> list[MissedDeadline]:
+        """The deadlines that fired here since the last call."""
         out, self.missed = self.missed, []
         return out
 

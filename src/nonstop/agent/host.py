@@ -35,7 +35,6 @@ from .mail import StoreMail
 from ..net.channel import SECRET_ENV
 from ..protocol import hosts as keys
 from ..protocol import messages as m
-from ..protocol.records import plain
 from ..launch.config import HostConfig
 from .fencing import (REGISTER_RETRY_S, EtcdSilent, Fence, JobEnded, Membership, OutageOver,
                       Registered, Rejoined, Verdict)
@@ -71,7 +70,7 @@ class HostAgent:
         self.refused_why: str | None = None  # outvoted on the job's secret: this host leaves
         self.other_secrets = 0  # hosts waiting to join with another secret than ours
         self._say_waiting = time.time() + WAITING_SAY_S  # when a host still alone says so
-        self._unsent_exits: list[dict[str, Any]] = []
+        self._unsent_exits: list[m.ProcExit] = []
         self.history: list[dict[str, Any]] = []  # every event of this host's processes
         self._gen_stores: dict[int, Any] = {}  # a plain script's stores, per generation
         self._delivered = 0  # how many of them reached the controller in office
@@ -471,9 +470,7 @@ class HostAgent:
             return
         if self.meta.get(proc.wid, {}).get("keeper"):
             self.keepers.gone(self.meta[proc.wid]["keeper"])
-        rec = {"wid": proc.wid, "code": proc.returncode}
-        if proc.last is not None:
-            rec["last"] = plain(proc.last)
+        rec = m.ProcExit(wid=proc.wid, code=proc.returncode, last=proc.last)
         if not self._send(m.Exits(exits=[rec])):
             self._unsent_exits.append(rec)
 
@@ -514,8 +511,7 @@ class HostAgent:
             self._office_news = (epoch, ch.peer[0] if ch.peer else "?")
         self.epoch, self.ctl = epoch, ch
         self._preempt_told = False  # (a new controller hears of a preemption again)
-        workers = [{"wid": p.wid, "pid": p.pid, "alive": p.alive, "code": p.returncode,
-                    **self.meta.get(p.wid, {})}
+        workers = [_worker(p, self.meta.get(p.wid, {}))
                    for p in self.agent.procs.values() if p.wid != CONTROLLER_WID]
         self._send(m.State(host=self.cfg.host_id, incarnation=self.membership.incarnation,
                            workers=workers, takeover=new))
@@ -544,7 +540,7 @@ class HostAgent:
                 except OSError as exc:
                     print(f"nonstop: cannot start worker {wid}: {exc}", file=sys.stderr,
                           flush=True)
-                    self._send(m.Exits(exits=[{"wid": wid, "code": 127}]))
+                    self._send(m.Exits(exits=[m.ProcExit(wid=wid, code=127)]))
             case m.SpawnKeeper(wid=wid, node=node, name=name, writer=writer):
                 self.meta[wid] = {"keeper": name, "node": node}
                 try:
@@ -552,7 +548,7 @@ class HostAgent:
                 except OSError as exc:
                     print(f"nonstop: cannot start the node memory: {exc}", file=sys.stderr,
                           flush=True)
-                    self._send(m.Exits(exits=[{"wid": wid, "code": 127}]))
+                    self._send(m.Exits(exits=[m.ProcExit(wid=wid, code=127)]))
                     return
                 self.keepers.started(name, time.time() + KEEPER_START_S)
             case m.KeeperOpen() | m.KeeperCall():
@@ -643,9 +639,9 @@ class HostAgent:
         results = self.health.poll(now)
         if results:
             self._send(m.Health(nvml_status=self.health.nvml_status,
-                                results=[{"check": r.check, "ok": r.ok, "code": r.code,
-                                          "detail": r.detail, "seconds": r.seconds,
-                                          "limit_s": r.limit_s}
+                                results=[m.HealthCheck(check=r.check, ok=r.ok, code=r.code,
+                                                       detail=r.detail, seconds=r.seconds,
+                                                       limit_s=r.limit_s)
                                          for r in results]))
 
     def _output(self, wid: int, line: str) -> None:
@@ -682,6 +678,14 @@ class HostAgent:
                   f"{grace:g} s of SIGTERM: it ends them and leaves", file=sys.stderr, flush=True)
             self.agent.end_all(0.0)
             self.code = 130
+
+
+def _worker(p: Proc, meta: dict[str, Any]) -> m.HostWorker:
+    """A process of this host, as a new controller is told of it."""
+    return m.HostWorker(wid=p.wid, pid=p.pid, alive=p.alive, code=p.returncode,
+                        spare=bool(meta.get("spare", False)), node=meta.get("node"),
+                        keeper=meta.get("keeper"), rank=meta.get("rank"), gen=meta.get("gen"),
+                        seq=meta.get("seq", 0))
 
 
 def _endpoints(endpoints: list[tuple[str, int]]) -> str:

@@ -252,8 +252,9 @@ class Sim:
             case m.Hello():
                 h.ch = ch
                 h.send(m.State(host=h.host_id, incarnation=h.incarnation, workers=[
-                    {"wid": r.wid, "pid": r.wid, "alive": r.alive, "spare": r.spare,
-                     "rank": r.rank, "gen": r.gen} for r in h.ranks.values()], takeover=False))
+                    m.HostWorker(wid=r.wid, pid=r.wid, alive=r.alive, spare=r.spare,
+                                 rank=r.rank, gen=r.gen) for r in h.ranks.values()],
+                    takeover=False))
             case m.Spawn(wid=wid, spare=spare):
                 r = _Rank(wid, spare)
                 h.ranks[wid] = r
@@ -289,7 +290,7 @@ class Sim:
                 r = h.ranks.get(wid)
                 if r is not None and r.alive and sig in (signal.SIGKILL, signal.SIGTERM):
                     r.alive = False
-                    h.send(m.Exits(exits=[{"wid": wid, "code": -sig}]))
+                    h.send(m.Exits(exits=[m.ProcExit(wid=wid, code=-sig)]))
             case m.End():
                 h.ended = True
             case m.OpenStore():
@@ -311,7 +312,7 @@ class Sim:
             return r
         if isinstance(mail, (protocol.Complete, protocol.Exit)):
             r.alive = False
-            h.send(m.Exits(exits=[{"wid": wid, "code": 0}]))
+            h.send(m.Exits(exits=[m.ProcExit(wid=wid, code=0)]))
         return None
 
     def _adder(self, store: Any) -> None:
@@ -424,7 +425,7 @@ class Sim:
         hosts_of_gen = {x.i for x, _ in ranks}
         t_fault = time.time()
         victim.alive = False
-        h.send(m.Exits(exits=[{"wid": victim.wid, "code": -signal.SIGKILL}]))
+        h.send(m.Exits(exits=[m.ProcExit(wid=victim.wid, code=-signal.SIGKILL)]))
         new = gen + 1
         t_abort = self.wait("every host told to abort",
                             lambda: len(self.aborted) >= len(hosts_of_gen), timeout_s)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import queue
 import signal
 import sys
@@ -24,8 +23,6 @@ from typing import Any, Callable, Iterator
 from ..protocol import hosts as keys, last_step
 from ..protocol import messages as m
 from .readers import Readers
-
-log = logging.getLogger("nonstop.controller")
 
 RECONNECT_S = 0.2
 HOST_LOST_CODE = -int(signal.SIGKILL)  # what a lost host's processes are reported to exit with
@@ -79,7 +76,7 @@ class Cluster:
         self._progress: dict[int, dict[str, Any]] = {}
         self._keeper_events: dict[int, list[dict[str, Any]]] = {}
         self._preempted: list[tuple[int, float]] = []  # (node, grace): hosts told to stop
-        self._missed: list[dict[str, Any]] = []  # deadlines that fired here or on a host
+        self._missed: list[m.MissedDeadline] = []  # deadlines that fired here or on a host
         self.own_host: str | None = None  # the host this controller runs on
         self.own_release: tuple[int, str] | None = None  # ...released once the journal says so
         self._exited: list[RemoteProc] = []
@@ -254,8 +251,8 @@ class Cluster:
     def alive(self) -> list[RemoteProc]:
         return [p for p in self.procs.values() if p.alive]
 
-    def deadlines(self) -> list[dict[str, Any]]:
-        """The deadlines that fired since the last call (``what``, ``limit_s``, node, ...)."""
+    def deadlines(self) -> list[m.MissedDeadline]:
+        """The deadlines that fired since the last call (here, or on a host: its node)."""
         out, self._missed = self._missed, []
         return out
 
@@ -350,11 +347,13 @@ class Cluster:
             case m.Exits(exits=exits):
                 now = time.time()
                 for e in exits:
-                    p = self.procs.get(int(e["wid"]))
+                    p = self.procs.get(e.wid)
                     if p is not None and p.alive:
-                        p.returncode = e["code"] if e.get("code") is not None else HOST_LOST_CODE
+                        p.returncode = e.code if e.code is not None else HOST_LOST_CODE
                         p.t_exit = now
-                        p.last = _last_step(e.get("last"), link.offset)
+                        # (its time on this host's clock: keys.shift_times)
+                        p.last = None if e.last is None else \
+                            dataclasses.replace(e.last, t=e.last.t + link.offset)
                         self._exited.append(p)
             case m.Events(events=events, replay=replay):
                 for ev in events:
@@ -375,7 +374,7 @@ class Cluster:
                 link.state = msg
                 self._adopt(link, msg)
             case m.Deadlines(records=records):
-                self._missed.extend({**r, "node": node} for r in records if isinstance(r, dict))
+                self._missed.extend(dataclasses.replace(r, node=node) for r in records)
             case m.Preempted(grace_s=grace_s):
                 self._preempted.append((node, float(grace_s)))
             case m.Refused(why=why):  # a newer controller is in office: we must stop at once
@@ -384,16 +383,16 @@ class Cluster:
     def _adopt(self, link: HostLink, state: m.State) -> None:
         """What a host runs, as it says (after a takeover, or a reconnect)."""
         for w in state.workers:
-            wid = int(w["wid"])
+            wid = w.wid
             p = self.procs.get(wid)
             if p is None:
-                p = RemoteProc(wid, link.node, bool(w.get("spare")),
+                p = RemoteProc(wid, link.node, w.spare,
                                self.run_dir / "logs" / f"worker-{wid}.log")
                 self.procs[wid] = p
                 self._next_wid = max(self._next_wid, wid + 1)
-            p.pid = w.get("pid")
-            if not w.get("alive") and p.alive:
-                p.returncode, p.t_exit = w.get("code"), time.time()
+            p.pid = w.pid
+            if not w.alive and p.alive:
+                p.returncode, p.t_exit = w.code, time.time()
                 self._exited.append(p)
 
     def end_all(self, grace_s: float, deadline_s: float = 10.0) -> None:
@@ -491,8 +490,8 @@ class Cluster:
         self._replies[rid] = (waiter, [])
         self._to(node, dataclasses.replace(order, id=rid))
         if not waiter.wait(timeout_s) and not (link.lost or link.unreachable):
-            self._missed.append({"what": "host_reply", "limit_s": timeout_s, "node": node,
-                                 "detail": f"no answer to {order.op}"})
+            self._missed.append(m.MissedDeadline("host_reply", timeout_s,
+                                                 detail=f"no answer to {order.op}", node=node))
         _, answer = self._replies.pop(rid)
         return answer[0] if answer else None
 
@@ -509,18 +508,16 @@ class RemoteHealth:
         self._removed: set[int] = set()
         self.nvml_status = "NVML: checked by each host's agent"
 
-    def report(self, node: int, results: list[dict[str, Any]], nvml_status: str | None) -> None:
+    def report(self, node: int, results: list[m.HealthCheck], nvml_status: str | None) -> None:
         if nvml_status:
             self.nvml_status = nvml_status
         if node in self._removed:
             return
         now = time.time()
         for r in results:
-            self._pending.append(self._result(check=str(r.get("check")), node=node,
-                                              ok=bool(r.get("ok")), code=r.get("code"),
-                                              detail=str(r.get("detail", "")), t=now,
-                                              seconds=float(r.get("seconds") or 0.0),
-                                              limit_s=r.get("limit_s")))
+            self._pending.append(self._result(check=r.check, node=node, ok=r.ok, code=r.code,
+                                              detail=r.detail, t=now, seconds=float(r.seconds),
+                                              limit_s=r.limit_s))
 
     def poll(self, now: float) -> list[Any]:
         out, self._pending = self._pending, []
@@ -538,16 +535,3 @@ class RemoteHealth:
 
 class Deposed(Exception):
     """A host answered that a newer controller is in office."""
-
-
-def _last_step(raw: Any, offset: float) -> last_step.LastStep | None:
-    """The last step of a process that exited on another host, on this host's clock (None: it
-    completed none, or the record is not one - then its steps since its last progress are not
-    counted, as if its file had been lost)."""
-    if not isinstance(raw, dict):
-        return None
-    try:
-        return last_step.decode(keys.shift_times(dict(raw), offset))
-    except ValueError:
-        log.warning("a last step that is not one was passed over: %r", raw)
-        return None

@@ -26,13 +26,14 @@ from ..observe.status import StatusWriter
 from ..policy import Policy
 from ..protocol import hosts as keys
 from ..protocol.hosts import progress_every
+from ..protocol.requests import DrainRequest
 from .keepers import Keepers
 from . import machine as mc
 from .book import IncidentBook
 from .ending import Outcome
 from .generations import Generations
 from .ledger import SdcBook, TrainingLedger
-from .requests import Preemptions, Requests
+from .requests import Preemptions, RefusedRequest, Requests
 from .phase import ACTIVE, ENDING, Phase
 from .watchers import Command, Watchers
 from .exits import ProcessExits
@@ -750,13 +751,13 @@ class Controller:
     def _check(self, now: float) -> None:
         self.table.kill_due(now)
         for req in self.requests.poll(now):
-            if req.get("op") == "drain":
-                self.drain(tuple(int(r) for r in req.get("ranks") or ()), req.get("node"),
-                           str(req.get("why") or "asked"))
-            else:
-                self.log.write("request_refused", request=req)
-        for rec in self.agent.deadlines():
-            self.log.deadline(str(rec.pop("what", "?")), rec.pop("limit_s", None), **rec)
+            match req:
+                case DrainRequest(ranks=ranks, node=node, why=why):
+                    self.drain(tuple(ranks), node, why or "asked")
+                case RefusedRequest(request=raw, why=why):
+                    self.log.write("request_refused", request=raw, why=why)
+        for missed in self.agent.deadlines():
+            self.log.deadline(missed.what, missed.limit_s, **missed.fields())
         for node, grace_s in self.agent.preempted():
             self.preempts.add(node, grace_s, now)
         for node in self.preempts.due(now):

@@ -422,9 +422,8 @@ class Leader:
                 continue
             for w in link.state.workers:
                 seen.append(takeover.Seen(
-                    wid=int(w["wid"]), node=node, alive=bool(w.get("alive")),
-                    spare=bool(w.get("spare")), rank=w.get("rank"), gen=w.get("gen"),
-                    seq=int(w.get("seq", 0)), keeper=w.get("keeper")))
+                    wid=w.wid, node=node, alive=w.alive, spare=w.spare, rank=w.rank, gen=w.gen,
+                    seq=w.seq, keeper=w.keeper))
         for node in lost:
             if node in cluster.links:
                 cluster.host_gone(node)

@@ -1,21 +1,34 @@
 """Requests to a running job from outside it (``nonstop drain``): files dropped into the run
 directory's ``control/`` folder, taken by the controller between its ticks.
 
-A request is one JSON object, written to a temporary name and renamed into place (so it is read
-whole); taken, it is renamed to ``*.taken``. What came of it is in the event log (``regroup``
-with ``drain``, then ``drain_done``; or ``drain_refused``), which the command follows.
+A request is one JSON object, a typed record of ``protocol/requests.py``, written to a temporary
+name and renamed into place (so it is read whole); taken, it is renamed to ``*.taken`` and read
+strictly: one that is not a request this version of nonstop writes is passed over
+(``request_refused``, with why). What came of one is in the event log (``regroup`` with
+``drain``, then ``drain_done``; or ``drain_refused``), which the command follows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
+from ..protocol import requests as rq
+
 POLL_S = 0.2  # how often the folder is looked at
 FOLDER = "control"
+
+
+@dataclasses.dataclass(frozen=True)
+class RefusedRequest:
+    """A request that is not one: what it held (None: not JSON) and why it is refused."""
+
+    request: Any
+    why: str
 
 
 class Requests:
@@ -23,8 +36,9 @@ class Requests:
         self.folder = Path(run_dir) / FOLDER if run_dir is not None else None
         self._next = 0.0
 
-    def poll(self, now: float) -> list[dict[str, Any]]:
-        """The requests that arrived since the last look (malformed ones are dropped, said)."""
+    def poll(self, now: float) -> list[rq.Request | RefusedRequest]:
+        """The requests that arrived since the last look, each read strictly (one that is not a
+        request is a ``RefusedRequest``)."""
         if self.folder is None or now < self._next:
             return []
         self._next = now + POLL_S
@@ -32,26 +46,34 @@ class Requests:
             names = sorted(n for n in os.listdir(self.folder) if n.endswith(".json"))
         except OSError:
             return []
-        out = []
+        out: list[rq.Request | RefusedRequest] = []
         for name in names:
             path = self.folder / name
             try:
-                req = json.loads(path.read_text())
-                os.replace(path, path.with_suffix(".taken"))
-            except (OSError, ValueError) as exc:
-                out.append({"op": "invalid", "why": f"{name}: {exc}"})
+                text = path.read_text()
+                os.replace(path, path.with_suffix(".taken"))  # (taken once, even if malformed)
+            except OSError as exc:
+                out.append(RefusedRequest(None, f"{name}: {exc}"))
                 continue
-            out.append(req if isinstance(req, dict) else {"op": "invalid", "why": f"{name}: not an object"})
+            try:
+                raw = json.loads(text)
+            except ValueError as exc:
+                out.append(RefusedRequest(None, f"{name}: not JSON: {exc}"))
+                continue
+            try:
+                out.append(rq.decode(raw))
+            except ValueError as exc:  # (BadRecord)
+                out.append(RefusedRequest(raw, f"{name}: {exc}"))
         return out
 
 
-def send(run_dir: Path, req: dict[str, Any]) -> Path:
+def send(run_dir: Path, req: rq.Request) -> Path:
     """Drop a request into a running job's folder; returns where."""
     folder = run_dir / FOLDER
     folder.mkdir(exist_ok=True)
-    name = f"{req['op']}-{time.time_ns()}-{os.getpid()}"
+    name = f"{req.op}-{time.time_ns()}-{os.getpid()}"
     tmp = folder / f".{name}.tmp"
-    tmp.write_text(json.dumps(req))
+    tmp.write_text(json.dumps(rq.encode(req)))
     final = folder / f"{name}.json"
     os.replace(tmp, final)
     return final

@@ -5,6 +5,11 @@ back and refuses (``BadMessage``) an unknown operation or a field of the wrong t
 with the job's secret but another version of nonstop is told apart from a valid order. Orders
 (controller to agent) carry the controller's epoch (an agent refuses an older one) and, for a
 request, an id its ``Reply`` repeats; reports (agent to controller) carry the sender's clock.
+
+A field whose type is a frozen record (``ProcExit``, ``HostWorker``, ``MissedDeadline``,
+``HealthCheck``), a list of them or one or None, travels as JSON values (``records.plain``) and is
+read back strictly (``records.Reader``: a field missing, unknown or of the wrong type is refused,
+as ``BadMessage`` naming the message and the field).
 """
 
 from __future__ import annotations
@@ -12,7 +17,10 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from typing import Any, ClassVar, Union
+from typing import Any, Callable, ClassVar, Union
+
+from .last_step import LastStep
+from .records import BadRecord, Reader, plain
 
 _BY_OP: dict[str, type[Message]] = {}
 
@@ -136,6 +144,65 @@ class OpenStore(Order):
     gen: int = 0
 
 
+# == the records reports carry ======================================================================
+@dataclasses.dataclass(frozen=True)
+class ProcExit:
+    """A process of the host that exited."""
+
+    wid: int
+    code: int | None  # its exit code (None: not known, taken as the host's loss)
+    last: LastStep | None = None  # the last step it completed (on the sender's clock), if any
+
+
+@dataclasses.dataclass(frozen=True)
+class HostWorker:
+    """A process a host runs, as its agent knows it (the answer to a new controller's hello)."""
+
+    wid: int
+    pid: int
+    alive: bool
+    code: int | None = None  # its exit code, once it exited
+    spare: bool = False
+    node: int | None = None  # the node it was started for (None: not known any more)
+    keeper: str | None = None  # a node's memory: its name
+    rank: int | None = None  # its rank in generation ``gen``, once assigned
+    gen: int | None = None
+    seq: int = 0  # the next mailbox message it is sent is the seq-th
+
+
+@dataclasses.dataclass(frozen=True)
+class MissedDeadline:
+    """A deadline that fired where something was waited on (an agent, a controller's request to
+    a host): the controller logs it as a ``deadline`` event (docs/events.md, Deadlines)."""
+
+    what: str
+    limit_s: float | None
+    detail: str | None = None
+    node: int | None = None  # the host's node, filled in by the controller across hosts
+
+    def fields(self) -> dict[str, Any]:
+        """What the event says beside ``what`` and ``limit_s`` (only what is known)."""
+        out: dict[str, Any] = {}
+        if self.detail is not None:
+            out["detail"] = self.detail
+        if self.node is not None:
+            out["node"] = self.node
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class HealthCheck:
+    """The result of one of the host's health checks (``agent/health.py: HealthResult`` less its
+    node and time, which the controller fills in)."""
+
+    check: str  # the check's name, or "nvml"
+    ok: bool
+    code: int | None
+    detail: str
+    seconds: float
+    limit_s: float | None = None
+
+
 # == agent -> controller ============================================================================
 @dataclasses.dataclass(frozen=True)
 class Report(Message):
@@ -149,14 +216,14 @@ class State(Report):
     op: ClassVar[str] = "state"
     host: str = ""
     incarnation: str = ""
-    workers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    workers: list[HostWorker] = dataclasses.field(default_factory=list)
     takeover: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Exits(Report):
     op: ClassVar[str] = "exits"
-    exits: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # {wid, code}
+    exits: list[ProcExit] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +256,7 @@ class Output(Report):
 @dataclasses.dataclass(frozen=True)
 class Health(Report):
     op: ClassVar[str] = "health"
-    results: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    results: list[HealthCheck] = dataclasses.field(default_factory=list)
     nvml_status: str | None = None
 
 
@@ -212,10 +279,10 @@ class Preempted(Report):
 
 @dataclasses.dataclass(frozen=True)
 class Deadlines(Report):
-    """Deadlines that fired on the host (``what``, ``limit_s``, ...): the controller logs each."""
+    """Deadlines that fired on the host: the controller logs each."""
 
     op: ClassVar[str] = "deadlines"
-    records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    records: list[MissedDeadline] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,33 +305,91 @@ class Reply(Report):
 
 # == on the wire ====================================================================================
 def encode(msg: Message) -> dict[str, Any]:
-    return {"op": msg.op, **{f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}}
+    out = {"op": msg.op}
+    for name, _, _, read in _checks(type(msg)):
+        value = getattr(msg, name)
+        out[name] = value if read is None else plain(value)
+    return out
 
 
 def decode(raw: dict[str, Any]) -> Message:
-    cls = _BY_OP.get(raw.get("op"))  # type: ignore[arg-type]
+    op = raw.get("op")
+    cls = _BY_OP.get(op) if type(op) is str else None
     if cls is None:
-        raise BadMessage(f"unknown operation {raw.get('op')!r}")
+        raise BadMessage(f"unknown operation {op!r:.80}")
     kwargs = {}
-    for name, fits, hint in _checks(cls):
+    for name, fits, hint, read in _checks(cls):
         if name in raw:
             value = raw[name]
-            if not fits(value):
+            if read is not None:  # records: read strictly
+                try:
+                    value = read(value)
+                except BadRecord as exc:
+                    raise BadMessage(f"{cls.op}: {name}{exc.path}: {exc.problem}") from None
+            elif not fits(value):
                 raise BadMessage(f"{cls.op}: {name}={value!r:.80} is not {hint}")
             kwargs[name] = value
     return cls(**kwargs)
 
 
-_CHECKS: dict[type, list[tuple[str, Any, Any]]] = {}
+# Each field of a message: its name, a test of a plain value against its type, the type, and for
+# a field of records the reader of its JSON (None: the value is taken as it is)
+_CHECKS: dict[type, list[tuple[str, Any, Any, Callable[[Any], Any] | None]]] = {}
+_READ = Reader()  # strict: a nested record's unknown field is refused
 
 
-def _checks(cls: type) -> list[tuple[str, Any, Any]]:
-    """Each field of a message: its name, a test of a value against its type, and the type."""
-    if cls not in _CHECKS:
+def _checks(cls: type) -> list[tuple[str, Any, Any, Callable[[Any], Any] | None]]:
+    """Made once per class: a controller of 2,048 hosts decodes every frame they send."""
+    checks = _CHECKS.get(cls)
+    if checks is None:
         hints = typing.get_type_hints(cls)
-        _CHECKS[cls] = [(f.name, _checker(hints[f.name]), hints[f.name])
-                        for f in dataclasses.fields(cls)]
-    return _CHECKS[cls]
+        checks = _CHECKS[cls] = [(f.name, _checker(hints[f.name]), hints[f.name],
+                                  _nested(hints[f.name], f"{cls.__name__}.{f.name}"))
+                                 for f in dataclasses.fields(cls)]
+    return checks
+
+
+def _is_record(hint: Any) -> bool:
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
+
+
+def _nested(hint: Any, field: str) -> Callable[[Any], Any] | None:
+    """The reader of a field of records (``R``, ``list[R]``, ``R | None``), raising BadRecord
+    with the path to what is wrong; None for a field of plain values."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if _is_record(hint):
+        return _READ.reader(hint, "")
+    if origin is list and args and _is_record(args[0]):
+        one = _READ.reader(args[0], "")
+
+        def each(v: Any) -> list[Any]:
+            if type(v) is not list:
+                raise BadRecord(f"{v!r:.80} is not a list")
+            out = []
+            for i, x in enumerate(v):
+                try:
+                    out.append(one(x))
+                except BadRecord as exc:
+                    exc.path = f"[{i}]{exc.path}"
+                    raise
+            return out
+        return each
+    if origin in (Union, types.UnionType) and type(None) in args:
+        alts = [a for a in args if a is not type(None)]
+        if len(alts) == 1 and _is_record(alts[0]):
+            one = _READ.reader(alts[0], "")
+            return lambda v: None if v is None else one(v)
+    if any(_is_record(a) for a in _walk(hint)):
+        raise TypeError(f"{field}: records travel as R, list[R] or R | None, not {hint!r}")
+    return None
+
+
+def _walk(hint: Any) -> list[Any]:
+    """Every type a type is made of."""
+    out = [hint]
+    for a in typing.get_args(hint):
+        out += _walk(a)
+    return out
 
 
 def _checker(hint: Any) -> typing.Callable[[Any], bool]:
