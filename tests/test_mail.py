@@ -113,3 +113,17 @@ def test_a_worker_no_longer_listed_is_forgotten(store):
     listed.clear()
     writer(store, 9).emit(events.Started(pid=2))  # rings the doorbell: a sweep
     assert list(mail.events()) == [] and mail._next == {}
+
+
+def test_a_batch_on_one_host_writes_each_message_whole(store):
+    """On one host a batch writes each mailbox as it is sent, with what its messages share put
+    in (across hosts the shared fields go once a frame: tests/test_messages.py)."""
+    mail = StoreMail(lambda: [])
+    mail.attach(store)
+    with mail.batch({"type": "exit", "why": "shared"}):
+        mail.send(3, 0, {"why": "its own"})
+        mail.send(4, 0, {})
+    mail.send(5, 0, {"type": "exit"})  # after the batch: nothing added
+    got = {wid: protocol.loads(store.get(protocol.mailbox_key(wid, 0))) for wid in (3, 4, 5)}
+    assert got == {3: {"type": "exit", "why": "its own"}, 4: {"type": "exit", "why": "shared"},
+                   5: {"type": "exit"}}

@@ -32,6 +32,8 @@ SAMPLES = [
     m.Send(wid=3, seq=2, msg={"type": "assign", "gen": 1, "rank": 0}),
     m.Sends(mails=[{"wid": 3, "seq": 2, "msg": {"type": "assign", "gen": 1, "rank": 0}},
                    {"wid": 4, "seq": 0, "msg": {"type": "exit"}}]),
+    m.Sends(mails=[{"wid": 3, "seq": 2, "msg": {"rank": 0}}, {"wid": 4, "seq": 1, "msg": {"rank": 1}}],
+            common={"type": "assign", "gen": 1, "world": 2}),
     m.Abort(gen=1, wids=[3, 4]),
     m.End(code=1, grace_s=0.5, why="etcd unreachable"),
     m.End(code=0, why="node 2 isolated", released=True),
@@ -272,6 +274,28 @@ def test_a_hosts_state_is_adopted_typed(host):
     assert cluster.procs[9].spare and cluster.procs[9].alive and cluster.next_wid == 10
     assert cluster.links[0].state.workers[1] == m.HostWorker(wid=9, pid=109, alive=True,
                                                              spare=True, node=0)
+
+
+def test_a_batch_sends_what_its_messages_share_once_and_the_host_gets_each_whole(host):
+    """A generation's assignments: one frame per host, the fields every assignment shares in it
+    once; put together, each is the record a message sent alone would be."""
+    cluster, agent = host
+    common = {"type": "assign", "gen": 3, "world": 2, "worlds": {"3": 2}, "claimed": {}}
+    with cluster.batch(common):
+        cluster.send(3, 0, {"rank": 0, "replacements": 0})
+        cluster.send(4, 5, {"rank": 1, "replacements": 2})
+    frame = m.decode(agent.recv(5)[0])
+    assert isinstance(frame, m.Sends) and frame.common == common
+    assert [len(item["msg"]) for item in frame.mails] == [2, 2]  # only their own fields
+    whole = {item["wid"]: {**frame.common, **item["msg"]} for item in frame.mails}
+    assert whole == {3: {**common, "rank": 0, "replacements": 0},
+                     4: {**common, "rank": 1, "replacements": 2}}
+    with cluster.batch(common):  # one message alone goes whole, as a Send
+        cluster.send(4, 6, {"rank": 1, "replacements": 2})
+    one = m.decode(agent.recv(5)[0])
+    assert isinstance(one, m.Send) and one.msg == {**common, "rank": 1, "replacements": 2}
+    cluster.send(4, 7, {"type": "exit"})  # outside a batch: nothing shared is added
+    assert m.decode(agent.recv(5)[0]).msg == {"type": "exit"}
 
 
 # == requests from outside the job (nonstop drain) ================================================

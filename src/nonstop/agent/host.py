@@ -557,10 +557,11 @@ class HostAgent:
                 self.agent.signal(wid, sig)
             case m.Send(wid=wid, seq=seq, msg=body):
                 self._deliver(wid, seq, body)
-            case m.Sends(mails=mails):
+            case m.Sends(mails=mails, common=common):
                 for item in mails:
                     try:
-                        wid, seq, body = int(item["wid"]), int(item["seq"]), dict(item["msg"])
+                        wid, seq, body = int(item["wid"]), int(item["seq"]), \
+                            {**common, **item["msg"]}
                     except (KeyError, TypeError, ValueError) as exc:
                         print(f"nonstop: a mailbox message refused: {exc!r}", file=sys.stderr,
                               flush=True)

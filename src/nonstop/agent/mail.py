@@ -31,17 +31,25 @@ class StoreMail:
         self._rung = -1  # the doorbell's count at the last sweep
         self._next_sweep = 0.0
         self._gen_stores: dict[int, Any] = {}
+        self._common: dict[str, Any] = {}  # what every message sent in a batch shares
 
     def attach(self, store: Any) -> None:
         self.store = store
 
     def send(self, wid: int, seq: int, msg: dict[str, Any]) -> None:
+        if self._common:
+            msg = {**self._common, **msg}
         self.store.set(protocol.mailbox_key(wid, seq), protocol.dumps(msg))
 
-    def batch(self) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def batch(self, common: dict[str, Any] | None = None) -> Iterator[None]:
         """Messages sent inside go out as they are sent (across hosts they go as one frame per
-        host: ``controller/cluster.py``)."""
-        return contextlib.nullcontext()
+        host: ``controller/cluster.py``); each is ``common``'s fields with its own over them."""
+        self._common = common or {}
+        try:
+            yield
+        finally:
+            self._common = {}
 
     def abort(self, gen: int, wids: list[int], regroup: bool = False) -> None:
         """Tell the ranks to leave generation ``gen``: at once, or (``regroup``) at their next

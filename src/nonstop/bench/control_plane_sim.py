@@ -267,8 +267,9 @@ class Sim:
                 r = self._mail(h, wid, body)
                 if r is not None:
                     self.to_join.append((h, [r]))
-            case m.Sends(mails=mails):
-                batch = [self._mail(h, int(item["wid"]), item["msg"]) for item in mails]
+            case m.Sends(mails=mails, common=common):
+                batch = [self._mail(h, int(item["wid"]), {**common, **item["msg"]})
+                         for item in mails]
                 batch = [r for r in batch if r is not None]
                 if batch:
                     self.to_join.append((h, batch))

@@ -82,6 +82,7 @@ class Cluster:
         self._exited: list[RemoteProc] = []
         self._unsent: dict[int, list[tuple[int, dict[str, Any]]]] = {}  # wid -> (seq, message)
         self._held: dict[int, list[dict[str, Any]]] | None = None  # node -> mails (in a batch)
+        self._common: dict[str, Any] = {}  # ...and what they share
         self._replies: dict[int, tuple[threading.Event, list[m.Reply]]] = {}
         self._req = 0
         self.managed = True  # the script uses nonstop.wrap
@@ -413,33 +414,38 @@ class Cluster:
     # == the mail interface ======================================================================
     def send(self, wid: int, seq: int, msg: dict[str, Any]) -> None:
         p = self.procs.get(wid)
+        if self._held is not None and p is not None:
+            self._held.setdefault(p.node, []).append({"wid": wid, "seq": seq, "msg": msg})
+            return
+        if self._common:
+            msg = {**self._common, **msg}
         if p is None:  # a process about to be started: its mailbox is written once its host
             self._unsent.setdefault(wid, []).append((seq, msg))  # starts it
-        elif self._held is not None:
-            self._held.setdefault(p.node, []).append({"wid": wid, "seq": seq, "msg": msg})
         else:
             self._to(p.node, m.Send(wid=wid, seq=seq, msg=msg))
 
     @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
+    def batch(self, common: dict[str, Any] | None = None) -> Iterator[None]:
         """The mailbox messages sent inside go out as one frame per host when it ends (a
         generation's assignments: a job of 16,384 ranks on 2,048 hosts sends 2,048 frames, not
-        16,384)."""
-        self._held = {}
+        16,384). Each message is ``common``'s fields with its own over them: the fields they
+        share go once in each frame, and the host puts every message together."""
+        self._held, self._common = {}, common or {}
         with self._readers.hold():  # (the hosts' answers wait: see Readers.hold)
             try:
                 yield
             finally:
-                held, self._held = self._held, None
-                self._send_held(held)
+                held, common, self._held, self._common = self._held, self._common, None, {}
+                self._send_held(held, common)
 
-    def _send_held(self, held: dict[int, list[dict[str, Any]]]) -> None:
+    def _send_held(self, held: dict[int, list[dict[str, Any]]], common: dict[str, Any]) -> None:
         for node, mails in held.items():
             if len(mails) == 1:
-                self._to(node, m.Send(wid=mails[0]["wid"], seq=mails[0]["seq"],
-                                      msg=mails[0]["msg"]))
+                one = mails[0]
+                self._to(node, m.Send(wid=one["wid"], seq=one["seq"],
+                                      msg={**common, **one["msg"]} if common else one["msg"]))
             else:
-                self._to(node, m.Sends(mails=mails))
+                self._to(node, m.Sends(mails=mails, common=common))
 
     def abort(self, gen: int, wids: list[int], regroup: bool = False) -> None:
         by_node: dict[int, list[int]] = {}

@@ -164,14 +164,13 @@ class Generations:
             h = self.memory.keepers.get(node)
             if h is not None and h.lost and time.time() >= h.retry_at:
                 self.memory.try_restart(node)
-        with self.mail.batch():  # across hosts: one frame per host
+        with self.mail.batch(alike):  # across hosts: one frame per host, what is alike once
             for rank, wid in sorted(self.plan.items()):
                 w = self.workers[wid]
                 w.rank = rank
-                rec = alike.copy()
-                rec["rank"], rec["replacements"] = rank, self.replacements[rank]
-                rec.update(local[rank])
-                self.table.send_record(w, rec)
+                own = {"rank": rank, "replacements": self.replacements[rank]}
+                own.update(local[rank])
+                self.table.send_record(w, own)
                 # processes already running (survivors, ready spares) join within milliseconds
                 if w.ready or w.entered >= 0:
                     w.warm_gen = gen

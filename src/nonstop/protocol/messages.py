@@ -111,10 +111,13 @@ class Send(Order):
 @dataclasses.dataclass(frozen=True)
 class Sends(Order):
     """Mailbox messages for many processes of the host, in order: each ``{wid, seq, msg}`` as in
-    ``Send`` (a new generation's assignments: one frame per host, not one per rank)."""
+    ``Send`` (a new generation's assignments: one frame per host, not one per rank), its
+    message ``common``'s fields with its own over them (what a generation's assignments share
+    goes once)."""
 
     op: ClassVar[str] = "sends"
     mails: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    common: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
