@@ -55,6 +55,22 @@ def test_a_hang_is_dated_from_the_last_progress_of_the_stalled_ranks():
     assert "no progress" in fault.message
 
 
+def test_a_controller_that_took_over_judges_a_rank_from_its_takeover_until_its_progress_comes():
+    """Taking over a training job, the new controller knows each rank's first step from the
+    replayed events (long ago) and its newer steps only once the hosts' progress arrives, host by
+    host: until then a rank is judged from when the generation ran under this controller, not
+    taken for hung since its first step."""
+    sig = Signals(policy.load(None))
+    steady = sig.hang.steady_timeout()
+    a, b = _rank(1, 0, t_step=10.0, first_gen=1), _rank(2, 1, t_step=10.0, first_gen=1)
+    took_over = 300.0
+    fault, _ = sig.check_hang([a, b], gen=1, t_running=took_over, now=took_over + 0.5 * steady)
+    assert fault is None
+    b.t_step = took_over + 0.2  # b's host's progress came; a's did not, ever
+    fault, _ = sig.check_hang([a, b], gen=1, t_running=took_over, now=took_over + steady + 0.1)
+    assert fault is not None and sig.last_progress == took_over  # a, stalled since the takeover
+
+
 def test_faults_a_function_without_ctx_steps_cannot_fire():
     specs = ("crash:rank=1,step=5;exit:rank=0,step=0;exception:rank=0,step=0,at=optimizer;"
              "slow:rank=all,ms=5;nan:rank=1,step=3;crash:rank=1,at=restore;hang:rank=0,at=first_step")

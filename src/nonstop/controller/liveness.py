@@ -69,7 +69,9 @@ class Signals:
         for w in ranks:
             stepped = w.first_gen == gen
             timeout = steady if stepped else first
-            since = w.t_step if stepped else t_running
+            # (a step before the generation ran here is no later than its start: a controller
+            # that took over a training job judges each rank from then until its progress comes)
+            since = max(w.t_step, t_running) if stepped else t_running
             life = self._life.get(w.wid)
             if life is not None and life[0] == gen and (not stepped or w.wid in self._stepless):
                 since = max(since, life[1])
