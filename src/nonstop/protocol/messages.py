@@ -359,32 +359,15 @@ def _is_record(hint: Any) -> bool:
 def _nested(hint: Any, field: str) -> Callable[[Any], Any] | None:
     """The reader of a field of records (``R``, ``list[R]``, ``R | None``), raising BadRecord
     with the path to what is wrong; None for a field of plain values."""
+    if not any(_is_record(a) for a in _walk(hint)):
+        return None
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if _is_record(hint):
-        return _READ.reader(hint, "")
-    if origin is list and args and _is_record(args[0]):
-        one = _READ.reader(args[0], "")
-
-        def each(v: Any) -> list[Any]:
-            if type(v) is not list:
-                raise BadRecord(f"{v!r:.80} is not a list")
-            out = []
-            for i, x in enumerate(v):
-                try:
-                    out.append(one(x))
-                except BadRecord as exc:
-                    exc.path = f"[{i}]{exc.path}"
-                    raise
-            return out
-        return each
-    if origin in (Union, types.UnionType) and type(None) in args:
-        alts = [a for a in args if a is not type(None)]
-        if len(alts) == 1 and _is_record(alts[0]):
-            one = _READ.reader(alts[0], "")
-            return lambda v: None if v is None else one(v)
-    if any(_is_record(a) for a in _walk(hint)):
-        raise TypeError(f"{field}: records travel as R, list[R] or R | None, not {hint!r}")
-    return None
+    alts = [a for a in args if a is not type(None)]
+    if _is_record(hint) or (origin is list and args and _is_record(args[0])) or (
+            origin in (Union, types.UnionType) and len(args) == 2 and len(alts) == 1
+            and _is_record(alts[0])):
+        return _READ.value_reader(hint, field)
+    raise TypeError(f"{field}: records travel as R, list[R] or R | None, not {hint!r}")
 
 
 def _walk(hint: Any) -> list[Any]:

@@ -175,11 +175,17 @@ class Reader:
         self._fields[cls] = fields
         return fields
 
+    def value_reader(self, hint: Any, field: str) -> Read:
+        """A reader of a value of type ``hint`` (a record, a list of them, one or None...):
+        returns the value as the type holds it, or raises BadRecord with the path to what is
+        wrong. ``field`` names it in the TypeError for a type JSON cannot hold."""
+        return self._reader(hint, field)
+
     def _reader(self, hint: Any, field: str) -> Read:
         """A reader of one type: returns the value as the type holds it, or raises BadRecord."""
         origin, args = typing.get_origin(hint), typing.get_args(hint)
         if dataclasses.is_dataclass(hint):
-            return lambda v: self._record(hint, v)  # type: ignore[arg-type]
+            return self.reader(hint, "")  # type: ignore[arg-type]
         if origin in (Union, types.UnionType):
             alts = [a for a in args if a is not type(None)]
             if len(alts) != len(args):  # X | None: None looked for first
