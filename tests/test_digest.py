@@ -70,3 +70,32 @@ def test_no_state_newer_than_the_corruption_is_offered():
     assert offer.live == 30
     offer, _ = _offer(state, 0, True, Where(not_after=29))
     assert offer.live is None
+
+
+def test_sharded_parameters_are_digested_by_their_own_part_and_not_compared():
+    """FSDP2's parameters are DTensors, each rank holding its own part: the digest reads that
+    part (a DTensor has no memory of its own to read), and the check across ranks is not made
+    (no other rank holds that part) - it says why instead of failing every rank as corrupt."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from nonstop.agent import loopback
+    from nonstop.state.digest import SHARDED, sharded
+
+    store = loopback.master_store()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+        model.load_state_dict(plain.state_dict())
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        assert sharded([model]) and not sharded([plain])
+        # one rank holds every part: its parts' digest is the unsharded model's
+        assert digest([model]) == digest([plain])
+        checks = Digests(RankSdc(enabled=True, action="replace", max_overhead_pct=0.5))
+        assert checks.check([model], step=3, world=2) == 0.0  # (no collective was made)
+        assert checks.stats().uncompared == SHARDED and checks.stats().checks == 0
+    finally:
+        dist.destroy_process_group()

@@ -207,3 +207,15 @@ def test_isolating_the_last_node_fails_instead_of_restarting_nowhere():
     c = Counters(recent=[(99.0, "SIGKILL", 1, 0)] * (P.rules.isolate.times - 1))
     d = run([Fault("crash", rank=1, code=-9)], dead={1}, view=one, counters=c)
     assert d.level is Level.FAIL and d.isolate == frozenset() and "cannot hold 2 ranks" in d.diagnosis
+
+
+def test_nonstops_own_error_stops_the_job_named_as_nonstops_never_the_users():
+    f = [Fault("internal", rank=1, message="RuntimeError: a DTensor where a tensor was meant",
+               traceback="Traceback ... nonstop/state/shm.py ...")]
+    assert f[0].attribution is Attribution.NONSTOP and f[0].fault_code == "INTERNAL"
+    d = run(f)
+    assert d.level is Level.FAIL and not d.isolate
+    assert "nonstop's own state code raised RuntimeError" in d.diagnosis
+    assert "a bug in nonstop" in d.diagnosis and "not in the training code" in d.diagnosis
+    assert d.traceback == f[0].traceback
+    assert ladder.charge(d, f, Counters()).user_errors_in_a_row == 0  # not the user's

@@ -105,5 +105,8 @@ class SdcBook:
         gens = sorted(self.by_gen)
         checks = sum(self.by_gen[g].checks for g in gens)
         last = max((self.by_gen[g].last_step or 0 for g in gens), default=None)
+        uncompared = next((self.by_gen[g].uncompared for g in gens
+                           if self.by_gen[g].uncompared), None)
         return {"checks": checks, "mismatches": len(self.found), "found": self.found,
-                "last_step": last, "chain": self.by_gen[gens[-1]].chain if gens else None}
+                "last_step": last, "chain": self.by_gen[gens[-1]].chain if gens else None,
+                **({"uncompared": uncompared} if uncompared else {})}

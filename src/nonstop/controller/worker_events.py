@@ -240,6 +240,9 @@ class RankReports:
             case "cuda_oom" if ev.cuda is not None:
                 orders.append(Faulted(Fault(ev.cuda.kind, rank=w.rank, message=ev.cuda.describe(),
                                             tag=ev.cuda.name, traceback=ev.traceback)))
+            case "internal":  # nonstop's own state code failed: not the training code's error
+                orders.append(Faulted(Fault("internal", rank=w.rank, message=ev.error or "",
+                                            traceback=ev.traceback)))
             case "no_state":
                 orders.append(Faulted(Fault("no_state", rank=w.rank, message=ev.error or "")))
             case _ if job.phase in ACTIVE:

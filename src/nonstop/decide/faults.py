@@ -15,6 +15,7 @@ class Attribution(str, enum.Enum):
     USER = "user"
     INFRA = "infrastructure"
     UNKNOWN = "unknown"
+    NONSTOP = "nonstop"  # nonstop's own code: a bug to report, never the user's to fix
 
 
 class Domain(str, enum.Enum):
@@ -29,6 +30,8 @@ KINDS: dict[str, tuple[Domain, Attribution, str]] = {
     "exit": (Domain.RANK, Attribution.UNKNOWN, "the rank process exited non-zero without a Python error"),
     "exception": (Domain.RANK, Attribution.USER, "the training code raised an exception"),
     "import_error": (Domain.JOB, Attribution.USER, "the script fails at import"),
+    "internal": (Domain.RANK, Attribution.NONSTOP, "nonstop's own state code raised an error (a "
+                 "bug in nonstop, or a kind of state it does not handle)"),
     "peer": (Domain.RANK, Attribution.UNKNOWN, "a collective failed because a peer went away (a symptom)"),
     "hang": (Domain.JOB, Attribution.UNKNOWN, "no rank completed a step within the hang timeout"),
     "teardown_timeout": (Domain.RANK, Attribution.INFRA, "a rank did not leave a failed generation in time"),

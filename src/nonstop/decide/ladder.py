@@ -182,6 +182,14 @@ def decide(faults: list[Fault], dead: set[int], view: JobView, policy: Policy,
     if imports:  # the same code fails the same way on every attempt: retrying cannot help
         return _fail("the script fails at import", f"the script failed at import: {imports[0].message}",
                      usage_error=True, traceback=imports[0].traceback)
+    own = [f for f in faults if f.attribution is Attribution.NONSTOP]
+    if own:  # its state cannot be trusted to be kept: a retry would fail on, in the user's code
+        f = own[0]
+        return _fail("nonstop's own error",
+                     f"nonstop's own state code raised {f.message} on rank {f.rank} - a bug in "
+                     "nonstop (or a kind of state it does not handle yet), not in the training "
+                     "code: please report it with the traceback; the job stops (a retry cannot "
+                     "keep its state either)", traceback=f.traceback)
     if user and counters.user_errors_in_a_row >= rules.user_error_retries:
         f = user[0]
         return _fail("user error budget spent",

@@ -153,7 +153,8 @@ def account_text(cats: dict[str, Any]) -> str:
 def sdc_text(sdc: dict[str, Any]) -> str:
     """The replicas' comparisons in one phrase: the certificate, or what was found."""
     if not sdc.get("checks") and not sdc.get("mismatches"):
-        return "replicas: not compared"
+        why = sdc.get("uncompared")
+        return f"replicas: not compared ({why})" if why else "replicas: not compared"
     found = sdc.get("found") or []
     diverged = [f for f in found if f.get("verdict") == "divergence"]
     if diverged:

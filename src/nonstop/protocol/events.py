@@ -60,6 +60,7 @@ class DigestChecks:
     cost_s: float | None
     certified: int | None  # the newest snapshot committed of a step whose check agreed
     certified_t: float | None  # ...and when (wall clock)
+    uncompared: str | None = None  # why the replicas' parameters could not be compared
 
 
 # == the events ======================================================================================
@@ -164,7 +165,7 @@ class LeftGeneration(RankEvent):
     step: int
     dirty: bool  # its state is mid-step: not to be offered
     reason: Literal["regroup", "sdc", "abort", "no_state", "cuda_oom", "peer", "exception",
-                    "reassigned"]
+                    "reassigned", "internal"]
     t_caught: float
     phase: Phase | None = None
     error: str | None = None

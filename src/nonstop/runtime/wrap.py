@@ -68,6 +68,26 @@ def _run_standalone(fn: Callable[..., Any], state: State | None, backend: str,
     return fn(ctx, *args, **kwargs)
 
 
+def raised_by_nonstop(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised by nonstop's own state code (a snapshot, a digest, a restore:
+    ``nonstop/state``), not by the training code: the innermost frame of its traceback that is
+    neither PyTorch's nor the standard library's is nonstop's. An error there is a bug in
+    nonstop (or a kind of state it does not handle yet), never the user's to fix."""
+    import sysconfig
+
+    import torch
+
+    state_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "state")
+    skip = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+            os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep)
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = os.path.abspath(frame.filename)
+        if path.startswith(skip):
+            continue
+        return path.startswith(state_dir + os.sep)
+    return False
+
+
 def _user_traceback(exc: BaseException) -> str:
     """The traceback without nonstop's own frames above the user's function."""
     tb = exc.__traceback__
@@ -286,13 +306,15 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
             reason = "cuda_oom"
         elif is_collective_error(exc) or phase == "rendezvous":
             reason = "peer"
+        elif raised_by_nonstop(exc):
+            reason = "internal"
         else:
             reason = "exception"
         detail = {"reason": reason, "t_caught": t_caught, "phase": phase,
                   "error": f"{type(exc).__name__}: {exc}"[:2000]}
         if phase == "restore":
             detail["t_pg"] = t_pg
-        if reason in ("exception", "cuda_oom"):
+        if reason in ("exception", "cuda_oom", "internal"):
             detail["traceback"] = _user_traceback(exc)[-20000:]
         if isinstance(exc, SilentCorruption):
             detail.update(sdc_step=exc.step, suspects=exc.suspects, digests=exc.digests)

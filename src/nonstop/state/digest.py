@@ -37,6 +37,21 @@ class SilentCorruption(BaseException):
         self.step, self.suspects, self.digests = step, suspects, digests
 
 
+SHARDED = ("sharded parameters (FSDP2, tensor parallel): each rank holds its own part, which no "
+           "other rank holds to compare it with")
+
+
+def sharded(modules: list[Any]) -> bool:
+    """Whether some parameter of ``modules`` is a DTensor split across ranks (FSDP2, tensor
+    parallel): each rank holds a part of its own, so the ranks' digests are not comparable."""
+    for m in modules:
+        for p in m.parameters():
+            placements = getattr(p, "placements", None)
+            if placements is not None and any(pl.is_shard() for pl in placements):
+                return True
+    return False
+
+
 def digest(modules: list[Any]) -> int:
     """An integer digest of the parameters of ``modules``: equal on two ranks when their bits
     are, and changed by any single flipped bit (a sum of words: values moved around within one
@@ -49,6 +64,8 @@ def digest(modules: list[Any]) -> int:
     for m in modules:
         for p in m.parameters():
             t = p.detach()
+            if hasattr(t, "to_local"):  # a DTensor (FSDP2, tensor parallel): this rank's shard
+                t = t.to_local()
             word = words.get(t.element_size())
             if word is None or t.numel() == 0:
                 continue
@@ -118,6 +135,7 @@ class Digests:
         # generations; a snapshot written without a check - a reshard's - is not certified)
         self.certified: int | None = None
         self.certified_t: float | None = None
+        self.uncompared: str | None = None  # why the parameters are not compared (sharded)
 
     @property
     def cost_s(self) -> float | None:
@@ -128,6 +146,10 @@ class Digests:
         calls it at the same steps). Returns the seconds it took; raises ``SilentCorruption``
         when they differ (unless the policy only reports: then ``mismatch`` says so)."""
         if not self.enabled or world < 2 or not modules:
+            return 0.0
+        if self.uncompared is None and sharded(modules):
+            self.uncompared = SHARDED
+        if self.uncompared is not None:
             return 0.0
         import torch
         import torch.distributed as dist
@@ -175,4 +197,5 @@ class Digests:
     def stats(self) -> DigestChecks:
         return DigestChecks(checks=self.checks, first_step=self.first_step,
                             last_step=self.last_step, chain=self.chain, cost_s=self.cost_s,
-                            certified=self.certified, certified_t=self.certified_t)
+                            certified=self.certified, certified_t=self.certified_t,
+                            uncompared=self.uncompared)

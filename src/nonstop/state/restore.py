@@ -159,9 +159,10 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
     t_offer = time.monotonic()
     mine_digest = None
     if where.compare and offer.live is not None and hasattr(state, "modules"):
-        from .digest import digest
+        from .digest import digest, sharded
 
-        mine_digest = digest(state.modules())
+        if not sharded(state.modules()):  # (each rank's own part: nothing to compare it with)
+            mine_digest = digest(state.modules())
     # a state this rank holds but may not offer (newer than the last snapshot that agreed)
     withheld = bool(has_state and where.not_after is not None and offer.live is None
                     and getattr(state, "step", 0) > where.not_after)

@@ -1,0 +1,47 @@
+"""An error raised inside nonstop's own state code is nonstop's, never blamed on the training
+code: told from the traceback (``runtime/wrap.py: raised_by_nonstop``), a fault of its own kind
+(``internal``, attribution ``nonstop``) that stops the job with a diagnosis that says so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import SCRIPTS, run_nonstop
+
+from nonstop.runtime.wrap import raised_by_nonstop
+from nonstop.state.digest import digest
+
+
+def _caught(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001
+        return exc
+    raise AssertionError("nothing raised")
+
+
+def test_an_error_is_told_nonstops_by_the_innermost_frame_outside_torch():
+    # raised in nonstop's state code itself, and in PyTorch called from it
+    assert raised_by_nonstop(_caught(lambda: digest([object()])))
+    assert raised_by_nonstop(_caught(lambda: digest([torch.nn.Linear(2, 2).to_empty(
+        device="meta")])))
+    # raised in the training code, and in PyTorch called from it
+    assert not raised_by_nonstop(_caught(lambda: 1 / 0))
+    assert not raised_by_nonstop(_caught(lambda: torch.zeros(2).view(5)))
+
+
+@pytest.mark.integration
+def test_an_fsdp2_job_is_told_that_the_error_is_nonstops(tmp_path):
+    """The smallest FSDP2 job under nonstop.wrap: its snapshot fails in nonstop's state code
+    (sharded state is not taken yet). The job stops with that said, not with 'rank 0 raised ...
+    giving up (rules.user_error_retries)' as if the script were at fault."""
+    run = run_nonstop(tmp_path / "run", "--nproc=2", "--spares=0", str(SCRIPTS / "fsdp_naive.py"),
+                      "--steps", "20", timeout=180)
+    assert run.code == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    faults = run.of("fault")
+    assert faults and {f["kind"] for f in faults} == {"internal"}
+    assert {f["attribution"] for f in faults} == {"nonstop"}
+    last = run.stderr.strip().splitlines()[-1]
+    assert "nonstop's own state code raised RuntimeError" in last and "a bug in nonstop" in last
+    assert "user_error_retries" not in last and " raised ValueError" not in last
+    assert len(run.of("decision")) == 1  # no retry: it would fail on in the training code
