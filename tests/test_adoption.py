@@ -123,3 +123,17 @@ def test_step3_state_and_ctx_steps_lose_nothing(tmp_path, reference):
     (unfired,) = r.of("inject_unfired")
     assert unfired["fault"] == "exception:rank=0,step=999"
     assert "exception:rank=0,step=999 never fired" in r.stderr
+
+
+def test_a_step_keyed_injection_into_a_plain_script_is_refused(tmp_path):
+    """A plain torchrun script (no nonstop.wrap): nonstop sees no steps in it, so a fault keyed
+    to a step could never fire - said once its ranks reach their process group, not left to a
+    run that ends 'incidents: 0' as if the fault had been survived."""
+    r, _ = run(tmp_path, PLAIN, "--steps", "400", flags=("--inject=crash:rank=1,step=30",),
+               timeout=120)
+    assert r.code == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("nonstop: error:")]
+    assert len(errors) == 1 and "crash:rank=1,step=30 cannot fire" in errors[0]
+    assert "nonstop.wrap" in errors[0] and "Traceback" not in r.stderr
+    assert [e["via"] for e in r.of("rank_no_steps")] == ["plain"]  # rank 1's; rank 0 has none
+    assert r.summary["exit_code"] == 2

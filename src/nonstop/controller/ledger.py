@@ -37,9 +37,14 @@ class TrainingLedger:
         """A rank runs without ctx.steps (its "no_steps" report): its progress is its marks, what
         a failure loses is unknown, and faults keyed to steps can never fire. Returns what to
         fail the run with (a usage error), and what to warn of (once per run)."""
+        faults = ev.faults
+        if ev.via == "plain":  # a script without nonstop.wrap: no steps are seen at all
+            return (f"--inject {'; '.join(faults)} cannot fire: the script does not use "
+                    "nonstop.wrap, so nonstop sees no steps in it, and these faults are keyed to "
+                    "steps (wrap the training function and loop with `for step in "
+                    "ctx.steps(total)`: docs/usage.md)", None) if faults else (None, None)
         first, self.stepless = not self.stepless, True
         fn = ev.function or "the training function"
-        faults = ev.faults
         if faults:
             return (f"--inject {'; '.join(faults)} cannot fire: {fn}() does not iterate ctx.steps, "
                     "and these faults are keyed to its steps (loop with `for step in "

@@ -230,7 +230,7 @@ class NoSteps(RankEvent):
     type: ClassVar[str] = "no_steps"
     gen: int | None
     rank: int
-    via: Literal["optimizer", "report", "progress", "returned"]
+    via: Literal["optimizer", "report", "progress", "returned", "plain"]  # plain: no wrap
     registered: bool  # it registered a nonstop.State
     function: str | None
     faults: list[str]  # injected faults keyed to steps: they cannot fire

@@ -93,7 +93,7 @@ def main() -> None:
         sys.exit(2)
     rt.emit(events.Started(pid=os.getpid()))
     names, uses_nonstop, uses_ddp = script_imports(script)
-    watch_group_init()
+    watch_group_init(rt)
     t0 = time.time()
     prewarm(names, uses_ddp)
     mode = os.environ.get(protocol.ENV_SPARE_MODE, "script" if uses_nonstop else "import")
@@ -123,10 +123,12 @@ def _assigned_to(rt: Any) -> dict[str, Any]:
     return {"gen": a.gen if a else None, "rank": a.rank if a else None}
 
 
-def watch_group_init() -> None:
+def watch_group_init(rt: Any = None) -> None:
     """Note when a script that does not use ``nonstop.wrap`` reaches its distributed part
     (``init_process_group``): an error before that point is the script's own and repeats on every
-    attempt, one after it may come from a peer, and is recovered from."""
+    attempt, one after it may come from a peer, and is recovered from. There, the faults injected
+    into this rank that are keyed to steps are reported (``no_steps``, via ``plain``): nonstop
+    sees no steps in such a script, so they could never fire, and the run is refused."""
     try:
         import torch.distributed as dist
         c10d = dist.distributed_c10d
@@ -136,10 +138,21 @@ def watch_group_init() -> None:
 
     @functools.wraps(original)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        if rt is not None and not rt.wrapped and not _GROUP_INIT:
+            _unfireable(rt)
         _GROUP_INIT.append(True)
         return original(*args, **kwargs)
 
     dist.init_process_group = c10d.init_process_group = init_process_group
+
+
+def _unfireable(rt: Any) -> None:
+    a = rt.assignment
+    rank = a.rank if a is not None else rt.rank
+    faults = [f.describe() for f in rt.injector.need_steps(False) if f.applies(rank)]
+    if faults:
+        rt.emit(events.NoSteps(gen=a.gen if a else None, rank=rank, via="plain",
+                               registered=False, function=None, faults=faults))
 
 
 def _before_training(rt: Any) -> bool:
