@@ -400,9 +400,13 @@ class Cluster:
         """The job is over: the leader tells every host to end its processes and leave."""
         self.grace_s = grace_s
 
-    def end_hosts(self, code: int) -> None:
-        for node in list(self.links):
-            self._to(node, m.End(code=code, grace_s=self.grace_s))
+    def end_hosts(self, code: int, own: bool | None = None) -> None:
+        """Tell the hosts the job is over: all of them, or (``own``) only this controller's
+        host, or (``own=False``) every other one."""
+        for node, link in list(self.links.items()):
+            mine = link.rec.host_id == self.own_host
+            if own is None or own == mine:
+                self._to(node, m.End(code=code, grace_s=self.grace_s))
 
     def close(self) -> None:
         self._stop.set()

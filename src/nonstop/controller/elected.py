@@ -285,8 +285,12 @@ class Leader:
             except Exception:  # noqa: BLE001
                 pass
         report(controller, log, self.run_dir, code, display)
+        # the other hosts hear of the end first: recording it in etcd may wait out etcd's
+        # timeouts (etcd away is one way a job ends), and a host told nothing ends only at its
+        # own limit; this host last, once it is recorded (its agent ends this process)
+        cluster.end_hosts(code, own=False)
         self._finish(code, controller.outcome.diagnosis)
-        cluster.end_hosts(code)
+        cluster.end_hosts(code, own=True)
         time.sleep(0.2)  # the END frames leave before the process does
         cluster.close()
         if served is not None:
