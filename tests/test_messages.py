@@ -32,7 +32,8 @@ SAMPLES = [
     m.Send(wid=3, seq=2, msg={"type": "assign", "gen": 1, "rank": 0}),
     m.Sends(mails=[{"wid": 3, "seq": 2, "msg": {"type": "assign", "gen": 1, "rank": 0}},
                    {"wid": 4, "seq": 0, "msg": {"type": "exit"}}]),
-    m.Sends(mails=[{"wid": 3, "seq": 2, "msg": {"rank": 0}}, {"wid": 4, "seq": 1, "msg": {"rank": 1}}],
+    m.Sends(mails=[{"wid": 3, "seq": 2, "msg": {"rank": 0}},
+                   {"wid": 4, "seq": 1, "msg": {"rank": 1}}],
             common={"type": "assign", "gen": 1, "world": 2}),
     m.Abort(gen=1, wids=[3, 4]),
     m.End(code=1, grace_s=0.5, why="etcd unreachable"),
@@ -114,7 +115,12 @@ def test_mailbox_messages_round_trip_and_refuse_what_they_do_not_know():
         assert rec["type"] == msg.type and protocol.mail_from(rec) == msg
     for bad, why in [({"type": "reboot"}, "unknown mailbox message"),
                      ({"gen": 1}, "unknown mailbox message"),
-                     ({"type": "retry", "skip": True, "rm": "-rf"}, "unknown fields")]:
+                     ({"type": "retry", "skip": True, "rm": "-rf"}, "unknown field"),
+                     ({"type": "retry", "skip": "yes"}, "retry.*skip.*not bool"),
+                     ({"type": "assign", "gen": 1, "rank": "0", "world": 2}, "rank.*not int"),
+                     ({"type": "assign", "gen": 1, "rank": 0, "world": 2, "claimed": {"0": "x"}},
+                      "claimed"),
+                     (["assign"], "unknown mailbox message")]:
         with pytest.raises(ValueError, match=why):
             protocol.mail_from(bad)
     with pytest.raises(ValueError, match="rank"):  # fields it must have are missing

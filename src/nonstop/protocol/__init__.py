@@ -141,19 +141,29 @@ def mail_record(msg: Mail) -> dict[str, Any]:
     return rec
 
 
+_MAIL_READERS: dict[type, Any] = {}  # each message type's strict reader, made once
+
+
 def mail_from(rec: dict[str, Any]) -> Mail:
-    """The message a mailbox record holds; ValueError for one this side does not know."""
-    kind = _MAIL.get(rec.get("type"))  # type: ignore[arg-type]
+    """The message a mailbox record holds, read strictly (``records.Reader``): ValueError for a
+    type this side does not know, or a field missing, unknown or of another type."""
+    from .records import BadRecord, Reader
+
+    kind = _MAIL.get(rec.get("type")) if type(rec) is dict else None  # type: ignore[arg-type]
     if kind is None:
-        raise ValueError(f"unknown mailbox message {rec.get('type')!r}")
-    fields = {f.name for f in dataclasses.fields(kind)}
-    unknown = sorted(set(rec) - fields - {"type"})
-    if unknown:
-        raise ValueError(f"mailbox message {rec['type']!r} with unknown fields {unknown}")
+        said = rec.get("type") if type(rec) is dict else rec
+        raise ValueError(f"unknown mailbox message {said!r}")
+    read = _MAIL_READERS.get(kind)
+    if read is None:
+        optional = tuple(f.name for f in dataclasses.fields(kind)
+                         if f.default is not dataclasses.MISSING
+                         or f.default_factory is not dataclasses.MISSING)
+        read = _MAIL_READERS[kind] = Reader().reader(kind, f"mailbox message {kind.type!r}",
+                                                     ("type",), optional)
     try:
-        return kind(**{k: v for k, v in rec.items() if k != "type"})
-    except TypeError as exc:  # a field it must have is missing
-        raise ValueError(f"mailbox message {rec['type']!r}: {exc}") from None
+        return read(rec)
+    except BadRecord as exc:
+        raise ValueError(str(exc)) from None
 
 
 def dumps(obj: dict[str, Any]) -> bytes:
