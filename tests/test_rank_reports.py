@@ -229,6 +229,28 @@ def test_progress_reaches_the_newest_step():
     assert table.workers[101].step is None and "a progress record was refused" in table.refused[0]
 
 
+def test_progress_is_read_a_share_at_a_time_every_rank_in_turn():
+    """A share of the ranks' progress at each turn (a controller of 16,384 ranks): the shares
+    follow one another round the plan, so each rank is read once before any is read twice."""
+    r, job, table, *_ = make()
+    asked: list[list[int]] = []
+
+    class Mail:
+        def progress(self, wids):
+            asked.append(list(wids))
+            return {w: _progress(10 + i) for i, w in enumerate(wids)}
+
+    table.mail = Mail()
+    wids = list(PLAN.values())
+    for _ in range(len(wids)):
+        r.read_progress(job, share=0.2)  # (at least one rank a turn)
+    assert [w for a in asked for w in a] == wids
+    asked.clear()
+    r.read_progress(job, share=0.5)
+    r.read_progress(job)  # a whole period: every rank
+    assert asked[0] == wids[:2] and asked[1] == wids
+
+
 @pytest.mark.parametrize("order", [o.__name__ for o in reports.Order.__args__])
 def test_every_order_has_its_case_in_the_controller(order):
     assert f"case reports.{order}(" in inspect.getsource(Controller._carry_out_orders)
