@@ -100,10 +100,10 @@ def run_nonstop(run_dir: Path, *args: str, timeout: float = 180) -> Run:
 
 
 def train(tmp_path: Path, *flags: str, args: tuple = (), world: int = 3, timeout: float = 180,
-          ok: bool = True) -> tuple[Run, Path]:
-    """Run the example training script under nonstop; its final weights are in the path."""
+          ok: bool = True, script: Path = TRAIN) -> tuple[Run, Path]:
+    """Run an example training script under nonstop; its final weights are in the path."""
     out = tmp_path / "final.pt"
-    run = run_nonstop(tmp_path / "run", f"--nproc={world}", *flags, str(TRAIN), *args,
+    run = run_nonstop(tmp_path / "run", f"--nproc={world}", *flags, str(script), *args,
                       "--save", str(out), timeout=timeout)
     if ok:
         assert run.code == 0, run.stdout[-4000:] + run.stderr[-4000:]

@@ -31,17 +31,33 @@ def test_an_error_is_told_nonstops_by_the_innermost_frame_outside_torch():
 
 
 @pytest.mark.integration
-def test_an_fsdp2_job_is_told_that_the_error_is_nonstops(tmp_path):
-    """The smallest FSDP2 job under nonstop.wrap: its snapshot fails in nonstop's state code
-    (sharded state is not taken yet). The job stops with that said, not with 'rank 0 raised ...
-    giving up (rules.user_error_retries)' as if the script were at fault."""
-    run = run_nonstop(tmp_path / "run", "--nproc=2", "--spares=0", str(SCRIPTS / "fsdp_naive.py"),
-                      "--steps", "20", timeout=180)
+def test_state_nonstop_cannot_keep_is_told_nonstops(tmp_path):
+    """A module whose state nonstop cannot keep: its snapshot fails in nonstop's own state code.
+    The job stops with that said, not with 'rank 0 raised ... giving up
+    (rules.user_error_retries)' as if the script were at fault."""
+    run = run_nonstop(tmp_path / "run", "--nproc=2", "--spares=0",
+                      str(SCRIPTS / "unsupported_state.py"), "--steps", "20", timeout=180)
     assert run.code == 1, run.stdout[-3000:] + run.stderr[-3000:]
     faults = run.of("fault")
     assert faults and {f["kind"] for f in faults} == {"internal"}
     assert {f["attribution"] for f in faults} == {"nonstop"}
     last = run.stderr.strip().splitlines()[-1]
-    assert "nonstop's own state code raised RuntimeError" in last and "a bug in nonstop" in last
-    assert "user_error_retries" not in last and " raised ValueError" not in last
+    assert "nonstop's own state code raised UnsupportedState" in last and "a bug in nonstop" in last
+    assert "user_error_retries" not in last
     assert len(run.of("decision")) == 1  # no retry: it would fail on in the training code
+
+
+@pytest.mark.integration
+def test_a_mesh_the_script_built_itself_stops_the_job_with_advice(tmp_path):
+    """An FSDP2 script that builds its mesh and shards its model inside the wrapped function
+    trains, but its mesh's groups end with the first generation: after a crash the job stops at
+    once (exit 2, one line) saying what to change, instead of failing in a collective on the
+    dead groups and retrying."""
+    run = run_nonstop(tmp_path / "run", "--nproc=2", "--spares=1", "--inject",
+                      "crash:rank=1,step=8", str(SCRIPTS / "fsdp_naive.py"), "--steps", "16",
+                      timeout=180)
+    assert run.code == 2, run.stdout[-3000:] + run.stderr[-3000:]
+    assert {f["kind"] for f in run.of("fault")} == {"crash", "setup"}
+    last = run.stderr.strip().splitlines()[-1]
+    assert "nonstop.Mesh(dims, shape, build)" in last and "Traceback" not in run.stderr
+    assert len(run.of("decision")) == 2  # the replacement, then the stop

@@ -2,7 +2,7 @@
 
 The public API is small: ``State`` (what survives a restart), ``wrap`` (make a training function
 restartable in-process), ``Context`` (what the function sees of its generation), ``step_seed``,
-``reproducible``, ``RNGState`` (the random generators, as state to register) and
+``reproducible``, ``Mesh`` (a sharded job's device mesh), ``RNGState`` (the random generators, as state to register) and
 ``GlobalBatchSampler`` (each step's samples, the same whatever the world size).
 Importing nonstop does not import torch.
 """
@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
-__all__ = ["State", "RNGState", "wrap", "Context", "step_seed", "reproducible",
+__all__ = ["State", "RNGState", "Mesh", "wrap", "Context", "step_seed", "reproducible",
            "GlobalBatchSampler", "__version__"]
 
 if TYPE_CHECKING:
+    from .runtime.mesh import Mesh
     from .runtime.registered import RNGState, State
     from .ddp import reproducible
     from .runtime.context import Context, step_seed
@@ -33,6 +34,10 @@ def __getattr__(name: str) -> Any:
         from .runtime import registered
 
         return getattr(registered, name)
+    if name == "Mesh":
+        from .runtime.mesh import Mesh
+
+        return Mesh
     if name == "wrap":
         from .runtime.wrap import wrap
 

@@ -9,6 +9,12 @@ class UsageError(Exception):
     """Bad input: a missing script, a bad flag, a malformed policy or fault spec."""
 
 
+class ScriptSetupError(RuntimeError):
+    """Raised in a rank: the script set something up that nonstop cannot keep across a restart
+    (a device mesh built on one generation's groups). The job stops with this message: a retry
+    would meet the same setup."""
+
+
 def one_line(text: object) -> str:
     """``text`` on one line: what a user typed may hold a newline, a carriage return or another
     control character, and an error that quotes it must still be one line (written escaped)."""

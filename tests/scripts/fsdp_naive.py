@@ -1,6 +1,6 @@
-"""An FSDP2 script written as a new user writes it: the mesh and fully_shard inside the wrapped
-function, the module registered with nonstop.State. nonstop does not take sharded state yet
-(issue: sharded training): what it must say is that the error is its own."""
+"""An FSDP2 script written as a new user first writes it: the mesh and fully_shard inside the
+wrapped function, the module registered with nonstop.State. It trains, but its mesh's groups end
+with their generation: after a fault nonstop must say what to change (nonstop.Mesh)."""
 
 import argparse
 

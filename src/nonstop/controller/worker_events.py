@@ -243,6 +243,9 @@ class RankReports:
             case "internal":  # nonstop's own state code failed: not the training code's error
                 orders.append(Faulted(Fault("internal", rank=w.rank, message=ev.error or "",
                                             traceback=ev.traceback)))
+            case "setup":  # the script must change: a retry would fail the same way
+                orders.append(Faulted(Fault("setup", rank=w.rank, message=ev.error or "",
+                                            traceback=ev.traceback)))
             case "no_state":
                 orders.append(Faulted(Fault("no_state", rank=w.rank, message=ev.error or "")))
             case _ if job.phase in ACTIVE:

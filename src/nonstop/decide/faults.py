@@ -32,6 +32,8 @@ KINDS: dict[str, tuple[Domain, Attribution, str]] = {
     "import_error": (Domain.JOB, Attribution.USER, "the script fails at import"),
     "internal": (Domain.RANK, Attribution.NONSTOP, "nonstop's own state code raised an error (a "
                  "bug in nonstop, or a kind of state it does not handle)"),
+    "setup": (Domain.JOB, Attribution.USER, "the script's setup cannot be kept across a restart "
+              "as written (a device mesh it built itself): it needs a change, not a retry"),
     "peer": (Domain.RANK, Attribution.UNKNOWN, "a collective failed because a peer went away (a symptom)"),
     "hang": (Domain.JOB, Attribution.UNKNOWN, "no rank completed a step within the hang timeout"),
     "teardown_timeout": (Domain.RANK, Attribution.INFRA, "a rank did not leave a failed generation in time"),

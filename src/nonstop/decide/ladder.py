@@ -182,6 +182,10 @@ def decide(faults: list[Fault], dead: set[int], view: JobView, policy: Policy,
     if imports:  # the same code fails the same way on every attempt: retrying cannot help
         return _fail("the script fails at import", f"the script failed at import: {imports[0].message}",
                      usage_error=True, traceback=imports[0].traceback)
+    setup = [f for f in faults if f.kind == "setup"]
+    if setup:  # every restart meets the same setup: the script must change
+        return _fail("the script's setup", f"rank {setup[0].rank}: {setup[0].message}",
+                     usage_error=True)
     own = [f for f in faults if f.attribution is Attribution.NONSTOP]
     if own:  # its state cannot be trusted to be kept: a retry would fail on, in the user's code
         f = own[0]

@@ -165,7 +165,7 @@ class LeftGeneration(RankEvent):
     step: int
     dirty: bool  # its state is mid-step: not to be offered
     reason: Literal["regroup", "sdc", "abort", "no_state", "cuda_oom", "peer", "exception",
-                    "reassigned", "internal"]
+                    "reassigned", "internal", "setup"]
     t_caught: float
     phase: Phase | None = None
     error: str | None = None

@@ -26,7 +26,7 @@ class Context:
     def __init__(self, rank: int, world_size: int, generation: int, entries: int,
                  replacements: int, state: State, runtime: Any = None, resumed: Any = None,
                  loss_rules: Any = None, full_world_size: int | None = None,
-                 scale_lr: bool = False):
+                 scale_lr: bool = False, mesh: Any = None):
         self.rank = rank
         self.world_size = world_size
         # the world the job was started with: larger than world_size after a scale-in
@@ -43,6 +43,22 @@ class Context:
         self._first_done = False
         self._loss: Any = None
         self._loss_rules = loss_rules
+        self._mesh = mesh
+
+    @property
+    def mesh(self) -> Any:
+        """The job's ``DeviceMesh`` (declared with ``nonstop.Mesh``): the same object in every
+        generation, its groups those of the current one."""
+        if self._mesh is None:
+            raise RuntimeError("ctx.mesh: this job declared no mesh; give nonstop.wrap a "
+                               "nonstop.Mesh(dims, shape, build) instead of a State")
+        return self._mesh
+
+    @property
+    def state(self) -> State:
+        """The registered state (what a ``nonstop.Mesh``'s build function returned):
+        ``ctx.state["optimizer"]``."""
+        return self._state
 
     def share(self, global_batch: int) -> range:
         """This rank's part of a global batch of ``global_batch`` samples, as positions in it:

@@ -216,6 +216,7 @@ class GenerationGroup:
         self._new_threads: set[int] = set()  # threads that appeared while the group formed
         self.undrained = 0  # times ``release`` found a worker still busy
         self._forming_done = threading.Event()  # init_process_group returned or raised
+        self._extending = False  # more groups of this generation forming (``extend``)
 
     def open(self, joined_store: Callable[[], None] | None = None) -> None:
         """Form the group. ``joined_store`` (a fault injection point) is called once this rank
@@ -271,6 +272,33 @@ class GenerationGroup:
             if self.aborted:
                 raise RuntimeError(f"generation {self.gen} was aborted during rendezvous")
 
+    def extend(self, form: Callable[[], None]) -> None:
+        """Form more groups of this generation (a mesh's subgroups) with ``form``, after ``open``:
+        the sockets they open are this generation's too (an abort shuts them, and while they
+        form, it shuts each new one as ``open``'s rendezvous does)."""
+        with self._lock:
+            if self.aborted or self._group_fds is None:
+                raise RuntimeError(f"generation {self.gen} was aborted before its mesh formed")
+            self._before = socket_fds()
+            self._extending = True
+            self._forming_done.clear()
+        try:
+            form()
+        finally:
+            opened = socket_fds()
+            with self._lock:
+                self._group_fds.update(
+                    {fd: link for fd, link in opened.items() if self._before.get(fd) != link})
+                self._extending = False
+                self._forming_done.set()
+                if self.aborted:
+                    self.sockets_shut += shutdown_sockets(self._group_fds)
+        if self.aborted:
+            raise RuntimeError(f"generation {self.gen} was aborted while its mesh formed")
+
+    def _forming(self) -> bool:
+        return self._group_fds is None or self._extending
+
     def mark_step(self, step: int) -> None:
         """NCCL: ``step`` steps are done on the CPU; their GPU work (collectives included) is
         queued behind an event, so that an abort can tell whether it had ended."""
@@ -322,10 +350,10 @@ class GenerationGroup:
             targets = dict(self._store_fds)
             if self._group_fds is not None:
                 targets.update(self._group_fds)
-            else:  # rendezvous in progress: whatever sockets appeared since it began
+            forming = self._forming()
+            if forming:  # rendezvous in progress: whatever sockets appeared since it began
                 targets.update(self._new_sockets())
             self.sockets_shut += shutdown_sockets(targets)
-            forming = self._group_fds is None
         if self.nccl_abort is not None and device and not forming:
             if not self.nccl_abort.started:
                 self.trusted_step = self._finished_step()
@@ -344,7 +372,7 @@ class GenerationGroup:
         deadline = time.monotonic() + SWEEP_LIMIT_S
         while not self._forming_done.wait(SWEEP_EVERY_S) and time.monotonic() < deadline:
             with self._lock:
-                if self._group_fds is not None:
+                if not self._forming():
                     return
                 self.sockets_shut += shutdown_sockets(self._new_sockets())
 

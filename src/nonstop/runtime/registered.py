@@ -206,15 +206,18 @@ class State:
 
         import torch
 
-        params = [(f"{i}.{n}", p) for i, m in enumerate(self.modules())
-                  for n, p in m.named_parameters() if p.numel() and p.element_size() in (2, 4, 8)]
+        from ..state import shards
+
+        params = [(f"{i}.{n}", shards.local(p.detach())) for i, m in enumerate(self.modules())
+                  for n, p in m.named_parameters()]  # a shard: this rank's part of it
+        params = [(n, p) for n, p in params if p.numel() and p.element_size() in (2, 4, 8)]
         if not params:
             raise RuntimeError("bitflip: no parameter of a registered module to flip a bit of")
         pick = random.Random(seed)
         name, p = params[pick.randrange(len(params))]
         words = {2: torch.int16, 4: torch.int32, 8: torch.int64}[p.element_size()]
         self.fence()
-        flat = p.detach().view(words).view(-1)
+        flat = p.view(words).view(-1)
         mantissa = {2: 7, 4: 23, 8: 52}[p.element_size()]  # bf16's (fp16 has 10)
         index, bit = pick.randrange(flat.numel()), pick.randrange(mantissa)
         with torch.no_grad():  # a mantissa bit: the value changes a little, nothing overflows
@@ -230,34 +233,55 @@ class State:
         return isinstance(self._objects.get(name), torch.nn.Module)
 
     def state_dict(self) -> dict[str, Any]:
+        """Every object's state dict, by name. A sharded module's or optimizer's DTensors are
+        given as this rank's local tensors (no copy), their paths under ``shards.KEY``."""
         import torch
 
+        from ..state import shards
+
         out: dict[str, Any] = {}
+        paths: dict[str, list[list[Any]]] = {}
         for name, obj in self._objects.items():
             if isinstance(obj, torch.Tensor):
-                out[name] = obj.detach()
+                out[name] = shards.local(obj.detach())
             elif isinstance(obj, dict):
                 out[name] = dict(obj)
+            elif shards.sharded_object(obj):
+                out[name], paths[name] = shards.localize(obj.state_dict())
             else:
                 out[name] = obj.state_dict()
+        if paths:
+            out[shards.KEY] = paths
         return out
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         import torch
 
+        from ..state import shards
+
         missing = set(self._objects) - set(sd)
         if missing:
             raise KeyError(f"state is missing {sorted(missing)}")
+        paths = shards.check_paths(sd[shards.KEY]) if shards.KEY in sd else {}
+        for name in paths:
+            if name not in self._objects:
+                raise shards.ShardMismatch(f"{shards.KEY}: {name!r} is not a registered object")
+        parts = {name: shards.globalize(name, obj, sd[name], paths.get(name, []))
+                 for name, obj in self._objects.items()}
         self.fence()
         for name, obj in self._objects.items():
             if isinstance(obj, torch.Tensor):
                 with torch.no_grad():
-                    obj.copy_(sd[name])
+                    shards.local(obj).copy_(parts[name])
             elif isinstance(obj, dict):
                 obj.clear()
-                obj.update(sd[name])
+                obj.update(parts[name])
             else:
-                obj.load_state_dict(sd[name])
+                obj.load_state_dict(parts[name])
+
+    def __getitem__(self, name: str) -> Any:
+        """The object registered as ``name`` (``state["optimizer"]``)."""
+        return self._objects[name]
 
 
 class RNGState:
@@ -311,12 +335,24 @@ class _StepOnly(State):
 def _grads_finite(optimizer: Any) -> bool:
     import torch
 
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"]
-             if p.grad is not None]
-    if not grads:
-        return True
-    norms = torch._foreach_norm(grads)  # one pass; a NaN or Inf anywhere makes its norm non-finite
-    return bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
+    from ..state import shards
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params if p.grad is not None]
+    sharded = any(shards.is_dtensor(p) for p in params)
+    grads = [t for t in (shards.local(g) for g in grads) if t.numel()]
+    if grads:
+        norms = torch._foreach_norm(grads)  # one pass; a NaN or Inf anywhere: a non-finite norm
+        finite = bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
+    else:
+        finite = True
+    if sharded:  # each rank sees its shard only: every rank must take the same decision
+        import torch.distributed as dist
+
+        flag = torch.tensor([0.0 if finite else 1.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        finite = not flag.item()
+    return finite
 
 
 def _detached(output: Any) -> Any:

@@ -77,6 +77,7 @@ class WorkerRuntime:
         self.faults = inject.from_env(os.environ.get(protocol.ENV_INJECT))
         self.injector = inject.Injector(self.faults, self._claim_fault, self._announce_fault)
         self.registered = False  # whether the wrapped function registered a nonstop.State
+        self.job_mesh: Any = None  # a sharded job's lasting mesh (mesh.JobMesh), once declared
         self.node_memory: Any = None  # this node's memory (its keeper), when snapshots are on
         self.snapshots: Any = None
         keeper = os.environ.get(protocol.ENV_KEEPER)

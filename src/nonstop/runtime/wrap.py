@@ -20,7 +20,10 @@ import nonstop.protocol as protocol
 from ..protocol import events
 from . import nccl
 from .context import Context
+from .mesh import JobMesh, Mesh
 from ..decide.cuda import of_exception
+from ..errors import ScriptSetupError
+from ..state import shards
 from ..state.digest import SilentCorruption
 from .registered import NonFiniteGradients, Regroup, State, _StepOnly
 from .worker import is_collective_error
@@ -28,17 +31,20 @@ from .worker import is_collective_error
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def wrap(state: State | Callable[..., Any] | None = None, *, backend: str = "gloo") -> Any:
+def wrap(state: State | Mesh | Callable[..., Any] | None = None, *,
+         backend: str = "gloo") -> Any:
     """Make a training function restartable in-process.
 
     Use as ``@nonstop.wrap(state)`` or ``@nonstop.wrap``; the function takes a ``Context`` first.
     Build the model, optimizer and data pipeline *outside* it (they survive restarts); create what
-    depends on the process group (DDP) *inside* it.
+    depends on the process group (DDP) *inside* it. A sharded or model-parallel job gives a
+    ``nonstop.Mesh`` instead of a ``State``: its build function shards the model over the mesh
+    once, and returns the state.
     """
-    if callable(state) and not isinstance(state, State):
+    if callable(state) and not isinstance(state, (State, Mesh)):
         return wrap(None, backend=backend)(state)
-    if state is not None and not isinstance(state, State):
-        raise TypeError("nonstop.wrap(state): state must be a nonstop.State")
+    if state is not None and not isinstance(state, (State, Mesh)):
+        raise TypeError("nonstop.wrap(state): state must be a nonstop.State or a nonstop.Mesh")
 
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
@@ -55,7 +61,7 @@ def wrap(state: State | Callable[..., Any] | None = None, *, backend: str = "glo
     return decorate
 
 
-def _run_standalone(fn: Callable[..., Any], state: State | None, backend: str,
+def _run_standalone(fn: Callable[..., Any], state: State | Mesh | None, backend: str,
                     args: tuple, kwargs: dict) -> Any:
     import torch.distributed as dist
 
@@ -64,8 +70,26 @@ def _run_standalone(fn: Callable[..., Any], state: State | None, backend: str,
             dist.init_process_group(backend)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    ctx = Context(dist.get_rank(), dist.get_world_size(), 0, 1, 0, state or _StepOnly())
+    device_mesh = None
+    if isinstance(state, Mesh):  # plain python or torchrun: torch's own mesh, built once
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device_mesh = init_device_mesh(state.device_type, state.sizes(dist.get_world_size()),
+                                       mesh_dim_names=state.dims)
+        state = _built(state.build(device_mesh))
+    ctx = Context(dist.get_rank(), dist.get_world_size(), 0, 1, 0, state or _StepOnly(),
+                  mesh=device_mesh)
     return fn(ctx, *args, **kwargs)
+
+
+def _built(state: Any) -> State:
+    """The state a mesh's build function returned: sharded (each rank's differs: it is restored
+    only from copies of its own shard)."""
+    if not isinstance(state, State):
+        raise TypeError(f"nonstop.Mesh: its build function returned a {type(state).__name__}, "
+                        "not the nonstop.State of what to keep")
+    state.sharded = True
+    return state
 
 
 def raised_by_nonstop(exc: BaseException) -> bool:
@@ -101,7 +125,9 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
     from .pg import GenerationGroup
 
     job = rt.job
-    tracked = state if state is not None else _StepOnly()
+    if isinstance(state, Mesh) and rt.job_mesh is None:
+        rt.job_mesh = JobMesh(state)
+    tracked = state if isinstance(state, State) else _StepOnly()
     _attach(rt, tracked)
     rt.function_name = getattr(fn, "__qualname__", None) or repr(fn)
     rt.registered = state is not None
@@ -144,6 +170,8 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
         rt.emit(events.Joining(gen=gen, rank=rank))
         rt.monitor.begin(gen, group)
         outcome = _enter(rt, group, fn, tracked, has_state, msg, t_assigned, args, kwargs)
+        if rt.job_mesh is not None and rt.job_mesh.state is not None:
+            tracked = rt.job_mesh.state  # built by the mesh's function, in the first generation
         while isinstance(outcome, _Retry):
             verdict = _report_retry(rt, tracked, gen, rank, outcome)
             if verdict is None:
@@ -158,6 +186,8 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
                 # were still on their way when it was aborted, so they count for nothing
                 tracked.dirty = True
             rt.injector.in_recovery("teardown", rank, gen)
+            if rt.job_mesh is not None:
+                rt.job_mesh.leave()
             # Torn down only now, outside the except block: while an exception is being handled
             # it keeps the failed frames (and DDP, and the group) alive.
             rt.monitor.end()
@@ -185,6 +215,8 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
             rt.release_closed_groups()
             return result
         rt.monitor.end()
+        if rt.job_mesh is not None:
+            rt.job_mesh.leave()
         group.close()
         rt.closed_groups.append(group)
         rt.emit(events.LeftGeneration(gen=gen, rank=rank, reason="reassigned", step=tracked.step,
@@ -257,6 +289,16 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
         if rt.store.check([protocol.abort_key(gen, rt.worker_id)]):
             raise RuntimeError(f"generation {gen} was aborted before this rank joined")
         group.open(joined_store=lambda: rt.injector.in_recovery("rendezvous", rank, gen))
+        if rt.job_mesh is not None:
+            phase = "mesh"
+            group.extend(lambda: rt.job_mesh.form(gen, rank, world))
+            if rt.job_mesh.state is None:  # the script shards its model: once per process
+                phase = "build"
+                tracked = rt.job_mesh.state = _built(rt.job_mesh.spec.build(
+                    rt.job_mesh.device_mesh))
+                _attach(rt, tracked)
+        elif rt.ever_entered and (unmanaged := shards.unmanaged_mesh(tracked)) is not None:
+            raise unmanaged
         if group.nccl and isinstance(tracked, State):  # a spare's model on another GPU
             import torch
 
@@ -302,6 +344,8 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
             reason = "abort"
         elif isinstance(exc, NoConsistentState):
             reason = "no_state"
+        elif isinstance(exc, ScriptSetupError):
+            reason = "setup"
         elif cuda is not None:  # out of memory: this process tries again, its caches freed
             reason = "cuda_oom"
         elif is_collective_error(exc) or phase == "rendezvous":
@@ -338,7 +382,8 @@ def _context(rt: Any, tracked: State, msg: dict[str, Any], resumed: Any) -> Cont
         rules = LossRules(policy.detect.loss_rules)
     return Context(msg.rank, msg.world, msg.gen, rt.entries, msg.replacements,
                    tracked, rt, resumed, loss_rules=rules, full_world_size=msg.full_world,
-                   scale_lr=policy.recover.levels.scale_in.batch == "scale_lr")
+                   scale_lr=policy.recover.levels.scale_in.batch == "scale_lr",
+                   mesh=rt.job_mesh.device_mesh if rt.job_mesh is not None else None)
 
 
 def _rss_mb() -> float:

@@ -1,0 +1,258 @@
+"""A job's device mesh that outlives its generations.
+
+An FSDP2 or tensor-parallel model holds DTensor parameters bound to a ``DeviceMesh``, and the mesh
+holds the process groups of its dimensions. nonstop forms a new process group every generation; a
+mesh built on one generation's groups would be dead in the next. So the mesh is built once per
+process, on *lasting* groups: one ``ProcessGroup`` object per mesh dimension that forwards every
+collective to the group of the current generation, put inside it when the generation forms. The
+mesh, the DTensors and FSDP2's state all keep their references; only what is inside changes. A rank
+keeps its coordinates across generations (a replacement takes the rank, so the coordinates, of the
+process it replaces), so its shards stay valid in its memory.
+
+``Mesh`` is what a script declares: the names and shape of the mesh, and its own function that
+parallelises the model over it (``fully_shard``...) and returns the ``nonstop.State`` to keep. The
+function runs once per process, when the first generation's groups exist, before any state is
+restored: a replacement builds its shards' structure, then receives their contents.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+# the collectives a lasting group forwards (those torch.distributed, DTensor and FSDP2 call)
+FORWARDED = ("allgather", "allgather_coalesced", "allgather_into_tensor_coalesced",
+             "_allgather_base", "all_gather_single", "all_gather_single_coalesced", "allreduce",
+             "allreduce_coalesced", "broadcast", "reduce_scatter", "reduce_scatter_single",
+             "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced",
+             "_reduce_scatter_base", "barrier", "alltoall_base", "alltoall", "all_to_all_single",
+             "send", "recv", "recv_anysource", "gather", "scatter", "reduce", "monitored_barrier",
+             "_start_coalescing", "_end_coalescing", "_get_backend", "_get_backend_name",
+             "_wait_for_pending_works", "_get_sequence_number_for_group")
+
+
+class MeshError(ValueError):
+    """The declared mesh does not fit the job (a shape that is not the world's size...)."""
+
+
+class Mesh:
+    """A device mesh for a sharded or model-parallel job, and the script's own way to parallelise
+    its model over it. Give it to ``nonstop.wrap`` in place of a ``State``.
+
+    ``dims``: the names of the mesh's dimensions, outermost first (``("dp_replicate",
+    "dp_shard")``). ``shape``: their sizes; one may be -1 (the rest of the world). ``build``: a
+    function of the ``DeviceMesh`` that applies ``fully_shard`` (or ``parallelize_module``) to
+    the model, creates the optimizer, and returns the ``nonstop.State`` of what to keep. It runs
+    once per process; in every later generation the same mesh (``ctx.mesh``) and the same sharded
+    objects are used again, with the new generation's groups inside.
+
+    Example::
+
+        def parallelize(mesh):
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            return nonstop.State(model=model, optimizer=torch.optim.AdamW(model.parameters()))
+
+        @nonstop.wrap(nonstop.Mesh(("dp_shard",), (-1,), parallelize))
+        def train(ctx):
+            optimizer = ctx.state["optimizer"]
+            ...
+    """
+
+    def __init__(self, dims: tuple[str, ...] | list[str], shape: tuple[int, ...] | list[int],
+                 build: Callable[[Any], Any], device_type: str = "cpu"):
+        dims, shape = tuple(dims), tuple(shape)
+        if not dims or not all(isinstance(d, str) and d for d in dims) or len(set(dims)) != len(dims):
+            raise MeshError(f"nonstop.Mesh: dims must be distinct non-empty names, not {dims!r}")
+        if len(shape) != len(dims):
+            raise MeshError(f"nonstop.Mesh: {len(dims)} dims {dims!r} but a shape of "
+                            f"{len(shape)} {shape!r}")
+        if not all(isinstance(n, int) and not isinstance(n, bool) and (n > 0 or n == -1)
+                   for n in shape) or shape.count(-1) > 1:
+            raise MeshError(f"nonstop.Mesh: shape must be positive sizes, at most one of them -1, "
+                            f"not {shape!r}")
+        if not callable(build):
+            raise MeshError("nonstop.Mesh: build must be a function of the mesh that returns a "
+                            "nonstop.State")
+        if device_type not in ("cpu", "cuda"):
+            raise MeshError(f"nonstop.Mesh: device_type is 'cpu' or 'cuda', not {device_type!r}")
+        self.dims, self.shape, self.build, self.device_type = dims, shape, build, device_type
+
+    def sizes(self, world: int) -> tuple[int, ...]:
+        """The shape for a world of ``world`` ranks (-1 filled in)."""
+        known = math.prod(n for n in self.shape if n != -1)
+        if -1 in self.shape:
+            if world % known:
+                raise MeshError(f"a mesh {dict(zip(self.dims, self.shape))} needs a multiple of "
+                                f"{known} ranks; the job has {world}")
+            return tuple(world // known if n == -1 else n for n in self.shape)
+        if known != world:
+            raise MeshError(f"a mesh {dict(zip(self.dims, self.shape))} needs {known} ranks; "
+                            f"the job has {world}")
+        return self.shape
+
+    def __repr__(self) -> str:
+        return f"nonstop.Mesh({self.dims!r}, {self.shape!r})"
+
+
+def coordinates(rank: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """The mesh coordinates of ``rank`` (row-major, as ``init_device_mesh`` lays ranks out)."""
+    out = []
+    for n in reversed(sizes):
+        rank, i = divmod(rank, n)
+        out.append(i)
+    return tuple(reversed(out))
+
+
+def group_ranks(rank: int, sizes: tuple[int, ...], dim: int) -> list[int]:
+    """The ranks of ``rank``'s group along mesh dimension ``dim``: its coordinates with that one
+    running over its size, in order."""
+    coord = list(coordinates(rank, sizes))
+    out = []
+    for i in range(sizes[dim]):
+        coord[dim] = i
+        flat = 0
+        for c, n in zip(coord, sizes):
+            flat = flat * n + c
+        out.append(flat)
+    return out
+
+
+_lasting_type: Any = None
+
+
+def lasting_group_type() -> Any:
+    """The class of a lasting group (made on first use: importing this module imports no torch)."""
+    global _lasting_type
+    if _lasting_type is not None:
+        return _lasting_type
+    import torch.distributed as dist
+
+    class LastingGroup(dist.ProcessGroup):
+        """A process group that outlives generations: each collective goes to ``inner``, the
+        group of the current generation (None between generations: a collective then fails at
+        once, as on a destroyed group)."""
+
+        def __init__(self, rank: int, size: int, name: str):
+            super().__init__(rank, size)
+            self.inner: Any = None
+            self._name = name
+
+        @property
+        def group_name(self) -> str:  # torch's own is fixed at construction, in C++
+            return self._name
+
+        def _set_group_name(self, name: str) -> None:
+            self._name = name
+
+        def getBackendName(self) -> str:  # noqa: N802 - torch's name
+            return "gloo" if self.inner is None else self.inner._get_backend_name()
+
+        @property
+        def _device_types(self) -> Any:
+            return self._current()._device_types
+
+        def _current(self) -> Any:
+            inner = self.inner
+            if inner is None:
+                raise RuntimeError(f"the process group {self._name!r} has no generation: the "
+                                   "previous one ended and the next has not formed")
+            return inner
+
+    def forward(op: str) -> Callable[..., Any]:
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return getattr(self._current(), op)(*args, **kwargs)
+
+        call.__name__ = op
+        return call
+
+    for op in FORWARDED:
+        setattr(LastingGroup, op, forward(op))
+    _lasting_type = LastingGroup
+    return LastingGroup
+
+
+def _register(pg: Any, name: str, ranks: list[int]) -> None:
+    """Make ``pg`` known to torch.distributed under ``name`` (the group of global ``ranks``), as
+    ``new_group`` would: its collectives, ``get_process_group_ranks`` and DTensor's functional
+    collectives (which find a group by name) then take it. Done again every generation: a
+    generation's teardown forgets every group."""
+    from torch.distributed import distributed_c10d as c10d
+
+    mapping = {g: i for i, g in enumerate(ranks)}
+    world = c10d._world
+    world.pg_map[pg] = ("gloo", None)
+    world.pg_names[pg] = name
+    world.pg_backend_config[pg] = "cpu:gloo"
+    world.pg_group_ranks[pg] = mapping
+    tag = f"ptd:{name}"
+    world.tags_to_pg.setdefault(tag, []).append(pg)
+    world.pg_to_tag[pg] = tag
+    c10d._register_process_group(name, pg)
+
+
+class JobMesh:
+    """This process's mesh: its lasting groups, the ``DeviceMesh`` over them, and the state the
+    script's ``build`` returned. ``form`` puts each new generation's groups inside."""
+
+    def __init__(self, spec: Mesh):
+        self.spec = spec
+        self.sizes: tuple[int, ...] | None = None
+        self.rank: int | None = None
+        self.groups: list[Any] = []  # one lasting group per dimension: this rank's
+        self.ranks: list[list[int]] = []  # their members (global ranks)
+        self.device_mesh: Any = None
+        self.state: Any = None
+        self.gen: int | None = None
+
+    def form(self, gen: int, rank: int, world: int) -> None:
+        """Put generation ``gen``'s groups inside the lasting ones (creating them, and the mesh,
+        the first time). Called by every rank of the generation, right after its default group
+        formed: every subgroup is formed by its own members (in the same order on each)."""
+        import torch.distributed as dist
+
+        sizes = self.spec.sizes(world)
+        if self.sizes is None:
+            self.sizes, self.rank = sizes, rank
+            self.ranks = [group_ranks(rank, sizes, d) for d in range(len(sizes))]
+            lasting = lasting_group_type()
+            self.groups = [lasting(members.index(rank), len(members), f"nonstop:{name}")
+                           for name, members in zip(self.spec.dims, self.ranks)]
+        elif sizes != self.sizes or rank != self.rank:
+            raise MeshError(f"rank {self.rank} of a mesh {dict(zip(self.spec.dims, self.sizes))} "
+                            f"was assigned rank {rank} of a mesh "
+                            f"{dict(zip(self.spec.dims, sizes))}: a sharded job keeps its mesh "
+                            "(resharding to another world is not supported yet)")
+        default = dist.distributed_c10d._get_default_group()
+        formed: dict[tuple[int, ...], Any] = {tuple(range(world)): default}
+        for lasting, members in zip(self.groups, self.ranks):
+            key = tuple(members)
+            if key not in formed:
+                formed[key] = dist.new_group(members, use_local_synchronization=True)
+            lasting.inner = formed[key]
+            _register(lasting, lasting.group_name, members)
+        self.gen = gen
+        if self.device_mesh is None:
+            self.device_mesh = self._device_mesh()
+
+    def _device_mesh(self) -> Any:
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        assert self.sizes is not None
+        layout = torch.arange(math.prod(self.sizes), dtype=torch.int).reshape(self.sizes)
+        if len(self.groups) == 1:
+            return DeviceMesh.from_group(self.groups[0], self.spec.device_type,
+                                         mesh_dim_names=self.spec.dims)
+        return DeviceMesh.from_group(self.groups, self.spec.device_type, mesh=layout,
+                                     mesh_dim_names=self.spec.dims)
+
+    def leave(self) -> None:
+        """The generation ended: nothing is inside the lasting groups until the next forms."""
+        for lasting in self.groups:
+            lasting.inner = None
+
+    def coordinates(self) -> dict[str, int]:
+        assert self.sizes is not None and self.rank is not None
+        return dict(zip(self.spec.dims, coordinates(self.rank, self.sizes)))

@@ -1,0 +1,163 @@
+"""DTensors in a state dict: kept, moved and stored as this rank's local shards.
+
+A sharded model's (FSDP2, tensor parallel) parameters and its optimizer's state are DTensors: a
+global shape, a mesh, placements, and this rank's local tensor. What nonstop keeps of them is the
+local tensor only (a snapshot, a replica, a checkpoint part, a copy sent to a replacement), beside
+the path of each one in the state dict. Loading puts each back as a DTensor with the spec of the
+live tensor it goes into (a module's parameter, or the parameter an optimizer's state belongs to),
+so the copy is only ever loaded at the same mesh coordinates and with the same shapes, and a
+mismatch is refused naming the tensor.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from ..errors import ScriptSetupError
+
+KEY = "nonstop.shards"  # in State.state_dict(): {object name: [[path...], ...]} (no object's name)
+
+
+class ShardMismatch(ValueError):
+    """A kept shard does not fit the live tensor it should be loaded into."""
+
+
+MESH_ADVICE = ("declare the mesh with nonstop.Mesh(dims, shape, build) and shard the model in its "
+               "build function, so that nonstop keeps the mesh's groups across restarts (docs/"
+               "usage.md, Sharded training)")
+
+
+def unmanaged_mesh(state: Any) -> ScriptSetupError | None:
+    """The error to raise when a registered module or optimizer holds DTensors of a mesh the
+    script built itself: that mesh's groups were those of the generation that built it, and are
+    gone in any later one."""
+    for name, obj in state.objects().items():
+        if sharded_object(obj):
+            return ScriptSetupError(f"{name!r} is sharded over a DeviceMesh built by the script, "
+                                    f"whose groups ended with their generation: {MESH_ADVICE}")
+    return None
+
+
+def is_dtensor(value: Any) -> bool:
+    cls = type(value)
+    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed.tensor")
+
+
+def local(value: Any) -> Any:
+    """The local tensor of a DTensor (no copy), else the value itself."""
+    return value._local_tensor.detach() if is_dtensor(value) else value
+
+
+def localize(sd: Any) -> tuple[Any, list[list[Any]]]:
+    """``sd`` with each DTensor replaced by its local tensor (no copy), and the paths of those
+    (lists of keys and indices)."""
+    paths: list[list[Any]] = []
+
+    def walk(node: Any, path: list[Any]) -> Any:
+        if is_dtensor(node):
+            paths.append(list(path))
+            return local(node)
+        if isinstance(node, dict):
+            out = OrderedDict() if type(node) is OrderedDict else {}
+            for k, v in node.items():
+                out[k] = walk(v, path + [k])
+            if getattr(node, "__dict__", None):
+                out.__dict__.update(node.__dict__)
+            return out
+        if isinstance(node, list):
+            return [walk(v, path + [i]) for i, v in enumerate(node)]
+        if type(node) is tuple:
+            return tuple(walk(v, path + [i]) for i, v in enumerate(node))
+        return node
+
+    return walk(sd, []), paths
+
+
+def sharded_object(obj: Any) -> bool:
+    """Whether a registered module or optimizer holds DTensor parameters."""
+    import torch
+
+    if isinstance(obj, torch.nn.Module):
+        return any(is_dtensor(p) for p in obj.parameters())
+    if isinstance(obj, torch.optim.Optimizer):
+        return any(is_dtensor(p) for g in obj.param_groups for p in g["params"])
+    return False
+
+
+def _like(value: Any, template: Any, what: str) -> Any:
+    """``value`` (a local tensor) as a DTensor with ``template``'s mesh, placements and global
+    shape; refused when it is not this rank's shard of such a tensor."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, torch.Tensor):
+        raise ShardMismatch(f"{what}: a shard was kept, but what came back is a "
+                            f"{type(value).__name__}")
+    want = template._local_tensor
+    if tuple(value.shape) != tuple(want.shape) or value.dtype != want.dtype:
+        raise ShardMismatch(f"{what}: the kept shard is {value.dtype} {tuple(value.shape)}, this "
+                            f"rank's shard is {want.dtype} {tuple(want.shape)} (another mesh or "
+                            "another model)")
+    return DTensor.from_local(value, template.device_mesh, template.placements, run_check=False,
+                              shape=template.shape, stride=template.stride())
+
+
+def _set(root: Any, path: list[Any], fn: Any, what: str) -> Any:
+    """``root`` with the value at ``path`` replaced by ``fn(value)`` (containers rebuilt along
+    the path only: the loaded tree is ours to change)."""
+    if not path:
+        return fn(root)
+    key, rest = path[0], path[1:]
+    if isinstance(root, dict) and key in root:
+        root[key] = _set(root[key], rest, fn, what)
+        return root
+    if isinstance(root, list) and isinstance(key, int) and 0 <= key < len(root):
+        root[key] = _set(root[key], rest, fn, what)
+        return root
+    raise ShardMismatch(f"{what}: no {key!r} where a shard was kept")
+
+
+def globalize(name: str, obj: Any, part: Any, paths: list[list[Any]]) -> Any:
+    """``part`` (the loaded state dict of the object ``obj``, registered as ``name``) with the
+    local tensors at ``paths`` made DTensors again, each like the live tensor it goes into."""
+    import torch
+
+    if not paths:
+        return part
+    if isinstance(obj, torch.nn.Module):
+        live = obj.state_dict()
+        for path in paths:
+            what = f"{name}.{'.'.join(str(p) for p in path)}"
+            template = live.get(path[0]) if len(path) == 1 else None
+            if not is_dtensor(template):
+                raise ScriptSetupError(f"{what}: the copy received is a shard, but this "
+                                       f"process's model is not sharded: {MESH_ADVICE}")
+            part = _set(part, path, lambda v, t=template, w=what: _like(v, t, w), what)
+        return part
+    if isinstance(obj, torch.optim.Optimizer):
+        params = [p for group in obj.param_groups for p in group["params"]]
+        for path in paths:
+            what = f"{name}.{'.'.join(str(p) for p in path)}"
+            if len(path) != 3 or path[0] != "state" or not isinstance(path[1], int) \
+                    or not 0 <= path[1] < len(params) or not is_dtensor(params[path[1]]):
+                raise ShardMismatch(f"{what}: kept as a shard, but it is not the state of a "
+                                    "sharded parameter of this optimizer")
+            template = params[path[1]]
+            part = _set(part, path, lambda v, t=template, w=what: _like(v, t, w), what)
+        return part
+    raise ShardMismatch(f"{name}: a {type(obj).__name__} holding DTensors cannot be kept yet "
+                        "(only modules and optimizers can)")
+
+
+def check_paths(value: Any) -> dict[str, list[list[Any]]]:
+    """The ``KEY`` entry of a loaded state dict, checked: {name: [path, ...]}, each path a list
+    of str and int."""
+    if not isinstance(value, dict):
+        raise ShardMismatch(f"{KEY}: not a dict of paths")
+    for name, paths in value.items():
+        if not isinstance(name, str) or not isinstance(paths, list) or not all(
+                isinstance(p, list) and p and all(isinstance(k, (str, int)) and not isinstance(
+                    k, bool) for k in p) for p in paths):
+            raise ShardMismatch(f"{KEY}: malformed paths for {name!r}")
+    return value

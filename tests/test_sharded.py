@@ -1,0 +1,81 @@
+"""Sharded training (FSDP2): the mesh declared with ``nonstop.Mesh`` outlives generations, each
+rank's shards are kept as local tensors and restored at the same coordinates, and a lost rank's
+replacement ends the run bitwise where a fault-free run of the same mesh ends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import EXAMPLES, bitwise_equal, rank_wids, train
+
+from nonstop.runtime.mesh import Mesh, MeshError, coordinates, group_ranks
+
+FSDP = EXAMPLES / "train_fsdp.py"
+ARGS = ("--steps", "16", "--dim", "16", "--blocks", "1")
+
+
+# -- the mesh's arithmetic ----------------------------------------------------------------------
+def test_a_mesh_fills_in_its_one_free_size_from_the_world():
+    mesh = Mesh(("dp_replicate", "dp_shard"), (2, -1), lambda m: None)
+    assert mesh.sizes(4) == (2, 2) and mesh.sizes(8) == (2, 4)
+    with pytest.raises(MeshError, match="multiple of 2 ranks; the job has 3"):
+        mesh.sizes(3)
+    with pytest.raises(MeshError, match="needs 4 ranks; the job has 6"):
+        Mesh(("a", "b"), (2, 2), lambda m: None).sizes(6)
+
+
+@pytest.mark.parametrize("dims, shape, build, match", [
+    ((), (), print, "distinct non-empty names"),
+    (("a", "a"), (1, 2), print, "distinct"),
+    (("a",), (2, 2), print, "1 dims"),
+    (("a", "b"), (-1, -1), print, "at most one of them -1"),
+    (("a",), (0,), print, "positive sizes"),
+    (("a",), (True,), print, "positive sizes"),
+    (("a",), (2,), "fully_shard", "build must be a function"),
+])
+def test_a_malformed_mesh_is_refused_with_what_is_wrong(dims, shape, build, match):
+    with pytest.raises(MeshError, match=match):
+        Mesh(dims, shape, build)
+
+
+def test_ranks_take_row_major_coordinates_and_groups_run_along_one_dimension():
+    # the layout of init_device_mesh: rank = ((i * n1) + j) * n2 + k
+    layout = torch.arange(12).reshape(2, 3, 2)
+    for rank in range(12):
+        c = coordinates(rank, (2, 3, 2))
+        assert layout[c].item() == rank
+        assert group_ranks(rank, (2, 3, 2), 0) == layout[:, c[1], c[2]].tolist()
+        assert group_ranks(rank, (2, 3, 2), 1) == layout[c[0], :, c[2]].tolist()
+        assert group_ranks(rank, (2, 3, 2), 2) == layout[c[0], c[1], :].tolist()
+
+
+# -- FSDP2 jobs, real processes -----------------------------------------------------------------
+@pytest.mark.integration
+def test_an_fsdp2_rank_is_replaced_by_a_warm_spare_with_nothing_lost(tmp_path, reference):
+    """Rank 1 of an FSDP2 job is killed; a warm spare takes its place: it builds the same
+    sharded model at rank 1's coordinates and receives rank 1's shard from its node's memory
+    (a snapshot every step), while rank 0 keeps its shard in memory. No step lost; the final
+    (gathered) weights are those of a fault-free run, bit for bit."""
+    run, out = train(tmp_path, "--spares=1", "--snapshot-every=1", "--inject=crash:rank=1,step=9",
+                     args=ARGS, world=2, script=FSDP)
+    assert [d["level"] for d in run.of("decision")] == ["rank replacement"]
+    held = rank_wids(run)
+    assert len(held[1]) == 2 and len(held[0]) == 1  # the survivor never left its process
+    (inc,) = run.summary["incident_list"]
+    assert inc["steps_lost"] == 0
+    assert {e["sharded"] for e in run.of("rank_entered")} == {True}
+    (restore,) = [r for r in run.of("restore") if r["gen"] == 1]
+    assert restore["sources"] == {"0": "live", "1": "memory"} and restore["step"] == 9
+    assert bitwise_equal(out, reference(2, *ARGS, script=FSDP))
+
+
+@pytest.mark.integration
+def test_an_fsdp2_job_without_a_spare_rolls_back_to_its_shards_last_common_snapshot(
+        tmp_path, reference):
+    """Rank 0 is killed and no spare waits: a new process takes rank 0; every rank resumes from
+    the newest step whose snapshot every shard has, and the run ends bitwise."""
+    run, out = train(tmp_path, "--spares=0", "--snapshot-every=4", "--inject=crash:rank=0,step=10",
+                     args=ARGS, world=2, script=FSDP)
+    (inc,) = run.summary["incident_list"]
+    assert inc["resume_step"] == 8 and inc["steps_lost"] == 2
+    assert bitwise_equal(out, reference(2, *ARGS, script=FSDP))
