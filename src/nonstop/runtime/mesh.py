@@ -248,6 +248,40 @@ class JobMesh:
         return DeviceMesh.from_group(self.groups, self.spec.device_type, mesh=layout,
                                      mesh_dim_names=self.spec.dims)
 
+    def twins(self, state: Any) -> tuple[int, ...] | None:
+        """For each rank of the mesh, which shard of ``state`` it holds: its coordinates along
+        the dimensions some sharded tensor is split over. Ranks that differ only along the rest
+        (HSDP's replica dimension, where every tensor is replicated) hold the same state: twins.
+        None when every rank holds its own (no dimension is replicated)."""
+        import torch
+
+        from ..state.shards import is_dtensor
+
+        assert self.sizes is not None
+        split: set[int] = set()
+        for obj in state.objects().values():
+            if not isinstance(obj, torch.nn.Module):
+                continue
+            for p in obj.parameters():
+                if not is_dtensor(p):
+                    continue
+                names = p.device_mesh.mesh_dim_names
+                if not names or any(n not in self.spec.dims for n in names):
+                    return None  # a mesh of its own, or flattened dims: no twins are assumed
+                for name, placement in zip(names, p.placements):
+                    if not placement.is_replicate():
+                        split.add(self.spec.dims.index(name))
+        if len(split) == len(self.sizes):
+            return None
+        out = []
+        for rank in range(math.prod(self.sizes)):
+            coord = coordinates(rank, self.sizes)
+            shard = 0
+            for d in sorted(split):
+                shard = shard * self.sizes[d] + coord[d]
+            out.append(shard)
+        return tuple(out)
+
     def leave(self) -> None:
         """The generation ended: nothing is inside the lasting groups until the next forms."""
         for lasting in self.groups:

@@ -78,6 +78,9 @@ class State:
     def _init_counters(self) -> None:
         self._objects: dict[str, Any] = {}
         self.sharded = False
+        # sharded state over a mesh: for each rank, which shard it holds (ranks with the same
+        # one - HSDP's twins across replica groups - are each other's copies); None: none are
+        self.twins: tuple[int, ...] | None = None
         self.step = 0  # steps completed
         self.dirty = False  # an optimizer stepped inside a step that has not completed
         self.check_finite = False  # set by the runtime from the policy
@@ -266,11 +269,16 @@ class State:
         for name in paths:
             if name not in self._objects:
                 raise shards.ShardMismatch(f"{shards.KEY}: {name!r} is not a registered object")
-        parts = {name: shards.globalize(name, obj, sd[name], paths.get(name, []))
+        in_place = {name for name, obj in self._objects.items()
+                    if isinstance(obj, torch.nn.Module) and shards.sharded_object(obj)}
+        parts = {name: sd[name] if name in in_place else
+                 shards.globalize(name, obj, sd[name], paths.get(name, []))
                  for name, obj in self._objects.items()}
         self.fence()
         for name, obj in self._objects.items():
-            if isinstance(obj, torch.Tensor):
+            if name in in_place:
+                shards.load_in_place(name, obj, parts[name], paths.get(name, []))
+            elif isinstance(obj, torch.Tensor):
                 with torch.no_grad():
                     shards.local(obj).copy_(parts[name])
             elif isinstance(obj, dict):

@@ -197,7 +197,8 @@ class WorkerRuntime:
             snaps.settle()
         root = snaps.root if snaps is not None else None
         where = Where(memory=self.node_memory if snaps is not None else None,
-                      checkpoint_root=root, sharded=state.sharded, world=world,
+                      checkpoint_root=root, sharded=state.sharded, twins=state.twins,
+                      world=world,
                       not_after=not_after,
                       compare=snaps is not None and snaps.digests is not None)
         schedule = snaps.schedule() if snaps is not None else None

@@ -281,7 +281,7 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
         if rejoin:
             digests = rt.snapshots.digests if rt.snapshots is not None else None
             if digests is not None:  # before DDP, built again, copies rank 0's parameters to all
-                digests.check(tracked.modules(), tracked.step, world)
+                digests.check(tracked.modules(), tracked.step, world, tracked.twins)
             ctx = _context(rt, tracked, msg, None)
             return fn(ctx, *args, **kwargs)
         for left in rt.closed_groups:  # an NCCL group whose abort still ran when it was left
@@ -296,9 +296,12 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
                 phase = "build"
                 tracked = rt.job_mesh.state = _built(rt.job_mesh.spec.build(
                     rt.job_mesh.device_mesh))
+                tracked.twins = rt.job_mesh.twins(tracked)
                 _attach(rt, tracked)
         elif rt.ever_entered and (unmanaged := shards.unmanaged_mesh(tracked)) is not None:
             raise unmanaged
+        if rt.ever_entered:  # FSDP2 left mid-step by the failed generation: back to rest
+            shards.settle(tracked)
         if group.nccl and isinstance(tracked, State):  # a spare's model on another GPU
             import torch
 

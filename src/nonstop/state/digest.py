@@ -38,7 +38,7 @@ class SilentCorruption(BaseException):
 
 
 SHARDED = ("sharded parameters (FSDP2, tensor parallel): each rank holds its own part, which no "
-           "other rank holds to compare it with")
+           "other rank holds to compare it with (HSDP's replica groups have twins to compare)")
 
 
 def sharded(modules: list[Any]) -> bool:
@@ -99,6 +99,15 @@ def odd_ones(digests: list[int]) -> list[int]:
     return list(range(len(digests)))
 
 
+def _odd_twins(digests: list[int], twins: tuple[int, ...]) -> list[int]:
+    """The ranks whose digest differs from their twins' (the ranks holding the same shard)."""
+    out: list[int] = []
+    for shard in set(twins):
+        ranks = [r for r, t in enumerate(twins) if t == shard]
+        out += [ranks[i] for i in odd_ones([digests[r] for r in ranks])]
+    return sorted(out)
+
+
 def _all_know() -> None:
     """The replicas differ: wait until every rank holds the digests before any acts on it. A
     rank's all-gather may return while a peer's is still reading what it sent; a rank that then
@@ -141,16 +150,20 @@ class Digests:
     def cost_s(self) -> float | None:
         return statistics.median(self._costs) if self._costs else None
 
-    def check(self, modules: list[Any], step: int, world: int) -> float:
+    def check(self, modules: list[Any], step: int, world: int,
+              twins: tuple[int, ...] | None = None) -> float:
         """Compare this step's parameters with every other rank's (a collective: every rank
-        calls it at the same steps). Returns the seconds it took; raises ``SilentCorruption``
-        when they differ (unless the policy only reports: then ``mismatch`` says so)."""
+        calls it at the same steps); sharded parameters with their twins' only (``twins[r]``:
+        the shard rank r holds). Returns the seconds it took; raises ``SilentCorruption`` when
+        they differ (unless the policy only reports: then ``mismatch`` says so)."""
         if not self.enabled or world < 2 or not modules:
             return 0.0
-        if self.uncompared is None and sharded(modules):
+        if self.uncompared is None and sharded(modules) and (
+                twins is None or len(set(twins)) == len(twins)):
             self.uncompared = SHARDED
         if self.uncompared is not None:
             return 0.0
+        classes = twins if twins is not None and sharded(modules) else None
         import torch
         import torch.distributed as dist
 
@@ -163,7 +176,7 @@ class Digests:
         digests = every.tolist()
         spent = time.perf_counter() - t0
         self._costs.append(spent)
-        suspects = odd_ones(digests)
+        suspects = odd_ones(digests) if classes is None else _odd_twins(digests, classes)
         if suspects:
             found = SilentCorruption(step, suspects, digests)
             _all_know()
@@ -174,7 +187,9 @@ class Digests:
         self.checks += 1
         self.first_step = step if self.first_step is None else self.first_step
         self.last_step = step
-        self.chain = hashlib.sha256(f"{self.chain}:{step}:{digests[0]}".encode()).hexdigest()
+        agreed = digests[0] if classes is None else ",".join(
+            str(digests[classes.index(c)]) for c in sorted(set(classes)))  # each shard's
+        self.chain = hashlib.sha256(f"{self.chain}:{step}:{agreed}".encode()).hexdigest()
         return spent
 
     def committed(self, step: int) -> None:

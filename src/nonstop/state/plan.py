@@ -3,8 +3,10 @@
 Every rank says what it can offer: its live state (a clean step), snapshots in its node's
 memory, replicas it holds for other ranks, checkpoints on disk. Replicated state (data parallel)
 needs one copy of the newest step for everyone; sharded state needs every rank's own shard at one
-common step, so the job rolls back to the newest step every shard has. Sources are preferred
-cheapest first: live, own memory, a buddy's memory, disk.
+common step, so the job rolls back to the newest step every shard has - unless the shard has
+twins (HSDP: the rank at the same shard position in another replica group holds the same state),
+which can send it live. Sources are preferred cheapest first: live, own memory, a buddy's memory,
+a twin's live state, disk.
 """
 
 from __future__ import annotations
@@ -65,9 +67,11 @@ class Plan:
         return out
 
 
-def _holders(offers: list[Offer], rank: int, step: int, sharded: bool) -> list[tuple[str, int | None]]:
+def _holders(offers: list[Offer], rank: int, step: int, sharded: bool,
+             twins: tuple[int, ...] | None = None) -> list[tuple[str, int | None]]:
     """Where rank ``rank`` can get state at ``step``, cheapest first: what its process or its
-    node holds, then a peer over the network, then disk."""
+    node holds, then a peer over the network (any peer for replicated state, a twin for sharded
+    state: ``twins[r]`` names the shard rank r holds), then disk."""
     found: list[tuple[str, int | None]] = []
     me = offers[rank]
     if me.live == step:
@@ -78,9 +82,10 @@ def _holders(offers: list[Offer], rank: int, step: int, sharded: bool) -> list[t
         found.append(("kept", None))
     if step in me.replicas.get(rank, ()):  # its replica is on the node it now runs on
         found.append(("buddy", None))
-    if not sharded:  # any rank's copy will do: a peer sends it
+    if not sharded or twins is not None:  # any rank's copy will do, or any twin's: a peer sends it
         for r, o in enumerate(offers):
-            if r != rank and (o.live == step or step in o.memory or o.kept == step):
+            if r != rank and (not sharded or twins[r] == twins[rank]) and (  # type: ignore[index]
+                    o.live == step or step in o.memory or o.kept == step):
                 found.append(("live", r))
                 break
     for r, o in enumerate(offers):
@@ -92,9 +97,13 @@ def _holders(offers: list[Offer], rank: int, step: int, sharded: bool) -> list[t
     return found
 
 
-def plan(offers: list[Offer], sharded: bool) -> Plan:
-    """The newest step every rank can reach, and how each gets there."""
+def plan(offers: list[Offer], sharded: bool, twins: tuple[int, ...] | None = None) -> Plan:
+    """The newest step every rank can reach, and how each gets there. ``twins`` (sharded state
+    only): for each rank, which shard it holds; ranks that hold the same one are each other's
+    copies."""
     world = len(offers)
+    if twins is not None and len(twins) != world:
+        raise ValueError(f"twins name the shards of {len(twins)} ranks, not of {world}")
     steps: set[int] = set()
     for o in offers:
         steps.update(([o.live] if o.live is not None else []) + list(o.memory) + list(o.disk)
@@ -104,11 +113,12 @@ def plan(offers: list[Offer], sharded: bool) -> Plan:
     if not steps:
         return Plan(0, tuple(Action(r, "live") for r in range(world)), fresh=True)
     for step in sorted(steps, reverse=True):
-        ways = [_holders(offers, r, step, sharded) for r in range(world)]
+        ways = [_holders(offers, r, step, sharded, twins) for r in range(world)]
         if all(ways):
             return Plan(step, tuple(_action(r, ways[r][0]) for r in range(world)))
     raise NoConsistentState(
-        "no step is held for every rank " + ("(each shard exists only once)" if sharded else "")
+        "no step is held for every rank "
+        + ("(each shard exists only once)" if sharded and twins is None else "")
         + f"; offered: {[o.to_wire() for o in offers]}")
 
 

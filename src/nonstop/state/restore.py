@@ -52,6 +52,7 @@ class Where:
     memory: mem.NodeMemory | None = None
     checkpoint_root: Path | None = None
     sharded: bool = False
+    twins: tuple[int, ...] | None = None  # sharded: which shard each rank holds (HSDP's twins)
     world: int = 0  # sharded: a copy taken at another world size is no copy of this rank's shard
     not_after: int | None = None  # no state newer than this step is offered (silent corruption)
     compare: bool = False  # live states of one step are compared (digests) before one is copied
@@ -108,8 +109,8 @@ def _kept(where: Where, rank: int) -> tuple[int, int, int, bytes, Any] | None:
     return kept
 
 
-def _agreeing(offers: list[Offer], digests: list[int | None]
-              ) -> tuple[list[Offer], list[dict[str, Any]]]:
+def _agreeing(offers: list[Offer], digests: list[int | None],
+              twins: tuple[int, ...] | None = None) -> tuple[list[Offer], list[dict[str, Any]]]:
     """The offers with no live state of a step at which live states disagree, and what was
     found: for each rank whose state differed, the step and every compared rank's digest (the
     controller tells a corruption from a divergence by them). Not only the odd ones are
@@ -118,13 +119,13 @@ def _agreeing(offers: list[Offer], digests: list[int | None]
     the snapshots (each compared when taken) are not."""
     from .digest import odd_ones
 
-    by_step: dict[int, list[int]] = {}
+    by_step: dict[tuple[int, int], list[int]] = {}  # (step, shard): twins compare with twins
     for r, (o, d) in enumerate(zip(offers, digests)):
         if o.live is not None and d is not None:
-            by_step.setdefault(o.live, []).append(r)
+            by_step.setdefault((o.live, twins[r] if twins else 0), []).append(r)
     odd: list[dict[str, Any]] = []
     tainted: set[int] = set()
-    for step, ranks in by_step.items():
+    for (step, _), ranks in by_step.items():
         found = [ranks[i] for i in odd_ones([digests[r] for r in ranks])] if len(ranks) > 1 else []
         if found:
             compared = {str(r): digests[r] for r in ranks}
@@ -134,13 +135,14 @@ def _agreeing(offers: list[Offer], digests: list[int | None]
     return out, sorted(odd, key=lambda f: f["rank"])
 
 
-def held(offers: list[Offer], sharded: bool, cap: int) -> int | None:
+def held(offers: list[Offer], sharded: bool, cap: int,
+         twins: tuple[int, ...] | None = None) -> int | None:
     """The newest step (at most ``cap``) every rank can be restored to from snapshots alone -
     its node's memory, a peer's, a buddy's replica - with no live state: what a corruption
     found from here on rolls back to at worst. None: no snapshot reaches every rank."""
     copies = [dataclasses.replace(o, live=None, disk=()) for o in offers]  # (kept: certified)
     try:
-        p = planning.plan(copies, sharded)
+        p = planning.plan(copies, sharded, twins)
     except NoConsistentState:
         return None
     return None if p.fresh else min(p.step, cap)
@@ -161,7 +163,8 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
     if where.compare and offer.live is not None and hasattr(state, "modules"):
         from .digest import digest, sharded
 
-        if not sharded(state.modules()):  # (each rank's own part: nothing to compare it with)
+        # sharded: each rank's own part, compared with its twins' only (none: not compared)
+        if where.twins is not None or not sharded(state.modules()):
             mine_digest = digest(state.modules())
     # a state this rank holds but may not offer (newer than the last snapshot that agreed)
     withheld = bool(has_state and where.not_after is not None and offer.live is None
@@ -172,7 +175,8 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
     # a live state that differs from its replicas' at the same step (silent corruption since the
     # last check) must not be copied to anyone: it is not offered, and its rank is restored too
     before = offers
-    offers, odd = _agreeing(offers, [g.get("digest") for g in gathered])
+    offers, odd = _agreeing(offers, [g.get("digest") for g in gathered],
+                            where.twins if where.sharded else None)
     withheld_any = any(g.get("withheld") for g in gathered) or any(
         a.live is not None and b.live is None for a, b in zip(before, offers))
     if withheld_any and not any(o.live is not None or o.memory or o.disk or o.kept is not None
@@ -188,7 +192,7 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
                            why="its parameters differ from its replicas'", digests=f["digests"])
                for f in odd]
     for attempt in range(MAX_ATTEMPTS):
-        p = planning.plan(offers, where.sharded)
+        p = planning.plan(offers, where.sharded, where.twins)
         nbytes, failure = _execute(p, offers, state, rank, where)
         t_moved = time.monotonic()
         statuses = _all_gather_json(failure, world)
@@ -210,7 +214,7 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
         skipped.append(SkippedCopy(cause="memory_unreachable", source="memory", rank=rank,
                                    step=None, why=problems["memory"]))
     # (alike on every rank: the same offers, minus the same failed sources)
-    newest = held(offers, where.sharded, p.step)
+    newest = held(offers, where.sharded, p.step, where.twins)
     # the step where a mismatch was found (by the comparison before a snapshot: the step after
     # ``not_after``; or here, between live states) is compared again when the job gets back to
     # it: a corruption is gone then, a divergence comes out the same (decide/sdc.py)

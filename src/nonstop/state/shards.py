@@ -118,6 +118,75 @@ def _set(root: Any, path: list[Any], fn: Any, what: str) -> Any:
     raise ShardMismatch(f"{what}: no {key!r} where a shard was kept")
 
 
+def settle(state: Any) -> int:
+    """Bring every FSDP2 module of ``state`` back to rest after a generation that failed in the
+    middle of a step: its in-flight collectives dropped (their group is gone), its parameters
+    sharded again, its per-step bookkeeping cleared (``reset_iter_state``), so that the next
+    generation's first forward starts as on a fresh process - a survivor that still believed its
+    parameters gathered would skip an all-gather its new peers make. Returns how many roots were
+    reset."""
+    import torch
+
+    done = 0
+    for obj in state.objects().values():
+        if not isinstance(obj, torch.nn.Module):
+            continue
+        for module in obj.modules():
+            fsdp = getattr(module, "_get_fsdp_state", None)
+            if fsdp is None or not getattr(module, "reset_iter_state", None):
+                continue
+            st = fsdp()
+            if st._is_root is not True:  # not a root, or never ran forward: nothing to reset
+                continue
+            for group in st._state_ctx.all_states:
+                for pg in group._fsdp_param_groups:
+                    pg._all_gather_result = None  # works of the dead group: not waited for
+                    for param in pg.fsdp_params:
+                        # the failed step's gradients that never reached their reduction: the
+                        # next backward would add to them
+                        unsharded = getattr(param, "_unsharded_param", None)
+                        if unsharded is not None:
+                            unsharded.grad = None
+                        param.unsharded_accumulated_grad = None
+            module.reset_iter_state()
+            done += 1
+    return done
+
+
+def load_in_place(name: str, module: Any, part: Any, paths: list[list[Any]]) -> None:
+    """Load ``part`` (local tensors where the module's state holds DTensors) into a sharded
+    module by copying each tensor into the live one, in place: the module keeps its own storage
+    (FSDP2 frees and re-gathers it) and its hooks are not run."""
+    import torch
+
+    live = module.state_dict()
+    sharded_keys = {p[0] for p in paths if len(p) == 1}
+    if len(sharded_keys) != len(paths):
+        raise ShardMismatch(f"{name}: malformed shard paths {paths!r}")
+    if set(live) != set(part):
+        missing, extra = sorted(set(live) - set(part)), sorted(set(part) - set(live))
+        raise ShardMismatch(f"{name}: the copy's keys differ from the model's (missing "
+                            f"{missing[:5]}, unexpected {extra[:5]})")
+    with torch.no_grad():
+        for key, dst in live.items():
+            src, what = part[key], f"{name}.{key}"
+            if is_dtensor(dst) != (key in sharded_keys):
+                raise ShardMismatch(f"{what}: sharded in {'the model' if is_dtensor(dst) else 'the copy'}"
+                                    " only")
+            if not isinstance(dst, torch.Tensor):
+                raise ShardMismatch(f"{what}: a {type(dst).__name__} in a sharded model's state "
+                                    "cannot be kept yet")
+            target = dst._local_tensor if is_dtensor(dst) else dst
+            if not isinstance(src, torch.Tensor) or tuple(src.shape) != tuple(target.shape) \
+                    or src.dtype != target.dtype:
+                raise ShardMismatch(f"{what}: the kept copy is "
+                                    f"{getattr(src, 'dtype', type(src).__name__)} "
+                                    f"{tuple(getattr(src, 'shape', ()))}, this rank's is "
+                                    f"{target.dtype} {tuple(target.shape)} (another mesh or "
+                                    "another model)")
+            target.copy_(src)
+
+
 def globalize(name: str, obj: Any, part: Any, paths: list[list[Any]]) -> Any:
     """``part`` (the loaded state dict of the object ``obj``, registered as ``name``) with the
     local tensors at ``paths`` made DTensors again, each like the live tensor it goes into."""
