@@ -99,3 +99,14 @@ def test_sharded_parameters_are_digested_by_their_own_part_and_not_compared():
         assert checks.stats().uncompared == SHARDED and checks.stats().checks == 0
     finally:
         dist.destroy_process_group()
+
+
+def test_sharded_parameters_with_twins_are_compared_among_twins_only():
+    from nonstop.state.digest import _odd_twins
+
+    # shard 0 on ranks 0 and 2, shard 1 on ranks 1 and 3: different shards differ, as they must
+    assert _odd_twins([10, 20, 10, 20], (0, 1, 0, 1)) == []
+    # rank 3's shard differs from its twin's: with two of them, which one is right cannot be told
+    assert _odd_twins([10, 20, 10, 21], (0, 1, 0, 1)) == [1, 3]
+    # three replica groups: the odd one is found
+    assert _odd_twins([10, 20, 10, 20, 10, 99], (0, 1, 0, 1, 0, 1)) == [5]

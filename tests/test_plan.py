@@ -171,3 +171,32 @@ def test_a_copy_kept_in_a_process_is_a_source_of_its_step_for_every_rank():
     out = _without(offers, [{"rank": 2, "source": "live", "offered_by": 0, "step": 12}])
     assert out[0].kept is None and out[1].kept == 12
     assert Offer.from_wire(Offer(live=3, kept=2).to_wire()) == Offer(live=3, kept=2)
+
+
+# -- sharded state with twins (HSDP): a shard's twin in another replica group is its copy ------
+def test_a_lost_shard_comes_live_from_its_twin_not_from_an_older_snapshot():
+    # 2 replica groups x 2 shards: rank r holds shard r % 2. Rank 1 is new: its own snapshot is
+    # of step 5, its twin (rank 3) is live at step 9.
+    twins = (0, 1, 0, 1)
+    offers = [Offer(live=9), Offer(memory=(5,)), Offer(live=9), Offer(live=9)]
+    p = plan(offers, sharded=True, twins=twins)
+    assert p.step == 9 and sources(p) == [("live", None), ("live", 3), ("live", None),
+                                          ("live", None)]
+    # without twins (plain FSDP) the same offers roll every rank back to the snapshot... which
+    # only rank 1 has: nothing common
+    with pytest.raises(NoConsistentState, match="each shard exists only once"):
+        plan(offers, sharded=True)
+
+
+def test_a_twin_is_never_taken_from_another_shard_position():
+    # rank 1's only live peers hold shard 0: it must roll back with everyone to its snapshot
+    twins = (0, 1, 0, 1)
+    offers = [Offer(live=9, memory=(5,)), Offer(memory=(5,)), Offer(live=9, memory=(5,)),
+              Offer(memory=(5,))]
+    p = plan(offers, sharded=True, twins=twins)
+    assert p.step == 5 and sources(p) == [("memory", None)] * 4
+
+
+def test_twins_must_name_every_rank():
+    with pytest.raises(ValueError, match="2 ranks, not of 3"):
+        plan([Offer(live=1)] * 3, sharded=True, twins=(0, 1))

@@ -1,0 +1,124 @@
+"""DTensor state kept as local shards: ``State.state_dict`` gives plain local tensors and their
+paths, ``State.load_state_dict`` puts them back where they belong (in place for a sharded
+module, as DTensors like the parameter's for its optimizer), and refuses a copy that is not this
+rank's shard. One rank, an FSDP2 model, in this process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nonstop.errors import ScriptSetupError
+from nonstop.runtime.registered import State
+from nonstop.state import packing, shards
+
+
+@pytest.fixture
+def world_of_one():
+    import torch.distributed as dist
+
+    from nonstop.agent import loopback
+
+    dist.init_process_group("gloo", store=loopback.master_store(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded_state():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    mesh = init_device_mesh("cpu", (1,))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    return model, opt, State(model=model, optimizer=opt)
+
+
+def _train(model, opt, steps=2):
+    for i in range(steps):
+        loss = model(torch.full((2, 4), float(i + 1))).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def test_sharded_state_travels_as_local_tensors_and_comes_back_bitwise(world_of_one):
+    model, opt, state = _sharded_state()
+    _train(model, opt)
+    sd = state.state_dict()
+    assert sd[shards.KEY] == {"model": [["0.weight"], ["0.bias"], ["2.weight"], ["2.bias"]],
+                              "optimizer": [["state", i, k] for i in range(4)
+                                            for k in ("exp_avg", "exp_avg_sq")]}
+    meta, buf = packing.pack(sd)  # what a snapshot, a peer or a checkpoint carries
+    before = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    moments = [opt.state[p]["exp_avg"].to_local().clone() for p in model.parameters()]
+    _train(model, opt)  # move away from it
+    assert not torch.equal(model.state_dict()["0.weight"].full_tensor(), before["0.weight"])
+    state.load_state_dict(packing.unpack(meta, buf))
+    after = model.state_dict()
+    assert all(torch.equal(after[k].full_tensor(), v) for k, v in before.items())
+    assert all(shards.is_dtensor(p) for p in model.parameters())  # the module's own, in place
+    for p, m in zip(model.parameters(), moments):
+        assert shards.is_dtensor(opt.state[p]["exp_avg"])
+        assert torch.equal(opt.state[p]["exp_avg"].to_local(), m)
+    _train(model, opt, steps=1)  # and it trains on
+
+
+def test_a_shard_of_another_shape_is_refused_naming_the_tensor(world_of_one):
+    model, opt, state = _sharded_state()
+    _train(model, opt)
+    sd = state.state_dict()
+    sd["model"]["2.weight"] = torch.zeros(3, 8)
+    with pytest.raises(shards.ShardMismatch, match=r"model.2.weight: the kept copy is .*\(3, 8\)"):
+        state.load_state_dict(sd)
+    sd = state.state_dict()
+    sd["optimizer"]["state"][0]["exp_avg"] = torch.zeros(5)
+    with pytest.raises(shards.ShardMismatch, match=r"optimizer.state.0.exp_avg: the kept shard"):
+        state.load_state_dict(sd)
+
+
+def test_a_shard_sent_to_a_model_that_is_not_sharded_says_how_to_shard_it(world_of_one):
+    model, opt, state = _sharded_state()
+    _train(model, opt)
+    sd = state.state_dict()
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    popt = torch.optim.AdamW(plain.parameters())
+    with pytest.raises(ScriptSetupError, match="nonstop.Mesh"):
+        State(model=plain, optimizer=popt).load_state_dict(sd)
+    assert shards.unmanaged_mesh(state) is not None
+    assert shards.unmanaged_mesh(State(model=plain)) is None
+
+
+def test_a_module_left_in_the_middle_of_a_step_is_set_back_to_rest(world_of_one, monkeypatch):
+    """A backward whose gradient reduction fails (a peer left) leaves FSDP2's root gathered, in
+    its backward state, with the step's gradient still on the gathered parameters: ``settle``
+    drops it and reshards, so the next step's gradients are those of a fresh process."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    model, opt, state = _sharded_state()
+    _train(model, opt)
+    fresh_model, fresh_opt, fresh = _sharded_state()
+    fresh.load_state_dict(state.state_dict())
+    x = torch.ones(2, 4)
+    reduce = FSDPParamGroup.post_backward
+
+    def peer_left(self, *args, **kwargs):
+        raise RuntimeError("a peer left")
+
+    monkeypatch.setattr(FSDPParamGroup, "post_backward", peer_left)
+    loss = model(x).pow(2).mean()
+    with pytest.raises(RuntimeError, match="a peer left"):
+        loss.backward()
+    del loss
+    monkeypatch.setattr(FSDPParamGroup, "post_backward", reduce)
+    assert shards.settle(state) == 1
+    for m, o in ((model, opt), (fresh_model, fresh_opt)):
+        o.zero_grad()
+        m(x).pow(2).mean().backward()
+    assert all(torch.equal(a.grad.to_local(), b.grad.to_local())
+               for a, b in zip(model.parameters(), fresh_model.parameters()))
