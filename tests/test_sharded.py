@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import EXAMPLES, bitwise_equal, rank_wids, train
+from conftest import EXAMPLES, SCRIPTS, bitwise_equal, rank_wids, train
 
 from nonstop.runtime.mesh import Mesh, MeshError, coordinates, group_ranks
 
@@ -114,3 +114,26 @@ def test_a_bit_flipped_in_an_hsdp_shard_is_found_by_its_twins_digest(tmp_path, r
     faults = [f for f in run.of("fault") if f["kind"] == "sdc"]
     assert faults and {f["rank"] for f in faults} >= {1, 3}
     assert bitwise_equal(out, reference(4, *ARGS, script=HSDP))
+
+
+@pytest.mark.integration
+def test_a_sharded_checkpoint_loads_with_plain_dcp_in_a_script_without_nonstop(tmp_path):
+    """A 2-rank FSDP2 job writes its last step to disk. Its step directory is one plain DCP
+    checkpoint (one metadata file for every rank's shards): a script that imports nothing of
+    nonstop builds the model afresh on one rank and loads it with ``dcp.load`` - DCP reshards
+    2 shards into 1 - and ends with the run's final weights, bit for bit."""
+    import subprocess
+    import sys
+
+    ckpt = tmp_path / "ckpt"
+    run, out = train(tmp_path, "--spares=0", f"--checkpoint-dir={ckpt}", args=ARGS, world=2,
+                     script=FSDP)
+    (step_dir,) = sorted(ckpt.glob("step-*"))
+    assert step_dir.name == "step-0000000016" and (step_dir / ".metadata").is_file()
+    loaded = tmp_path / "loaded.pt"
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "load_dcp.py"), str(step_dir),
+                           str(loaded), "--dim", "16", "--blocks", "1", "--example", str(FSDP)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nonstop" not in proc.stderr
+    assert bitwise_equal(out, loaded)

@@ -51,9 +51,12 @@ def test_sharded_state_travels_as_local_tensors_and_comes_back_bitwise(world_of_
     model, opt, state = _sharded_state()
     _train(model, opt)
     sd = state.state_dict()
-    assert sd[shards.KEY] == {"model": [["0.weight"], ["0.bias"], ["2.weight"], ["2.bias"]],
-                              "optimizer": [["state", i, k] for i in range(4)
-                                            for k in ("exp_avg", "exp_avg_sq")]}
+    shapes = {"0.weight": [8, 4], "0.bias": [8], "2.weight": [1, 8], "2.bias": [1]}
+    assert sd[shards.KEY] == {  # each: path, the whole tensor's shape, the shard's offset in it
+        "model": [[[k], v, [0] * len(v)] for k, v in shapes.items()],
+        "optimizer": [[["state", i, k], v, [0] * len(v)] for i, v in enumerate(shapes.values())
+                      for k in ("exp_avg", "exp_avg_sq")]}
+    assert shards.layout(sd)["optimizer.state.3.exp_avg_sq"] == ([1], [0])
     meta, buf = packing.pack(sd)  # what a snapshot, a peer or a checkpoint carries
     before = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
     moments = [opt.state[p]["exp_avg"].to_local().clone() for p in model.parameters()]

@@ -53,6 +53,8 @@ class PartWritten:
     bytes: int
     seconds: float
     info: dict[str, str | int | bool | None]
+    # sharded state: each shard's DCP name -> [the whole tensor's shape, the shard's offset]
+    dtensors: dict[str, list[list[int]]] | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

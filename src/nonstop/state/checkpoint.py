@@ -30,7 +30,8 @@ _ENTRY = "nonstop"
 _STEP_RE = re.compile(r"^step-(\d{10})$")
 _TEMP_RE = re.compile(r"^\.tmp-step-(\d+)")
 _CHUNK = 8 << 20
-_RESERVED = ("format", "step", "world", "sharded", "created", "torch", "parts")
+_RESERVED = ("format", "step", "world", "sharded", "created", "torch", "parts", "dcp")
+DCP_METADATA = ".metadata"  # DCP's own name: a sharded step's directory is one DCP checkpoint
 
 
 class CorruptCheckpoint(Exception):
@@ -64,7 +65,9 @@ def write_part(state_dict: Mapping[str, Any], tmp: Path, rank: int, info: dict) 
         info: JSON-serializable facts about the part, given back by ``read_part``.
 
     Returns:
-        The part record: ``{"dir", "files": {name: {"bytes", "xxh3"}}, "bytes", "seconds", "info"}``.
+        The part record: ``{"dir", "files": {name: {"bytes", "xxh3"}}, "bytes", "seconds", "info"}``,
+        and for sharded state (DTensors kept as local shards: ``shards.KEY``) ``"dtensors"``:
+        each shard's DCP name -> [the whole tensor's shape, the shard's offset].
 
     Raises:
         ValueError: Two leaves would get the same DCP name, or the reserved key is used.
@@ -94,8 +97,63 @@ def write_part(state_dict: Mapping[str, Any], tmp: Path, rank: int, info: dict) 
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return {"dir": name, "files": files, "bytes": sum(f["bytes"] for f in files.values()),
-            "seconds": round(time.monotonic() - t0, 6), "info": info}
+    record = {"dir": name, "files": files, "bytes": sum(f["bytes"] for f in files.values()),
+              "seconds": round(time.monotonic() - t0, 6), "info": info}
+    from . import shards
+
+    dtensors = shards.layout(state_dict)
+    if dtensors:
+        record["dtensors"] = {fqn: [shape, offset] for fqn, (shape, offset) in dtensors.items()}
+    return record
+
+
+def _dcp_metadata(tmp: Path, parts: dict[int, dict]) -> dict | None:
+    """For parts holding DTensor shards: one DCP metadata file in the step's directory that
+    describes every shard as a chunk of its whole tensor, each read from its part's own file.
+    The step's directory is then a plain DCP checkpoint: ``dcp.load`` into a freshly built
+    sharded model (any mesh: DCP reshards) reads it without nonstop. Returns its file record."""
+    import dataclasses
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorStorageMetadata)
+
+    if not any(part.get("dtensors") for part in parts.values()):
+        return None
+    tensors: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    planner: dict[str, Any] = {}
+    version = None
+    for rank in sorted(parts):
+        part = parts[rank]
+        layout = part.get("dtensors") or {}
+        meta = FileSystemReader(tmp / part["dir"]).read_metadata()
+        version = meta.version
+        for fqn, planned in (meta.planner_data or {}).items():
+            planner.setdefault(fqn, planned)
+        for fqn, md in meta.state_dict_metadata.items():
+            if fqn in layout:
+                shape, offset = layout[fqn]
+                whole = tensors.setdefault(fqn, TensorStorageMetadata(
+                    md.properties, torch.Size(shape), []))
+                whole.chunks.append(ChunkStorageMetadata(torch.Size(offset), md.size))
+            else:  # replicated (a step counter, a hyperparameter): any part's, the first
+                tensors.setdefault(fqn, md)
+        for index, info in meta.storage_data.items():
+            moved = dataclasses.replace(info, relative_path=f"{part['dir']}/{info.relative_path}")
+            if index.fqn in layout:
+                storage[MetadataIndex(index.fqn, torch.Size(layout[index.fqn][1]))] = moved
+            elif not any(k.fqn == index.fqn for k in storage):
+                storage[index] = moved
+    merged = Metadata(state_dict_metadata=tensors, planner_data=planner, storage_data=storage)
+    if version is not None:
+        merged.version = version
+    path = tmp / DCP_METADATA
+    with open(path, "wb") as fh:
+        pickle.dump(merged, fh, protocol=pickle.HIGHEST_PROTOCOL)
+    size, digest = _hash_file(path, sync=True)
+    return {"bytes": size, "xxh3": digest}
 
 
 def finalize(root: Path, step: int, parts: dict[int, dict], *, world: int, sharded: bool,
@@ -138,6 +196,9 @@ def finalize(root: Path, step: int, parts: dict[int, dict], *, world: int, shard
     manifest = {"format": FORMAT, "step": step, "world": world, "sharded": sharded,
                 "created": time.time(), "torch": str(torch.__version__),
                 "parts": {str(r): parts[r] for r in sorted(parts)}, **(extra or {})}
+    dcp = _dcp_metadata(tmp, parts) if sharded else None
+    if dcp is not None:
+        manifest["dcp"] = dcp
     try:
         with open(tmp / MANIFEST, "wb") as fh:
             fh.write(json.dumps(manifest, indent=1).encode())

@@ -16,7 +16,9 @@ from typing import Any
 
 from ..errors import ScriptSetupError
 
-KEY = "nonstop.shards"  # in State.state_dict(): {object name: [[path...], ...]} (no object's name)
+# in State.state_dict(): {object name: [[path, global shape, global offset], ...]}: where each
+# local shard is, and what of the whole tensor it is (a disk checkpoint's DCP metadata says so)
+KEY = "nonstop.shards"
 
 
 class ShardMismatch(ValueError):
@@ -50,13 +52,18 @@ def local(value: Any) -> Any:
 
 
 def localize(sd: Any) -> tuple[Any, list[list[Any]]]:
-    """``sd`` with each DTensor replaced by its local tensor (no copy), and the paths of those
-    (lists of keys and indices)."""
+    """``sd`` with each DTensor replaced by its local tensor (no copy), and for each of those
+    ``[path, global shape, global offset of the local shard]`` (a path: a list of keys and
+    indices)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     paths: list[list[Any]] = []
 
     def walk(node: Any, path: list[Any]) -> Any:
         if is_dtensor(node):
-            paths.append(list(path))
+            _, offset = compute_local_shape_and_global_offset(node.shape, node.device_mesh,
+                                                              node.placements)
+            paths.append([list(path), list(node.shape), [int(o) for o in offset]])
             return local(node)
         if isinstance(node, dict):
             out = OrderedDict() if type(node) is OrderedDict else {}
@@ -219,14 +226,33 @@ def globalize(name: str, obj: Any, part: Any, paths: list[list[Any]]) -> Any:
                         "(only modules and optimizers can)")
 
 
+def _ints(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                       for i in x)
+
+
 def check_paths(value: Any) -> dict[str, list[list[Any]]]:
     """The ``KEY`` entry of a loaded state dict, checked: {name: [path, ...]}, each path a list
-    of str and int."""
+    of str and int (the shapes and offsets beside them checked, and left out)."""
     if not isinstance(value, dict):
         raise ShardMismatch(f"{KEY}: not a dict of paths")
-    for name, paths in value.items():
-        if not isinstance(name, str) or not isinstance(paths, list) or not all(
-                isinstance(p, list) and p and all(isinstance(k, (str, int)) and not isinstance(
-                    k, bool) for k in p) for p in paths):
-            raise ShardMismatch(f"{KEY}: malformed paths for {name!r}")
-    return value
+    out: dict[str, list[list[Any]]] = {}
+    for name, entries in value.items():
+        if not isinstance(name, str) or not isinstance(entries, list) or not all(
+                isinstance(e, list) and len(e) == 3 and isinstance(e[0], list) and e[0]
+                and all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in e[0])
+                and _ints(e[1]) and _ints(e[2]) and len(e[1]) == len(e[2]) for e in entries):
+            raise ShardMismatch(f"{KEY}: malformed entries for {name!r}")
+        out[name] = [e[0] for e in entries]
+    return out
+
+
+def layout(sd: Any) -> dict[str, tuple[list[int], list[int]]]:
+    """For a state dict with a ``KEY`` entry: each shard's name as DCP flattens it (``"model.
+    blocks.0.weight"``) -> (the whole tensor's shape, the shard's offset in it)."""
+    value = sd.get(KEY) if isinstance(sd, dict) else None
+    if value is None:
+        return {}
+    check_paths(value)
+    return {".".join(str(k) for k in [name, *e[0]]): (list(e[1]), list(e[2]))
+            for name, entries in value.items() for e in entries}
