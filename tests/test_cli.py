@@ -37,6 +37,8 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, words: str) -> None
     (["run", "--inject", " ; ;", str(TRAIN)], "--inject ' ; ;': no fault given"),
     (["run"], "the following arguments are required: script"),
     (["bench", "crash", "--systems", "slurm"], "unknown system(s) slurm"),
+    (["bench", "crash", "--parallel", "ddp,tp"], "--parallel: unknown layout(s) tp"),
+    (["bench", "hang", "--parallel", "fsdp"], "--parallel is for bench crash (not hang)"),
     (["report", "/nonexistent/run"], "no run at /nonexistent/run"),
 ])
 def test_bad_input(args, words):

@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--kill-step", type=int,
                        help="the step of the fault (default 50; hosts: 50)")
     bench.add_argument("--systems", help="comma-separated subset to run (default: all)")
+    bench.add_argument("--parallel", metavar="LIST", default="ddp",
+                       help="crash: comma-separated data-parallel layouts, each the same job: "
+                            "ddp, fsdp (FSDP2 over every rank), hsdp (2 replica groups of "
+                            "FSDP2 shards) (default ddp)")
     bench.add_argument("--false-positive-minutes", type=float, default=10.0,
                        help="hang: minutes of fault-free jittery training to count false alarms")
     bench.add_argument("--collective-timeout", type=float, default=10.0,
@@ -325,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
 
             module = {"crash": crash, "hang": hang, "state": state, "second": second,
                       "hosts": hosts, "elastic": elastic, "scale": scale}[args.scenario]
+            if args.parallel != "ddp" and args.scenario != "crash":
+                raise UsageError(f"--parallel is for bench crash (not {args.scenario})")
             if args.scenario == "hosts":  # its own defaults (steps, fault step: the driver's)
                 if args.repeat is None:
                     args.repeat = 3

@@ -180,6 +180,16 @@ def inject_time(run_dir: Path) -> float | None:
     return None
 
 
+def restore_source(run_dir: Path, rank: int) -> str | None:
+    """Where ``rank``'s state came from in the first restore after generation 0 (live: a peer's
+    or a twin's memory, memory: its node's snapshot, buddy, disk)."""
+    for ev in events(run_dir):
+        if ev.get("type") == "restore" and ev.get("gen", 0) > 0:
+            source = (ev.get("sources") or {}).get(str(rank))
+            return source if isinstance(source, str) else None
+    return None
+
+
 def spare_refill_s(run_dir: Path, t_fault: float) -> float | None:
     """Seconds from the fault to the first warm spare started after it being ready: the pool
     refilled (None: no spare was started after the fault, or none became ready)."""
@@ -230,19 +240,27 @@ def aggregate(system: str, runs: list[dict[str, Any]], extra: tuple[str, ...] = 
 
 
 def table(summary: dict[str, Any], extra: tuple[str, ...] = ()) -> str:
-    head = "| system | MTTR median s | min | max | steps lost (max) | weights match |"
-    rule = "|---|---|---|---|---|---|"
+    layouts = any("parallel" in r for r in summary["results"])
+    head = ("| layout " if layouts else "") + \
+        "| system | MTTR median s | min | max | steps lost (max) | weights match |"
+    rule = ("|---" if layouts else "") + "|---|---|---|---|---|---|"
     for key in extra:
         head += f" {key} (median) |"
+        rule += "---|"
+    if any("restore_source" in r for r in summary["results"]):
+        head += " restored from |"
         rule += "---|"
     lines = [head, rule]
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for r in summary["results"]:
         m = r["mttr_s"]
-        row = (f"| {r['system']} | {fmt(m['median'])} | {fmt(m['min'])} | {fmt(m['max'])} | "
-               f"{r['lost_steps']['max']} | {r['params_match_reference']} |")
+        row = (f"| {r['parallel']} " if layouts else "") + (
+            f"| {r['system']} | {fmt(m['median'])} | {fmt(m['min'])} | {fmt(m['max'])} | "
+            f"{r['lost_steps']['max']} | {r['params_match_reference']} |")
         for key in extra:
             row += f" {fmt((r.get(key) or {}).get('median'))} |"
+        if "restore_source" in r:
+            row += f" {r['restore_source'] or '-'} |"
         lines.append(row)
     return "\n".join(lines)
 

@@ -1,7 +1,10 @@
 """``nonstop bench crash``: kill one rank mid-run; time kill -> a step completed by every rank.
 
 Systems, each on the same job (bench/job.py): nonstop with a warm spare, nonstop with no spare
-(a new process), and torchrun with --max-restarts and a checkpoint every 20 steps.
+(a new process), and torchrun with --max-restarts and a checkpoint every 20 steps. With
+``--parallel ddp,fsdp,hsdp`` each layout is its own job (DDP; FSDP2 over every rank; HSDP, 2
+replica groups of shards), run by every system, against a fault-free run of that layout;
+torchrun's FSDP2 checkpoint is DCP's.
 """
 
 from __future__ import annotations
@@ -13,62 +16,101 @@ from typing import Any
 from . import common
 
 SYSTEMS = ("nonstop-spare", "nonstop-cold", "torchrun")
+LAYOUTS = ("ddp", "fsdp", "hsdp")
 # from the fault to a new warm spare ready (the pool refilled): nonstop-spare only
 EXTRA = ("spare_refill_s",)
 TIMEOUT_S = 300.0
 
 
-def _job_args(steps: int, out: Path) -> list[str]:
-    return [str(common.JOB), "--steps", str(steps), "--out", str(out)]
+def _job_args(steps: int, out: Path, parallel: str = "ddp") -> list[str]:
+    return [str(common.JOB), "--steps", str(steps), "--out", str(out), "--parallel", parallel]
 
 
-def run_once(system: str, ranks: int, steps: int, kill_step: int, out: Path) -> dict[str, Any]:
+def layouts(text: str) -> list[str]:
+    """The layouts of ``--parallel``, checked (a UsageError names an unknown one)."""
+    from ..errors import UsageError
+
+    chosen = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in chosen if x not in LAYOUTS]
+    if unknown or not chosen:
+        raise UsageError(f"--parallel: unknown layout(s) {', '.join(unknown) or '(none)'}; "
+                         f"choose from {', '.join(LAYOUTS)}")
+    return list(dict.fromkeys(chosen))
+
+
+def run_once(system: str, ranks: int, steps: int, kill_step: int, out: Path,
+             parallel: str = "ddp") -> dict[str, Any]:
     common.fresh(out)
     victim = ranks // 2
+    job = _job_args(steps, out, parallel)
     if system == "torchrun":
-        cmd = common.torchrun_cmd(ranks, *_job_args(steps, out), "--mode", "torchrun",
+        cmd = common.torchrun_cmd(ranks, *job, "--mode", "torchrun",
                                   "--ckpt-every", "20", "--kill-rank", str(victim),
                                   "--kill-step", str(kill_step))
     elif system == "reference":
         cmd = common.nonstop_cmd(f"--nproc={ranks}", f"--run-dir={out / 'run'}",
-                                 *_job_args(steps, out), "--mode", "nonstop")
+                                 *job, "--mode", "nonstop")
     else:
         spares = "1" if system == "nonstop-spare" else "0"
         cmd = common.nonstop_cmd(f"--nproc={ranks}", f"--spares={spares}", f"--run-dir={out / 'run'}",
                                  f"--inject=crash:rank={victim},step={kill_step}",
-                                 *_job_args(steps, out), "--mode", "nonstop")
-    return common.measure(system, cmd, out, TIMEOUT_S)
+                                 *job, "--mode", "nonstop")
+    result = common.measure(system, cmd, out, TIMEOUT_S)
+    if system.startswith("nonstop"):  # where the replaced rank's state came from
+        result["restore_source"] = common.restore_source(out / "run", victim)
+    return result
 
 
 def main(args: argparse.Namespace) -> int:
+    chosen = layouts(args.parallel)
     systems, base, say = common.setup(args, SYSTEMS)
-    say(f"bench crash: {args.ranks} ranks, {args.steps} steps, kill rank {args.ranks // 2} at step "
-        f"{args.kill_step}, {args.repeat} repeats; runs in {base}")
-    ref_params = common.reference_weights(
-        run_once("reference", args.ranks, args.steps, args.kill_step, base / "reference"),
-        base / "reference", say)
-    if ref_params is None:
-        return 1
+    say(f"bench crash: {args.ranks} ranks ({', '.join(chosen)}), {args.steps} steps, kill rank "
+        f"{args.ranks // 2} at step {args.kill_step}, {args.repeat} repeats; runs in {base}")
     results = []
-    for system in systems:
-        runs = []
-        for i in range(args.repeat):
-            out = base / system / f"run{i}"
-            r = run_once(system, args.ranks, args.steps, args.kill_step, out)
-            r["params_match_reference"] = r["exit_code"] == 0 and common.params_equal(
-                ref_params, out / "final.pt")
-            runs.append(r)
-            mttr = "-" if r["mttr_s"] is None else f"{r['mttr_s']:.3f} s"
-            refill = r.get("spare_refill_s")
-            say(f"  {system:14s} run {i + 1}/{args.repeat}: exit {r['exit_code']}, MTTR {mttr}, "
-                f"steps lost {r['lost_steps']}, weights match: {r['params_match_reference']}"
-                + ("" if refill is None else f", spare pool refilled in {refill:.3f} s"))
-        results.append(common.aggregate(system, runs, EXTRA))
+    for parallel in chosen:
+        where = base / parallel if len(chosen) > 1 else base
+        ref_params = common.reference_weights(
+            run_once("reference", args.ranks, args.steps, args.kill_step, where / "reference",
+                     parallel), where / "reference", say)
+        if ref_params is None:
+            return 1
+        for system in systems:
+            runs = []
+            for i in range(args.repeat):
+                out = where / system / f"run{i}"
+                r = run_once(system, args.ranks, args.steps, args.kill_step, out, parallel)
+                r["params_match_reference"] = r["exit_code"] == 0 and common.params_equal(
+                    ref_params, out / "final.pt")
+                runs.append(r)
+                mttr = "-" if r["mttr_s"] is None else f"{r['mttr_s']:.3f} s"
+                refill = r.get("spare_refill_s")
+                say(f"  {parallel:4s} {system:14s} run {i + 1}/{args.repeat}: exit "
+                    f"{r['exit_code']}, MTTR {mttr}, steps lost {r['lost_steps']}, weights "
+                    f"match: {r['params_match_reference']}"
+                    + ("" if refill is None else f", spare pool refilled in {refill:.3f} s")
+                    + (f", restored from {r['restore_source']}" if r.get("restore_source")
+                       else ""))
+            result = {"parallel": parallel, **common.aggregate(system, runs, EXTRA)}
+            sources = sorted({r["restore_source"] for r in runs if r.get("restore_source")})
+            result["restore_source"] = ",".join(sources) or None
+            results.append(result)
     summary = {"scenario": "crash", "ranks": args.ranks, "repeat": args.repeat, "steps": args.steps,
-               "kill_step": args.kill_step, "date": common.now_stamp(), "results": results}
-    ratio = common.mttr_ratio(results, "torchrun", "nonstop-spare")
-    if ratio is not None or "torchrun" in systems and "nonstop-spare" in systems:
-        summary["torchrun_over_nonstop_spare"] = ratio
+               "kill_step": args.kill_step, "parallel": chosen, "date": common.now_stamp(),
+               "results": results}
+    ratios = {}
+    for parallel in chosen:
+        mine = [r for r in results if r["parallel"] == parallel]
+        ratio = common.mttr_ratio(mine, "torchrun", "nonstop-spare")
+        if ratio is not None:
+            ratios[parallel] = ratio
+    if ratios:
+        summary["torchrun_over_nonstop_spare"] = ratios if len(chosen) > 1 else ratios[chosen[0]]
+    ddp = {r["system"]: r for r in results if r["parallel"] == "ddp"}
+    spare_ddp = (ddp.get("nonstop-spare") or {}).get("mttr_s", {}).get("median")
+    if spare_ddp and len(chosen) > 1:  # the sharded layouts' MTTR against DDP's, same run
+        summary["over_ddp_spare"] = {
+            r["parallel"]: round(r["mttr_s"]["median"] / spare_ddp, 2) for r in results
+            if r["system"] == "nonstop-spare" and r["parallel"] != "ddp" and r["mttr_s"]["median"]}
     return common.conclude(summary, table(summary), base, args, say)
 
 
@@ -76,4 +118,6 @@ def table(summary: dict[str, Any]) -> str:
     text = common.table(summary, EXTRA)
     if summary.get("torchrun_over_nonstop_spare"):
         text += f"\n\ntorchrun / nonstop-spare MTTR ratio: {summary['torchrun_over_nonstop_spare']}"
+    if summary.get("over_ddp_spare"):
+        text += f"\nnonstop-spare MTTR over DDP's: {summary['over_ddp_spare']}"
     return text

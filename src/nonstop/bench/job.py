@@ -11,6 +11,11 @@ The model: ``--input`` -> ``--hidden``, ``--layers`` hidden Linear(hidden, hidde
 ZeRO-1 style, as examples/train_sharded.py does: each parameter is owned by one rank (dealt out so
 that every rank owns about as many numbers), which alone updates it and then broadcasts it;
 ``State(..., sharded=True)``.
+
+``--parallel fsdp`` shards the same model with FSDP2 over all ranks, ``--parallel hsdp`` over a
+mesh of 2 replica groups (``fully_shard`` on each layer, then the root; Adam). nonstop mode
+declares the mesh with ``nonstop.Mesh``; torchrun mode builds it with ``init_device_mesh`` and
+checkpoints with DCP (``get_state_dict``), as an FSDP2 user of torchrun does.
 """
 
 import argparse
@@ -33,6 +38,8 @@ p.add_argument("--layers", type=int, default=1, help="hidden Linear(hidden, hidd
 p.add_argument("--input", type=int, default=32, help="input features")
 p.add_argument("--batch", type=int, default=64, help="samples per rank and step")
 p.add_argument("--sharded", action="store_true", help="nonstop mode: ZeRO-1 sharded optimizer")
+p.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp"], default="ddp",
+               help="the data-parallel layout: DDP, FSDP2, or HSDP (2 replica groups)")
 p.add_argument("--sleep-ms", type=float, default=20.0)
 p.add_argument("--ckpt-every", type=int, default=20, help="torchrun mode (0: never)")
 p.add_argument("--ddp", choices=["reproducible", "plain"], default="reproducible",
@@ -48,6 +55,9 @@ p.add_argument("--collective-timeout", type=float, default=1800.0,
 args = p.parse_args()
 if args.sharded and args.mode != "nonstop":
     p.error("--sharded needs --mode nonstop")
+if args.sharded and args.parallel != "ddp":
+    p.error("--sharded is DDP's ZeRO-1 optimizer: leave it out with --parallel fsdp/hsdp")
+MESH = {"fsdp": (("dp_shard",), (-1,)), "hsdp": (("dp_replicate", "dp_shard"), (2, -1))}
 
 torch.manual_seed(0)
 _layers = [torch.nn.Linear(args.input, args.hidden), torch.nn.Tanh()]
@@ -98,10 +108,53 @@ def log_step(fh, step, gen):
     fh.flush()
 
 
-def save_final(rank):
+def save_final(rank, full=None):
     if rank == 0:
-        torch.save({k: v.clone() for k, v in model.state_dict().items()},
-                   os.path.join(args.out, "final.pt"))
+        full = full if full is not None else {k: v.clone() for k, v in model.state_dict().items()}
+        torch.save(full, os.path.join(args.out, "final.pt"))
+
+
+def shard(mesh):
+    """FSDP2 over ``mesh``: each hidden layer a unit, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def gathered():
+    """The full parameters of a sharded model (a collective: every rank calls it)."""
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+
+def run_nonstop_sharded():
+    def build(mesh):
+        return nonstop.State(model=model, optimizer=shard(mesh))
+
+    @nonstop.wrap(nonstop.Mesh(*MESH[args.parallel], build))
+    def train(ctx):
+        opt = ctx.state["optimizer"]
+        with open(os.path.join(args.out, f"steps-r{ctx.rank}.txt"), "a") as fh:
+            for step in ctx.steps(args.steps):
+                sharded_step(opt, step, ctx.rank)
+                log_step(fh, step + 1, ctx.generation)
+        return ctx.rank, gathered()
+
+    rank, full = train()
+    save_final(rank, full)
+
+
+def sharded_step(opt, step, rank):
+    x, y = batch(step, rank)
+    loss = F.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if args.sleep_ms:
+        time.sleep(args.sleep_ms / 1000)  # stand-in for accelerator work
 
 
 def _ddp():
@@ -122,6 +175,30 @@ def run_nonstop():
         return ctx.rank
 
     save_final(train())
+
+
+def run_torchrun_sharded():
+    """FSDP2 or HSDP under torchrun: a DCP checkpoint every --ckpt-every steps, resumed from."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from nonstop.bench import torchrun_side as tr
+
+    attempt, rank, world = tr.join_group(args.collective_timeout)
+    dims, shape = MESH[args.parallel]
+    sizes = tuple(world // 2 if n == -1 and len(shape) == 2 else world if n == -1 else n
+                  for n in shape)
+    opt = shard(init_device_mesh("cpu", sizes, mesh_dim_names=dims))
+    ckpt = os.path.join(args.out, "dcp")
+    with open(os.path.join(args.out, f"steps-r{rank}.txt"), "a") as fh:
+        for step in range(tr.resume_dcp(ckpt, model, opt), args.steps):
+            if rank == args.kill_rank and attempt == 0 and step == args.kill_step:
+                tr.kill_self(args.out, args.kill_signal)
+            sharded_step(opt, step, rank)
+            log_step(fh, step + 1, attempt)
+            if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
+                tr.save_dcp(ckpt, model, opt, step + 1)
+    save_final(rank, gathered())
+    dist.destroy_process_group()
 
 
 def run_torchrun():
@@ -146,6 +223,6 @@ def run_torchrun():
 
 
 if args.mode == "nonstop":
-    run_nonstop()
+    run_nonstop() if args.parallel == "ddp" else run_nonstop_sharded()
 else:
-    run_torchrun()
+    run_torchrun() if args.parallel == "ddp" else run_torchrun_sharded()

@@ -50,6 +50,43 @@ def save(path: str, model: Any, optimizer: Any, step: int) -> None:
     os.replace(tmp, path)
 
 
+def save_dcp(root: str, model: Any, optimizer: Any, step: int) -> None:
+    """A sharded model's checkpoint of ``step`` steps done, as an FSDP2 user writes it: DCP, every
+    rank its shards, into ``root/step-N``; the newest complete one is named in ``root/latest``
+    (written by rank 0 once every rank is done)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd, "step": step},
+             checkpoint_id=os.path.join(root, f"step-{step}"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tmp = os.path.join(root, "latest.tmp")
+        with open(tmp, "w") as fh:
+            fh.write(str(step))
+        os.replace(tmp, os.path.join(root, "latest"))
+
+
+def resume_dcp(root: str, model: Any, optimizer: Any) -> int:
+    """The step of the newest complete DCP checkpoint under ``root`` (0: none), loaded."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    try:
+        with open(os.path.join(root, "latest")) as fh:
+            step = int(fh.read())
+    except FileNotFoundError:
+        return 0
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd, "step": step}
+    dcp.load(state, checkpoint_id=os.path.join(root, f"step-{step}"))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+    return step
+
+
 def kill_self(out: str, signame: str = "SIGKILL") -> None:
     """The fault: its time to ``out/kill.txt`` (the benchmark's clock starts there), then the
     signal to this process."""

@@ -1,0 +1,197 @@
+"""Every recovery path, for sharded jobs (FSDP2 and HSDP): a hang, a NaN step retried in place, a
+whole node lost to a spare node, a second fault inside a recovery, a job restarted from its disk
+checkpoint. Real processes, real gloo; each run ends with the final (gathered) weights bitwise
+those of a fault-free run of the same script and arguments, and says what it did (the level
+decided, where each shard came from, the steps lost)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from conftest import (EXAMPLES, Run, bitwise_equal, finish, policy_file, rank_wids, start, train,
+                      wait_for_event, wait_for_events)
+
+pytestmark = pytest.mark.integration
+
+FSDP = EXAMPLES / "train_fsdp.py"
+HSDP = EXAMPLES / "train_hsdp.py"
+ARGS = ("--steps", "16", "--dim", "16", "--blocks", "1")
+
+
+def restores(run) -> list[tuple[int, dict]]:
+    """(step, sources) of every restore after the start (generation > 0)."""
+    return [(r["step"], r["sources"]) for r in run.of("restore") if r["gen"] > 0]
+
+
+# -- 1. hangs -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("world, script, rank, sources", [
+    # FSDP2: every shard is unique; the hung rank's comes from its node's memory (a snapshot
+    # every step), the survivor keeps its own live
+    (2, FSDP, 1, {"0": "live", "1": "memory"}),
+    # HSDP (2 x 2): snapshots every 5 steps, the hang at step 12: the hung rank's replacement
+    # receives its shard live from its twin (rank 0, the other replica group) - nothing lost
+    (4, HSDP, 2, {"0": "live", "1": "live", "2": "live", "3": "live"}),
+], ids=["fsdp", "hsdp"])
+def test_a_hung_rank_of_a_sharded_job_is_killed_and_replaced(tmp_path, reference, world, script,
+                                                             rank, sources):
+    """A rank's main thread blocks at step 12; its peers wait in the step's collectives (an
+    all-gather or a reduction, FSDP2 mid-step). After the hang timeout the job is aborted, the
+    hung rank (which cannot leave) is killed and replaced by a warm spare; the survivors, set
+    back to rest, stay in their processes. No step lost, weights bitwise."""
+    snap = "--snapshot-every=1" if script is FSDP else "--snapshot-every=5"
+    run, out = train(tmp_path, "--spares=1", "--hang-timeout=1", snap,
+                     f"--inject=hang:rank={rank},step=12", args=ARGS, world=world, script=script)
+    kinds = [f["kind"] for f in run.of("fault")]
+    assert kinds[0] == "hang" and "teardown_timeout" in kinds, kinds
+    (hang,) = run.of("hang_detected")
+    assert f"rank {rank} in python" in hang["where"], hang["where"]  # where the hung one was
+    assert [k["rank"] for k in run.of("kill")] == [rank]
+    assert [d["level"] for d in run.of("decision")] == ["rank replacement"]
+    held = rank_wids(run)
+    assert len(held[rank]) == 2 and all(len(w) == 1 for r, w in held.items() if r != rank)
+    assert restores(run) == [(12, sources)]
+    (inc,) = run.summary["incident_list"]
+    assert inc["replaced"] == [rank] and inc["steps_lost"] == 0
+    if script is HSDP:
+        sdc = run.summary["sdc"]
+        assert sdc["checks"] > 0 and sdc["mismatches"] == 0 and not sdc.get("uncompared"), sdc
+    assert bitwise_equal(out, reference(world, *ARGS, script=script))
+
+
+# -- 2. a NaN step retried in place (HSDP) --------------------------------------------------------
+def test_non_finite_gradients_of_an_hsdp_job_redo_the_step_in_place(tmp_path, reference):
+    """Rank 1's forward output turns NaN at step 4. Each rank checks its own gradient shards,
+    the verdict is all-reduced (every rank must take the same decision, or some would step
+    and some not): the step is redone in the same generation, with the same processes and
+    groups. Twice in the run, on two ranks of the two replica groups; weights bitwise, the
+    twins' digests agreeing at every check."""
+    run, out = train(tmp_path, "--spares=0", "--inject=nan:rank=1,step=4;nan:rank=2,step=11",
+                     args=ARGS, world=4, script=HSDP)
+    assert [d["level"] for d in run.of("decision")] == ["step retry", "step retry"]
+    assert [d["step"] for d in run.of("decision")] == [4, 11]
+    faults = run.of("fault")
+    assert [f["kind"] for f in faults] == ["nan", "nan"], faults
+    assert "rank(s) 1" in run.of("decision")[0]["reason"]
+    assert "rank(s) 2" in run.of("decision")[1]["reason"]
+    # no teardown, no new generation, no new process
+    assert not run.of("abort") and not run.of("hang_detected") and not run.of("generation")[1:]
+    assert all(len(w) == 1 for w in rank_wids(run).values())
+    incs = run.summary["incident_list"]
+    assert [(i["step_before"], i["resume_step"], i["steps_lost"]) for i in incs] == [
+        (4, 4, 0), (11, 11, 0)]
+    sdc = run.summary["sdc"]
+    assert sdc["checks"] > 0 and sdc["mismatches"] == 0, sdc
+    assert bitwise_equal(out, reference(4, *ARGS, script=HSDP))
+
+
+# -- 3. a whole node lost, a spare node (HSDP) -----------------------------------------------------
+def test_a_lost_hsdp_node_moves_to_the_spare_node_its_shards_from_the_twins(tmp_path, reference):
+    """Two nodes of two ranks: node 0 holds replica group 0 (ranks 0, 1), node 1 replica group
+    1 (ranks 2, 3). Node 0 dies whole at step 9 (its keeper, then its ranks); both its ranks move
+    to the spare node, and each receives its shard live from its twin on node 1 (the snapshot
+    of step 5 is not needed, nor the buddy replica). No step lost, weights bitwise."""
+    run, out = train(tmp_path, "--nodes=2", "--spare-nodes=1", "--snapshot-every=5",
+                     "--inject=node_crash:rank=1,step=9", args=ARGS, world=4, script=HSDP)
+    (decision,) = run.of("decision")
+    assert decision["level"] == "node replacement" and decision["isolate"] == [0]
+    assert sorted(decision["replace"]) == [0, 1]
+    assert "node_lost" in decision["reason"]
+    node_of = {e["wid"]: e["node"] for e in run.of("spawn")}
+    last = run.of("generation")[-1]["ranks"]
+    assert {int(r): node_of[w] for r, w in last.items()} == {0: 2, 1: 2, 2: 1, 3: 1}
+    assert restores(run) == [(9, {str(r): "live" for r in range(4)})]
+    (inc,) = run.summary["incident_list"]
+    assert inc["steps_lost"] == 0 and sorted(inc["replaced"]) == [0, 1]
+    sdc = run.summary["sdc"]
+    assert sdc["checks"] > 0 and sdc["mismatches"] == 0, sdc
+    assert bitwise_equal(out, reference(4, *ARGS, script=HSDP))
+
+
+# -- 4. a second fault inside the recovery (FSDP2) -------------------------------------------------
+# ten SIGKILLs on one machine would otherwise isolate it (rules.isolate)
+ISOLATE_LATE = "rules:\n  isolate:\n    times: 100\n"
+# each incident: a crash at a step, then a second fault inside its recovery, keyed by the
+# generation that recovery forms (an incident with a second fault takes two generations)
+SECOND = [
+    ("crash:rank=1,step=3", "crash:rank=1,at=assigned,gen=1", "replace"),  # the spare, promoted
+    ("crash:rank=0,step=6", "crash:rank=0,at=rendezvous,gen=3", "rendezvous"),
+    ("crash:rank=1,step=9", "crash:rank=0,at=restore,gen=5", "restore"),  # the survivor
+    ("crash:rank=0,step=12", "crash:rank=0,at=first_step,gen=7", "first_step"),
+    ("crash:rank=1,step=14", "crash:rank=0,at=teardown,gen=8", None),  # the survivor, leaving
+]
+
+
+def test_a_second_fault_in_each_recovery_phase_of_an_fsdp2_job(tmp_path, reference):
+    """Five incidents, each struck again inside its recovery: the promoted spare killed, the
+    replacement killed while the group forms, the survivor killed once the state to restore is
+    agreed (both shards then come from memory), the replacement killed at its first step, the
+    survivor killed while leaving the failed generation (the whole world gone: a job restart,
+    from the nodes' memory). Snapshots every step: no step lost; weights bitwise."""
+    faults = ";".join(f"{first};{second}" for first, second, _ in SECOND)
+    run, out = train(tmp_path, "--spares=1", "--snapshot-every=1", f"--inject={faults}",
+                     f"--policy={policy_file(tmp_path, ISOLATE_LATE)}", args=ARGS, world=2,
+                     script=FSDP)
+    assert {e["fault"] for e in run.of("rank_inject")} == {f for p in SECOND for f in p[:2]}
+    incidents = run.summary["incident_list"]
+    assert len(incidents) == len(SECOND), [i["faults"] for i in incidents]
+    for inc, (_, _, phase) in zip(incidents, SECOND):
+        assert inc["outcome"] == "recovered" and len(inc["faults"]) == 2, inc
+        assert inc["step_before"] == inc["resume_step"] and inc["steps_lost"] == 0, inc
+        if phase is None:  # both ranks gone at once: every rank restarted
+            assert inc["levels"] == ["job restart"] and inc["interrupted"] == [], inc
+        else:
+            assert set(inc["levels"]) == {"rank replacement"}, inc
+            assert [a["phase"] for a in inc["interrupted"]] == [phase], inc
+    assert restores(run) == [
+        (3, {"0": "live", "1": "memory"}),  # the second spare promoted
+        (6, {"0": "memory", "1": "live"}),   # rendezvous: rank 0 new again, rank 1 kept its own
+        (9, {"0": "memory", "1": "memory"}),  # restore: both processes new
+        (12, {"0": "memory", "1": "live"}),  # first step, struck ...
+        (12, {"0": "memory", "1": "live"}),  # ... and done again
+        (14, {"0": "memory", "1": "memory"}),  # teardown: the job restart, from memory
+    ]
+    assert {"rendezvous_timeout", "deadline", "teardown_timeout"}.isdisjoint(
+        f["kind"] for f in run.of("fault"))
+    assert run.summary["steps_lost"] == 0
+    assert bitwise_equal(out, reference(2, *ARGS, script=FSDP))
+
+
+# -- 5. a job restart from the disk checkpoint (FSDP2) ---------------------------------------------
+def test_an_fsdp2_job_that_loses_every_rank_and_its_memory_restarts_from_disk(tmp_path, reference):
+    """Checkpoints every 4 steps. Once one is on disk, the one node dies whole: its memory (the
+    keeper) first, then both rank processes. Nothing of the job's state is left in memory: the
+    job restarts, every rank new, from the newest complete checkpoint - each rank reading its
+    own shard - and ends bitwise where the fault-free run ends."""
+    run_dir, ckpt, out = tmp_path / "run", tmp_path / "ckpt", tmp_path / "final.pt"
+    t0 = time.time()
+    # from step 5 on, every step takes half a second longer (no number changes): the first
+    # checkpoint reaches the disk while the job still has steps to go
+    proc = start(run_dir, "--nproc=2", f"--checkpoint-dir={ckpt}", "--checkpoint-every=4",
+                 "--inject=slow:rank=all,step=5,ms=500", str(FSDP), *ARGS, "--save", str(out))
+    try:
+        (keepers,) = wait_for_events(run_dir, lambda e: e["type"] == "keepers", 1, timeout=90)
+        first = wait_for_event(run_dir, lambda e: e["type"] == "checkpoint", timeout=90)
+        ranks = [e["pid"] for e in Run(0, "", "", run_dir, 0).of("spawn") if not e["spare"]]
+        assert len(ranks) == 2
+        t_kill = time.time()
+        for pid in [keepers["nodes"]["0"]["pid"], *ranks]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    finally:
+        run = finish(proc, run_dir, t0)
+    assert run.code == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    (decision,) = run.of("decision")
+    assert decision["level"] == "job restart" and sorted(decision["replace"]) == [0, 1]
+    assert all(len(w) == 2 for w in rank_wids(run).values())  # every rank process is new
+    written = [e["step"] for e in run.of("checkpoint") if e["t"] < t_kill]
+    ((step, sources),) = restores(run)
+    assert sources == {"0": "disk", "1": "disk"}
+    assert step >= max(written) >= first["step"] == 4 and step % 4 == 0
+    (inc,) = run.summary["incident_list"]
+    assert inc["resume_step"] == step and inc["steps_lost"] == inc["step_before"] - step
+    assert bitwise_equal(out, reference(2, *ARGS, script=FSDP))
