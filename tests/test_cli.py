@@ -38,7 +38,10 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, words: str) -> None
     (["run"], "the following arguments are required: script"),
     (["bench", "crash", "--systems", "slurm"], "unknown system(s) slurm"),
     (["bench", "crash", "--parallel", "ddp,tp"], "--parallel: unknown layout(s) tp"),
-    (["bench", "hang", "--parallel", "fsdp"], "--parallel is for bench crash (not hang)"),
+    (["bench", "hang", "--parallel", "fsdp"], "--parallel is for bench crash and overhead (not hang)"),
+    (["bench", "overhead", "--parallel", "fsdp,hsdp"], "overhead measures one layout"),
+    (["bench", "overhead", "--parallel", "fsdp", "--systems", "reproducible"],
+     "systems plain, nonstop only (not reproducible)"),
     (["report", "/nonexistent/run"], "no run at /nonexistent/run"),
 ])
 def test_bad_input(args, words):

@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--parallel", metavar="LIST", default="ddp",
                        help="crash: comma-separated data-parallel layouts, each the same job: "
                             "ddp, fsdp (FSDP2 over every rank), hsdp (2 replica groups of "
-                            "FSDP2 shards) (default ddp)")
+                            "FSDP2 shards); overhead: one of them (default ddp)")
     bench.add_argument("--false-positive-minutes", type=float, default=10.0,
                        help="hang: minutes of fault-free jittery training to count false alarms")
     bench.add_argument("--collective-timeout", type=float, default=10.0,
@@ -298,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import run_demo
 
             return run_demo(steps=args.steps, run_dir=args.run_dir)
+        if args.command == "bench" and args.parallel != "ddp" and args.scenario not in (
+                "crash", "overhead"):
+            raise UsageError(f"--parallel is for bench crash and overhead (not {args.scenario})")
         if args.command == "chaos" or (args.command == "bench" and args.scenario == "chaos"):
             if getattr(args, "hosts", None):  # the same soak across test hosts
                 from .bench import chaos_hosts
@@ -329,8 +332,6 @@ def main(argv: list[str] | None = None) -> int:
 
             module = {"crash": crash, "hang": hang, "state": state, "second": second,
                       "hosts": hosts, "elastic": elastic, "scale": scale}[args.scenario]
-            if args.parallel != "ddp" and args.scenario != "crash":
-                raise UsageError(f"--parallel is for bench crash (not {args.scenario})")
             if args.scenario == "hosts":  # its own defaults (steps, fault step: the driver's)
                 if args.repeat is None:
                     args.repeat = 3
