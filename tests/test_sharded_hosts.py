@@ -1,0 +1,51 @@
+"""A sharded job across test hosts (network namespaces with their own addresses, etcd on a host
+of its own): HSDP with one replica group per host, a host killed whole, its ranks moved to the
+spare host, each receiving its shard from its twin on the surviving host - checked bitwise."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import EXAMPLES, bitwise_equal
+
+from nonstop.bench import netns
+from nonstop.bench.hostjob import HostJob
+
+pytestmark = pytest.mark.integration
+
+ok, why = netns.available()
+if not ok:
+    pytest.skip(f"test hosts unavailable: {why}", allow_module_level=True)
+
+HSDP = EXAMPLES / "train_hsdp.py"
+ARGS = ("--steps", "90", "--dim", "16", "--blocks", "1")
+
+
+def test_an_hsdp_host_killed_whole_its_shards_come_from_their_twins_on_the_other_host(
+        tmp_path, reference):
+    """2 hosts of 2 ranks and a spare host; the mesh (2 replica groups x 2 shards) puts one
+    replica group on each host. The host of node 1 (not the controller's) is killed: its two
+    ranks go to the spare host and take their shards live from their twins on node 0, across
+    the hosts' addresses - no snapshot needed, no step lost beyond the one in flight."""
+    with HostJob(tmp_path / "job", 3) as j:
+        for i in range(3):
+            j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
+                    "--snapshot-every", "1000", script=str(HSDP),
+                    script_args=[*ARGS, "--sleep-ms", "15", "--save", str(j.base / "final.pt")])
+        j.wait_output("step 25 ", 120)
+        leader = j.of("leader")[0]
+        order = list(leader["hosts"])  # node order: the order the hosts joined
+        victim_node = 1 if order[1] != leader["host"] else 0
+        victim = order[victim_node]
+        j.kill_host(int(victim.removeprefix("host")))
+        codes = j.wait(150)
+        alive = {i: c for i, c in codes.items() if f"host{i}" != victim}
+        assert set(alive.values()) == {0}, "\n".join(j.output(i)[-3000:] for i in alive)
+        (incident,) = j.of("incident")
+        assert incident["steps_lost"] == 0, incident
+        spawns = {e["wid"]: e["node"] for e in j.of("spawn")}
+        first = {int(r): w for r, w in j.of("generation")[0]["ranks"].items()}
+        on_victim = sorted(r for r, w in first.items() if spawns[w] == victim_node)
+        assert len(on_victim) == 2
+        (rest,) = [e for e in j.of("restore") if e["gen"] > 0]
+        assert {rest["sources"][str(r)] for r in range(4)} == {"live"}, rest
+        assert bitwise_equal(j.base / "final.pt", reference(4, *ARGS, script=HSDP))
