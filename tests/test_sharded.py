@@ -137,3 +137,22 @@ def test_a_sharded_checkpoint_loads_with_plain_dcp_in_a_script_without_nonstop(t
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "nonstop" not in proc.stderr
     assert bitwise_equal(out, loaded)
+
+
+@pytest.mark.integration
+def test_an_error_in_the_scripts_build_function_stops_the_job_like_an_import_error(tmp_path):
+    """The build function is the script's own setup: its error, before any step, is the same on
+    every attempt (and leaves the model half sharded: ``fully_shard`` takes a module once, so
+    no retry in the process could build it again). The job stops at once, exit code 2, the
+    script's traceback shown once - not retried into 'fully_shard has already been applied'."""
+    from conftest import run_nonstop
+
+    run = run_nonstop(tmp_path / "run", "--nproc=2", "--spares=0",
+                      str(SCRIPTS / "mesh_bad_build.py"), timeout=180)
+    assert run.code == 2, run.stdout[-3000:] + run.stderr[-3000:]
+    assert {f["kind"] for f in run.of("fault")} == {"import_error"}
+    assert len(run.of("decision")) == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert "nonstop.Mesh's build function raised ValueError: reshard_after_forward" in last
+    assert "already been applied" not in run.stderr
+    assert run.stderr.count("Traceback") == 1

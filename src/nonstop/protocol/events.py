@@ -19,7 +19,9 @@ KINDS: dict[str, type[RankEvent]] = {}  # type -> its record
 
 # where a rank was in a generation when it failed: joining its group, agreeing on the state,
 # running the training function, or waiting to retry a step
-Phase = Literal["rendezvous", "restore", "train", "retry"]
+# where a rank was when it left: forming the group (and a mesh's groups), building a mesh's
+# sharded model (the script's build function, once per process), restoring, training
+Phase = Literal["rendezvous", "build", "restore", "train", "retry"]
 # a copy of the state: the rank's own in its process, its node's memory, the certified copy the
 # process keeps, a replica on the buddy node, a checkpoint on disk
 Source = Literal["live", "memory", "kept", "buddy", "disk"]

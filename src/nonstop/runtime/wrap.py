@@ -289,8 +289,7 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
         if rt.store.check([protocol.abort_key(gen, rt.worker_id)]):
             raise RuntimeError(f"generation {gen} was aborted before this rank joined")
         group.open(joined_store=lambda: rt.injector.in_recovery("rendezvous", rank, gen))
-        if rt.job_mesh is not None:
-            phase = "mesh"
+        if rt.job_mesh is not None:  # (the mesh's groups form in the rendezvous phase)
             group.extend(lambda: rt.job_mesh.form(gen, rank, world))
             if rt.job_mesh.state is None:  # the script shards its model: once per process
                 phase = "build"
@@ -335,6 +334,8 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure leads to the next generation
         t_caught = time.time()
+        if phase == "build":
+            _build_failed(rt, group, exc, gen, rank, tracked.step)
         cuda = of_exception(exc)
         if cuda is not None and cuda.sticky:
             _poisoned(rt, group, exc, cuda, gen, rank, phase, tracked.step)
@@ -448,6 +449,23 @@ def _poisoned(rt: Any, group: Any, exc: BaseException, cuda: Any, gen: int, rank
                                gen=gen, rank=rank, phase=phase, step=step))
     finally:
         _exit(protocol.EXIT_CUDA)
+
+
+def _build_failed(rt: Any, group: Any, exc: BaseException, gen: int, rank: int,
+                  step: int) -> None:
+    """The mesh's build function (the script's own code) raised: the model may be half
+    sharded (``fully_shard`` takes a module once), so this process cannot build it again. It
+    ends as a script that fails before its training function does: the first time in the job,
+    the job stops with the traceback (every attempt would fail the same way); later (a
+    replacement's), its rank gets a new process."""
+    group.abort()
+    error = f"nonstop.Mesh's build function raised {type(exc).__name__}: {exc}"[:2000]
+    try:
+        rt.emit(events.Exiting(code=1, error=error, traceback=_user_traceback(exc)[-20000:],
+                               import_error=True, assigned=True, gen=gen, rank=rank,
+                               phase="build", step=step))
+    finally:
+        _exit(1)
 
 
 def _abort_hung(rt: Any, gen: int, rank: int, why: str) -> None:

@@ -1,0 +1,24 @@
+"""A sharded script whose build function has a bug of its own (a wrong argument to
+fully_shard): the error is the script's, raised in the build phase."""
+
+import torch
+from torch.distributed.fsdp import fully_shard
+
+import nonstop
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+
+
+def parallelize(mesh):
+    fully_shard(model, mesh=mesh, reshard_after_forward="sometimes")  # not a bool or an int
+    return nonstop.State(model=model)
+
+
+@nonstop.wrap(nonstop.Mesh(("dp_shard",), (-1,), parallelize))
+def train(ctx):
+    for step in ctx.steps(5):
+        model(torch.ones(2, 4)).sum().backward()
+
+
+train()
