@@ -347,3 +347,17 @@ def test_import_does_not_import_torch():
     code = "import nonstop.state.checkpoint, sys; assert 'torch' not in sys.modules"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_a_part_record_is_what_the_keepers_reader_takes_sharded_or_not(tmp_path):
+    """The writer's part record crosses a process (keeper -> controller): it must read back as
+    a PartWritten whether the state holds shards or not."""
+    from nonstop.protocol import keeper_messages as km
+    from nonstop.state import shards
+
+    tmp = ck.temp_dir(tmp_path, 8)
+    plain = km.read(km.PartWritten, ck.write_part({"x": torch.ones(2)}, tmp, 0, {}))
+    assert plain.dtensors is None
+    sharded = {"model": {"w": torch.ones(2, 3)}, shards.KEY: {"model": [[["w"], [4, 3], [2, 0]]]}}
+    part = km.read(km.PartWritten, ck.write_part(sharded, tmp, 1, {}))
+    assert part.dtensors == {"model.w": [[4, 3], [2, 0]]}

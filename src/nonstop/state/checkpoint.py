@@ -102,8 +102,8 @@ def write_part(state_dict: Mapping[str, Any], tmp: Path, rank: int, info: dict) 
     from . import shards
 
     dtensors = shards.layout(state_dict)
-    if dtensors:
-        record["dtensors"] = {fqn: [shape, offset] for fqn, (shape, offset) in dtensors.items()}
+    record["dtensors"] = {fqn: [shape, offset] for fqn, (shape, offset) in dtensors.items()} \
+        if dtensors else None
     return record
 
 
