@@ -467,7 +467,10 @@ def test_sbatch_end_to_end_with_real_nonstop(tmp_path):
                      NONSTOP_ETCD_HOST="127.0.0.1", NONSTOP_ETCD_PORT=str(_free_port_pair()),
                      TMPDIR=str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "1 rank(s) on 1 host(s) + 1 spare host(s)" in proc.stdout
+    # the first controller says the job's shape; on a loaded machine its lease may lapse before
+    # the job forms, and a successor takes over (it says so instead)
+    assert "1 rank(s) on 1 host(s) + 1 spare host(s)" in proc.stdout or (
+        "takes over at generation" in proc.stdout), proc.stdout
     assert "nonstop exited 0" in proc.stdout
     runs = slurm.submit / "nonstop-runs" / slurm.job_id
     assert (runs / "n1").is_dir() and (runs / "n2").is_dir()

@@ -57,7 +57,8 @@ def test_a_mesh_the_script_built_itself_stops_the_job_with_advice(tmp_path):
                       "crash:rank=1,step=8", str(SCRIPTS / "fsdp_naive.py"), "--steps", "16",
                       timeout=180)
     assert run.code == 2, run.stdout[-3000:] + run.stderr[-3000:]
-    assert {f["kind"] for f in run.of("fault")} == {"crash", "setup"}
+    # (a survivor's collective may fail on the dead peer before it hears: a 'peer' symptom)
+    assert {f["kind"] for f in run.of("fault")} - {"peer"} == {"crash", "setup"}
     last = run.stderr.strip().splitlines()[-1]
     assert "nonstop.Mesh(dims, shape, build)" in last and "Traceback" not in run.stderr
     assert len(run.of("decision")) == 2  # the replacement, then the stop

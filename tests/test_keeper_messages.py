@@ -141,8 +141,11 @@ def test_a_replicas_frames_go_through_their_encoding_unchanged(frame):
 def test_what_a_keeper_writes_a_part_as_reads_back():
     part = {"dir": "rank-0", "files": {".metadata": {"bytes": 10, "xxh3": "ff"}}, "bytes": 10,
             "seconds": 0.5, "info": {"step": 1, "rank": 0, "world": 1, "sharded": False,
-                                     "source": "r0", "node": None, "reason": "final", "gen": 0}}
+                                     "source": "r0", "node": None, "reason": "final", "gen": 0},
+            "dtensors": None}
     assert km.encode(km.read(km.PartWritten, part)) == part
+    shards = dict(part, dtensors={"model.w": [[8, 4], [4, 0]]})  # a shard: whole shape, offset
+    assert km.encode(km.read(km.PartWritten, shards)) == shards
 
 
 @pytest.mark.parametrize("raw, said", [
