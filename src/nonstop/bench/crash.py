@@ -4,7 +4,9 @@ Systems, each on the same job (bench/job.py): nonstop with a warm spare, nonstop
 (a new process), and torchrun with --max-restarts and a checkpoint every 20 steps. With
 ``--parallel ddp,fsdp,hsdp`` each layout is its own job (DDP; FSDP2 over every rank; HSDP, 2
 replica groups of shards), run by every system, against a fault-free run of that layout;
-torchrun's FSDP2 checkpoint is DCP's.
+torchrun's FSDP2 checkpoint is DCP's. torchft (``torchft_run.py``) runs the HSDP layout, its own
+way (a replica group is its failure domain: the group restarts and heals from another), when it
+can be imported.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from typing import Any
 
 from . import common
 
-SYSTEMS = ("nonstop-spare", "nonstop-cold", "torchrun")
+SYSTEMS = ("nonstop-spare", "nonstop-cold", "torchrun", "torchft")
+# torchft's extra measures: its survivors go on alone instead of waiting for the killed group
+TORCHFT_EXTRA = ("survivors_pause_s", "degraded_steps")
 LAYOUTS = ("ddp", "fsdp", "hsdp")
 # from the fault to a new warm spare ready (the pool refilled): nonstop-spare only
 EXTRA = ("spare_refill_s",)
@@ -63,10 +67,20 @@ def run_once(system: str, ranks: int, steps: int, kill_step: int, out: Path,
 
 def main(args: argparse.Namespace) -> int:
     chosen = layouts(args.parallel)
+    if args.systems != ",".join(SYSTEMS) and "torchft" in args.systems.split(",") \
+            and "hsdp" not in chosen:
+        from ..errors import UsageError
+
+        raise UsageError("--systems torchft: torchft runs the hsdp layout (--parallel ...,hsdp)")
     systems, base, say = common.setup(args, SYSTEMS)
     say(f"bench crash: {args.ranks} ranks ({', '.join(chosen)}), {args.steps} steps, kill rank "
         f"{args.ranks // 2} at step {args.kill_step}, {args.repeat} repeats; runs in {base}")
     results = []
+    torchft_missing = None
+    if "torchft" in systems and "hsdp" in chosen:
+        from . import torchft_run
+
+        torchft_missing = torchft_run.unavailable()
     for parallel in chosen:
         where = base / parallel if len(chosen) > 1 else base
         ref_params = common.reference_weights(
@@ -75,12 +89,25 @@ def main(args: argparse.Namespace) -> int:
         if ref_params is None:
             return 1
         for system in systems:
+            if system == "torchft" and (parallel != "hsdp" or torchft_missing):
+                why = torchft_missing or "torchft runs the hsdp layout here (its replica groups)"
+                if parallel == "hsdp":
+                    say(f"  {parallel:4s} torchft: left out: {why}")
+                    results.append({"parallel": parallel, "system": "torchft", "skipped": why})
+                continue
             runs = []
             for i in range(args.repeat):
                 out = where / system / f"run{i}"
-                r = run_once(system, args.ranks, args.steps, args.kill_step, out, parallel)
-                r["params_match_reference"] = r["exit_code"] == 0 and common.params_equal(
-                    ref_params, out / "final.pt")
+                if system == "torchft":
+                    from . import torchft_run
+
+                    r = torchft_run.run_once(args.ranks, args.steps, args.kill_step, out,
+                                             TIMEOUT_S)
+                    r["params_match_reference"] = False  # by design: steps on fewer replicas
+                else:
+                    r = run_once(system, args.ranks, args.steps, args.kill_step, out, parallel)
+                    r["params_match_reference"] = r["exit_code"] == 0 and common.params_equal(
+                        ref_params, out / "final.pt")
                 runs.append(r)
                 mttr = "-" if r["mttr_s"] is None else f"{r['mttr_s']:.3f} s"
                 refill = r.get("spare_refill_s")
@@ -89,8 +116,11 @@ def main(args: argparse.Namespace) -> int:
                     f"match: {r['params_match_reference']}"
                     + ("" if refill is None else f", spare pool refilled in {refill:.3f} s")
                     + (f", restored from {r['restore_source']}" if r.get("restore_source")
-                       else ""))
-            result = {"parallel": parallel, **common.aggregate(system, runs, EXTRA)}
+                       else "")
+                    + (f", survivors paused {r.get('survivors_pause_s')} s and took "
+                       f"{r.get('degraded_steps')} steps alone" if system == "torchft" else ""))
+            extra = EXTRA + (TORCHFT_EXTRA if system == "torchft" else ())
+            result = {"parallel": parallel, **common.aggregate(system, runs, extra)}
             sources = sorted({r["restore_source"] for r in runs if r.get("restore_source")})
             result["restore_source"] = ",".join(sources) or None
             results.append(result)
@@ -99,12 +129,17 @@ def main(args: argparse.Namespace) -> int:
                "results": results}
     ratios = {}
     for parallel in chosen:
-        mine = [r for r in results if r["parallel"] == parallel]
+        mine = [r for r in results if r["parallel"] == parallel and "skipped" not in r]
         ratio = common.mttr_ratio(mine, "torchrun", "nonstop-spare")
         if ratio is not None:
             ratios[parallel] = ratio
     if ratios:
         summary["torchrun_over_nonstop_spare"] = ratios if len(chosen) > 1 else ratios[chosen[0]]
+    for parallel in chosen:  # torchft's heal against nonstop's spare, the same layout
+        mine = [r for r in results if r["parallel"] == parallel and "skipped" not in r]
+        ratio = common.mttr_ratio(mine, "torchft", "nonstop-spare")
+        if ratio is not None:
+            summary.setdefault("torchft_over_nonstop_spare", {})[parallel] = ratio
     ddp = {r["system"]: r for r in results if r["parallel"] == "ddp"}
     spare_ddp = (ddp.get("nonstop-spare") or {}).get("mttr_s", {}).get("median")
     if spare_ddp and len(chosen) > 1:  # the sharded layouts' MTTR against DDP's, same run
@@ -115,9 +150,20 @@ def main(args: argparse.Namespace) -> int:
 
 
 def table(summary: dict[str, Any]) -> str:
-    text = common.table(summary, EXTRA)
+    ran = dict(summary, results=[r for r in summary["results"] if "skipped" not in r])
+    text = common.table(ran, EXTRA)
+    for r in summary["results"]:
+        if "skipped" in r:
+            text += f"\n{r['parallel']} {r['system']}: left out ({r['skipped']})"
+        elif r["system"] == "torchft":
+            pause, alone = r.get("survivors_pause_s") or {}, r.get("degraded_steps") or {}
+            text += (f"\n{r['parallel']} torchft: the other replica group paused "
+                     f"{pause.get('median')} s, then trained alone for {alone.get('median')} "
+                     "steps (half the global batch) until the killed group healed")
     if summary.get("torchrun_over_nonstop_spare"):
         text += f"\n\ntorchrun / nonstop-spare MTTR ratio: {summary['torchrun_over_nonstop_spare']}"
+    if summary.get("torchft_over_nonstop_spare"):
+        text += f"\ntorchft / nonstop-spare MTTR ratio: {summary['torchft_over_nonstop_spare']}"
     if summary.get("over_ddp_spare"):
         text += f"\nnonstop-spare MTTR over DDP's: {summary['over_ddp_spare']}"
     return text

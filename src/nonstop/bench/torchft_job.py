@@ -1,9 +1,10 @@
 """The crash benchmark's HSDP job written for torchft 0.2.0 (Meta's fault-tolerant training), so
-that nonstop's recovery can be compared with torchft's. Not part of nonstop: it imports torchft,
-which nonstop's environment does not have. Install it elsewhere, without letting pip touch
-torch, and run with ``PYTHONPATH=/tmp/tftlib``::
+that nonstop's recovery can be compared with torchft's (``nonstop bench crash --parallel hsdp``,
+which starts it: ``torchft_run.py``). Not part of nonstop: it imports torchft, which nonstop does
+not depend on. Install torchft into a directory of its own without letting pip touch torch, and
+name that directory in ``NONSTOP_TORCHFT_PATH``::
 
-    .venv/bin/pip install --target /tmp/tftlib --no-deps torchft==0.2.0 \\
+    .venv/bin/pip install --target DIR --no-deps torchft==0.2.0 \\
         opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 \\
         opentelemetry-exporter-otlp-proto-http==1.45.2 \\
         opentelemetry-exporter-otlp-proto-common==1.45.2 \\
@@ -22,7 +23,7 @@ restarted group heals: it fetches model and Adam state (its own shards) from a h
 rank of the same group rank and joins at the current step. Steps taken while a group was down
 average fewer replicas, so the final weights are not those of a fault-free run. The run must
 outlast the restart: a group that comes back after the others have finished finds no quorum to
-heal from and trains alone from step 0 (``--steps 300`` with a kill at step 20 on 2 CPU cores).
+heal from and trains alone from step 0.
 
 Every rank appends ``<steps done> <time> <attempt>`` to ``out/steps-r<global rank>.txt`` after
 each committed step (global rank = replica group * group size + group rank; attempt: its
@@ -32,18 +33,17 @@ the start of that step in its first attempt, its time in ``out/kill.txt``. Each 
 appends ``<event> <time> <attempt>`` to ``out/timeline-r<global rank>.txt`` (start, imported,
 manager, heal): where a restarted rank's recovery time goes.
 
-Launch (2 replica groups of 2 ranks, all on this host)::
+Launch by hand (2 replica groups of 2 ranks, all on this host; ``torchft_run.py`` does this)::
 
-    export PYTHONPATH=/tmp/tftlib PY=/work/main/.venv/bin/python
-    $PY /tmp/tftlib/bin/torchft_lighthouse --bind [::]:29510 --min_replicas 1 \\
+    export PYTHONPATH=DIR
+    python src/nonstop/bench/torchft_lighthouse.py --bind [::]:29510 --min_replicas 1 \\
         --join_timeout_ms 5000 --heartbeat_timeout_ms 1000 --quorum_tick_ms 100 &
     for g in 0 1; do
       REPLICA_GROUP_ID=$g NUM_REPLICA_GROUPS=2 TORCHFT_LIGHTHOUSE=http://localhost:29510 \\
-      $PY -m torch.distributed.run --standalone --nproc-per-node=2 --max-restarts=3 \\
+      python -m torch.distributed.run --standalone --nproc-per-node=2 --max-restarts=3 \\
           --monitor-interval=0.1 src/nonstop/bench/torchft_job.py --out OUT --steps 300 \\
           --kill-rank 3 --kill-step 20 &
     done
-    wait %2 %3; kill %1  # the two torchruns, then the lighthouse
 """
 
 import time
