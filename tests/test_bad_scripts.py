@@ -118,3 +118,55 @@ def test_a_spare_failing_at_import_for_want_of_a_rank_does_not_stop_the_job(tmp_
     assert all(e["mode"] == "rank" for e in run.of("spawn") if not e["spare"])
     assert [d["level"] for d in run.of("decision")] == ["rank replacement"]
     assert {f["kind"] for f in run.of("fault")} - {"peer"} == {"crash"}  # peer: its symptom
+
+
+TRAINER = """
+import torch
+
+import nonstop
+
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+state = nonstop.State(model=model, optimizer=opt)
+
+
+@nonstop.wrap(state)
+def main(ctx):
+    for step in ctx.steps(5):
+        loss = model(torch.ones(2, 4)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ctx.report(loss)
+    return ctx.rank
+"""
+
+
+def test_a_script_whose_own_module_uses_nonstop_runs_wrapped(tmp_path):
+    """``train.py`` only calls ``main()`` from a package of the user's beside it, which wraps it
+    with nonstop: the job is a wrapped one (its steps counted), not taken for a plain script
+    whose ranks would wait for a generation that never comes."""
+    (tmp_path / "mylib").mkdir()
+    (tmp_path / "mylib" / "__init__.py").write_text("")
+    (tmp_path / "mylib" / "trainer.py").write_text(TRAINER)
+    script = tmp_path / "train.py"
+    script.write_text("from mylib.trainer import main\n\nmain()\n")
+    run = run_nonstop(tmp_path / "run", "--nproc=2", str(script), timeout=60)
+    assert run.code == 0, run.stdout + run.stderr
+    assert run.summary["steps"] == 5 and len(run.of("rank_wrapped")) == 2
+
+
+def test_a_script_that_reaches_nonstop_unseen_stops_at_once_saying_so(tmp_path):
+    """A script that runs another through ``runpy``: nothing in its source or its modules
+    imports nonstop, so it runs as a plain script; when it reaches ``nonstop.wrap`` the rank
+    says what to change (exit code 2, one line) instead of waiting for ever."""
+    (tmp_path / "trainer_main.py").write_text(TRAINER + "\nmain()\n")
+    script = tmp_path / "launch.py"
+    script.write_text("import os\nimport runpy\n\nrunpy.run_path(os.path.join(os.path.dirname("
+                      "os.path.abspath(__file__)), 'trainer_main.py'), run_name='__main__')\n")
+    run = run_nonstop(tmp_path / "run", "--nproc=2", str(script), timeout=60)
+    assert run.code == 2, run.stdout + run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert "reached nonstop.wrap" in last and "add 'import nonstop' to the script" in last
+    assert "Traceback" not in run.stderr
+    assert_none_left(timeout=2.0)

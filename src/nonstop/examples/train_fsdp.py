@@ -1,6 +1,13 @@
-"""FSDP2 (``fully_shard``) made restartable with nonstop.
+"""FSDP2 (``fully_shard``) made restartable with nonstop; HSDP with ``--replicas R``.
 
     nonstop run --nproc 4 --spares 1 examples/train_fsdp.py --steps 100 --save final.pt
+
+With ``--replicas R`` (examples/train_hsdp.py: 2) the mesh is ``(dp_replicate, dp_shard)`` =
+``(R, world / R)``: R replica groups of sharded ranks (HSDP). Each rank then has a twin, the rank
+at the same shard position in another replica group, that holds the same shard: a lost rank's
+replacement receives its shard live from it, peer to peer, checked by digest - nothing is lost
+even without a snapshot at every step. Plain FSDP has no twin: every rank resumes from the newest
+snapshot all shards have.
 
 The change from a plain FSDP2 script: the sharding and the optimizer move into a function of the
 mesh, given to ``nonstop.wrap`` with the mesh's names and shape (``nonstop.Mesh``). nonstop runs
@@ -24,6 +31,8 @@ parser.add_argument("--steps", type=int, default=100)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--dim", type=int, default=32)
 parser.add_argument("--blocks", type=int, default=2)
+parser.add_argument("--replicas", type=int, default=1,
+                    help="replica groups (HSDP's dp_replicate); 1: plain FSDP over every rank")
 parser.add_argument("--sleep-ms", type=float, default=0.0, help="stand-in for accelerator work")
 parser.add_argument("--save", help="rank 0 writes the final (full) parameters here")
 args = parser.parse_args()
@@ -62,7 +71,8 @@ model = Model(args.dim, args.blocks)  # the same initial weights on every rank (
 
 
 def parallelize(mesh):
-    """The script's own FSDP2: each block a unit, then the root. Runs once per process."""
+    """The script's own FSDP2 (HSDP on a 2-D mesh): each block a unit, then the root. Runs once
+    per process."""
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -76,7 +86,11 @@ def batch(step, rank):
     return x, x.sum(dim=(1, 2)).sin().unsqueeze(1)
 
 
-@nonstop.wrap(nonstop.Mesh(("dp_shard",), (-1,), parallelize))
+MESH = (nonstop.Mesh(("dp_shard",), (-1,), parallelize) if args.replicas == 1 else
+        nonstop.Mesh(("dp_replicate", "dp_shard"), (args.replicas, -1), parallelize))
+
+
+@nonstop.wrap(MESH)
 def train(ctx):
     optimizer = ctx.state["optimizer"]
     for step in ctx.steps(args.steps):

@@ -2,100 +2,19 @@
 
     nonstop run --nproc 4 --spares 1 examples/train_hsdp.py --steps 100 --save final.pt
 
-Two replica groups of sharded ranks (``--replicas``, 2 by default): each rank holds a shard, and
-the rank at the same shard position in the other replica group (its twin) holds the same one.
-A lost rank's replacement receives its shard from its twin's live state, peer to peer, checked by
-digest: nothing is lost even without a snapshot at every step. Otherwise as
-examples/train_fsdp.py: the sharding lives in a function of the mesh, run once per process.
+examples/train_fsdp.py with two replica groups (``--replicas 2`` unless given): the mesh is
+``(dp_replicate, dp_shard)`` = ``(2, world / 2)``; each rank's twin in the other replica group
+holds the same shard, and a lost rank's replacement receives it live from its twin: nothing is
+lost even without a snapshot at every step. Read train_fsdp.py for the script itself.
 """
 
-import argparse
-import time
+import os
+import runpy
+import sys
 
-import torch
-import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
+import nonstop  # noqa: F401 - the script it runs uses nonstop: nonstop run reads that from here
 
-import nonstop
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--steps", type=int, default=100)
-parser.add_argument("--seed", type=int, default=0)
-parser.add_argument("--dim", type=int, default=32)
-parser.add_argument("--blocks", type=int, default=2)
-parser.add_argument("--replicas", type=int, default=2, help="replica groups (dp_replicate)")
-parser.add_argument("--sleep-ms", type=float, default=0.0, help="stand-in for accelerator work")
-parser.add_argument("--save", help="rank 0 writes the final (full) parameters here")
-args = parser.parse_args()
-
-
-class Block(torch.nn.Module):
-    """A small transformer block: self-attention and an MLP, each with a residual."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
-        self.attn = torch.nn.MultiheadAttention(dim, num_heads=4, batch_first=True)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
-                                       torch.nn.Linear(4 * dim, dim))
-
-    def forward(self, x):
-        h = self.norm1(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
-        return x + self.mlp(self.norm2(x))
-
-
-class Model(torch.nn.Module):
-    def __init__(self, dim: int, blocks: int):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(Block(dim) for _ in range(blocks))
-        self.head = torch.nn.Linear(dim, 1)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x).mean(dim=1)
-
-
-torch.manual_seed(args.seed)
-model = Model(args.dim, args.blocks)  # the same initial weights on every rank (one seed)
-
-
-def parallelize(mesh):
-    """The script's own HSDP: FSDP2 over the 2-D mesh shards along dp_shard and replicates along
-    dp_replicate; each block a unit, then the root. Runs once per process."""
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return nonstop.State(model=model, optimizer=optimizer)
-
-
-def batch(step, rank):
-    g = torch.Generator().manual_seed(nonstop.step_seed(args.seed, step, rank))
-    x = torch.randn(8, 6, args.dim, generator=g)
-    return x, x.sum(dim=(1, 2)).sin().unsqueeze(1)
-
-
-@nonstop.wrap(nonstop.Mesh(("dp_replicate", "dp_shard"), (args.replicas, -1), parallelize))
-def train(ctx):
-    optimizer = ctx.state["optimizer"]
-    for step in ctx.steps(args.steps):
-        x, y = batch(step, ctx.rank)
-        loss = F.mse_loss(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        ctx.report(loss)
-        if args.sleep_ms:
-            time.sleep(args.sleep_ms / 1000)
-        if ctx.rank == 0 and step % 25 == 0:
-            print(f"step {step} loss {loss.item():.4f} (generation {ctx.generation})")
-    # every rank takes part in gathering the full parameters (rank 0 keeps them)
-    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
-    return full if ctx.rank == 0 else None
-
-
-full = train()
-if full is not None and args.save:
-    torch.save(full, args.save)
+if not any(a == "--replicas" or a.startswith("--replicas=") for a in sys.argv[1:]):
+    sys.argv[1:1] = ["--replicas", "2"]
+runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_fsdp.py"),
+               run_name="__main__")

@@ -107,10 +107,9 @@ def check_script(path: str) -> tuple[bool, list[str]]:
     finally:
         sys.path.remove(script_dir)
     names = [n for n, _ in tops]
-    all_imports = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names] + \
-        [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
-    uses_nonstop = any(x == "nonstop" or x.startswith("nonstop.") for x in all_imports)
-    return uses_nonstop, names
+    from ..script_scan import uses_nonstop
+
+    return uses_nonstop(p, tree), names
 
 
 def prepare(cfg: RunConfig) -> tuple[policy_mod.Policy, list[inject.FaultSpec], bool]:

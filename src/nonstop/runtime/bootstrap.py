@@ -50,15 +50,11 @@ def script_imports(path: str) -> tuple[list[str], bool, bool]:
         tree = ast.parse(source, path)
     except (OSError, SyntaxError, ValueError):
         return [], False, False
-    names: list[str] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.extend(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names.append(node.module)
-    uses_nonstop = any(n == "nonstop" or n.startswith("nonstop.") for n in names)
+    from ..script_scan import imported_names, uses_nonstop
+
+    names = imported_names(tree)
     uses_ddp = b"DistributedDataParallel" in source or b"DDP(" in source
-    return names, uses_nonstop, uses_ddp
+    return names, uses_nonstop(path, tree), uses_ddp
 
 
 def prewarm(names: list[str], uses_ddp: bool) -> None:
@@ -111,7 +107,7 @@ def main() -> None:
     if rt.assignment is not None:
         rt.apply_env(rt.assignment)
         if not uses_nonstop:
-            rt.assignment_consumed = True
+            rt.assignment_consumed = rt.entered_plain = True
             rt.emit(events.EnteredGeneration(gen=rt.assignment.gen, rank=rt.assignment.rank,
                                              plain=True, step=None, t_assigned=time.time()))
     run_script(rt, script, args)

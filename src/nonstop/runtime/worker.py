@@ -78,6 +78,9 @@ class WorkerRuntime:
         self.injector = inject.Injector(self.faults, self._claim_fault, self._announce_fault)
         self.registered = False  # whether the wrapped function registered a nonstop.State
         self.job_mesh: Any = None  # a sharded job's lasting mesh (mesh.JobMesh), once declared
+        # the script was taken for a plain one (no nonstop import found in it or its modules):
+        # its assignment went to the script itself, so a nonstop.wrap it reaches has none
+        self.entered_plain = False
         self.node_memory: Any = None  # this node's memory (its keeper), when snapshots are on
         self.snapshots: Any = None
         keeper = os.environ.get(protocol.ENV_KEEPER)

@@ -125,6 +125,8 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
     from .pg import GenerationGroup
 
     job = rt.job
+    if rt.entered_plain:
+        _reached_unseen(rt)
     if isinstance(state, Mesh) and rt.job_mesh is None:
         rt.job_mesh = JobMesh(state)
     tracked = state if isinstance(state, State) else _StepOnly()
@@ -449,6 +451,25 @@ def _poisoned(rt: Any, group: Any, exc: BaseException, cuda: Any, gen: int, rank
                                gen=gen, rank=rank, phase=phase, step=step))
     finally:
         _exit(protocol.EXIT_CUDA)
+
+
+def _reached_unseen(rt: Any) -> None:
+    """The script reached ``nonstop.wrap``, but nothing in its source or its own modules imports
+    nonstop (it came in another way: ``runpy``, ``importlib``, an installed package), so the job
+    runs as a plain script's, and no generation will be assigned to this function. Waiting would
+    hang: the process ends as a script failing before its training function does (the job stops
+    at once, exit code 2), saying what to change."""
+    a = rt.assignment
+    error = ("the script reached nonstop.wrap, but neither it nor a module of its own that it "
+             "imports imports nonstop, so nonstop run took it for a plain script: add "
+             "'import nonstop' to the script")
+    print(f"nonstop: {error}", file=sys.stderr, flush=True)
+    try:
+        rt.emit(events.Exiting(code=1, error=error, traceback=None, import_error=True,
+                               assigned=True, gen=a.gen if a else None,
+                               rank=a.rank if a else None))
+    finally:
+        _exit(1)
 
 
 def _build_failed(rt: Any, group: Any, exc: BaseException, gen: int, rank: int,
