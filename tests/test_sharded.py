@@ -156,3 +156,18 @@ def test_an_error_in_the_scripts_build_function_stops_the_job_like_an_import_err
     assert "nonstop.Mesh's build function raised ValueError: reshard_after_forward" in last
     assert "already been applied" not in run.stderr
     assert run.stderr.count("Traceback") == 1
+
+
+@pytest.mark.integration
+def test_fully_shard_given_another_mesh_than_nonstops_stops_the_job_saying_so(tmp_path):
+    """``fully_shard(model)`` with no mesh builds its own on the generation's default group: it
+    would train, then hang or fail after the first fault. Found when the build function
+    returns, before any step: exit code 2, one line naming the parameter and what to change."""
+    from conftest import run_nonstop
+
+    run = run_nonstop(tmp_path / "run", "--nproc=2", "--spares=0",
+                      str(SCRIPTS / "mesh_bad_build.py"), "--mistake", "no_mesh", timeout=180)
+    assert run.code == 2, run.stdout[-3000:] + run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert "model.0.weight is sharded over a mesh other than" in last
+    assert "pass it the build function's mesh" in last and "Traceback" not in run.stderr

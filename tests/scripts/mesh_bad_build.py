@@ -1,17 +1,26 @@
-"""A sharded script whose build function has a bug of its own (a wrong argument to
-fully_shard): the error is the script's, raised in the build phase."""
+"""A sharded script whose build function has a bug of its own: a wrong argument to fully_shard
+(``--mistake argument``), or no mesh given to it (``--mistake no_mesh``: fully_shard then builds
+its own mesh, on groups that end with their generation)."""
+
+import argparse
 
 import torch
 from torch.distributed.fsdp import fully_shard
 
 import nonstop
 
+p = argparse.ArgumentParser()
+p.add_argument("--mistake", choices=["argument", "no_mesh"], default="argument")
+args = p.parse_args()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
 
 
 def parallelize(mesh):
-    fully_shard(model, mesh=mesh, reshard_after_forward="sometimes")  # not a bool or an int
+    if args.mistake == "no_mesh":
+        fully_shard(model)
+    else:
+        fully_shard(model, mesh=mesh, reshard_after_forward="sometimes")  # not a bool or an int
     return nonstop.State(model=model)
 
 

@@ -282,6 +282,26 @@ class JobMesh:
             out.append(shard)
         return tuple(out)
 
+    def foreign(self, state: Any) -> str | None:
+        """The first sharded parameter of ``state`` whose mesh is not built on this job's lasting
+        groups (``fully_shard`` given no mesh builds its own on the generation's default group,
+        which ends with it), as ``"name.param"``; None when all are."""
+        import torch
+
+        from ..state.shards import is_dtensor
+
+        ours = {g.group_name for g in self.groups}
+        for name, obj in state.objects().items():
+            if not isinstance(obj, torch.nn.Module):
+                continue
+            for pname, p in obj.named_parameters():
+                if not is_dtensor(p):
+                    continue
+                names = getattr(p.device_mesh, "_dim_group_names", None) or []
+                if not names or any(n not in ours for n in names):
+                    return f"{name}.{pname}"
+        return None
+
     def leave(self) -> None:
         """The generation ended: nothing is inside the lasting groups until the next forms."""
         for lasting in self.groups:

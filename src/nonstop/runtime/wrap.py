@@ -295,8 +295,14 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
             group.extend(lambda: rt.job_mesh.form(gen, rank, world))
             if rt.job_mesh.state is None:  # the script shards its model: once per process
                 phase = "build"
-                tracked = rt.job_mesh.state = _built(rt.job_mesh.spec.build(
-                    rt.job_mesh.device_mesh))
+                built = _built(rt.job_mesh.spec.build(rt.job_mesh.device_mesh))
+                stray = rt.job_mesh.foreign(built)
+                if stray is not None:
+                    raise ScriptSetupError(
+                        f"{stray} is sharded over a mesh other than the one nonstop.Mesh gives "
+                        "the build function (fully_shard without mesh= builds its own, on groups "
+                        "that end with their generation): pass it the build function's mesh")
+                tracked = rt.job_mesh.state = built
                 tracked.twins = rt.job_mesh.twins(tracked)
                 _attach(rt, tracked)
         elif rt.ever_entered and (unmanaged := shards.unmanaged_mesh(tracked)) is not None:
@@ -480,7 +486,8 @@ def _build_failed(rt: Any, group: Any, exc: BaseException, gen: int, rank: int,
     the job stops with the traceback (every attempt would fail the same way); later (a
     replacement's), its rank gets a new process."""
     group.abort()
-    error = f"nonstop.Mesh's build function raised {type(exc).__name__}: {exc}"[:2000]
+    error = (str(exc) if isinstance(exc, ScriptSetupError) else
+             f"nonstop.Mesh's build function raised {type(exc).__name__}: {exc}")[:2000]
     try:
         rt.emit(events.Exiting(code=1, error=error, traceback=_user_traceback(exc)[-20000:],
                                import_error=True, assigned=True, gen=gen, rank=rank,
