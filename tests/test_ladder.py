@@ -219,3 +219,17 @@ def test_nonstops_own_error_stops_the_job_named_as_nonstops_never_the_users():
     assert "a bug in nonstop" in d.diagnosis and "not in the training code" in d.diagnosis
     assert d.traceback == f[0].traceback
     assert ladder.charge(d, f, Counters()).user_errors_in_a_row == 0  # not the user's
+
+
+def test_the_failure_domain_of_a_sharded_job_is_the_rank_or_its_replica_group():
+    """HSDP, 2 replica groups of 2 shards: a crash replaces the rank alone (its twin has its
+    shard), or - recover.failure_domain: replica_group, torchft's model - its whole group. A
+    job with no replica groups (DDP, plain FSDP) is not affected."""
+    groups = {0: (0, 1), 1: (0, 1), 2: (2, 3), 3: (2, 3)}
+    hsdp = JobView(world=4, node_of=V4.node_of, spare_nodes=1, capacity=6, replica_groups=groups)
+    crash = [Fault("crash", rank=1, code=-9)]
+    assert run(crash, dead={1}, view=hsdp).replace == {1}
+    whole = Policy().with_overrides(**{"recover.failure_domain": "replica_group"})
+    d = run(crash, dead={1}, view=hsdp, policy=whole)
+    assert d.level is Level.REPLACE_RANK and d.replace == {0, 1}
+    assert run(crash, dead={1}, view=V4, policy=whole).replace == {1}

@@ -171,3 +171,25 @@ def test_fully_shard_given_another_mesh_than_nonstops_stops_the_job_saying_so(tm
     last = run.stderr.strip().splitlines()[-1]
     assert "model.0.weight is sharded over a mesh other than" in last
     assert "pass it the build function's mesh" in last and "Traceback" not in run.stderr
+
+
+@pytest.mark.integration
+def test_an_hsdp_job_whose_failure_domain_is_the_replica_group_replaces_the_whole_group(
+        tmp_path, reference):
+    """``recover.failure_domain: replica_group`` (torchft's model, for comparison): rank 1 is
+    killed, and its whole replica group (ranks 0 and 1) gets new processes, both shards coming
+    live from their twins in the other group; bitwise, nothing lost."""
+    from conftest import policy_file
+
+    pol = policy_file(tmp_path, "recover:\n  failure_domain: replica_group\n")
+    run, out = train(tmp_path, "--spares=1", "--snapshot-every=5", f"--policy={pol}",
+                     "--inject=crash:rank=1,step=9", args=ARGS, world=4, script=HSDP)
+    (inc,) = run.summary["incident_list"]
+    assert sorted(inc["replaced"]) == [0, 1] and inc["steps_lost"] == 0
+    held = rank_wids(run)
+    assert len(held[0]) == 2 and len(held[1]) == 2 and len(held[2]) == 1 and len(held[3]) == 1
+    (restore,) = [r for r in run.of("restore") if r["gen"] == 1]
+    assert restore["step"] == 9 and restore["sources"] == {str(r): "live" for r in range(4)}
+    assert {e["rank"]: e["replica_group"] for e in run.of("rank_entered") if e["gen"] == 0} == {
+        0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
+    assert bitwise_equal(out, reference(4, *ARGS, script=HSDP))

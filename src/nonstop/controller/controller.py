@@ -321,7 +321,8 @@ class Controller:
                        total_nodes=self.gens.total_nodes, slots=self.gens.slots, lost_memory=lost,
                        slowest_step_s=self.watchers.signals.hang.slowest_step(),
                        abort_s=self.policy.timeouts.abort_s if self.reports.nccl else 0.0,
-                       target_world=self.gens.target, ready_spares=self.gens.ready_spares())
+                       target_world=self.gens.target, ready_spares=self.gens.ready_spares(),
+                       replica_groups=self.reports.replica_groups)
 
     def _step(self, ob: mc.Observation) -> None:
         """One observation through the machine, its commands carried out in order; what a

@@ -48,6 +48,8 @@ class Seen:
     abort_s: float = 0.0  # what an abort of the ranks' communicators may take (NCCL's)
     target_world: int = 0  # the world the job was started with (0: the ranks seen)
     ready_spares: dict[int, int] = dataclasses.field(default_factory=dict)  # node -> warm, ready
+    # a sharded job's replica groups (rank -> its group's ranks), as the ranks said; read only
+    replica_groups: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def target(self) -> int:

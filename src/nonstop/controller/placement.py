@@ -21,7 +21,8 @@ def view(isolated: set[int], seen: Seen) -> JobView:
                    spare_nodes=len(spare_nodes(node_of, seen.total_nodes, isolated)),
                    capacity=len(healthy) * seen.slots, slots=seen.slots,
                    ready_spares=dict(seen.ready_spares),
-                   free_slots=free_slots(node_of, seen.slots, set(isolated)))
+                   free_slots=free_slots(node_of, seen.slots, set(isolated)),
+                   replica_groups=seen.replica_groups)
 
 
 def free_slots(node_of: dict[int, int], slots: int, isolated: set[int],

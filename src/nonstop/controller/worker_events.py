@@ -102,6 +102,9 @@ class RankReports:
         self.final_persist: int | None = None  # the last step's checkpoint, awaited at the end
         self.snap_stats: dict[str, Any] | None = None  # rank 0's snapshot numbers
         self.last_entered: events.EnteredGeneration | None = None  # the newest entry
+        # a sharded job's replica groups, as its ranks said (rank -> the ranks of its group):
+        # read by the ladder, updated in place (never copied: 16,384 ranks)
+        self.replica_groups: dict[int, tuple[int, ...]] = {}
         self._run: set[str] = set()  # the kinds of a run of events judged after its last
 
     # == events ==================================================================================
@@ -153,6 +156,8 @@ class RankReports:
                     self.memory.sharded = ev.sharded
                 if ev.nccl:  # its aborts take NCCL's time: the teardown allows for it
                     self.nccl = True
+                if ev.replica_group is not None:
+                    self.replica_groups[ev.rank] = tuple(ev.replica_group)
                 self.last_entered = ev
                 self._run.add(ev.type)
                 odd = [s for s in ev.skipped if s.cause == "sdc"]

@@ -114,6 +114,8 @@ class JobView:
     # node -> places left on a healthy node that holds ranks (after scale-in and scale-out the
     # ranks need not fill their nodes: a lost node's ranks can go there when no node is spare)
     free_slots: dict[int, int] = dataclasses.field(default_factory=dict)
+    # a sharded job's replica groups (rank -> its group's ranks; empty: none)
+    replica_groups: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +178,10 @@ def decide(faults: list[Fault], dead: set[int], view: JobView, policy: Policy,
     dead = set(dead) | {f.rank for f in faults if f.kind in _NEW_PROCESS and f.rank is not None}
     if counters.user_errors_in_a_row:  # out of GPU memory again: a new process, a new allocator
         dead |= {f.rank for f in faults if f.kind == "cuda_oom" and f.rank is not None}
+    if policy.recover.failure_domain == "replica_group" and view.replica_groups:
+        # torchft's model: a lost rank's whole replica group gets new processes (their shards
+        # come from their twins in the other groups)
+        dead |= {r for d in dead for r in view.replica_groups.get(d, (d,))}
     user = [f for f in faults if f.attribution is Attribution.USER]
     infra = [f for f in faults if f.attribution is Attribution.INFRA]
     imports = [f for f in faults if f.kind == "import_error"]

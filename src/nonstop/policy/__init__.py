@@ -176,6 +176,9 @@ class Timeouts(_Strict):
 class Recover(_Strict):
     levels: Levels = Levels()
     timeouts: Timeouts = Timeouts()
+    # a sharded job (nonstop.Mesh): what a lost rank takes with it - itself (its replacement
+    # takes its shard from its twin), or its whole replica group (torchft's model)
+    failure_domain: Literal["rank", "replica_group"] = "rank"
 
 
 # -- rules ------------------------------------------------------------------------------------------

@@ -135,6 +135,9 @@ class EnteredGeneration(RankEvent):
     restore_s: float | None = None
     restore_phases: dict[str, float] | None = None
     sharded: bool | None = None
+    # a mesh's replicated dimension (HSDP): the ranks of this rank's replica group (a whole
+    # copy of the model, one shard each), itself included
+    replica_group: list[int] | None = None
     nccl: bool | None = None
     t_pg: float | None = None  # its group formed
     t_restored: float | None = None

@@ -282,6 +282,19 @@ class JobMesh:
             out.append(shard)
         return tuple(out)
 
+    def replica_group(self, twins: tuple[int, ...] | None) -> list[int] | None:
+        """The ranks of this rank's replica group: those holding one shard each of a whole copy
+        (the same coordinates along the dimensions its twins differ in - those every tensor is
+        replicated along). None without twins (every rank's state is its own)."""
+        if twins is None or self.rank is None or self.sizes is None:
+            return None
+        sizes, me = self.sizes, self.rank
+        mine = coordinates(me, sizes)
+        copies = [coordinates(r, sizes) for r in range(len(twins)) if twins[r] == twins[me]]
+        replicated = [d for d in range(len(sizes)) if len({c[d] for c in copies}) > 1]
+        return [r for r in range(len(twins))
+                if all(coordinates(r, sizes)[d] == mine[d] for d in replicated)]
+
     def foreign(self, state: Any) -> str | None:
         """The first sharded parameter of ``state`` whose mesh is not built on this job's lasting
         groups (``fully_shard`` given no mesh builds its own on the generation's default group,

@@ -327,6 +327,8 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
             sources={str(r): s for r, s in resumed.sources.items()}, skipped=resumed.skipped,
             nbytes=resumed.nbytes, restore_s=round(resumed.seconds, 6),
             restore_phases=resumed.phases, sharded=tracked.sharded, nccl=group.nccl,
+            replica_group=rt.job_mesh.replica_group(tracked.twins)
+            if rt.job_mesh is not None else None,
             t_assigned=t_assigned, t_pg=t_pg, t_restored=t_restored,
             fds=len(os.listdir("/proc/self/fd")), threads=len(os.listdir("/proc/self/task")),
             rss_mb=_rss_mb()))
