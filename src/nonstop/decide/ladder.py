@@ -318,6 +318,8 @@ def shrink(lost: set[int], sick_nodes: set[int], view: JobView, policy: Policy
         drop = set(lost) | {r for r, n in view.node_of.items() if n in sick_nodes}
     if not drop:
         return set(), "no rank lost"
+    if view.replica_groups:  # a sharded job: a lost rank's whole replica group leaves with it
+        drop |= {r for d in set(drop) for r in view.replica_groups.get(d, (d,))}
     left = view.world - len(drop)
     allowed = left - left % cfg.multiple_of
     keep = sorted(r for r in range(view.world) if r not in drop)

@@ -44,7 +44,9 @@ class Block(torch.nn.Module):
     def __init__(self, dim: int):
         super().__init__()
         self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
-        self.attn = torch.nn.MultiheadAttention(dim, num_heads=4, batch_first=True)
+        # (no projection biases: the keys' bias gets no gradient but rounding noise, which Adam
+        # would amplify into steps of the learning rate's size)
+        self.attn = torch.nn.MultiheadAttention(dim, num_heads=4, batch_first=True, bias=False)
         self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
                                        torch.nn.Linear(4 * dim, dim))
 
@@ -80,9 +82,13 @@ def parallelize(mesh):
     return nonstop.State(model=model, optimizer=optimizer)
 
 
-def batch(step, rank):
-    g = torch.Generator().manual_seed(nonstop.step_seed(args.seed, step, rank))
-    x = torch.randn(8, 6, args.dim, generator=g)
+def batch(step, ctx):
+    """This rank's share of the step's global batch (8 samples per rank of the full world): the
+    same global batch whatever the world, should a replica group be away (HSDP)."""
+    g = torch.Generator().manual_seed(nonstop.step_seed(args.seed, step, 0))
+    x = torch.randn(8 * ctx.full_world_size, 6, args.dim, generator=g)
+    mine = ctx.share(len(x))
+    x = x[mine.start:mine.stop]
     return x, x.sum(dim=(1, 2)).sin().unsqueeze(1)
 
 
@@ -94,7 +100,7 @@ MESH = (nonstop.Mesh(("dp_shard",), (-1,), parallelize) if args.replicas == 1 el
 def train(ctx):
     optimizer = ctx.state["optimizer"]
     for step in ctx.steps(args.steps):
-        x, y = batch(step, ctx.rank)
+        x, y = batch(step, ctx)
         loss = F.mse_loss(model(x), y)
         optimizer.zero_grad()
         loss.backward()

@@ -146,6 +146,14 @@ def lasting_group_type() -> Any:
         def _set_group_name(self, name: str) -> None:
             self._name = name
 
+        def size(self) -> int:
+            """The current generation's size (a replica dimension with groups away is smaller
+            than the mesh: FSDP2 divides the reduced gradients by it)."""
+            return super().size() if self.inner is None else self.inner.size()
+
+        def rank(self) -> int:
+            return super().rank() if self.inner is None else self.inner.rank()
+
         def getBackendName(self) -> str:  # noqa: N802 - torch's name
             return "gloo" if self.inner is None else self.inner._get_backend_name()
 
@@ -205,25 +213,35 @@ class JobMesh:
         self.device_mesh: Any = None
         self.state: Any = None
         self.gen: int | None = None
+        self.logical: tuple[int, ...] | None = None  # the full mesh's sizes (sizes: this world's)
+        self.split: set[int] | None = None  # dimensions some tensor is sharded along
 
-    def form(self, gen: int, rank: int, world: int) -> None:
+    def form(self, gen: int, rank: int, world: int, full_world: int = 0) -> None:
         """Put generation ``gen``'s groups inside the lasting ones (creating them, and the mesh,
         the first time). Called by every rank of the generation, right after its default group
-        formed: every subgroup is formed by its own members (in the same order on each)."""
+        formed: every subgroup is formed by its own members (in the same order on each).
+
+        The mesh is the job's full one (``full_world`` ranks). A world that shrank by whole
+        replica groups (HSDP) has fewer along the first dimension: the same logical mesh, its
+        first dimension's groups smaller (a lasting group says its current size), every rank
+        keeping its coordinates along the others (its shard)."""
         import torch.distributed as dist
 
-        sizes = self.spec.sizes(world)
+        logical = self.spec.sizes(full_world or world)
+        current = self._current(logical, world)
+        coord = coordinates(rank, current)
         if self.sizes is None:
-            self.sizes, self.rank = sizes, rank
-            self.ranks = [group_ranks(rank, sizes, d) for d in range(len(sizes))]
+            self.logical = logical
             lasting = lasting_group_type()
-            self.groups = [lasting(members.index(rank), len(members), f"nonstop:{name}")
-                           for name, members in zip(self.spec.dims, self.ranks)]
-        elif sizes != self.sizes or rank != self.rank:
+            self.groups = [lasting(coord[d], logical[d], f"nonstop:{name}")
+                           for d, name in enumerate(self.spec.dims)]
+        elif logical != self.logical or coord[1:] != coordinates(self.rank, self.sizes)[1:]:
             raise MeshError(f"rank {self.rank} of a mesh {dict(zip(self.spec.dims, self.sizes))} "
                             f"was assigned rank {rank} of a mesh "
-                            f"{dict(zip(self.spec.dims, sizes))}: a sharded job keeps its mesh "
-                            "(resharding to another world is not supported yet)")
+                            f"{dict(zip(self.spec.dims, current))}: a sharded job keeps its "
+                            "shard (only whole replica groups may leave and come back)")
+        self.sizes, self.rank = current, rank
+        self.ranks = [group_ranks(rank, current, d) for d in range(len(current))]
         default = dist.distributed_c10d._get_default_group()
         formed: dict[tuple[int, ...], Any] = {tuple(range(world)): default}
         for lasting, members in zip(self.groups, self.ranks):
@@ -236,12 +254,27 @@ class JobMesh:
         if self.device_mesh is None:
             self.device_mesh = self._device_mesh()
 
+    def _current(self, logical: tuple[int, ...], world: int) -> tuple[int, ...]:
+        """The mesh of a world of ``world`` ranks: the logical one, with fewer along the first
+        dimension when whole replica groups are away (only along a replicated one)."""
+        total = math.prod(logical)
+        if world == total:
+            return logical
+        rest = math.prod(logical[1:])
+        if len(logical) < 2 or world % rest or not 0 < world < total:
+            raise MeshError(f"a mesh {dict(zip(self.spec.dims, logical))} cannot run on {world} "
+                            f"ranks: only whole replica groups ({rest} ranks each) may leave")
+        if self.split is not None and 0 in self.split:
+            raise MeshError(f"the mesh's first dimension ({self.spec.dims[0]!r}) shards tensors: "
+                            f"the job cannot run on {world} of its {total} ranks")
+        return (world // rest,) + logical[1:]
+
     def _device_mesh(self) -> Any:
         import torch
         from torch.distributed.device_mesh import DeviceMesh
 
-        assert self.sizes is not None
-        layout = torch.arange(math.prod(self.sizes), dtype=torch.int).reshape(self.sizes)
+        assert self.logical is not None
+        layout = torch.arange(math.prod(self.logical), dtype=torch.int).reshape(self.logical)
         if len(self.groups) == 1:
             return DeviceMesh.from_group(self.groups[0], self.spec.device_type,
                                          mesh_dim_names=self.spec.dims)
@@ -249,15 +282,31 @@ class JobMesh:
                                      mesh_dim_names=self.spec.dims)
 
     def twins(self, state: Any) -> tuple[int, ...] | None:
-        """For each rank of the mesh, which shard of ``state`` it holds: its coordinates along
-        the dimensions some sharded tensor is split over. Ranks that differ only along the rest
-        (HSDP's replica dimension, where every tensor is replicated) hold the same state: twins.
-        None when every rank holds its own (no dimension is replicated)."""
+        """For each rank of this generation's mesh, which shard of ``state`` it holds: its
+        coordinates along the dimensions some sharded tensor is split over. Ranks that differ
+        only along the rest (HSDP's replica dimension, where every tensor is replicated) hold the
+        same state: twins. None when every rank holds its own (no dimension is replicated)."""
+        assert self.sizes is not None
+        if self.split is None:
+            self.split = self._split(state)
+        if len(self.split) == len(self.sizes):
+            return None
+        out = []
+        for rank in range(math.prod(self.sizes)):
+            coord = coordinates(rank, self.sizes)
+            shard = 0
+            for d in sorted(self.split):
+                shard = shard * self.sizes[d] + coord[d]
+            out.append(shard)
+        return tuple(out)
+
+    def _split(self, state: Any) -> set[int]:
+        """The dimensions some sharded parameter of ``state`` is split along (all of them when a
+        parameter's mesh is not this one's)."""
         import torch
 
         from ..state.shards import is_dtensor
 
-        assert self.sizes is not None
         split: set[int] = set()
         for obj in state.objects().values():
             if not isinstance(obj, torch.nn.Module):
@@ -267,20 +316,11 @@ class JobMesh:
                     continue
                 names = p.device_mesh.mesh_dim_names
                 if not names or any(n not in self.spec.dims for n in names):
-                    return None  # a mesh of its own, or flattened dims: no twins are assumed
+                    return set(range(len(self.spec.dims)))  # flattened or foreign: no twins
                 for name, placement in zip(names, p.placements):
                     if not placement.is_replicate():
                         split.add(self.spec.dims.index(name))
-        if len(split) == len(self.sizes):
-            return None
-        out = []
-        for rank in range(math.prod(self.sizes)):
-            coord = coordinates(rank, self.sizes)
-            shard = 0
-            for d in sorted(split):
-                shard = shard * self.sizes[d] + coord[d]
-            out.append(shard)
-        return tuple(out)
+        return split
 
     def replica_group(self, twins: tuple[int, ...] | None) -> list[int] | None:
         """The ranks of this rank's replica group: those holding one shard each of a whole copy

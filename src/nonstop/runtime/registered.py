@@ -81,6 +81,9 @@ class State:
         # sharded state over a mesh: for each rank, which shard it holds (ranks with the same
         # one - HSDP's twins across replica groups - are each other's copies); None: none are
         self.twins: tuple[int, ...] | None = None
+        # built by a nonstop.Mesh: its shards keep their mesh coordinates (a world that changes
+        # by whole replica groups is no reshard: every rank keeps its shard)
+        self.meshed = False
         self.step = 0  # steps completed
         self.dirty = False  # an optimizer stepped inside a step that has not completed
         self.check_finite = False  # set by the runtime from the policy

@@ -205,8 +205,9 @@ class WorkerRuntime:
                       not_after=not_after,
                       compare=snaps is not None and snaps.digests is not None)
         schedule = snaps.schedule() if snaps is not None else None
-        old_world = reshard_from if state.sharded else 0
-        if state.sharded and initial and not old_world:  # a new job: its checkpoint's size
+        zero = state.sharded and not state.meshed  # ZeRO-1 state: resharded at another world
+        old_world = reshard_from if zero else 0
+        if zero and initial and not old_world:  # a new job: its checkpoint's size
             old_world = reshard.disk_world(root, world)
         resharded = bool(old_world) and old_world != world
         agreed = lambda: self.injector.in_recovery("restore", rank, gen)  # noqa: E731

@@ -88,7 +88,7 @@ def _built(state: Any) -> State:
     if not isinstance(state, State):
         raise TypeError(f"nonstop.Mesh: its build function returned a {type(state).__name__}, "
                         "not the nonstop.State of what to keep")
-    state.sharded = True
+    state.sharded = state.meshed = True
     return state
 
 
@@ -292,7 +292,7 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
             raise RuntimeError(f"generation {gen} was aborted before this rank joined")
         group.open(joined_store=lambda: rt.injector.in_recovery("rendezvous", rank, gen))
         if rt.job_mesh is not None:  # (the mesh's groups form in the rendezvous phase)
-            group.extend(lambda: rt.job_mesh.form(gen, rank, world))
+            group.extend(lambda: rt.job_mesh.form(gen, rank, world, msg.full_world))
             if rt.job_mesh.state is None:  # the script shards its model: once per process
                 phase = "build"
                 built = _built(rt.job_mesh.spec.build(rt.job_mesh.device_mesh))
@@ -303,8 +303,8 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
                         "the build function (fully_shard without mesh= builds its own, on groups "
                         "that end with their generation): pass it the build function's mesh")
                 tracked = rt.job_mesh.state = built
-                tracked.twins = rt.job_mesh.twins(tracked)
                 _attach(rt, tracked)
+            tracked.twins = rt.job_mesh.twins(tracked)  # of this generation's world
         elif rt.ever_entered and (unmanaged := shards.unmanaged_mesh(tracked)) is not None:
             raise unmanaged
         if rt.ever_entered:  # FSDP2 left mid-step by the failed generation: back to rest
