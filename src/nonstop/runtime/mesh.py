@@ -181,18 +181,20 @@ def lasting_group_type() -> Any:
     return LastingGroup
 
 
-def _register(pg: Any, name: str, ranks: list[int]) -> None:
+def _register(pg: Any, name: str, ranks: list[int], inner: Any = None) -> None:
     """Make ``pg`` known to torch.distributed under ``name`` (the group of global ``ranks``), as
     ``new_group`` would: its collectives, ``get_process_group_ranks`` and DTensor's functional
     collectives (which find a group by name) then take it. Done again every generation: a
-    generation's teardown forgets every group."""
+    generation's teardown forgets every group. Its backend is said as ``inner``'s (the group of
+    this generation inside it: ``gloo``, or ``cpu:gloo,cuda:nccl`` on GPUs)."""
     from torch.distributed import distributed_c10d as c10d
 
     mapping = {g: i for i, g in enumerate(ranks)}
     world = c10d._world
-    world.pg_map[pg] = ("gloo", None)
+    backend = world.pg_map.get(inner, ("gloo", None))[0] if inner is not None else "gloo"
+    world.pg_map[pg] = (backend, None)
     world.pg_names[pg] = name
-    world.pg_backend_config[pg] = "cpu:gloo"
+    world.pg_backend_config[pg] = world.pg_backend_config.get(inner, "cpu:gloo")
     world.pg_group_ranks[pg] = mapping
     tag = f"ptd:{name}"
     world.tags_to_pg.setdefault(tag, []).append(pg)
@@ -249,7 +251,7 @@ class JobMesh:
             if key not in formed:
                 formed[key] = dist.new_group(members, use_local_synchronization=True)
             lasting.inner = formed[key]
-            _register(lasting, lasting.group_name, members)
+            _register(lasting, lasting.group_name, members, formed[key])
         self.gen = gen
         if self.device_mesh is None:
             self.device_mesh = self._device_mesh()
