@@ -67,7 +67,13 @@ def run_once(system: str, ranks: int, steps: int, sleep_ms: float, out: Path,
     code = common.run_child(_cmd(system, ranks, steps, sleep_ms, out, parallel),
                             out / "output.log", TIMEOUT_S)
     step = mean_step(common.read_steps(out).get(0, [])) if code == 0 else None
-    return {"system": system, "exit_code": code, "step_s": None if step is None else round(step, 6)}
+    result = {"system": system, "exit_code": code,
+              "step_s": None if step is None else round(step, 6)}
+    if system.startswith("nonstop"):  # one snapshot of rank 0 in its node's memory
+        sizes = [e.get("slot_bytes") for e in common.events(out / "run")
+                 if e.get("type") == "rank_snapshot_interval" and e.get("slot_bytes")]
+        result["snapshot_bytes"] = sizes[-1] if sizes else None
+    return result
 
 
 def _pct(a: float | None, b: float | None) -> float | None:
@@ -77,12 +83,14 @@ def _pct(a: float | None, b: float | None) -> float | None:
 def table(results: list[dict[str, Any]]) -> str:
     fmt = lambda v, d=4: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     lines = ["| step (target) | plain s | nonstop s | overhead | reproducible s | reproducible "
-             "overhead | nonstop + reproducible s |", "|---|---|---|---|---|---|---|"]
+             "overhead | nonstop + reproducible s | a rank's snapshot, bytes |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['step_ms']:g} ms | {fmt(r['plain_s'])} | {fmt(r['nonstop_s'])} | "
                      f"{fmt(r['overhead_pct'], 2)}% | {fmt(r.get('reproducible_s'))} | "
                      f"{fmt(r['reproducible_overhead_pct'], 2)}% | "
-                     f"{fmt(r.get('nonstop_reproducible_s'))} |")
+                     f"{fmt(r.get('nonstop_reproducible_s'))} | "
+                     f"{r.get('snapshot_bytes_per_rank') or '-'} |")
     return "\n".join(lines)
 
 
@@ -133,6 +141,10 @@ def main(args: argparse.Namespace) -> int:
             vals = [r["step_s"] for r in runs[system] if r["step_s"] is not None]
             entry[f"{system}_s"] = round(statistics.median(vals), 6) if vals else None
         entry["step_s"] = entry.get("plain_s")
+        held = [r.get("snapshot_bytes") for rs in runs.values() for r in rs if r.get("snapshot_bytes")]
+        # a rank's node keeps its SLOTS newest snapshots (and, with a buddy node, as many of
+        # another's): a host of R ranks holds about R x SLOTS x this, twice that with replicas
+        entry["snapshot_bytes_per_rank"] = max(held) if held else None
         entry["overhead_pct"] = _pct(entry.get("nonstop_s"), entry.get("plain_s"))
         entry["reproducible_overhead_pct"] = _pct(entry.get("reproducible_s"), entry.get("plain_s"))
         entry["runs"] = runs

@@ -294,6 +294,7 @@ class SnapshotInterval(RankEvent):
     staged: bool
     write_s: float | None
     skipped: int  # snapshots not taken: the one before was still being written
+    slot_bytes: int | None = None  # what one snapshot of rank 0 takes in its node's memory
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

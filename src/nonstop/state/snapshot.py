@@ -107,6 +107,7 @@ class Snapshots:
         # committed (an aborted NCCL collective returns no error and leaves whatever had arrived:
         # a copy that may have read such a step is dropped; see GenerationGroup.may_commit)
         self.may_commit: Any = None
+        self.slot_bytes: int | None = None  # one snapshot of this rank in its node's memory
 
     @property
     def cost_s(self) -> float | None:
@@ -279,6 +280,7 @@ class Snapshots:
         lay = packing.layout(state.state_dict(), {"step": step, "rank": rank, "world": world,
                                                   "sharded": sharded, "gen": gen})
         size = shm.data_offset(len(lay.meta)) + lay.nbytes
+        self.slot_bytes = size  # what one snapshot of this rank takes in its node's memory
         holder = mem.own(rank)
         midway = None
         if injector is not None and injector.has_point("snapshot"):
@@ -402,7 +404,7 @@ class Snapshots:
                 "repl_s": self.repl_s, "last": self.last_step, "taken": self.taken,
                 "spent_s": round(self.spent_s, 6), "error": self.error,
                 "staged": self._staging is not None, "write_s": self.write_s,
-                "skipped": self.skipped}
+                "skipped": self.skipped, "slot_bytes": self.slot_bytes}
 
     # -- staged snapshots (state on a GPU) ------------------------------------------------------
     def _stages(self, tensors: list[Any]) -> tuple[bool, Any]:
