@@ -239,3 +239,15 @@ def test_a_preempted_node_with_no_spare_node_leaves_a_smaller_world_at_a_step_bo
     d = cmds[1].decision
     assert d.level is Level.SCALE_IN and d.drop == {2, 3} and d.isolate == {1}
     assert s.degraded_since == 10.2 and 1 in s.counters.isolated and not s.incident
+
+
+def test_a_sharded_job_leaves_and_comes_back_by_whole_replica_groups():
+    """HSDP, 3 replica groups of 2 shards, scale_in.multiple_of left at 1: a lost rank takes its
+    whole replica group with it, and the world grows back by whole groups only."""
+    groups = {r: (r - r % 2, r - r % 2 + 1) for r in range(6)}
+    view = dataclasses.replace(ONE_HOST, world=6, node_of={r: 0 for r in range(6)},
+                               replica_groups=groups)
+    d = decide([CRASH1], {1}, view=view, policy=pol(when="no_warm_spare"))
+    assert d.level is Level.SCALE_IN and d.drop == {0, 1}
+    assert elastic.grow(4, 6, [0], pol(), unit=2) == {}  # one spare: half a group, not enough
+    assert elastic.grow(4, 6, [0, 0, 0], pol(), unit=2) == {4: 0, 5: 0}

@@ -249,7 +249,9 @@ def _growth(s: JobState, seen: Seen, policy: Any) -> dict[int, int]:
     """The ranks a larger world would add now, and their nodes (empty: none)."""
     nodes = elastic.room(seen.node_of, seen.total_nodes, seen.slots, s.counters.isolated,
                          seen.ready_spares)
-    return elastic.grow(len(seen.ranks), seen.target, nodes, policy)
+    groups = seen.replica_groups  # a sharded job comes back by whole replica groups
+    unit = len(next(iter(groups.values()))) if groups else 1
+    return elastic.grow(len(seen.ranks), seen.target, nodes, policy, unit)
 
 
 def _after_teardown(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]]:

@@ -10,6 +10,7 @@ spares allow up to the job's size, in steps the policy allows.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -33,11 +34,12 @@ def room(node_of: dict[int, int], total_nodes: int, slots: int, isolated: set[in
     return out
 
 
-def grow(world: int, target: int, nodes: list[int], policy: Any) -> dict[int, int]:
+def grow(world: int, target: int, nodes: list[int], policy: Any, unit: int = 1
+         ) -> dict[int, int]:
     """The new ranks (numbered after the current ones) and the node of each: as many as ``nodes``
-    offer, up to ``target``, the new world an allowed size (scale_in.multiple_of). Empty: no
-    growth possible now."""
-    step = policy.levels.scale_in.multiple_of
+    offer, up to ``target``, the new world an allowed size (scale_in.multiple_of, and whole
+    ``unit``s: a sharded job's replica groups). Empty: no growth possible now."""
+    step = math.lcm(policy.levels.scale_in.multiple_of, max(1, unit))
     size = min(target, world + len(nodes))
     size -= size % step
     if size <= world:

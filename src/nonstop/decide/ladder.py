@@ -321,7 +321,8 @@ def shrink(lost: set[int], sick_nodes: set[int], view: JobView, policy: Policy
     if view.replica_groups:  # a sharded job: a lost rank's whole replica group leaves with it
         drop |= {r for d in set(drop) for r in view.replica_groups.get(d, (d,))}
     left = view.world - len(drop)
-    allowed = left - left % cfg.multiple_of
+    group = len(next(iter(view.replica_groups.values()))) if view.replica_groups else 1
+    allowed = left - left % math.lcm(cfg.multiple_of, group)
     keep = sorted(r for r in range(view.world) if r not in drop)
     drop |= set(keep[allowed:])  # the highest ranks go too: the world stays an allowed size
     if allowed < max(cfg.min_world, 1):
