@@ -150,7 +150,8 @@ def test_an_error_in_the_scripts_build_function_stops_the_job_like_an_import_err
     run = run_nonstop(tmp_path / "run", "--nproc=2", "--spares=0",
                       str(SCRIPTS / "mesh_bad_build.py"), timeout=180)
     assert run.code == 2, run.stdout[-3000:] + run.stderr[-3000:]
-    assert {f["kind"] for f in run.of("fault")} == {"import_error"}
+    # (the other rank's collective may fail on the one that left first: a 'peer' symptom)
+    assert {f["kind"] for f in run.of("fault")} - {"peer"} == {"import_error"}
     assert len(run.of("decision")) == 1
     last = run.stderr.strip().splitlines()[-1]
     assert "nonstop.Mesh's build function raised ValueError: reshard_after_forward" in last
