@@ -174,6 +174,12 @@ def test_a_host_that_registers_into_a_full_job_is_turned_away(tmp_path, etcd):
         while time.time() < deadline and all(p.poll() is None for p in procs):
             time.sleep(0.1)
         gone = [p for p in procs if p.poll() is not None]
+        if len(gone) > 1 and all(p.returncode == 0 for p in gone):
+            # the race went the other way: the third registered in time to be the job's spare
+            # host, and the job ran to its end on the two others (it then ends with them)
+            rest = [p for p in procs if p not in gone]
+            assert all(p.wait(timeout=60) == 0 for p in rest)
+            pytest.skip("all three hosts registered before the job formed: one was its spare")
         assert len(gone) == 1, "no host was turned away"
         out, err = gone[0].communicate(timeout=60)
         assert gone[0].returncode == 2 and "Traceback" not in out + err, out + err
