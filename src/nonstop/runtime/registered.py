@@ -95,6 +95,7 @@ class State:
         self._poison = False
         self._last_output: Any = None
         self._prune: set[int] = set()  # optimizers to keep only this rank's shard of, at next step
+        self._sharded_opts: dict[int, bool] = {}  # optimizer -> whether its parameters are DTensors
         # a staged snapshot's copy may still be reading the state on the GPU: what updates it in
         # place waits for it there first (``fence``; nothing waits on the host)
         self._fence: Callable[[], None] | None = None
@@ -135,7 +136,7 @@ class State:
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.fence()
-        if self.check_finite and not _grads_finite(optimizer):
+        if self.check_finite and not _grads_finite(optimizer, self._sharded_optimizer(optimizer)):
             raise NonFiniteGradients(self.step)
         if id(optimizer) in self._prune:  # after a reshard: this rank's parameters only
             self._prune.discard(id(optimizer))
@@ -143,6 +144,16 @@ class State:
                 for p in group["params"]:
                     if p.grad is None:
                         optimizer.state.pop(p, None)
+
+    def _sharded_optimizer(self, optimizer: Any) -> bool:
+        """Whether ``optimizer``'s parameters are DTensors (decided at its first step: an
+        optimizer is built on the parameters it keeps)."""
+        known = self._sharded_opts.get(id(optimizer))
+        if known is None:
+            from ..state import shards
+
+            known = self._sharded_opts[id(optimizer)] = shards.sharded_object(optimizer)
+        return known
 
     def prune_unowned(self) -> None:
         """After sharded state was merged from every shard (another world size): at each
@@ -343,15 +354,17 @@ class _StepOnly(State):
         self._init_counters()
 
 
-def _grads_finite(optimizer: Any) -> bool:
+def _grads_finite(optimizer: Any, sharded: bool) -> bool:
+    """Whether every gradient of ``optimizer`` is finite; ``sharded`` (its parameters are
+    DTensors): each rank reads its own shards, and the verdict is all-reduced."""
     import torch
 
-    from ..state import shards
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+             if p.grad is not None]
+    if sharded:
+        from ..state import shards
 
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    grads = [p.grad for p in params if p.grad is not None]
-    sharded = any(shards.is_dtensor(p) for p in params)
-    grads = [t for t in (shards.local(g) for g in grads) if t.numel()]
+        grads = [t for t in (shards.local(g) for g in grads) if t.numel()]
     if grads:
         norms = torch._foreach_norm(grads)  # one pass; a NaN or Inf anywhere: a non-finite norm
         finite = bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())

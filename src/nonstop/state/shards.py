@@ -195,22 +195,18 @@ def load_in_place(name: str, module: Any, part: Any, paths: list[list[Any]]) -> 
 
 
 def globalize(name: str, obj: Any, part: Any, paths: list[list[Any]]) -> Any:
-    """``part`` (the loaded state dict of the object ``obj``, registered as ``name``) with the
-    local tensors at ``paths`` made DTensors again, each like the live tensor it goes into."""
+    """``part`` (the loaded state dict of the optimizer ``obj``, registered as ``name``) with
+    the local tensors at ``paths`` made DTensors again, each like the parameter it belongs to. A
+    module holding shards loads them in place instead (``load_in_place``); an unsharded one is
+    refused them."""
     import torch
 
     if not paths:
         return part
-    if isinstance(obj, torch.nn.Module):
-        live = obj.state_dict()
-        for path in paths:
-            what = f"{name}.{'.'.join(str(p) for p in path)}"
-            template = live.get(path[0]) if len(path) == 1 else None
-            if not is_dtensor(template):
-                raise ScriptSetupError(f"{what}: the copy received is a shard, but this "
-                                       f"process's model is not sharded: {MESH_ADVICE}")
-            part = _set(part, path, lambda v, t=template, w=what: _like(v, t, w), what)
-        return part
+    if isinstance(obj, torch.nn.Module):  # (a sharded module loads in place: load_in_place)
+        what = f"{name}.{'.'.join(str(p) for p in paths[0])}"
+        raise ScriptSetupError(f"{what}: the copy received is a shard, but this process's model "
+                               f"is not sharded: {MESH_ADVICE}")
     if isinstance(obj, torch.optim.Optimizer):
         params = [p for group in obj.param_groups for p in group["params"]]
         for path in paths:
