@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hosts: comma-separated subset of rank_crash,host_loss,partition,"
                             "controller_kill,etcd_restart,startup (default: all); elastic --hosts: "
                             "rank_crash (default) or host_loss; gpu: a subset of crash,frozen,"
-                            "assert,oom,state (default: all)")
+                            "assert,oom,fsdp,hsdp,state (default: all)")
     bench.add_argument("--sleep-ms", type=float, metavar="MS",
                        help="hosts: sleep per step, a stand-in for accelerator work (default 15)")
     bench.add_argument("--grow-after", type=float, default=1.0, metavar="S",

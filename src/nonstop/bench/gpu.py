@@ -1,16 +1,21 @@
 """``nonstop bench gpu``: the device check. On a machine with one GPU it proves, in one run of a few
 minutes, that nonstop's NCCL and CUDA paths recover bit for bit; its last line is one JSON object.
 
-Two rank processes share the one GPU (``NONSTOP_SHARE_GPU=1``: each is its own host to NCCL, whose
-communicator then runs over its socket transport; NCCL refuses two ranks of one host on one
-device). The sharded example trains with ``--device cuda --backend nccl``; each fault case runs
-beside a fault-free reference of the same job and must end with its weights bit for bit:
+Rank processes share the one GPU (``NONSTOP_SHARE_GPU=1``: each is its own host to NCCL, whose
+communicators then run over its socket transport; NCCL refuses two ranks of one host on one
+device). Every job trains with ``--device cuda --backend nccl``; each fault case runs beside a
+fault-free reference of the same job and layout, and must end with its weights bit for bit:
 
-- crash: rank 1 killed (SIGKILL); a warm spare takes its place, rank 0 restarts in place;
+- crash: rank 1 of the sharded-optimizer (DDP) example killed (SIGKILL); a warm spare takes its
+  place, rank 0 restarts in place;
 - frozen: rank 1 frozen (SIGSTOP) inside NCCL collectives; rank 0, blocked on it, is released by
   the abort of its communicators (the release is timed from the controller's abort);
 - assert: a device-side assert on rank 1's GPU; its process is replaced, never restarted in place;
-- oom: rank 0 asks for more GPU memory than there is; it is retried in the same process.
+- oom: rank 0 asks for more GPU memory than there is; it is retried in the same process;
+- fsdp: rank 1 of an FSDP2 job (2 ranks, ``examples/train_fsdp.py``) killed: the mesh's NCCL
+  groups formed again for the next generation, the spare's shard from its snapshot;
+- hsdp: rank 1 of an HSDP job (2 replica groups x 2 shards) killed at step 33, snapshots every 10
+  steps: the spare's shard comes from its twin in the other replica group, nothing lost.
 
 Then ``nonstop bench state --device cuda``: snapshot and restore bandwidth against the device's own
 memcpy, snapshots bitwise, their overhead per step.
@@ -35,33 +40,44 @@ from ..runtime.nccl import ENV_SHARE_GPU
 from . import common
 
 SYSTEMS = ("nonstop",)
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_sharded.py"
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 STEPS = 60
 FAULT_STEP = 30
 JOB_TIMEOUT_S = 240.0
 STATE_TIMEOUT_S = 240.0
 
+#: layout -> (the example, its ranks, its own flags, nonstop's snapshot flag)
+LAYOUTS: dict[str, tuple[str, int, tuple[str, ...], str]] = {
+    "ddp": ("train_sharded.py", 2, (), "--snapshot-every=1"),
+    "fsdp": ("train_fsdp.py", 2, (), "--snapshot-every=1"),
+    "hsdp": ("train_fsdp.py", 4, ("--replicas", "2"), "--snapshot-every=10"),
+}
+
 #: case -> (the fault, what must happen: "replaced" (the faulted rank's process replaced, the
-#: other restarted in place) or "in_place" (no process replaced), the level expected)
-CASES: dict[str, tuple[str, str, str]] = {
-    "crash": ("crash:rank=1,step=30", "replaced", "rank replacement"),
-    "frozen": ("stop:rank=1,step=30", "replaced", "rank replacement"),
-    "assert": ("cuda_assert:rank=1,step=30", "replaced", "rank replacement"),
-    "oom": ("cuda_oom:rank=0,step=30", "in_place", "in-process restart"),
+#: others restarted in place) or "in_place" (no process replaced), the level expected, layout)
+CASES: dict[str, tuple[str, str, str, str]] = {
+    "crash": ("crash:rank=1,step=30", "replaced", "rank replacement", "ddp"),
+    "frozen": ("stop:rank=1,step=30", "replaced", "rank replacement", "ddp"),
+    "assert": ("cuda_assert:rank=1,step=30", "replaced", "rank replacement", "ddp"),
+    "oom": ("cuda_oom:rank=0,step=30", "in_place", "in-process restart", "ddp"),
+    "fsdp": ("crash:rank=1,step=30", "replaced", "rank replacement", "fsdp"),
+    "hsdp": ("crash:rank=1,step=33", "replaced", "rank replacement", "hsdp"),
 }
 
 
-def _job(run_dir: Path, out: Path, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "nonstop", "run", "--quiet", "--no-live", "--nproc=2",
-            "--snapshot-every=1", f"--run-dir={run_dir}", *flags, str(EXAMPLE),
+def _job(layout: str, run_dir: Path, out: Path, *flags: str) -> list[str]:
+    script, nproc, own, snapshots = LAYOUTS[layout]
+    return [sys.executable, "-m", "nonstop", "run", "--quiet", "--no-live", f"--nproc={nproc}",
+            snapshots, f"--run-dir={run_dir}", *flags, str(EXAMPLES / script), *own,
             "--steps", str(STEPS), "--device", "cuda", "--backend", "nccl", "--save", str(out)]
 
 
-def _run(name: str, base: Path, *flags: str) -> dict[str, Any]:
+def _run(name: str, layout: str, base: Path, *flags: str) -> dict[str, Any]:
     run_dir, out = base / name, base / f"{name}.pt"
     env = dict(os.environ, **{ENV_SHARE_GPU: "1"})
     t0 = time.monotonic()
-    code = common.run_child(_job(run_dir, out, *flags), base / f"{name}.log", JOB_TIMEOUT_S, env)
+    code = common.run_child(_job(layout, run_dir, out, *flags), base / f"{name}.log",
+                            JOB_TIMEOUT_S, env)
     return {"name": name, "exit_code": code, "seconds": round(time.monotonic() - t0, 2),
             "run_dir": run_dir, "out": out}
 
@@ -82,22 +98,25 @@ def judge(case: str, run: dict[str, Any], reference: Path,
           events: list[dict[str, Any]], summary: dict[str, Any] | None) -> dict[str, Any]:
     """What one fault case showed, and whether it is what nonstop promises (pure but for the
     weights' comparison)."""
-    fault, expect, level = CASES[case]
+    fault, expect, level, layout = CASES[case]
     faulted = 1 if "rank=1" in fault else 0
     holders = _holders(events)
     incidents = (summary or {}).get("incident_list") or []
     levels = [lv for inc in incidents for lv in inc.get("levels", [])]
     bitwise = common.params_equal(run["out"], reference)
     replaced = len(holders.get(faulted, [])) > 1
-    survivor_kept = all(len(holders.get(r, [])) == 1 for r in (0, 1) if r != faulted)
+    survivor_kept = all(len(held) == 1 for r, held in holders.items() if r != faulted)
     shape_ok = (replaced and survivor_kept) if expect == "replaced" else (
         not replaced and survivor_kept)
+    restores = [ev for ev in events if ev["type"] == "restore" and ev.get("gen", 0) > 0]
     result: dict[str, Any] = {
-        "fault": fault, "exit_code": run["exit_code"], "seconds": run["seconds"],
+        "fault": fault, "layout": layout, "ranks": LAYOUTS[layout][1],
+        "exit_code": run["exit_code"], "seconds": run["seconds"],
         "bitwise": bitwise, "levels": levels, "holders": {str(r): w for r, w in holders.items()},
         "mttr_s": incidents[0].get("mttr_s") if incidents else None,
         "phases_s": incidents[0].get("phases_s") if incidents else None,
         "steps_lost": (summary or {}).get("steps_lost"),
+        "restore_sources": restores[0].get("sources") if restores else None,
         "faults": [f for inc in incidents for f in inc.get("faults", [])],
     }
     if case == "frozen":
@@ -172,32 +191,39 @@ def main(args: argparse.Namespace) -> int:
     jobs = [c for c in cases if c in CASES]
     results: dict[str, Any] = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs) + 1) as pool:
-        ref = pool.submit(_run, "reference", base)
-        runs = {c: pool.submit(_run, c, base, "--spares=1", f"--inject={CASES[c][0]}")
-                for c in jobs}
-        reference = ref.result()
-        say(f"  reference: exit {reference['exit_code']} in {reference['seconds']} s")
+        layouts = sorted({CASES[c][3] for c in jobs})
+        refs = {lay: pool.submit(_run, f"reference-{lay}", lay, base) for lay in layouts}
+        runs = {c: pool.submit(_run, c, CASES[c][3], base, "--spares=1",
+                               f"--inject={CASES[c][0]}") for c in jobs}
+        references = {lay: fut.result() for lay, fut in refs.items()}
+        for lay, reference in references.items():
+            say(f"  reference ({lay}): exit {reference['exit_code']} in "
+                f"{reference['seconds']} s")
         for case, fut in runs.items():
             run = fut.result()
+            reference = references[CASES[case][3]]
             events = list(common.events(run["run_dir"]))
             summary_path = run["run_dir"] / "summary.json"
             summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
             results[case] = r = judge(case, run, reference["out"], events, summary)
             say(f"  {case:7s}: exit {r['exit_code']}, {r['levels']}, MTTR {r['mttr_s']}, "
+                f"lost {r['steps_lost']}, from {r['restore_sources']}, "
                 f"bitwise {r['bitwise']}, workers {r['holders']}"
                 + (f", released {r['release_s']} s after the abort" if "release_s" in r else "")
                 + f" -> {'ok' if r['ok'] else 'FAILED'}")
             if not r["ok"]:
                 log = base / f"{case}.log"
                 say(log.read_text(errors="replace")[-2000:] if log.is_file() else "(no log)")
-    if reference["exit_code"] != 0:
-        say((base / "reference.log").read_text(errors="replace")[-2000:])
+    for lay, reference in references.items():
+        if reference["exit_code"] != 0:
+            say((base / f"reference-{lay}.log").read_text(errors="replace")[-2000:])
     if "state" in cases:
         results["state"] = s = _state(base)
         say(f"  state  : {json.dumps(s)[:600]}")
-    summary = {"scenario": "gpu", **info, "reference_exit": reference["exit_code"],
+    reference_exit = {lay: r["exit_code"] for lay, r in references.items()}
+    summary = {"scenario": "gpu", **info, "reference_exit": reference_exit,
                "cases": results, "seconds": round(time.monotonic() - t0, 1),
-               "ok": reference["exit_code"] == 0 and all(r["ok"] for r in results.values()),
+               "ok": not any(reference_exit.values()) and all(r["ok"] for r in results.values()),
                "date": common.now_stamp()}
     if not args.out:
         shutil.rmtree(base, ignore_errors=True)

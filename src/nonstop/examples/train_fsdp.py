@@ -35,6 +35,8 @@ parser.add_argument("--replicas", type=int, default=1,
                     help="replica groups (HSDP's dp_replicate); 1: plain FSDP over every rank")
 parser.add_argument("--sleep-ms", type=float, default=0.0, help="stand-in for accelerator work")
 parser.add_argument("--save", help="rank 0 writes the final (full) parameters here")
+parser.add_argument("--device", default="cpu", help="cpu, or cuda (the shards live on the GPU)")
+parser.add_argument("--backend", default="gloo", help="gloo, or nccl (with --device cuda)")
 args = parser.parse_args()
 
 
@@ -89,14 +91,16 @@ def batch(step, ctx):
     x = torch.randn(8 * ctx.full_world_size, 6, args.dim, generator=g)
     mine = ctx.share(len(x))
     x = x[mine.start:mine.stop]
-    return x, x.sum(dim=(1, 2)).sin().unsqueeze(1)
+    return x.to(args.device), x.sum(dim=(1, 2)).sin().unsqueeze(1).to(args.device)
 
 
-MESH = (nonstop.Mesh(("dp_shard",), (-1,), parallelize) if args.replicas == 1 else
-        nonstop.Mesh(("dp_replicate", "dp_shard"), (args.replicas, -1), parallelize))
+MESH = (nonstop.Mesh(("dp_shard",), (-1,), parallelize, device_type=args.device)
+        if args.replicas == 1 else
+        nonstop.Mesh(("dp_replicate", "dp_shard"), (args.replicas, -1), parallelize,
+                     device_type=args.device))
 
 
-@nonstop.wrap(MESH)
+@nonstop.wrap(MESH, backend=args.backend)
 def train(ctx):
     optimizer = ctx.state["optimizer"]
     for step in ctx.steps(args.steps):
@@ -111,7 +115,7 @@ def train(ctx):
         if ctx.rank == 0 and step % 25 == 0:
             print(f"step {step} loss {loss.item():.4f} (generation {ctx.generation})")
     # every rank takes part in gathering the full parameters (rank 0 keeps them)
-    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    full = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
     return full if ctx.rank == 0 else None
 
 
