@@ -190,6 +190,19 @@ def test_every_communicator_is_aborted_inside_one_nccl_group_call():
     nccl.abort_all([])  # nothing to abort: nothing happens
 
 
+def test_the_abort_can_go_one_by_one_or_in_threads_and_says_where_it_is():
+    log: list[str] = []
+    stages: list[str] = []
+    names = ("world", "dp", "tp")
+    nccl.abort_all([_Backend(log, n) for n in names], "each", stages.append)
+    assert log == list(names) and stages[-1] == "aborting communicator 3 of 3"
+    log.clear()
+    nccl.abort_all([_Backend(log, n) for n in names], "threads", stages.append)
+    assert sorted(log) == sorted(names) and stages[-1].startswith("3 of 3 communicators aborted")
+    assert nccl.abort_mode({}) == "grouped" and nccl.abort_mode({nccl.ENV_ABORT: "Threads"}) == \
+        "threads" and nccl.abort_mode({nccl.ENV_ABORT: "bogus"}) == "grouped"
+
+
 def _blocked_abort(release: threading.Event):
     return lambda: release.wait(30)
 

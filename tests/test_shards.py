@@ -72,6 +72,31 @@ def test_sharded_state_travels_as_local_tensors_and_comes_back_bitwise(world_of_
     _train(model, opt, steps=1)  # and it trains on
 
 
+def test_a_restore_to_the_device_copies_each_shard_into_its_local_tensor(world_of_one):
+    """The device path (pinned bounce buffers, run here on the host): a sharded module's and its
+    optimizer's shards go into the DTensors' local tensors, never through the DTensors (an op on
+    one is a collective of its mesh: on a GPU it waited for peers that were not in it)."""
+    from nonstop.state import staging
+
+    model, opt, state = _sharded_state()
+    _train(model, opt)
+    saved = packing.unpack(*packing.pack(state.state_dict()))
+    before = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    _train(model, opt)
+    moved = staging.to_device(state, saved, device_type="cpu")
+    live = model.state_dict()
+    for key in before:
+        assert not shards.is_dtensor(moved["model"][key])
+        assert moved["model"][key].data_ptr() == live[key].to_local().data_ptr()
+        assert torch.equal(live[key].to_local(), before[key])  # copied in by the mapping
+    for pid, entry in moved["optimizer"]["state"].items():
+        assert not shards.is_dtensor(entry["exp_avg"])
+    state.load_state_dict(moved)
+    assert all(torch.equal(v.to_local(), before[k]) for k, v in model.state_dict().items())
+    assert all(shards.is_dtensor(opt.state[p]["exp_avg"]) for p in model.parameters())
+    _train(model, opt, steps=1)
+
+
 def test_a_shard_of_another_shape_is_refused_naming_the_tensor(world_of_one):
     model, opt, state = _sharded_state()
     _train(model, opt)

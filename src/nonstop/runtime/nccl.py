@@ -126,20 +126,56 @@ def communicators() -> list[Any]:
     return out
 
 
-def abort_all(backends: list[Any]) -> None:
-    """Abort ``backends`` as one NCCL group call: aborting several communicators one by one can
-    deadlock (pytorch#119797)."""
+#: How a process's communicators are aborted: ``grouped`` (the default: one NCCL group call),
+#: ``each`` (one after the other) or ``threads`` (each in a thread of its own, at once). NCCL
+#: versions differ in which of these a blocked kernel of one communicator lets through.
+ENV_ABORT = "NONSTOP_NCCL_ABORT"
+ABORT_MODES = ("grouped", "each", "threads")
+
+
+def abort_mode(env: Mapping[str, str]) -> str:
+    mode = env.get(ENV_ABORT, "grouped").strip().lower() or "grouped"
+    return mode if mode in ABORT_MODES else "grouped"
+
+
+def abort_all(backends: list[Any], mode: str = "grouped",
+              note: Callable[[str], None] = lambda stage: None) -> None:
+    """Abort ``backends``; by default as one NCCL group call: aborting several communicators one
+    by one can deadlock (pytorch#119797). ``note`` is told each stage as it begins (what an
+    abort that never returns was doing)."""
     if not backends:
         return
+    n = len(backends)
+    if mode == "threads":
+        done: list[int] = []
+
+        def one(i: int, backend: Any) -> None:
+            try:
+                backend.abort()
+            finally:
+                done.append(i)
+                note(f"{len(done)} of {n} communicators aborted (each in a thread; not yet: "
+                     f"{sorted(set(range(n)) - set(done))})")
+
+        note(f"0 of {n} communicators aborted (each in a thread)")
+        threads = [threading.Thread(target=one, args=(i, b), name="nonstop-nccl-abort-one",
+                                    daemon=True) for i, b in enumerate(backends)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return
     first = backends[0]
-    grouped = hasattr(first, "_group_start") and hasattr(first, "_group_end")
+    grouped = mode == "grouped" and hasattr(first, "_group_start") and hasattr(first, "_group_end")
     if grouped:
         first._group_start()
     try:
-        for backend in backends:
+        for i, backend in enumerate(backends):
+            note(f"aborting communicator {i + 1} of {n}" + (" (in a group call)" if grouped else ""))
             backend.abort()
     finally:
         if grouped:
+            note(f"ending the group call that aborts {n} communicators")
             first._group_end()
 
 
@@ -155,7 +191,8 @@ class Abort:
                  clock: Callable[[], float] = time.monotonic):
         self._escalate = escalate
         self.deadline_s = deadline_s
-        self._abort = abort if abort is not None else lambda: abort_all(communicators())
+        self._abort = abort if abort is not None else lambda: abort_all(
+            communicators(), abort_mode(os.environ), self._note)
         self._clock = clock
         self._lock = threading.Lock()
         self._done = threading.Event()
@@ -163,6 +200,10 @@ class Abort:
         self.seconds: float | None = None  # how long the abort took, once it returned
         self.error: str | None = None  # what it raised, if anything
         self.escalated = False
+        self.stage = "starting"  # what the abort was doing last (told when it is late)
+
+    def _note(self, stage: str) -> None:
+        self.stage = stage
 
     @property
     def started(self) -> bool:
@@ -210,4 +251,4 @@ class Abort:
             if self.escalated:
                 return
             self.escalated = True
-        self._escalate(f"{what} did not return within {self.deadline_s:g} s")
+        self._escalate(f"{what} did not return within {self.deadline_s:g} s (at: {self.stage})")

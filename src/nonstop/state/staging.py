@@ -8,6 +8,8 @@ from collections import OrderedDict
 from itertools import chain
 from typing import Any, Iterable
 
+from . import shards
+
 CHUNK = 64 << 20  # bytes of each of the two bounce buffers of a restore
 _POLL_S = (0.00005, 0.001)  # an event is polled, first often, then every millisecond
 RESTORE_S = 60.0  # a restore's copies may take this long, plus a second per GB
@@ -286,7 +288,9 @@ def to_device(state: Any, sd: dict[str, Any], device_type: str = "cuda") -> dict
             live = obj.state_dict()
             moved = {}
             for key, value in part.items():
-                dst = live.get(key)
+                # a sharded module's copy holds local shards: each goes into its DTensor's local
+                # tensor (any op on the DTensor itself would be a collective of its mesh)
+                dst = shards.local(live.get(key))
                 if _fits(value, dst, device_type):
                     pairs.append((value, dst))
                     moved[key] = dst
@@ -360,7 +364,7 @@ def _optimizer_part(opt: Any, part: dict[str, Any], pairs: list[tuple[Any, Any]]
                 continue
             if param.is_floating_point() and value.dtype != param.dtype:
                 continue  # its loading casts it
-            dst = live.get(key)
+            dst = shards.local(live.get(key))
             if not _fits(value, dst, device_type):
                 if value.layout is not torch.strided:
                     continue
