@@ -183,9 +183,9 @@ class _Backend:
         self.log.append(self.name)
 
 
-def test_every_communicator_is_aborted_inside_one_nccl_group_call():
+def test_grouped_every_communicator_is_aborted_inside_one_nccl_group_call():
     log: list[str] = []
-    nccl.abort_all([_Backend(log, "world"), _Backend(log, "dp"), _Backend(log, "tp")])
+    nccl.abort_all([_Backend(log, "world"), _Backend(log, "dp"), _Backend(log, "tp")], "grouped")
     assert log == ["start", "world", "dp", "tp", "end"]
     nccl.abort_all([])  # nothing to abort: nothing happens
 
@@ -199,8 +199,8 @@ def test_the_abort_can_go_one_by_one_or_in_threads_and_says_where_it_is():
     log.clear()
     nccl.abort_all([_Backend(log, n) for n in names], "threads", stages.append)
     assert sorted(log) == sorted(names) and stages[-1].startswith("3 of 3 communicators aborted")
-    assert nccl.abort_mode({}) == "grouped" and nccl.abort_mode({nccl.ENV_ABORT: "Threads"}) == \
-        "threads" and nccl.abort_mode({nccl.ENV_ABORT: "bogus"}) == "grouped"
+    assert nccl.abort_mode({}) == "threads" and nccl.abort_mode({nccl.ENV_ABORT: "Grouped"}) == \
+        "grouped" and nccl.abort_mode({nccl.ENV_ABORT: "bogus"}) == "threads"
 
 
 def _blocked_abort(release: threading.Event):

@@ -122,11 +122,18 @@ def test_a_shard_sent_to_a_model_that_is_not_sharded_says_how_to_shard_it(world_
     assert shards.unmanaged_mesh(State(model=plain)) is None
 
 
-def test_a_module_left_in_the_middle_of_a_step_is_set_back_to_rest(world_of_one, monkeypatch):
+@pytest.mark.parametrize("torch_has_reset", [True, False], ids=["reset_iter_state", "older-torch"])
+def test_a_module_left_in_the_middle_of_a_step_is_set_back_to_rest(world_of_one, monkeypatch,
+                                                                   torch_has_reset):
     """A backward whose gradient reduction fails (a peer left) leaves FSDP2's root gathered, in
     its backward state, with the step's gradient still on the gathered parameters: ``settle``
-    drops it and reshards, so the next step's gradients are those of a fresh process."""
+    drops it and reshards, so the next step's gradients are those of a fresh process - with
+    FSDP2's own ``reset_iter_state``, or without it (a torch before 2.12: nonstop's own)."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    if not torch_has_reset:
+        monkeypatch.delattr(FSDPModule, "reset_iter_state")
 
     model, opt, state = _sharded_state()
     _train(model, opt)
@@ -145,6 +152,8 @@ def test_a_module_left_in_the_middle_of_a_step_is_set_back_to_rest(world_of_one,
     del loss
     monkeypatch.setattr(FSDPParamGroup, "post_backward", reduce)
     assert shards.settle(state) == 1
+    assert all(not g.is_unsharded for m in model.modules() if hasattr(m, "_get_fsdp_state")
+               for g in m._get_fsdp_state()._fsdp_param_groups)
     for m, o in ((model, opt), (fresh_model, fresh_opt)):
         o.zero_grad()
         m(x).pow(2).mean().backward()

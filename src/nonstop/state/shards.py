@@ -140,7 +140,7 @@ def settle(state: Any) -> int:
             continue
         for module in obj.modules():
             fsdp = getattr(module, "_get_fsdp_state", None)
-            if fsdp is None or not getattr(module, "reset_iter_state", None):
+            if fsdp is None:
                 continue
             st = fsdp()
             if st._is_root is not True:  # not a root, or never ran forward: nothing to reset
@@ -155,9 +155,42 @@ def settle(state: Any) -> int:
                         if unsharded is not None:
                             unsharded.grad = None
                         param.unsharded_accumulated_grad = None
-            module.reset_iter_state()
+            if callable(getattr(module, "reset_iter_state", None)):
+                module.reset_iter_state()
+            else:
+                _reset_iter_state(st)
             done += 1
     return done
+
+
+def _reset_iter_state(root: Any) -> None:
+    """FSDP2's ``reset_iter_state`` for a torch that has none (before 2.12), from its private
+    state: every parameter group sharded again and at rest, the root's per-step trackers and the
+    events of its last collectives dropped. No event is waited for: they belong to collectives
+    of the aborted generation. (Found on a GPU with torch 2.11: a survivor left gathered skipped
+    its first all-gather of the next generation, and its peers waited for it.)"""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    ctx = root._comm_ctx
+    ctx.all_gather_state = None
+    for name in ("reduce_scatter_states", "post_forward_order"):
+        getattr(ctx, name, []).clear()
+    if hasattr(ctx, "reduce_scatter_state"):
+        ctx.reduce_scatter_state = None
+    getattr(ctx, "_last_post_reduce_events", {}).clear()
+    for st in root._state_ctx.all_states:
+        st._modules_to_run_forward.clear()
+        st._training_state = TrainingState.IDLE
+        for group in st._fsdp_param_groups:
+            for name in ("_all_gather_result", "_post_reduce_event", "_all_reduce_state",
+                         "_reshard_after_forward_event", "_partial_reduce_output"):
+                if hasattr(group, name):
+                    setattr(group, name, None)
+            getattr(group, "_post_forward_indices", []).clear()
+            group._training_state = TrainingState.IDLE
+            group._to_sharded()
+    root._state_ctx.iter_forward_root = None
+    root._state_ctx.post_backward_final_callback_queued = False
 
 
 def load_in_place(name: str, module: Any, part: Any, paths: list[list[Any]]) -> None:
