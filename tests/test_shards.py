@@ -151,7 +151,16 @@ def test_a_module_left_in_the_middle_of_a_step_is_set_back_to_rest(world_of_one,
         loss.backward()
     del loss
     monkeypatch.setattr(FSDPParamGroup, "post_backward", reduce)
+    states = [m._get_fsdp_state() for m in model.modules() if hasattr(m, "_get_fsdp_state")]
+    if not torch_has_reset:  # and its states' one parameter group each, as before 2.12
+        monkeypatch.setattr(type(states[0]), "_fsdp_param_group",
+                            property(lambda st: st.__dict__.get("_one_group")))
+        for st in states:
+            (st._one_group,) = st.__dict__.pop("_fsdp_param_groups")
     assert shards.settle(state) == 1
+    if not torch_has_reset:
+        for st in states:
+            st._fsdp_param_groups = [st.__dict__.pop("_one_group")]
     assert all(not g.is_unsharded for m in model.modules() if hasattr(m, "_get_fsdp_state")
                for g in m._get_fsdp_state()._fsdp_param_groups)
     for m, o in ((model, opt), (fresh_model, fresh_opt)):

@@ -146,7 +146,7 @@ def settle(state: Any) -> int:
             if st._is_root is not True:  # not a root, or never ran forward: nothing to reset
                 continue
             for group in st._state_ctx.all_states:
-                for pg in group._fsdp_param_groups:
+                for pg in _param_groups(group):
                     pg._all_gather_result = None  # works of the dead group: not waited for
                     for param in pg.fsdp_params:
                         # the failed step's gradients that never reached their reduction: the
@@ -161,6 +161,15 @@ def settle(state: Any) -> int:
                 _reset_iter_state(st)
             done += 1
     return done
+
+
+def _param_groups(state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups: a list since torch 2.12, at most one before."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        one = getattr(state, "_fsdp_param_group", None)
+        return [] if one is None else [one]
+    return list(groups)
 
 
 def _reset_iter_state(root: Any) -> None:
@@ -179,9 +188,9 @@ def _reset_iter_state(root: Any) -> None:
         ctx.reduce_scatter_state = None
     getattr(ctx, "_last_post_reduce_events", {}).clear()
     for st in root._state_ctx.all_states:
-        st._modules_to_run_forward.clear()
+        getattr(st, "_modules_to_run_forward", set()).clear()
         st._training_state = TrainingState.IDLE
-        for group in st._fsdp_param_groups:
+        for group in _param_groups(st):
             for name in ("_all_gather_result", "_post_reduce_event", "_all_reduce_state",
                          "_reshard_after_forward_event", "_partial_reduce_output"):
                 if hasattr(group, name):
