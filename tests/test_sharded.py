@@ -85,28 +85,31 @@ HSDP = EXAMPLES / "train_hsdp.py"
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("at, resume", [("start", 9), ("commit", 10)])
 def test_an_hsdp_rank_receives_its_shard_live_from_its_twin_with_nothing_lost(tmp_path,
-                                                                               reference):
+                                                                               reference, at,
+                                                                               resume):
     """HSDP, 2 replica groups x 2 shards: rank 1 is killed between snapshots (every 5 steps).
     Its twin - rank 3, the same shard position in the other replica group - sends its live
     state peer to peer: the job resumes at the step it failed in, no step lost, where a plain
     FSDP job would roll back to the snapshot. The survivors' FSDP2 modules, left in the middle
     of the failed step (parameters gathered, gradients not yet reduced), are set back to rest
     first. Final weights bitwise those of the fault-free run; the twins' digests agree at every
-    check after."""
+    check after.
+
+    At the step's start (after the step before completed everywhere), or at its commit: every
+    gradient reduced, rank 1 gone before the ranks agreed to take the step. The survivors'
+    commit fails; each takes the step on its own verdict (keeping the state before it), so
+    every shard is at the newer step: nothing is redone. (Without that, a commit that completed
+    on some survivors and failed on others left shard positions a step apart, and the job went
+    back to its last snapshot.)"""
     run, out = train(tmp_path, "--spares=1", "--snapshot-every=5",
-                     "--inject=crash:rank=1,step=9", args=ARGS, world=4, script=HSDP)
+                     f"--inject=crash:rank=1,step=9,at={at}", args=ARGS, world=4, script=HSDP)
     (restore,) = [r for r in run.of("restore") if r["gen"] == 1]
+    assert restore["step"] == resume
+    assert restore["sources"] == {str(r): "live" for r in range(4)}
     (inc,) = run.summary["incident_list"]
-    left = {e["step"] for e in run.of("rank_left") if e["gen"] == 0 and e["rank"] != 1}
-    if len(left) == 1:  # the survivors left at one step: rank 1's shard comes from its twin
-        assert restore["step"] == 9 and restore["sources"] == {str(r): "live" for r in range(4)}
-        assert inc["steps_lost"] == 0
-    else:
-        # a step in flight: a reduction completed on one survivor and not on another, so two
-        # shard positions ended a step apart and no twin holds the older one: back to the
-        # newest snapshot every shard has (known weak: docs/design.md)
-        assert restore["step"] == 5 and inc["steps_lost"] <= 5
+    assert inc["steps_lost"] == 0
     sdc = run.summary["sdc"]
     assert sdc["checks"] > 0 and not sdc.get("uncompared"), sdc
     assert bitwise_equal(out, reference(4, *ARGS, script=HSDP))

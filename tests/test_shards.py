@@ -168,3 +168,50 @@ def test_a_module_left_in_the_middle_of_a_step_is_set_back_to_rest(world_of_one,
         m(x).pow(2).mean().backward()
     assert all(torch.equal(a.grad.to_local(), b.grad.to_local())
                for a, b in zip(model.parameters(), fresh_model.parameters()))
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_failed_commit_takes_the_step_on_this_ranks_verdict_only_with_the_state_kept(
+        world_of_one, monkeypatch, kept):
+    """The commit (the verdict's all-reduce, the step's last collective) fails on this rank: with
+    the state before the step kept, the rank takes the step on its own verdict; without a copy,
+    the failure is raised and nothing is updated. An error that is no collective's is raised
+    as it is, nothing kept."""
+    import torch.distributed as dist
+
+    model, opt, state = _sharded_state()
+    _train(model, opt)
+    state.check_finite = True
+    seen: list[dict] = []
+
+    def keep():
+        seen.append({k: v.to_local().clone() for k, v in model.state_dict().items()})
+        return kept
+
+    state._keep_before_step = keep
+    before = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    real = dist.all_reduce
+
+    def commit_fails(tensor, *args, **kwargs):
+        if tensor.numel() == 1 and tensor.device.type == "cpu":
+            raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
+        return real(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", commit_fails)
+    if kept:
+        _train(model, opt, steps=1)
+        after = model.state_dict()
+        assert any(not torch.equal(after[k].to_local(), v) for k, v in before.items())
+    else:
+        with pytest.raises(RuntimeError, match="Connection closed"):
+            _train(model, opt, steps=1)
+        assert all(torch.equal(v.to_local(), before[k]) for k, v in model.state_dict().items())
+    assert len(seen) == 1 and all(torch.equal(seen[0][k], v) for k, v in before.items())
+
+    def not_a_collective(tensor, *args, **kwargs):
+        raise ValueError("the user's own bug")
+
+    monkeypatch.setattr(dist, "all_reduce", not_a_collective)
+    with pytest.raises(ValueError):
+        _train(model, opt, steps=1)
+    assert len(seen) == 1

@@ -44,7 +44,9 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
                     "its CUDA context is unusable from then on", ()),
     "cuda_oom": ("the rank asks its GPU for more memory than it has (CUDA out of memory)", ()),
 }
-STEP_POINTS = ("start", "optimizer", "snapshot")  # snapshot: half-way through writing the step's snapshot
+#: snapshot: half-way through writing the step's snapshot; commit: a sharded step's gradients
+#: reduced, before its ranks agree to take it (in the optimizer step, before it updates)
+STEP_POINTS = ("start", "optimizer", "snapshot", "commit")
 #: points inside a recovery, keyed by generation: the new rank process holds its assignment
 #: (replace; promoted: only a process that takes a place in a running job, a warm spare or a new
 #: process, never a survivor), is forming the group (rendezvous), is receiving state (restore),
@@ -246,7 +248,7 @@ class Injector:
                 if f.at == "first_step":
                     out.append(f)
                 continue
-            in_hooks = f.at == "optimizer" or f.kind in ("nan",) + PERSISTENT
+            in_hooks = f.at in ("optimizer", "commit") or f.kind in ("nan",) + PERSISTENT
             if not registered or f.step > 0 or not in_hooks:
                 out.append(f)
         return out

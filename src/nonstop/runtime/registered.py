@@ -89,6 +89,10 @@ class State:
         self.check_finite = False  # set by the runtime from the policy
         self.compute_s = 0.0  # forward time of the registered modules in the current step
         self._on_optimizer_step: Callable[[], None] | None = None
+        self._on_commit: Callable[[], None] | None = None  # a fault point, before the commit
+        # a sharded step's commit failed on this rank: keep the state before the step (True:
+        # kept, the step may be taken on this rank's own verdict); set by the runtime
+        self._keep_before_step: Callable[[], bool] | None = None
         self._forward_fault: Callable[[int], tuple[float, bool]] | None = None
         self._rank = 0
         self._t_forward = 0.0
@@ -136,8 +140,15 @@ class State:
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.fence()
-        if self.check_finite and not _grads_finite(optimizer, self._sharded_optimizer(optimizer)):
-            raise NonFiniteGradients(self.step)
+        sharded = self._sharded_optimizer(optimizer)
+        if sharded and self._on_commit is not None:
+            self._on_commit()
+        # a sharded job's ranks agree on every step before taking it (the commit: one flag,
+        # all-reduced after every gradient reduction), NaN check or not
+        if self.check_finite or (sharded and self._keep_before_step is not None):
+            finite = _grads_finite(optimizer, sharded, self._keep_before_step)
+            if self.check_finite and not finite:
+                raise NonFiniteGradients(self.step)
         if id(optimizer) in self._prune:  # after a reshard: this rank's parameters only
             self._prune.discard(id(optimizer))
             for group in optimizer.param_groups:
@@ -354,9 +365,18 @@ class _StepOnly(State):
         self._init_counters()
 
 
-def _grads_finite(optimizer: Any, sharded: bool) -> bool:
+def _grads_finite(optimizer: Any, sharded: bool,
+                  keep_before_step: Callable[[], bool] | None = None) -> bool:
     """Whether every gradient of ``optimizer`` is finite; ``sharded`` (its parameters are
-    DTensors): each rank reads its own shards, and the verdict is all-reduced."""
+    DTensors): each rank reads its own shards, and the verdict is all-reduced - the step's
+    commit, the last collective of a step.
+
+    A commit that fails on this rank (a peer left as the ranks agreed) leaves it unsure whether
+    others took the step: one that completed it did (every rank had reduced its gradients, and
+    the verdict was finite). So this rank takes the step too, on its own verdict, after keeping
+    the state before it (``keep_before_step``): a restore then finds every shard at the newer
+    step (nothing lost), or goes back to the kept one where some shard never reached it.
+    Without a copy kept, the failure is raised and the step not taken."""
     import torch
 
     grads = [p.grad for group in optimizer.param_groups for p in group["params"]
@@ -374,7 +394,14 @@ def _grads_finite(optimizer: Any, sharded: bool) -> bool:
         import torch.distributed as dist
 
         flag = torch.tensor([0.0 if finite else 1.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        except Exception as exc:
+            from .worker import is_collective_error
+
+            if keep_before_step is None or not is_collective_error(exc) or not keep_before_step():
+                raise
+            return finite
         finite = not flag.item()
     return finite
 

@@ -238,6 +238,36 @@ def _attach(rt: Any, tracked: State) -> None:
     tracked._on_optimizer_step = optimizer_stepped
     if rt.injector.has_forward:
         tracked._forward_fault = lambda step: rt.injector.forward(rt.rank, step)
+    if rt.injector.has_point("commit"):
+        tracked._on_commit = lambda: rt.injector.check("commit", rt.rank, tracked.step)
+    if rt.node_memory is not None:
+        tracked._keep_before_step = lambda: _keep_before_step(rt, tracked)
+
+
+def _keep_before_step(rt: Any, tracked: State) -> bool:
+    """A sharded step's commit failed on this rank (a peer left as the ranks agreed to take the
+    step): keep the state before the step in this process, where a restore offers it (``kept``),
+    so that the rank may take the step on its own verdict. Once per step (a second optimizer of
+    the step finds it kept). False when no copy could be made: the step is then not taken."""
+    from ..state import packing
+
+    memory, held = rt.node_memory, rt.held
+    if memory is None or held is None:
+        return False
+    rank, world = held
+    step = tracked.step
+    kept = memory.kept
+    if kept is not None and kept[:3] == (step, rank, world):
+        return True
+    gen = rt.assignment.gen if rt.assignment is not None else -1
+    try:
+        meta, data = packing.pack(tracked.state_dict(), {"step": step, "rank": rank,
+                                                         "world": world, "sharded": True,
+                                                         "gen": gen})
+    except Exception:  # noqa: BLE001 - no copy: the failure is raised, the step not taken
+        return False
+    memory.kept = (step, rank, world, meta, data)
+    return True
 
 
 def _report_retry(rt: Any, tracked: State, gen: int, rank: int, retry: "_Retry") -> Any:
