@@ -62,3 +62,27 @@ def test_a_mesh_the_script_built_itself_stops_the_job_with_advice(tmp_path):
     last = run.stderr.strip().splitlines()[-1]
     assert "nonstop.Mesh(dims, shape, build)" in last and "Traceback" not in run.stderr
     assert len(run.of("decision")) == 2  # the replacement, then the stop
+
+
+def test_an_error_in_nonstops_state_code_while_a_generation_forms_is_nonstops_not_a_peers():
+    """A survivor's FSDP2 modules are set back to rest while the next generation forms: an
+    error there (found on a GPU: a torch without the attribute read) failed alike on every
+    in-place retry while it was taken for a peer's. A collective's error then is a peer's, and
+    so is any other raised outside nonstop's own state code (as before)."""
+    from nonstop.runtime.wrap import failure_reason
+    from nonstop.state import shards
+
+    class NoGroups:
+        _is_root = True
+        _state_ctx = type("Ctx", (), {"all_states": [object()]})()
+
+    module = torch.nn.Linear(2, 2)
+    module._get_fsdp_state = lambda: NoGroups()  # an FSDP2 state of another torch's shape
+    state = type("S", (), {"objects": lambda self: {"model": module}})()
+    internal = _caught(lambda: shards.settle(state))
+    assert failure_reason(internal, "rendezvous", aborted=False, cuda_oom=False) == "internal"
+    peer = RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
+    assert failure_reason(peer, "rendezvous", aborted=False, cuda_oom=False) == "peer"
+    assert failure_reason(_caught(lambda: 1 / 0), "rendezvous", False, False) == "peer"
+    assert failure_reason(_caught(lambda: 1 / 0), "train", False, False) == "exception"
+    assert failure_reason(internal, "train", aborted=True, cuda_oom=False) == "abort"

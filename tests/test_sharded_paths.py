@@ -1,6 +1,6 @@
 """Every recovery path, for sharded jobs (FSDP2 and HSDP): a hang, a NaN step retried in place, a
 whole node lost to a spare node, a second fault inside a recovery, a job restarted from its disk
-checkpoint. Real processes, real gloo; each run ends with the final (gathered) weights bitwise
+checkpoint, a preempted job's emergency save. Real processes, real gloo; each run ends with the final (gathered) weights bitwise
 those of a fault-free run of the same script and arguments, and says what it did (the level
 decided, where each shard came from, the steps lost)."""
 
@@ -194,4 +194,36 @@ def test_an_fsdp2_job_that_loses_every_rank_and_its_memory_restarts_from_disk(tm
     assert step >= max(written) >= first["step"] >= 4 and step % 4 == 0
     (inc,) = run.summary["incident_list"]
     assert inc["resume_step"] == step and inc["steps_lost"] == inc["step_before"] - step
+    assert bitwise_equal(out, reference(2, *ARGS, script=FSDP))
+
+
+# -- 6. an emergency save (FSDP2) ---------------------------------------------------------------
+def test_a_preempted_fsdp2_job_saves_its_newest_shards_and_a_new_run_resumes_from_them(
+        tmp_path, reference):
+    """A scheduler's SIGTERM to ``nonstop run``: the newest snapshot of every shard (a snapshot
+    every step, no periodic checkpoint due) is written to disk before nonstop ends, as one
+    checkpoint; a new run resumes from it, each rank reading its own shard, and ends bitwise
+    where the fault-free run ends."""
+    ckpt = tmp_path / "ckpt"
+    t0 = time.time()
+    # slow steps from step 3: the signal comes while there are steps to go, even on a loaded
+    # machine (no number changes)
+    proc = start(tmp_path / "first", "--nproc=2", "--snapshot-every=1", f"--checkpoint-dir={ckpt}",
+                 "--checkpoint-every=1000", "--inject=slow:rank=all,step=3,ms=400", str(FSDP),
+                 *ARGS)
+    try:
+        wait_for_event(tmp_path / "first", lambda e: e["type"] == "rank_first_step", timeout=90)
+        time.sleep(1.0)
+        os.kill(proc.pid, signal.SIGTERM)
+    finally:
+        first = finish(proc, tmp_path / "first", t0)
+    assert first.code == 128 + signal.SIGTERM, first.stdout[-3000:] + first.stderr[-3000:]
+    (em,) = first.of("emergency_checkpoint")
+    assert em["complete"] and 0 < em["step"] < 16
+    out = tmp_path / "final.pt"
+    second = finish(start(tmp_path / "second", "--nproc=2", f"--checkpoint-dir={ckpt}", str(FSDP),
+                          *ARGS, "--save", str(out)), tmp_path / "second", time.time())
+    assert second.code == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    (rest,) = second.of("restore")
+    assert rest["step"] == em["step"] and rest["sources"] == {"0": "disk", "1": "disk"}
     assert bitwise_equal(out, reference(2, *ARGS, script=FSDP))

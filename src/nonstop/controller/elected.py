@@ -231,6 +231,12 @@ class Leader:
                 print(f"nonstop: host {rec.host_id} cannot be reached: {exc}", file=sys.stderr,
                       flush=True)
                 cluster.links.pop(node, None)
+                # and given up in etcd first, as a silent host is (``_collect``): its lease may
+                # outlast a takeover (a frozen host's did, on a loaded machine), and woken, it
+                # must find itself given up and fence itself - not register again as if its
+                # ranks were still its own
+                if journal is not None:
+                    self._give_up(rec.host_id, rec.incarnation, force=True)
                 lost.add(node)
         nodes = cfg.nnodes_max
         world = nodes * cfg.nproc_per_node

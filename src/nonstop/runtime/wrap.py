@@ -112,6 +112,32 @@ def raised_by_nonstop(exc: BaseException) -> bool:
     return False
 
 
+def failure_reason(exc: BaseException, phase: str, aborted: bool, cuda_oom: bool) -> str:
+    """What a failure that made this rank leave its generation was (pure, but for reading the
+    traceback): the ``reason`` of its ``rank_left``. An error in nonstop's own state code while
+    the generation formed is nonstop's (``internal``: it stops the job with that said), not a
+    peer's: taken for one, it was retried in place, failing alike each time."""
+    from ..state.restore import NoConsistentState
+
+    if isinstance(exc, Regroup):
+        return "regroup"  # the peers still in a step leave as this group ends
+    if isinstance(exc, SilentCorruption):  # every rank found the same: any one's report
+        return "sdc"
+    if aborted:
+        return "abort"
+    if isinstance(exc, NoConsistentState):
+        return "no_state"
+    if isinstance(exc, ScriptSetupError):
+        return "setup"
+    if cuda_oom:  # out of memory: this process tries again, its caches freed
+        return "cuda_oom"
+    if is_collective_error(exc):
+        return "peer"
+    if raised_by_nonstop(exc):
+        return "internal"
+    return "peer" if phase == "rendezvous" else "exception"
+
+
 def _user_traceback(exc: BaseException) -> str:
     """The traceback without nonstop's own frames above the user's function."""
     tb = exc.__traceback__
@@ -380,24 +406,7 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
         if cuda is not None and cuda.sticky:
             _poisoned(rt, group, exc, cuda, gen, rank, phase, tracked.step)
         group.abort()  # first: release the peers blocked on us
-        if isinstance(exc, Regroup):
-            reason = "regroup"  # the peers still in a step leave as this group ends
-        elif isinstance(exc, SilentCorruption):  # every rank found the same: any one's report
-            reason = "sdc"
-        elif rt.monitor.aborted(gen):
-            reason = "abort"
-        elif isinstance(exc, NoConsistentState):
-            reason = "no_state"
-        elif isinstance(exc, ScriptSetupError):
-            reason = "setup"
-        elif cuda is not None:  # out of memory: this process tries again, its caches freed
-            reason = "cuda_oom"
-        elif is_collective_error(exc) or phase == "rendezvous":
-            reason = "peer"
-        elif raised_by_nonstop(exc):
-            reason = "internal"
-        else:
-            reason = "exception"
+        reason = failure_reason(exc, phase, rt.monitor.aborted(gen), cuda is not None)
         detail = {"reason": reason, "t_caught": t_caught, "phase": phase,
                   "error": f"{type(exc).__name__}: {exc}"[:2000]}
         if phase == "restore":
