@@ -254,19 +254,6 @@ def reference(tmp_path_factory):
     return get
 
 
-#: the modules whose tests run longest (test hosts, etcd paused, chaos, shrinking worlds), handed
-#: out first: the two workers then end together, not one of them alone with a minute-long test
-SLOW_FIRST = ("test_hosts_store.py", "test_hosts.py", "test_scale.py", "test_chaos_hosts.py",
-              "test_hosts_elastic.py", "test_hosts_preempt.py", "test_drain.py",
-              "test_bench_hosts.py", "test_sharded_hosts.py", "test_state.py",
-              "test_sharded_paths.py", "test_sharded.py")
-
-
-def pytest_collection_modifyitems(session, config, items):
-    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: in file order
-
-
 def pytest_sessionfinish(session, exitstatus):
     """After the whole suite, no process of ours may be left: fail the run if one is."""
     deadline = time.time() + 10

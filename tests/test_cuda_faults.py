@@ -199,6 +199,12 @@ def test_the_abort_can_go_one_by_one_or_in_threads_and_says_where_it_is():
     log.clear()
     nccl.abort_all([_Backend(log, n) for n in names], "threads", stages.append)
     assert sorted(log) == sorted(names) and stages[-1].startswith("3 of 3 communicators aborted")
+    failing = _Backend(log, "pp")
+    failing.abort = lambda: (_ for _ in ()).throw(RuntimeError("NCCL error: already aborted"))
+    log.clear()
+    with pytest.raises(RuntimeError, match="already aborted"):  # the others aborted all the same
+        nccl.abort_all([_Backend(log, "world"), failing, _Backend(log, "tp")], "threads")
+    assert sorted(log) == ["tp", "world"]
     assert nccl.abort_mode({}) == "threads" and nccl.abort_mode({nccl.ENV_ABORT: "Grouped"}) == \
         "grouped" and nccl.abort_mode({nccl.ENV_ABORT: "bogus"}) == "threads"
 

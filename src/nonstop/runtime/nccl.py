@@ -152,10 +152,13 @@ def abort_all(backends: list[Any], mode: str = "threads",
     n = len(backends)
     if mode == "threads":
         done: list[int] = []
+        errors: list[BaseException] = []
 
         def one(i: int, backend: Any) -> None:
             try:
                 backend.abort()
+            except Exception as exc:  # noqa: BLE001 - said by the caller, once all returned
+                errors.append(exc)
             finally:
                 done.append(i)
                 note(f"{len(done)} of {n} communicators aborted (each in a thread; not yet: "
@@ -168,6 +171,8 @@ def abort_all(backends: list[Any], mode: str = "threads",
             t.start()
         for t in threads:
             t.join()
+        if errors:
+            raise errors[0]
         return
     first = backends[0]
     grouped = mode == "grouped" and hasattr(first, "_group_start") and hasattr(first, "_group_end")
