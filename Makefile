@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(BIN)/nonstop demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 tests
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal tests
 
 # every test that starts no process (a test that starts one must be marked integration: the
 # suite's conftest refuses it otherwise), in well under a minute

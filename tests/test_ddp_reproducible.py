@@ -7,8 +7,8 @@ import pytest
 
 import os
 import signal
+import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -20,37 +20,42 @@ pytestmark = pytest.mark.integration  # starts processes
 WORLD = 3  # with 2, a + b is the same sum in either order: the layout shows from 3 ranks on
 
 
+#: the ranks' parent: a fresh interpreter that imports torch once and forks them. (Forked from
+#: the test's own process, a pytest worker with threads of its own, a rank once hung at its start
+#: holding a lock a thread had at the fork.)
+DRIVER = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import ddp_layouts
+world, store, out = int(sys.argv[2]), sys.argv[3], sys.argv[4]
+pids = []
+for r in range(world):
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            ddp_layouts.main(r, world, store, out)
+            code = 0
+        finally:
+            os._exit(code)
+    pids.append(pid)
+codes = [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids]
+print(codes)
+sys.exit(0 if codes == [0] * world else 1)
+"""
+
+
 def _run(tmp_path: Path) -> dict:
-    """The ranks forked from this process (torch is imported here already: no import each)."""
-    sys.path.insert(0, str(SCRIPTS))
+    """The ranks' averaged gradients under each layout (rank 0 saves them)."""
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(SCRIPTS), str(WORLD),
+                             str(tmp_path / "store"), str(tmp_path)], start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        import ddp_layouts
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    store, pids = tmp_path / "store", []
-    for r in range(WORLD):
-        pid = os.fork()
-        if pid == 0:  # the rank: it never returns into pytest
-            code = 1
-            try:
-                ddp_layouts.main(r, WORLD, str(store), str(tmp_path))
-                code = 0
-            finally:
-                os._exit(code)
-        pids.append(pid)
-    deadline, codes = time.monotonic() + 120, {}
-    while len(codes) < WORLD and time.monotonic() < deadline:
-        for pid in pids:
-            if pid not in codes:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    codes[pid] = os.waitstatus_to_exitcode(status)
-        time.sleep(0.05)
-    for pid in pids:
-        if pid not in codes:  # out of time: ended, and reaped
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-    assert list(codes.values()) == [0] * WORLD, codes
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and its ranks
+        out, _ = proc.communicate()
+    assert proc.returncode == 0, out[-3000:]
     return torch.load(tmp_path / "grads.pt")
 
 
