@@ -208,6 +208,15 @@ def test_a_failed_commit_takes_the_step_on_this_ranks_verdict_only_with_the_stat
         assert all(torch.equal(v.to_local(), before[k]) for k, v in model.state_dict().items())
     assert len(seen) == 1 and all(torch.equal(seen[0][k], v) for k, v in before.items())
 
+    monkeypatch.setattr(dist, "all_reduce", commit_fails)
+    before = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    opt.zero_grad()  # this rank's own gradients are not finite as the commit fails
+    model(torch.full((2, 4), float("nan"))).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match="Connection closed"):  # the peer's failure, not a NaN
+        opt.step()
+    assert all(torch.equal(v.to_local(), before[k]) for k, v in model.state_dict().items())
+    assert len(seen) == 1  # nothing kept for it
+
     def not_a_collective(tensor, *args, **kwargs):
         raise ValueError("the user's own bug")
 

@@ -376,7 +376,8 @@ def _grads_finite(optimizer: Any, sharded: bool,
     the verdict was finite). So this rank takes the step too, on its own verdict, after keeping
     the state before it (``keep_before_step``): a restore then finds every shard at the newer
     step (nothing lost), or goes back to the kept one where some shard never reached it.
-    Without a copy kept, the failure is raised and the step not taken."""
+    Without a copy kept, or with a verdict of its own that is not finite, the failure is raised
+    and the step not taken."""
     import torch
 
     grads = [p.grad for group in optimizer.param_groups for p in group["params"]
@@ -399,9 +400,12 @@ def _grads_finite(optimizer: Any, sharded: bool,
         except Exception as exc:
             from .worker import is_collective_error
 
-            if keep_before_step is None or not is_collective_error(exc) or not keep_before_step():
+            # only a finite verdict of its own is taken: gradients this rank finds non-finite
+            # as its peers fail may be an aborted reduction's (a GPU's), not the model's
+            if keep_before_step is None or not finite or not is_collective_error(exc) \
+                    or not keep_before_step():
                 raise
-            return finite
+            return True
         finite = not flag.item()
     return finite
 
