@@ -275,8 +275,6 @@ def _keep_before_step(rt: Any, tracked: State) -> bool:
     step): keep the state before the step in this process, where a restore offers it (``kept``),
     so that the rank may take the step on its own verdict. Once per step (a second optimizer of
     the step finds it kept). False when no copy could be made: the step is then not taken."""
-    from ..state import packing
-
     memory, held = rt.node_memory, rt.held
     if memory is None or held is None:
         return False
@@ -287,12 +285,9 @@ def _keep_before_step(rt: Any, tracked: State) -> bool:
         return True
     gen = rt.assignment.gen if rt.assignment is not None else -1
     try:
-        meta, data = packing.pack(tracked.state_dict(), {"step": step, "rank": rank,
-                                                         "world": world, "sharded": True,
-                                                         "gen": gen})
+        memory.keep(tracked, step, rank, world, True, gen)
     except Exception:  # noqa: BLE001 - no copy: the failure is raised, the step not taken
         return False
-    memory.kept = (step, rank, world, meta, data)
     return True
 
 

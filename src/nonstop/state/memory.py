@@ -40,6 +40,19 @@ class NodeMemory:
         # step to go back to (``Snapshots.keep``; offered by a restore as ``kept``)
         self.kept: tuple[int, int, int, bytes, Any] | None = None
 
+    def keep(self, state: Any, step: int, rank: int, world: int, sharded: bool,
+             gen: int) -> None:
+        """Keep a copy of ``state`` (at ``step``) in this process, where a restore offers it as
+        ``kept``: while this memory is out (``Snapshots``), or as a sharded step whose commit
+        failed is taken on the rank's own verdict (the state before it). Raises when no copy
+        can be made."""
+        from . import packing
+
+        meta, data = packing.pack(state.state_dict(), {"step": step, "rank": rank,
+                                                       "world": world, "sharded": sharded,
+                                                       "gen": gen})
+        self.kept = (step, rank, world, meta, data)
+
     @property
     def client(self) -> wire.Client:
         if self._client is None:

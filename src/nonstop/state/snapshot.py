@@ -343,13 +343,10 @@ class Snapshots:
         if self.digests is None or self.digests.last_step != step or self.memory is None:
             return
         try:
-            meta, data = packing.pack(state.state_dict(), {"step": step, "rank": rank,
-                                                           "world": world, "sharded": sharded,
-                                                           "gen": gen})
+            self.memory.keep(state, step, rank, world, sharded, gen)
         except Exception as exc:  # noqa: BLE001 - no copy: said, and training goes on
             self.error = f"{self.error}; no copy kept in the process: {type(exc).__name__}: {exc}"
             return
-        self.memory.kept = (step, rank, world, meta, data)
         self.digests.certified, self.digests.certified_t = step, time.time()
 
     def _disk_due(self, step: int) -> bool:
