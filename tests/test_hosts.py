@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import EXAMPLES, PLAIN, TRAIN, bitwise_equal
@@ -27,6 +28,7 @@ METRICS_PORT = 9400  # each test host has its own addresses: a fixed port is fre
 STEPS = 300  # one fault-free reference serves every test (the sleep changes no number)
 SHARDED = EXAMPLES / "train_sharded.py"  # each rank's state is its own: only its copies hold it
 SHARDED_STEPS = 150  # its own reference: a shorter run
+LINGERS = Path(__file__).parent / "scripts" / "lingers.py"  # train_ddp.py, then a while longer
 
 
 @pytest.fixture
@@ -181,6 +183,30 @@ def test_the_controller_killed_training_goes_on_then_a_crash_on_a_remote_host(jo
     spawns = {e["wid"]: e["node"] for e in j.of("spawn")}
     gen0 = {int(r): w for r, w in j.of("generation")[0]["ranks"].items()}
     assert spawns[replace[0]["wid"]] == spawns[gen0[3]]  # the spare on rank 3's own host
+    saved = _saved(j, 2)
+    assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", str(STEPS)))
+
+
+def test_the_controller_killed_as_the_job_ends(job, reference):
+    """The controller SIGKILLed once training is over, while the ranks' script still runs (it
+    lingers after training, as one that uploads its results would): the ranks exit 0 with no
+    controller in office. The standby taking office finds every rank ran to the end and ends the
+    job well - no crash to recover, no restart, exit 0 everywhere."""
+    j = job(2)
+    for i in range(2):
+        j.start(i, "--nnodes", "2", "--nproc-per-node", "2", script=str(LINGERS),
+                env={"LINGER_S": "0.3"},
+                script_args=["--steps", str(STEPS), "--save", str(j.base / "final.pt")])
+    j.wait_output("lingering", 120)
+    first = j.of("leader")[0]
+    os.kill(first["pid"], signal.SIGKILL)
+    codes = j.wait(120)
+    assert codes == {0: 0, 1: 0}, j.output(0)[-3000:] + j.output(1)[-3000:]
+    leaders = j.of("leader")
+    assert len(leaders) == 2 and leaders[1]["takeover"]
+    (take,) = j.of("takeover")
+    assert take["finished"] == [0, 1, 2, 3] and not take["missing"], take
+    assert not j.of("incident") and not j.of("fault") and len(j.of("generation")) == 1
     saved = _saved(j, 2)
     assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", str(STEPS)))
 

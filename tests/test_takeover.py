@@ -13,8 +13,9 @@ def J(gen: int) -> JournalRecord:
     return JournalRecord(gen=gen, plan={0: 0, 1: 1})
 
 
-def _rank(wid, rank, gen, node=0, alive=True):
-    return Seen(wid=wid, node=node, alive=alive, spare=False, rank=rank, gen=gen, seq=gen + 1)
+def _rank(wid, rank, gen, node=0, alive=True, code=None):
+    return Seen(wid=wid, node=node, alive=alive, spare=False, rank=rank, gen=gen, seq=gen + 1,
+                code=code)
 
 
 def test_a_job_that_trains_is_taken_over_as_it_is():
@@ -38,6 +39,27 @@ def test_a_rank_without_a_live_process_is_missing():
     # its host gone too: the journal still names the process, to be replaced
     a = adopt(J(2), [_rank(0, 0, 2)], world=2)
     assert a.missing == [1] and a.plan[1] == 1
+
+
+def test_ranks_that_ran_to_the_end_are_not_missing():
+    # the controller died as training ended: every rank's process exited 0 in the newest
+    # generation, before a successor took office - the job is over, nothing to recover
+    over = adopt(J(2), [_rank(0, 0, 2, alive=False, code=0),
+                        _rank(1, 1, 2, node=1, alive=False, code=0)], world=2)
+    assert over.over and over.steady and over.finished == [0, 1] and over.missing == []
+    assert faults(over, set(), {0: 0, 1: 1}) == []
+    # one still finishing: it holds its rank, the other ran to the end; the job is not over
+    part = adopt(J(2), [_rank(0, 0, 2), _rank(1, 1, 2, alive=False, code=0)], world=2)
+    assert part.finished == [1] and not part.over and part.steady and part.missing == []
+    assert faults(part, set(), {0: 0, 1: 1}) == []
+    # exited with an error, or killed: missing (a crash to recover from), not finished
+    for code in (1, -9, None):
+        bad = adopt(J(2), [_rank(0, 0, 2), _rank(1, 1, 2, alive=False, code=code)], world=2)
+        assert bad.missing == [1] and bad.finished == [] and not bad.over
+    # a process that ended 0 in an older generation was replaced since: the newer one holds it
+    old = adopt(J(3), [_rank(0, 0, 3), _rank(1, 1, 2, alive=False, code=0), _rank(4, 1, 3)],
+                world=2)
+    assert old.plan == {0: 0, 1: 4} and old.finished == [] and old.orphans == []
 
 
 def test_a_generation_caught_forming_keeps_every_live_process():

@@ -699,7 +699,8 @@ class Controller:
 
         j = journal or keys.JournalRecord()
         self.log.write("takeover", gen=adoption.gen, steady=adoption.steady,
-                       missing=adoption.missing, orphans=adoption.orphans,
+                       missing=adoption.missing, finished=adoption.finished,
+                       orphans=adoption.orphans,
                        spares=adoption.spares, journal_gen=journal.gen if journal else None,
                        lost=sorted(lost))
         self.gens.adopt(adoption, seen, j)
@@ -722,6 +723,9 @@ class Controller:
         now = time.time()
         # the predecessor's last word (its status) bounds when the fault began: not before it
         since = t_fault if t_fault is not None and now - 60.0 < t_fault < now else None
+        if adoption.over:  # the predecessor died as training ended: the job ends here
+            self._training_complete(now)
+            return
         for f in takeover.faults(adoption, lost, self.gens.node_of()):
             self._fault(f, t_fault=since)
         self._refill_spares()

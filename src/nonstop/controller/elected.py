@@ -254,7 +254,9 @@ class Leader:
             adoption = takeover.adopt(journal, seen, len(journal.plan) or world)
             display.info(f"controller on {cfg.host_id} (epoch {self.epoch}) takes over at "
                          f"generation {adoption.gen}"
-                         + ("" if adoption.steady else f"; rank(s) {adoption.missing} to recover"))
+                         + ("; every rank had finished" if adoption.over else
+                            "" if adoption.steady else
+                            f"; rank(s) {adoption.missing} to recover"))
             controller.adopt(adoption, seen, journal, lost, t_fault=self._last_seen_alive())
         else:
             display.info(f"controller on {cfg.host_id} (epoch {self.epoch}): {world} rank(s) on "
@@ -433,7 +435,7 @@ class Leader:
             for w in link.state.workers:
                 seen.append(takeover.Seen(
                     wid=w.wid, node=node, alive=w.alive, spare=w.spare, rank=w.rank, gen=w.gen,
-                    seq=w.seq, keeper=w.keeper))
+                    seq=w.seq, keeper=w.keeper, code=w.code))
         for node in lost:
             if node in cluster.links:
                 cluster.host_gone(node)

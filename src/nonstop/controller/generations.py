@@ -341,4 +341,6 @@ def adopted_workers(adoption: takeover.Adoption, seen: list[takeover.Seen],
             out[wid] = Worker(wid=wid, spare=False, node=node_of.get(rank, 0), rank=rank,
                               dead=True)
         out[wid].rank = rank
+        if rank in adoption.finished:  # it ran to the end (its Done, if wrapped, is replayed)
+            out[wid].done = adoption.gen
     return out

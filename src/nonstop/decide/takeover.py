@@ -28,6 +28,12 @@ class Seen:
     gen: int | None = None  # the generation of its newest assignment
     seq: int = 0  # its next mailbox slot
     keeper: str | None = None  # the host's node memory (not a rank's process): its name
+    code: int | None = None  # its exit code, once it exited
+
+    @property
+    def finished(self) -> bool:
+        """It ran its rank to the end: exited 0 (a rank nonstop ended is killed, never 0)."""
+        return not self.alive and self.code == 0 and not self.spare
 
 
 @dataclasses.dataclass
@@ -39,6 +45,13 @@ class Adoption:
     orphans: list[int]  # live processes whose rank went to another since: ended at once
     steady: bool  # every rank's process is in the newest generation: the job goes on as it is
     # (not steady and nothing missing: a generation was being formed; it is formed again)
+    finished: list[int] = dataclasses.field(default_factory=list)  # ranks whose process exited 0
+    # in the newest generation: training ended for them (all of them: the job is over)
+
+    @property
+    def over(self) -> bool:
+        """Every rank ran to the end: the predecessor died as the job finished."""
+        return bool(self.plan) and len(self.finished) == len(self.plan)
 
 
 def adopt(journal: JournalRecord | None, seen: list[Seen], world: int) -> Adoption:
@@ -46,7 +59,11 @@ def adopt(journal: JournalRecord | None, seen: list[Seen], world: int) -> Adopti
     live = [s for s in seen if s.alive]
     assigned = [s for s in live if s.rank is not None and s.gen is not None and not s.spare]
     j_gen = journal.gen if journal is not None else -1
-    gen = max([s.gen for s in assigned] + [j_gen])
+    # a process that ran its rank to the end holds it still: not missing, not to be replaced
+    # (its predecessor died as training ended, before it could say so in etcd)
+    ended = [s for s in seen if s.finished and s.rank is not None and s.gen is not None]
+    gen = max([s.gen for s in assigned + ended] + [j_gen])
+    assigned += [s for s in ended if s.gen == gen]
     plan: dict[int, int] = {}
     newest: dict[int, Seen] = {}
     orphans: list[int] = []
@@ -63,8 +80,10 @@ def adopt(journal: JournalRecord | None, seen: list[Seen], world: int) -> Adopti
         plan[r] = j_plan.get(r, -1 - r)
     spares = sorted(s.wid for s in live if s.spare)
     steady = not missing and gen >= 0 and all(s.gen == gen for s in newest.values())
+    finished = sorted(r for r, s in newest.items() if not s.alive)
     return Adoption(gen=max(gen, 0), plan=plan, missing=missing, spares=spares,
-                    orphans=sorted(orphans), steady=steady)
+                    orphans=sorted(o for o in orphans if o in {s.wid for s in live}),
+                    steady=steady, finished=finished)
 
 
 def faults(adoption: Adoption, lost: set[int], node_of: dict[int, int]) -> list[Any]:
