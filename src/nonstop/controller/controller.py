@@ -43,10 +43,10 @@ from .workers import Worker, WorkerTable
 TICK_BUSY_S = 0.002  # loop period while survivors leave a failed generation
 TICK_WAIT_S = 0.02  # ...while a generation forms
 TICK_IDLE_S = 0.05  # ...while it trains
-# While a recovery is under way, the ranks' progress is read this many times less often: the
-# events that drive it come first (reading 16,384 ranks' records takes the loop 0.1-0.2 s), and
-# what the recovery's own checks read from progress (a rank stuck in its code while its group
-# forms) is judged over seconds.
+# While a recovery is under way, the ranks' progress is read this many times less often (and not
+# at all while the generation is torn down): the events that drive it come first (reading 16,384
+# ranks' records takes the loop 0.1-0.2 s), and what the recovery's own checks read from progress
+# (a rank stuck in its code while its group forms) is judged over seconds.
 PROGRESS_SLOWER_IN_RECOVERY = 3
 SCAN_PER_RANK_S = 10e-6  # the whole job is looked at no more often than this, a rank (_check)
 
@@ -73,6 +73,7 @@ class Controller:
         self.book = IncidentBook(log, display)
         self.state = mc.JobState()
         self._dispatching = False  # the machine's commands are being carried out (_step)
+        self._view: Any = None  # (changes, plan, ranks) at the last look (_seen)
         self.gens = Generations(world=world, spares=spares, nodes=nodes, spare_nodes=spare_nodes,
                                 policy=policy, mail=mail, table=self.table, memory=self.memory,
                                 watchers=self.watchers, log=log, display=display)
@@ -226,7 +227,12 @@ class Controller:
 
     def _read_progress(self, now: float) -> None:
         """A share of the ranks' progress at each turn, every rank's once a period
-        (``_progress_s``; slower while a recovery is under way)."""
+        (``_progress_s``; slower while a recovery is under way, and not at all while a generation
+        is torn down: its ranks' leaving says what the teardown needs, their steps included, and
+        a newest record waits in the mail until it is read)."""
+        if self.phase is Phase.TEARING_DOWN:
+            self._progress_turn = now
+            return
         period = self._progress_s * (PROGRESS_SLOWER_IN_RECOVERY if self._recovering else 1)
         self._progress_owed += (now - self._progress_turn) / period
         self._progress_turn = now
@@ -294,9 +300,32 @@ class Controller:
         """The job as the machine sees it now."""
         now = time.time() if now is None else now
         s = self.state
+        rendezvous = s.phase is Phase.RENDEZVOUS
+        # the same workers, plan and generation as at the last look: the same ranks (several
+        # looks a recovery, each 10 ms at 16,384 ranks). Not while a generation forms: whether
+        # a joining rank's process is stopped is the kernel's, asked at each look.
+        key = (Worker.changes(), s.gen)
+        view = self._view
+        if view is not None and not rendezvous and view[0] == key and view[1] == self.plan:
+            ranks_seen = view[2]
+        else:
+            ranks_seen = self._ranks_seen(s, rendezvous)
+            self._view = None if rendezvous else (key, dict(self.plan), ranks_seen)
+        # a memory whose exit its host's agent reported, while that agent answers, is the memory
+        # alone: the host is not lost (one that stopped answering may be the host cut off)
+        lost = frozenset(n for n, h in self.memory.keepers.items() if h.lost and not h.killed
+                         and not (h.exit_code is not None and self.agent.host_up(n)))
+        return mc.Seen(now=now, ranks=ranks_seen, managed=self.managed,
+                       total_nodes=self.gens.total_nodes, slots=self.gens.slots, lost_memory=lost,
+                       slowest_step_s=self.watchers.signals.hang.slowest_step(),
+                       abort_s=self.policy.timeouts.abort_s if self.reports.nccl else 0.0,
+                       target_world=self.gens.target, ready_spares=self.gens.ready_spares(),
+                       replica_groups=self.reports.replica_groups)
+
+    def _ranks_seen(self, s: mc.JobState, rendezvous: bool) -> tuple[mc.RankSeen, ...]:
+        """Every rank as the machine sees it; a worker's record is rebuilt only if it changed."""
         ranks = []
         workers, stopped = self.workers, self.agent.stopped
-        rendezvous = s.phase is Phase.RENDEZVOUS
         gen, RankSeen = s.gen, mc.RankSeen
         for rank, wid in sorted(self.plan.items()):
             w = workers[wid]
@@ -313,16 +342,7 @@ class Controller:
                          w.same_s if w.hb and w.where == "python" else 0.0, w.loc)
             w.__dict__["seen"] = ((rank, warm, st), r)  # (past __setattr__: not a change)
             ranks.append(r)
-        # a memory whose exit its host's agent reported, while that agent answers, is the memory
-        # alone: the host is not lost (one that stopped answering may be the host cut off)
-        lost = frozenset(n for n, h in self.memory.keepers.items() if h.lost and not h.killed
-                         and not (h.exit_code is not None and self.agent.host_up(n)))
-        return mc.Seen(now=now, ranks=tuple(ranks), managed=self.managed,
-                       total_nodes=self.gens.total_nodes, slots=self.gens.slots, lost_memory=lost,
-                       slowest_step_s=self.watchers.signals.hang.slowest_step(),
-                       abort_s=self.policy.timeouts.abort_s if self.reports.nccl else 0.0,
-                       target_world=self.gens.target, ready_spares=self.gens.ready_spares(),
-                       replica_groups=self.reports.replica_groups)
+        return tuple(ranks)
 
     def _step(self, ob: mc.Observation) -> None:
         """One observation through the machine, its commands carried out in order; what a

@@ -23,6 +23,8 @@ DUMP_GRACE_S = 0.3  # between asking a stuck process for its stacks and killing 
 SEEN_FIELDS = frozenset({"node", "dead", "joining", "entered", "left", "done", "retry_step",
                          "retry_loss", "warm_gen", "hb", "where", "loc", "same_s"})
 
+_CHANGES = [0]  # Worker.changes()
+
 
 @dataclasses.dataclass
 class Worker:
@@ -68,6 +70,13 @@ class Worker:
         object.__setattr__(self, name, value)
         if name in SEEN_FIELDS:
             object.__setattr__(self, "seen", None)
+            _CHANGES[0] += 1
+
+    @staticmethod
+    def changes() -> int:
+        """How many times a field the machine sees of any worker was written (in this process):
+        the same count twice, and no worker's view changed in between."""
+        return _CHANGES[0]
 
     def take_event(self, ev: events.RankEvent) -> None:
         """What its own event says of it: the record only (what it means for the job is the
@@ -120,6 +129,7 @@ class Worker:
         d = self.__dict__
         if (bool(hb), where, loc, same_s) != (bool(self.hb), self.where, self.loc, self.same_s):
             d["seen"] = None
+            _CHANGES[0] += 1
         d["hb"], d["where"], d["loc"], d["same_s"], d["paused"] = hb, where, loc, same_s, paused
 
 

@@ -217,11 +217,21 @@ def shift_times(obj: dict[str, Any], offset: float) -> dict[str, Any]:
     """A record from another host, with its times moved onto this host's clock (``offset`` =
     this host's clock minus the sender's, taken when the message arrived). No decision compares
     two hosts' clocks: the sender's times are only ever read relative to its own clock."""
-    for key, value in obj.items():  # (the name first: most fields are not times)
-        if key[:1] in "th" and (key in TIME_FIELDS or key.startswith("t_")) and \
-                isinstance(value, (int, float)) and not isinstance(value, bool):
+    names = tuple(obj)
+    times = _TIME_NAMES.get(names)
+    if times is None:  # (records of one kind carry the same names: found once per kind)
+        times = tuple(k for k in names if k in TIME_FIELDS or k.startswith("t_"))
+        if len(_TIME_NAMES) < TIME_NAMES_KEPT:
+            _TIME_NAMES[names] = times
+    for key in times:
+        value = obj[key]
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
             obj[key] = value + offset
     return obj
+
+
+TIME_NAMES_KEPT = 1024  # the kinds of record whose time fields are remembered
+_TIME_NAMES: dict[tuple[str, ...], tuple[str, ...]] = {}
 
 
 PROGRESS_TIMES = ("hb", "t", "t_life")  # the times of a progress record (protocol.progress)
