@@ -224,3 +224,28 @@ def test_a_failed_commit_takes_the_step_on_this_ranks_verdict_only_with_the_stat
     with pytest.raises(ValueError):
         _train(model, opt, steps=1)
     assert len(seen) == 1
+
+
+def test_a_shards_offset_is_computed_once_per_mesh(world_of_one, monkeypatch):
+    import weakref
+
+    from torch.distributed.tensor import _utils
+
+    monkeypatch.setattr(shards, "_OFFSETS", weakref.WeakKeyDictionary())  # (the tests' before)
+
+    calls = []
+    real = _utils.compute_local_shape_and_global_offset
+    monkeypatch.setattr(_utils, "compute_local_shape_and_global_offset",
+                        lambda *a: calls.append(a[0]) or real(*a))
+    model, opt, state = _sharded_state()
+    _train(model, opt)
+    first = state.state_dict()[shards.KEY]
+    assert len(calls) == 4  # one per (shape, placements): 4 parameters, their moments alike
+    assert state.state_dict()[shards.KEY] == first and len(calls) == 4  # the next: none
+    # a new generation's mesh of the same layout, this rank at the same place: the same offsets
+    model, opt, state = _sharded_state()
+    _train(model, opt)
+    assert state.state_dict()[shards.KEY] == first and len(calls) == 4
+    # ...at another place in it (its coordinate): computed for that place
+    monkeypatch.setattr(type(model[0].weight.device_mesh), "get_coordinate", lambda self: [7])
+    assert state.state_dict()[shards.KEY] == first and len(calls) == 8
