@@ -80,14 +80,23 @@ def _pct(a: float | None, b: float | None) -> float | None:
     return None if not a or not b else round((a / b - 1) * 100, 2)
 
 
+def _paired(runs: list[dict[str, Any]] | None, base: list[dict[str, Any]] | None) -> float | None:
+    """The median over turns of each run's step time against the base's run of the same turn."""
+    pcts = [_pct(r["step_s"], b["step_s"]) for r, b in zip(runs or [], base or [])]
+    pcts = [p for p in pcts if p is not None]
+    return round(statistics.median(pcts), 2) if pcts else None
+
+
 def table(results: list[dict[str, Any]]) -> str:
     fmt = lambda v, d=4: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
-    lines = ["| step (target) | plain s | nonstop s | overhead | reproducible s | reproducible "
-             "overhead | nonstop + reproducible s | a rank's snapshot, bytes |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| step (target) | plain s | nonstop s | overhead | overhead, paired by turn | "
+             "reproducible s | reproducible overhead | nonstop + reproducible s | a rank's "
+             "snapshot, bytes |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['step_ms']:g} ms | {fmt(r['plain_s'])} | {fmt(r['nonstop_s'])} | "
-                     f"{fmt(r['overhead_pct'], 2)}% | {fmt(r.get('reproducible_s'))} | "
+                     f"{fmt(r['overhead_pct'], 2)}% | {fmt(r.get('overhead_paired_pct'), 2)}% | "
+                     f"{fmt(r.get('reproducible_s'))} | "
                      f"{fmt(r['reproducible_overhead_pct'], 2)}% | "
                      f"{fmt(r.get('nonstop_reproducible_s'))} | "
                      f"{r.get('snapshot_bytes_per_rank') or '-'} |")
@@ -130,7 +139,9 @@ def main(args: argparse.Namespace) -> int:
         steps = steps_arg or max(60, int(RUN_S * 1000 / ms))
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
         for i in range(args.repeat):
-            for system in systems:
+            # the order turns about every turn (A B, B A, ...): a machine that drifts one way
+            # over the minutes a bench takes favours neither system
+            for system in (systems if i % 2 == 0 else systems[::-1]):
                 r = run_once(system, args.ranks, steps, ms - COMPUTE_MS,
                              base / f"step{ms:g}ms" / system / f"run{i}", parallel)
                 runs[system].append(r)
@@ -146,6 +157,9 @@ def main(args: argparse.Namespace) -> int:
         # another's): a host of R ranks holds about R x SLOTS x this, twice that with replicas
         entry["snapshot_bytes_per_rank"] = max(held) if held else None
         entry["overhead_pct"] = _pct(entry.get("nonstop_s"), entry.get("plain_s"))
+        # each turn's nonstop run against the plain run beside it, the median of those: what
+        # the machine's drift between turns (several % an hour on a small VM) does not move
+        entry["overhead_paired_pct"] = _paired(runs.get("nonstop"), runs.get("plain"))
         entry["reproducible_overhead_pct"] = _pct(entry.get("reproducible_s"), entry.get("plain_s"))
         entry["runs"] = runs
         results.append(entry)
