@@ -143,7 +143,8 @@ def _exits(**rec):
 
 
 GOOD_WORKER = {"wid": 3, "pid": 101, "alive": True, "code": None, "spare": False, "node": 1,
-               "keeper": None, "rank": 0, "gen": 2, "seq": 1}
+               "keeper": None, "rank": 0, "gen": 2, "seq": 1,
+               "done": None}
 GOOD_LAST = {"gen": 2, "step": 17, "t": 1.25, "busy": None, "stall": None}
 
 

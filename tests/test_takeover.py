@@ -13,9 +13,9 @@ def J(gen: int) -> JournalRecord:
     return JournalRecord(gen=gen, plan={0: 0, 1: 1})
 
 
-def _rank(wid, rank, gen, node=0, alive=True, code=None):
+def _rank(wid, rank, gen, node=0, alive=True, code=None, done=None):
     return Seen(wid=wid, node=node, alive=alive, spare=False, rank=rank, gen=gen, seq=gen + 1,
-                code=code)
+                code=code, done=gen if done is None and code == 0 else done)
 
 
 def test_a_job_that_trains_is_taken_over_as_it_is():
@@ -60,6 +60,15 @@ def test_ranks_that_ran_to_the_end_are_not_missing():
     old = adopt(J(3), [_rank(0, 0, 3), _rank(1, 1, 2, alive=False, code=0), _rank(4, 1, 3)],
                 world=2)
     assert old.plan == {0: 0, 1: 4} and old.finished == [] and old.orphans == []
+    # a wrapped rank that exited 0 without saying it was done (sys.exit(0) mid-training), or
+    # done in an older generation: missing; a plain script's ranks say nothing: exit 0 is done
+    for done in (-1, 1):
+        early = adopt(J(2), [_rank(0, 0, 2), _rank(1, 1, 2, alive=False, code=0, done=done)],
+                      world=2)
+        assert early.missing == [1] and early.finished == []
+    plain = adopt(J(2), [_rank(0, 0, 2), _rank(1, 1, 2, alive=False, code=0, done=-1)],
+                  world=2, managed=False)
+    assert plain.finished == [1] and plain.missing == []
 
 
 def test_a_generation_caught_forming_keeps_every_live_process():

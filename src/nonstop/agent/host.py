@@ -34,6 +34,7 @@ from ..errors import UsageError
 from .mail import StoreMail
 from ..net.channel import SECRET_ENV
 from ..protocol import hosts as keys
+from ..protocol import events
 from ..protocol import messages as m
 from ..launch.config import HostConfig
 from .fencing import (REGISTER_RETRY_S, EtcdSilent, Fence, JobEnded, Membership, OutageOver,
@@ -606,6 +607,10 @@ class HostAgent:
             return
         if self.shift_s:  # a test pretending this host's clock is off: its ranks' times too
             evs = [keys.shift_times(ev, self.shift_s) for ev in evs]
+        for ev in evs:  # a rank that said it is done: a controller taking over is told so
+            if ev.get("type") == events.Done.type and type(ev.get("wid")) is int \
+                    and type(ev.get("gen")) is int:
+                self.meta.setdefault(ev["wid"], {})["done"] = ev["gen"]
         self.history += evs
         if len(self.history) > HISTORY_MAX:  # the oldest go: a takeover rebuilds from the rest
             cut = len(self.history) - HISTORY_MAX
@@ -686,7 +691,7 @@ def _worker(p: Proc, meta: dict[str, Any]) -> m.HostWorker:
     return m.HostWorker(wid=p.wid, pid=p.pid, alive=p.alive, code=p.returncode,
                         spare=bool(meta.get("spare", False)), node=meta.get("node"),
                         keeper=meta.get("keeper"), rank=meta.get("rank"), gen=meta.get("gen"),
-                        seq=meta.get("seq", 0))
+                        seq=meta.get("seq", 0), done=meta.get("done"))
 
 
 def _endpoints(endpoints: list[tuple[str, int]]) -> str:

@@ -251,7 +251,7 @@ class Leader:
         if journal is not None:
             seen = self._collect(cluster, lost, timeout_s=cfg.lease_ttl_s + 3.0)
             # a job that shrank goes on at its size (it grows back from there)
-            adoption = takeover.adopt(journal, seen, len(journal.plan) or world)
+            adoption = takeover.adopt(journal, seen, len(journal.plan) or world, cfg.managed)
             display.info(f"controller on {cfg.host_id} (epoch {self.epoch}) takes over at "
                          f"generation {adoption.gen}"
                          + ("; every rank had finished" if adoption.over else
@@ -435,7 +435,7 @@ class Leader:
             for w in link.state.workers:
                 seen.append(takeover.Seen(
                     wid=w.wid, node=node, alive=w.alive, spare=w.spare, rank=w.rank, gen=w.gen,
-                    seq=w.seq, keeper=w.keeper, code=w.code))
+                    seq=w.seq, keeper=w.keeper, code=w.code, done=w.done))
         for node in lost:
             if node in cluster.links:
                 cluster.host_gone(node)

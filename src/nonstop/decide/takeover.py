@@ -29,11 +29,14 @@ class Seen:
     seq: int = 0  # its next mailbox slot
     keeper: str | None = None  # the host's node memory (not a rank's process): its name
     code: int | None = None  # its exit code, once it exited
+    done: int | None = None  # the generation in which it said its training function returned
 
-    @property
-    def finished(self) -> bool:
-        """It ran its rank to the end: exited 0 (a rank nonstop ended is killed, never 0)."""
-        return not self.alive and self.code == 0 and not self.spare
+    def finished(self, managed: bool) -> bool:
+        """It ran its rank to the end: exited 0 (a rank nonstop ended is killed, never 0) - and,
+        in a wrapped script, after saying its training function returned in the generation it
+        was last assigned (one that exits 0 in the middle of training has not finished it)."""
+        return not self.alive and self.code == 0 and not self.spare and \
+            (not managed or (self.done is not None and self.done == self.gen))
 
 
 @dataclasses.dataclass
@@ -54,14 +57,15 @@ class Adoption:
         return bool(self.plan) and len(self.finished) == len(self.plan)
 
 
-def adopt(journal: JournalRecord | None, seen: list[Seen], world: int) -> Adoption:
+def adopt(journal: JournalRecord | None, seen: list[Seen], world: int,
+          managed: bool = True) -> Adoption:
     seen = [s for s in seen if s.keeper is None]
     live = [s for s in seen if s.alive]
     assigned = [s for s in live if s.rank is not None and s.gen is not None and not s.spare]
     j_gen = journal.gen if journal is not None else -1
     # a process that ran its rank to the end holds it still: not missing, not to be replaced
     # (its predecessor died as training ended, before it could say so in etcd)
-    ended = [s for s in seen if s.finished and s.rank is not None and s.gen is not None]
+    ended = [s for s in seen if s.finished(managed) and s.rank is not None and s.gen is not None]
     gen = max([s.gen for s in assigned + ended] + [j_gen])
     assigned += [s for s in ended if s.gen == gen]
     plan: dict[int, int] = {}

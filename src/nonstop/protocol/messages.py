@@ -171,6 +171,7 @@ class HostWorker:
     rank: int | None = None  # its rank in generation ``gen``, once assigned
     gen: int | None = None
     seq: int = 0  # the next mailbox message it is sent is the seq-th
+    done: int | None = None  # the generation in which it said its training function returned
 
 
 @dataclasses.dataclass(frozen=True)
