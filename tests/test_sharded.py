@@ -12,6 +12,8 @@ from nonstop.runtime.mesh import Mesh, MeshError, coordinates, group_ranks
 
 FSDP = EXAMPLES / "train_fsdp.py"
 ARGS = ("--steps", "16", "--dim", "16", "--blocks", "1")
+TWO_D = EXAMPLES / "train_2d.py"  # FSDP2 x tensor parallel, (dp_shard, tp) = (2, 2)
+ARGS_2D = ("--steps", "12", "--dim", "8", "--blocks", "1")
 
 
 # -- the mesh's arithmetic ----------------------------------------------------------------------
@@ -67,6 +69,23 @@ def test_an_fsdp2_rank_is_replaced_by_a_warm_spare_with_nothing_lost(tmp_path, r
     (restore,) = [r for r in run.of("restore") if r["gen"] == 1]
     assert restore["sources"] == {"0": "live", "1": "memory"} and restore["step"] == 9
     assert bitwise_equal(out, reference(2, *ARGS, script=FSDP))
+
+
+@pytest.mark.integration
+def test_a_rank_of_an_fsdp_and_tensor_parallel_job_is_replaced_with_nothing_lost(
+        tmp_path, reference):
+    """A 2-D mesh (dp_shard, tp) = (2, 2): rank 3, whose tensor-parallel peer is rank 2 and whose
+    data-parallel peer is rank 1, is killed. A warm spare builds the same TP + FSDP2 structure at
+    its coordinates, alone, and receives its part from its node's memory (a snapshot every
+    step) while the others keep theirs; nothing lost, the gathered weights bitwise."""
+    run, out = train(tmp_path, "--spares=1", "--snapshot-every=1", "--inject=crash:rank=3,step=7",
+                     args=ARGS_2D, world=4, script=TWO_D)
+    assert [d["level"] for d in run.of("decision")] == ["rank replacement"]
+    held = rank_wids(run)
+    assert len(held[3]) == 2 and all(len(held[r]) == 1 for r in (0, 1, 2))
+    (inc,) = run.summary["incident_list"]
+    assert inc["steps_lost"] == 0
+    assert bitwise_equal(out, reference(4, *ARGS_2D, script=TWO_D))
 
 
 @pytest.mark.integration
@@ -167,6 +186,24 @@ def test_an_error_in_the_scripts_build_function_stops_the_job_like_an_import_err
     assert "nonstop.Mesh's build function raised ValueError: reshard_after_forward" in last
     assert "already been applied" not in run.stderr
     assert run.stderr.count("Traceback") == 1
+
+
+@pytest.mark.integration
+def test_a_build_function_that_communicates_stops_the_job_at_its_start_saying_what_to_pass(
+        tmp_path):
+    """``parallelize_module`` at its default scatters rank 0's weights over the tp group: at the
+    first generation it works, but a replacement builds alone and would wait for its peers (in
+    the restore) forever - a 120 s hang, then a job restart. It is refused at the job's start
+    instead: exit code 2, the line says to pass src_data_rank=None."""
+    from conftest import run_nonstop
+
+    run = run_nonstop(tmp_path / "run", "--nproc=2", "--spares=0",
+                      str(SCRIPTS / "tp_build_scatters.py"), timeout=180)
+    assert run.code == 2, run.stdout[-3000:] + run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert "build function of nonstop.Mesh communicated on the mesh (scatter)" in last
+    assert "src_data_rank=None" in last
+    assert len(run.of("decision")) == 1 and not run.of("rank_entered")
 
 
 @pytest.mark.integration

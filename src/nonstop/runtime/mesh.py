@@ -17,8 +17,11 @@ restored: a replacement builds its shards' structure, then receives their conten
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+from ..errors import ScriptSetupError
 
 # the collectives a lasting group forwards (those torch.distributed, DTensor and FSDP2 call)
 FORWARDED = ("allgather", "allgather_coalesced", "allgather_into_tensor_coalesced",
@@ -169,8 +172,14 @@ def lasting_group_type() -> Any:
             return inner
 
     def forward(op: str) -> Callable[..., Any]:
-        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return getattr(self._current(), op)(*args, **kwargs)
+        if op in COMMUNICATING:
+            def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+                if _building[0]:
+                    raise BuildCommunicated(op)
+                return getattr(self._current(), op)(*args, **kwargs)
+        else:
+            def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+                return getattr(self._current(), op)(*args, **kwargs)
 
         call.__name__ = op
         return call
@@ -179,6 +188,38 @@ def lasting_group_type() -> Any:
         setattr(LastingGroup, op, forward(op))
     _lasting_type = LastingGroup
     return LastingGroup
+
+
+# those of them that send or wait for data: refused while the build function runs (below)
+COMMUNICATING = frozenset(FORWARDED) - {"_start_coalescing", "_end_coalescing", "_get_backend",
+                                        "_get_backend_name", "_wait_for_pending_works",
+                                        "_get_sequence_number_for_group"}
+_building = [False]
+
+
+class BuildCommunicated(ScriptSetupError):
+    """The build function of a ``nonstop.Mesh`` made a collective on the mesh."""
+
+    def __init__(self, op: str):
+        super().__init__(
+            f"the build function of nonstop.Mesh communicated on the mesh ({op}): a replacement "
+            "runs it alone while its peers wait for it in the restore, so it must not. "
+            "parallelize_module and distribute_tensor send rank 0's weights to the other ranks "
+            "unless given src_data_rank=None: pass it (each rank then keeps its part of the "
+            "weights it built itself, the same on every rank when the model is made from one "
+            "seed); nonstop restores the trained state afterwards")
+
+
+@contextlib.contextmanager
+def building() -> Iterator[None]:
+    """While a ``Mesh``'s build function runs: a collective on a lasting group raises
+    ``BuildCommunicated`` at once, in every generation (the first generation's ranks could
+    meet there, but a replacement's peers never would: it is said before a fault needs it)."""
+    _building[0] = True
+    try:
+        yield
+    finally:
+        _building[0] = False
 
 
 def _register(pg: Any, name: str, ranks: list[int], inner: Any = None) -> None:

@@ -20,6 +20,7 @@ import nonstop.protocol as protocol
 from ..protocol import events
 from . import nccl
 from .context import Context
+from . import mesh as mesh_mod
 from .mesh import JobMesh, Mesh
 from ..decide.cuda import of_exception
 from ..errors import ScriptSetupError
@@ -346,7 +347,8 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
             group.extend(lambda: rt.job_mesh.form(gen, rank, world, msg.full_world))
             if rt.job_mesh.state is None:  # the script shards its model: once per process
                 phase = "build"
-                built = _built(rt.job_mesh.spec.build(rt.job_mesh.device_mesh))
+                with mesh_mod.building():
+                    built = _built(rt.job_mesh.spec.build(rt.job_mesh.device_mesh))
                 stray = rt.job_mesh.foreign(built)
                 if stray is not None:
                     raise ScriptSetupError(

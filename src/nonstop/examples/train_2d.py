@@ -1,0 +1,108 @@
+"""FSDP2 with tensor parallelism (a 2-D mesh ``(dp_shard, tp)``) made restartable with nonstop.
+
+    nonstop run --nproc 4 --spares 1 examples/train_2d.py --steps 100 --save final.pt
+
+Each block's MLP is split across the ``tp`` dimension (``parallelize_module``: the first Linear
+by columns, the second by rows), then each block is sharded with FSDP2 across ``dp_shard``. The
+ranks of one ``tp`` group see the same data; the ``dp_shard`` groups see different parts of the
+global batch. A lost rank's replacement builds the same structure at the same coordinates, alone
+(its peers wait in the restore), then receives its part.
+
+The build function must not communicate: ``parallelize_module`` sends rank 0's weights to the
+other ranks of each ``tp`` group unless given ``src_data_rank=None``, and a replacement's peers
+are not there to receive them. With ``src_data_rank=None`` each rank keeps its part of the
+weights it built itself, the same on every rank (one seed); nonstop refuses a build that
+communicates, at the job's start, with this advice.
+"""
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import nonstop
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=100)
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--dim", type=int, default=16)
+parser.add_argument("--blocks", type=int, default=2)
+parser.add_argument("--tp", type=int, default=2, help="the tensor-parallel degree")
+parser.add_argument("--sleep-ms", type=float, default=0.0, help="stand-in for accelerator work")
+parser.add_argument("--save", help="rank 0 writes the final (full) parameters here")
+args = parser.parse_args()
+
+
+class Block(torch.nn.Module):
+    """A residual MLP block, its two Linears split across the tensor-parallel ranks."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.up = torch.nn.Linear(dim, 4 * dim)
+        self.down = torch.nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Model(torch.nn.Module):
+    def __init__(self, dim: int, blocks: int):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block(dim) for _ in range(blocks))
+        self.head = torch.nn.Linear(dim, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+torch.manual_seed(args.seed)
+model = Model(args.dim, args.blocks)  # the same initial weights on every rank (one seed)
+
+
+def parallelize(mesh):
+    """Tensor parallel within ``tp``, then FSDP2 across ``dp_shard``. Runs once per process."""
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], plan, src_data_rank=None)
+        fully_shard(block, mesh=mesh["dp_shard"])
+    fully_shard(model, mesh=mesh["dp_shard"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return nonstop.State(model=model, optimizer=optimizer)
+
+
+def batch(step, dp_rank, dp_size):
+    """This data-parallel group's part of the step's global batch (8 samples per group)."""
+    g = torch.Generator().manual_seed(nonstop.step_seed(args.seed, step, 0))
+    x = torch.randn(8 * dp_size, args.dim, generator=g)[8 * dp_rank:8 * (dp_rank + 1)]
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+@nonstop.wrap(nonstop.Mesh(("dp_shard", "tp"), (-1, args.tp), parallelize))
+def train(ctx):
+    optimizer = ctx.state["optimizer"]
+    dp = ctx.mesh["dp_shard"]
+    for step in ctx.steps(args.steps):
+        x, y = batch(step, dp.get_local_rank(), dp.size())
+        loss = F.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        ctx.report(loss)
+        if args.sleep_ms:
+            time.sleep(args.sleep_ms / 1000)
+        if ctx.rank == 0 and step % 25 == 0:
+            print(f"step {step} loss {loss.item():.4f} (generation {ctx.generation})")
+    # every rank takes part in gathering the full parameters (rank 0 keeps them)
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return full if ctx.rank == 0 else None
+
+
+full = train()
+if full is not None and args.save:
+    torch.save(full, args.save)
