@@ -63,3 +63,18 @@ def test_a_hold_never_stops_the_reading_longer_than_its_bound(wired, monkeypatch
     with r.hold():  # a fan-out that overstays: the frames come in all the same
         cli.send({"n": 1})
         assert _wait_for(lambda: len(got) == 2, timeout_s=3.0)
+
+
+def test_a_channel_closed_as_it_is_taken_is_a_broken_link_and_the_reading_goes_on(wired):
+    """A channel closed by another thread between its being handed over and its being watched
+    (its descriptor gone): that link is broken (its host reconnects), and the one thread that
+    reads every host lives on."""
+    r, cli, got = wired
+    broken = []
+    r._broken = broken.append
+    gone = SimpleNamespace(closed=False, fileno=lambda: 999_999)  # no descriptor (any more)
+    link = SimpleNamespace(ch=gone, lost=False)
+    r.watch(link)
+    assert _wait_for(lambda: broken == [link])
+    cli.send({"n": 1})  # the other host's channel is still read
+    assert _wait_for(lambda: [m["n"] for _, m in got] == [1])

@@ -75,9 +75,13 @@ class Readers:
                 return
             if ch is None or ch.closed:
                 continue
-            fd = ch.fileno()
-            self._drop(fd)  # a closed channel's number, taken again by a new one
-            self._sel.register(fd, selectors.EVENT_READ, (link, ch))
+            try:
+                fd = ch.fileno()
+                self._drop(fd)  # a closed channel's number, taken again by a new one
+                self._sel.register(fd, selectors.EVENT_READ, (link, ch))
+            except (OSError, ValueError):  # closed by another thread since: a broken channel
+                if not self._stop.is_set() and not link.lost and link.ch is ch:
+                    self._broken(link)
 
     def _drop(self, fd: int) -> None:
         try:
