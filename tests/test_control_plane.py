@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -58,47 +57,34 @@ def test_a_worker_record_forgets_what_the_machine_saw_of_it_on_any_change():
     assert w.seen == ("key", "rank seen")
 
 
-def _looker(plan, workers, phase, stopped):
-    """What ``Controller._seen`` reads of a controller, and nothing else: its job's records."""
-    from nonstop.controller import machine as mc
-    from nonstop.controller.controller import Controller
-
-    c = SimpleNamespace(
-        state=mc.JobState(phase=phase, gen=2), _view=None, plan=plan, workers=workers,
-        agent=SimpleNamespace(stopped=stopped, host_up=lambda n: True),
-        memory=SimpleNamespace(keepers={}), managed=True,
-        gens=SimpleNamespace(total_nodes=1, slots=8, target=len(plan), ready_spares=lambda: 0),
-        watchers=SimpleNamespace(signals=SimpleNamespace(
-            hang=SimpleNamespace(slowest_step=lambda: None))),
-        policy=SimpleNamespace(timeouts=SimpleNamespace(abort_s=1.0)),
-        reports=SimpleNamespace(nccl=False, replica_groups={}))
-    c._ranks_seen = lambda s, rendezvous: Controller._ranks_seen(c, s, rendezvous)
-    return c, lambda: Controller._seen(c, 0.0)
-
-
 def test_the_jobs_view_is_made_again_only_when_a_worker_or_the_plan_changed():
-    from nonstop.controller.phase import Phase
+    from nonstop.controller.workers import WorkerTable
 
-    workers = {w: Worker(wid=w, spare=False, rank=w, entered=2) for w in range(4)}
+    agent = SimpleNamespace(stopped=lambda wid: False)
+    table = WorkerTable(agent, mail=None, log=None, spare_mode="script")
+    workers = table.workers
+    workers.update({w: Worker(wid=w, spare=False, rank=w, entered=2) for w in range(4)})
     plan = {r: r for r in range(4)}
-    c, look = _looker(plan, workers, Phase.RUNNING, stopped=lambda wid: False)
-    first = look().ranks
-    assert look().ranks is first  # nothing changed: the same view, not made again
+
+    def look(rendezvous=False):
+        return table.ranks_seen(plan, 2, rendezvous)
+
+    first = look()
+    assert look() is first  # nothing changed: the same view, not made again
     workers[2].left = 2
-    second = look().ranks
+    second = look()
     assert second is not first and second[2].left == 2 and second[0] is first[0]
     workers[4] = Worker(wid=4, spare=False, entered=-1)
-    assert look().ranks is not second  # (any worker written: made again, the same values)
-    third = look().ranks
+    assert look() is not second  # (any worker written: made again, the same values)
+    third = look()
     plan[1] = 4  # rank 1 to another process: the plan alone changed
-    assert look().ranks[1].wid == 4 and look().ranks[1].entered == -1
+    assert look()[1].wid == 4 and look()[1].entered == -1
     assert third[1].wid == 1
     # while a generation forms, whether a joining rank's process is stopped is asked each look
     answers = iter([False, True])
     workers[3].joining, workers[3].entered = 2, 1
-    c.state = dataclasses.replace(c.state, phase=Phase.RENDEZVOUS)
-    c.agent.stopped = lambda wid: next(answers)
-    assert not look().ranks[3].stopped and look().ranks[3].stopped
+    agent.stopped = lambda wid: next(answers)
+    assert not look(rendezvous=True)[3].stopped and look(rendezvous=True)[3].stopped
 
 
 @pytest.mark.integration

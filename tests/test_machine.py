@@ -410,14 +410,14 @@ def test_the_executor_has_a_case_for_every_command_and_calls_each_handler_once()
 
 
 def test_a_ranks_view_keeps_the_field_order_the_controller_makes_it_by():
-    """``Controller._ranks_seen`` makes each rank's view by position (16,384 of them after a
+    """``WorkerTable.ranks_seen`` makes each rank's view by position (16,384 of them after a
     teardown): a field moved or added in between would shift every value into another's."""
     assert [f.name for f in dataclasses.fields(mc.RankSeen)] == [
         "rank", "wid", "node", "dead", "joining", "entered", "left", "done", "retry_step",
         "retry_loss", "warm", "stopped", "own_code_s", "loc"]
     import inspect
 
-    from nonstop.controller.controller import Controller
-    src = inspect.getsource(Controller._ranks_seen)
+    from nonstop.controller.workers import WorkerTable
+    src = inspect.getsource(WorkerTable.ranks_seen)
     assert ("RankSeen(rank, wid, w.node, w.dead, w.joining, w.entered, w.left, w.done,\n"
             "                         w.retry_step, w.retry_loss, warm, st,") in src

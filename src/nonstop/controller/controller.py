@@ -73,7 +73,6 @@ class Controller:
         self.book = IncidentBook(log, display)
         self.state = mc.JobState()
         self._dispatching = False  # the machine's commands are being carried out (_step)
-        self._view: Any = None  # (changes, plan, ranks) at the last look (_seen)
         self.gens = Generations(world=world, spares=spares, nodes=nodes, spare_nodes=spare_nodes,
                                 policy=policy, mail=mail, table=self.table, memory=self.memory,
                                 watchers=self.watchers, log=log, display=display)
@@ -299,18 +298,8 @@ class Controller:
     def _seen(self, now: float | None = None) -> mc.Seen:
         """The job as the machine sees it now."""
         now = time.time() if now is None else now
-        s = self.state
-        rendezvous = s.phase is Phase.RENDEZVOUS
-        # the same workers, plan and generation as at the last look: the same ranks (several
-        # looks a recovery, each 10 ms at 16,384 ranks). Not while a generation forms: whether
-        # a joining rank's process is stopped is the kernel's, asked at each look.
-        key = (Worker.changes(), s.gen)
-        view = self._view
-        if view is not None and not rendezvous and view[0] == key and view[1] == self.plan:
-            ranks_seen = view[2]
-        else:
-            ranks_seen = self._ranks_seen(s, rendezvous)
-            self._view = None if rendezvous else (key, dict(self.plan), ranks_seen)
+        ranks_seen = self.table.ranks_seen(self.plan, self.state.gen,
+                                           self.state.phase is Phase.RENDEZVOUS)
         # a memory whose exit its host's agent reported, while that agent answers, is the memory
         # alone: the host is not lost (one that stopped answering may be the host cut off)
         lost = frozenset(n for n, h in self.memory.keepers.items() if h.lost and not h.killed
@@ -321,28 +310,6 @@ class Controller:
                        abort_s=self.policy.timeouts.abort_s if self.reports.nccl else 0.0,
                        target_world=self.gens.target, ready_spares=self.gens.ready_spares(),
                        replica_groups=self.reports.replica_groups)
-
-    def _ranks_seen(self, s: mc.JobState, rendezvous: bool) -> tuple[mc.RankSeen, ...]:
-        """Every rank as the machine sees it; a worker's record is rebuilt only if it changed."""
-        ranks = []
-        workers, stopped = self.workers, self.agent.stopped
-        gen, RankSeen = s.gen, mc.RankSeen
-        for rank, wid in sorted(self.plan.items()):
-            w = workers[wid]
-            # whether the kernel has it stopped is asked only while it forms a group
-            st = rendezvous and not w.dead and w.joining >= gen > w.entered and stopped(wid)
-            warm = w.warm_gen == gen
-            cached = w.seen
-            if cached is not None and cached[0] == (rank, warm, st):
-                ranks.append(cached[1])
-                continue
-            # (by position: a view of 16,384 ranks is made whole after a teardown)
-            r = RankSeen(rank, wid, w.node, w.dead, w.joining, w.entered, w.left, w.done,
-                         w.retry_step, w.retry_loss, warm, st,
-                         w.same_s if w.hb and w.where == "python" else 0.0, w.loc)
-            w.__dict__["seen"] = ((rank, warm, st), r)  # (past __setattr__: not a change)
-            ranks.append(r)
-        return tuple(ranks)
 
     def _step(self, ob: mc.Observation) -> None:
         """One observation through the machine, its commands carried out in order; what a
@@ -741,11 +708,11 @@ class Controller:
         self.memory.world = self.world
         self.memory.adopt([(s.node, s.wid, s.keeper) for s in seen if s.keeper and s.alive])
         now = time.time()
-        # the predecessor's last word (its status) bounds when the fault began: not before it
-        since = t_fault if t_fault is not None and now - 60.0 < t_fault < now else None
         if adoption.over:  # the predecessor died as training ended: the job ends here
             self._training_complete(now)
             return
+        # the predecessor's last word (its status) bounds when the fault began: not before it
+        since = t_fault if t_fault is not None and now - 60.0 < t_fault < now else None
         for f in takeover.faults(adoption, lost, self.gens.node_of()):
             self._fault(f, t_fault=since)
         self._refill_spares()

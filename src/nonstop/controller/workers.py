@@ -15,6 +15,7 @@ from ..protocol import progress
 from ..protocol.last_step import LastStep
 from ..protocol.progress import Progress
 from ..protocol import events
+from .observations import RankSeen
 
 DUMP_GRACE_S = 0.3  # between asking a stuck process for its stacks and killing it
 
@@ -146,6 +147,39 @@ class WorkerTable:
         self._refused_from: set[int | None] = set()  # processes whose events were refused
         self._hints: dict[str, int] = {}  # where some_rank last found a rank, by what it asks
         self._progress: dict[int, tuple[Any, Progress]] = {}  # wid -> its newest record, decoded
+        self._view: tuple[Any, dict[int, int], tuple[RankSeen, ...]] | None = None  # ranks_seen
+
+    def ranks_seen(self, plan: Mapping[int, int], gen: int,
+                   rendezvous: bool) -> tuple[RankSeen, ...]:
+        """Every rank of ``plan`` as the state machine sees it in generation ``gen``. The same
+        workers, plan and generation as at the last look: the same view (several looks a
+        recovery, each 10 ms at 16,384 ranks); else a worker's record is made again only if it
+        changed. Not kept while a generation forms (``rendezvous``): whether a joining rank's
+        process is stopped is the kernel's, asked at each look."""
+        key = (Worker.changes(), gen)
+        view = self._view
+        if view is not None and not rendezvous and view[0] == key and view[1] == plan:
+            return view[2]
+        ranks = []
+        workers, stopped = self.workers, self.agent.stopped
+        for rank, wid in sorted(plan.items()):
+            w = workers[wid]
+            # whether the kernel has it stopped is asked only while it forms a group
+            st = rendezvous and not w.dead and w.joining >= gen > w.entered and stopped(wid)
+            warm = w.warm_gen == gen
+            cached = w.seen
+            if cached is not None and cached[0] == (rank, warm, st):
+                ranks.append(cached[1])
+                continue
+            # (by position: a view of 16,384 ranks is made whole after a teardown)
+            r = RankSeen(rank, wid, w.node, w.dead, w.joining, w.entered, w.left, w.done,
+                         w.retry_step, w.retry_loss, warm, st,
+                         w.same_s if w.hb and w.where == "python" else 0.0, w.loc)
+            w.__dict__["seen"] = ((rank, warm, st), r)  # (past __setattr__: not a change)
+            ranks.append(r)
+        seen = tuple(ranks)
+        self._view = None if rendezvous else (key, dict(plan), seen)
+        return seen
 
     def some_rank(self, what: str, plan: Mapping[int, int], pred: Callable[[Worker], bool]) -> bool:
         """Whether ``pred`` holds for some rank of the plan, looked for from the rank where the
