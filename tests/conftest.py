@@ -146,10 +146,29 @@ def wait_for_events(run_dir: Path, predicate, n: int, timeout: float = 60) -> li
                     if len(found) >= n:
                         return found
         time.sleep(0.05)
-    tail = path.read_text().splitlines()[-12:] if path.exists() else []
+    lines = path.read_text().splitlines() if path.exists() else []
     outs = [p.read_text(errors="replace")[-2000:] for p in _outputs(run_dir) if p.exists()]
-    pytest.fail(f"no matching event in {path} within {timeout} s; its last events:\n"
-                + "\n".join(tail) + "\n" + "\n".join(outs))
+    pytest.fail(f"no matching event in {path} within {timeout} s; the run's story:\n"
+                + "\n".join(_story(lines)) + "\nits last events:\n" + "\n".join(lines[-12:])
+                + "\n" + "\n".join(outs))
+
+
+# what a failed wait prints first: how the run went, without the periodic events that fill its tail
+_STORY = ("spawn", "generation", "replace", "kill", "exit", "fault", "abort", "decision",
+          "incident", "deadline", "scale_in", "scale_out", "scale_out_done", "regroup", "leader",
+          "takeover", "give_up", "rank_first_step")
+
+
+def _story(lines: list[str]) -> list[str]:
+    out = []
+    for line in lines:
+        try:
+            ev = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if ev.get("type") in _STORY:
+            out.append(line[:300])
+    return out[-80:]
 
 
 def bitwise_equal(a: Path, b: Path) -> bool:

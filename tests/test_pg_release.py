@@ -16,11 +16,12 @@ from conftest import ROOT
 pytestmark = pytest.mark.integration  # starts processes
 
 SCRIPT = ROOT / "tests" / "scripts" / "kept_group.py"
+LASTING = ROOT / "tests" / "scripts" / "lasting_abort.py"
 
 
-def _run(mode: str) -> list[str]:
+def _run(mode: str, script=SCRIPT) -> list[str]:
     store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(r), str(store.port), mode],
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(store.port), mode],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(2)]
     out = []
@@ -66,3 +67,19 @@ def test_a_group_with_one_worker_still_busy_is_kept_then_destroyed_once_it_is_id
     assert seconds < 1.0 and kept == 1 and "still busy" in rank0, rank0
     seconds, kept = _released(rank0, "again")
     assert seconds < 0.4 and kept == 0, rank0
+
+
+@pytest.mark.parametrize("how", ["all_gather", "reduce_scatter", "functional"])
+def test_a_wait_on_a_mesh_group_ends_when_its_generation_is_aborted(how):
+    """gloo can leave a collective waiting on a connection already closed, where shutting the
+    generation's sockets reaches nothing: a survivor would stay in its generation until the
+    teardown deadline kills it. A collective on a mesh's lasting group waits in slices and ends
+    when the generation is aborted; one posted after the abort is refused at once."""
+    rank0, rank1 = _run(how, LASTING)
+    assert "sum 2.0" in rank0 and "sum 2.0" in rank1
+    m = re.search(r"released ([\d.]+): (.*)", rank0)
+    assert m, rank0
+    assert 0.3 <= float(m.group(1)) < 1.0 and "generation aborted" in m.group(2), rank0
+    assert "abandoned 1" in rank0  # its groups are kept until that work ends
+    m = re.search(r"refused ([\d.]+): (.*)", rank0)
+    assert m and float(m.group(1)) < 0.1 and "after its generation was aborted" in m.group(2), rank0

@@ -141,6 +141,10 @@ def lasting_group_type() -> Any:
             super().__init__(rank, size)
             self.inner: Any = None
             self._name = name
+            # whether the generation inside was aborted; gloo's work then waits abortably
+            self.aborted: Callable[[], bool] = _never
+            self.abandoned: list = []  # works the rank gave up waiting for (see AbortableWork)
+            self.gloo = False
 
         @property
         def group_name(self) -> str:  # torch's own is fixed at construction, in C++
@@ -172,11 +176,17 @@ def lasting_group_type() -> Any:
             return inner
 
     def forward(op: str) -> Callable[..., Any]:
-        if op in COMMUNICATING:
+        if op in COMMUNICATING or op == "_end_coalescing":
             def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-                if _building[0]:
+                if _building[0] and op != "_end_coalescing":
                     raise BuildCommunicated(op)
-                return getattr(self._current(), op)(*args, **kwargs)
+                if self.aborted():  # posted after the abort: it would find its peers gone
+                    raise RuntimeError(f"{self._name}: {op} after its generation was aborted")
+                work = getattr(self._current(), op)(*args, **kwargs)
+                if self.gloo and isinstance(work, dist.Work):
+                    return abortable_work_type()(work, self.aborted, self.abandoned,
+                                                 self._name, op)
+                return work
         else:
             def call(self: Any, *args: Any, **kwargs: Any) -> Any:
                 return getattr(self._current(), op)(*args, **kwargs)
@@ -188,6 +198,155 @@ def lasting_group_type() -> Any:
         setattr(LastingGroup, op, forward(op))
     _lasting_type = LastingGroup
     return LastingGroup
+
+
+def _never() -> bool:
+    return False
+
+
+_abortable_type: Any = None
+POLL_S = 0.05  # how often a gloo wait looks whether its generation was aborted
+# operations whose gloo work waits whatever timeout it is given (gloo's reduce-scatter is a
+# "coalesced" work that waits for its parts in turn): waited for on a helper thread. Any other
+# found to return from a sliced wait without being complete is added as it is seen.
+WAIT_IGNORES_TIMEOUT = {"_reduce_scatter_base", "reduce_scatter_single", "reduce_scatter",
+                        "reduce_scatter_tensor_coalesced", "allgather_into_tensor_coalesced",
+                        "all_gather_single_coalesced", "reduce_scatter_single_coalesced",
+                        "_end_coalescing"}
+
+
+class _Waiter:
+    """A thread that waits for the works a caller cannot wait for in slices, one at a time. A
+    work given up on (its generation aborted) keeps its thread blocked; the next wait starts
+    another (one thread left behind per such abort, until gloo's timeout ends the work)."""
+
+    _current: "_Waiter | None" = None
+
+    def __init__(self) -> None:
+        import queue
+        import threading
+
+        self._queue: Any = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="nonstop-gloo-wait", daemon=True).start()
+
+    @classmethod
+    def submit(cls, work: Any) -> tuple["_Waiter", Any, list]:
+        """Wait for ``work`` on the current waiter: (the waiter, an event set once the wait
+        returned, a list that then holds its exception if it raised)."""
+        import threading
+
+        if cls._current is None:
+            cls._current = cls()
+        waiter, done, box = cls._current, threading.Event(), []
+        waiter._queue.put((work, done, box))
+        return waiter, done, box
+
+    @classmethod
+    def abandon(cls, waiter: "_Waiter") -> None:
+        if cls._current is waiter:
+            cls._current = None
+
+    def _run(self) -> None:
+        while True:
+            work, done, box = self._queue.get()
+            try:
+                work.wait()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                box.append(exc)
+            done.set()
+
+
+def abortable_work_type() -> Any:
+    """The class of a gloo collective's work on a lasting group (made on first use)."""
+    global _abortable_type
+    if _abortable_type is not None:
+        return _abortable_type
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    poll = datetime.timedelta(seconds=POLL_S)
+
+    class AbortableWork(dist.Work):
+        """A gloo collective's work whose ``wait`` ends when the generation is aborted.
+
+        An abort shuts the generation's sockets, which fails a collective blocked on them. But
+        gloo leaves a send whose receiver died (or left) before asking for it waiting for the
+        group's collective timeout, and nothing a shut socket wakes: a survivor of the fault
+        would never leave its generation, and be killed and replaced at the teardown deadline.
+        Waited for in slices (or on a helper thread, for a work that ignores the timeout it is
+        given), the work looks at the abort in between and the rank leaves; the work it gave up
+        on is noted in ``abandoned``, as a callable that says whether it has ended since (its
+        generation's groups are kept until then: destroying a group joins the worker thread
+        still blocked in it)."""
+
+        def __init__(self, inner: Any, aborted: Callable[[], bool], abandoned: list,
+                     name: str, op: str):
+            super().__init__()
+            self._inner, self._aborted, self._abandoned = inner, aborted, abandoned
+            self._name, self._op = name, op
+
+        def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+            limit = timeout.total_seconds()
+            deadline = time.monotonic() + limit if limit > 0 else None
+            if self._op in WAIT_IGNORES_TIMEOUT:
+                return self._wait_aside(deadline, limit)
+            while True:
+                try:
+                    done = self._inner.wait(poll)
+                except RuntimeError:
+                    if self._inner.is_completed():  # failed, or ended as the slice did: its
+                        return self._inner.wait(poll)  # own outcome (no slice timeout now)
+                else:
+                    if not self._inner.is_completed():  # it waited whatever it was told
+                        WAIT_IGNORES_TIMEOUT.add(self._op)
+                    return done
+                self._check(deadline, limit, self._inner.is_completed)
+
+        def _wait_aside(self, deadline: float | None, limit: float) -> bool:
+            waiter, done, box = _Waiter.submit(self._inner)
+            while not done.wait(POLL_S):
+                try:
+                    self._check(deadline, limit, done.is_set)
+                except RuntimeError:
+                    _Waiter.abandon(waiter)  # its thread stays blocked on this work
+                    raise
+            if box:
+                raise box[0]
+            return True
+
+        def _check(self, deadline: float | None, limit: float, ended: Callable[[], bool]) -> None:
+            if self._aborted():
+                self._abandoned.append(ended)
+                raise RuntimeError(f"{self._name}: generation aborted while a collective "
+                                   "waited")
+            if deadline is not None and time.monotonic() > deadline:
+                raise RuntimeError(f"{self._name}: collective timed out after {limit} s")
+
+        def is_completed(self) -> bool:
+            return self._inner.is_completed()
+
+        def is_success(self) -> bool:
+            return self._inner.is_success()
+
+        def exception(self) -> Any:
+            return self._inner.exception()
+
+        def result(self) -> Any:
+            return self._inner.result()
+
+        def source_rank(self) -> int:
+            return self._inner.source_rank()
+
+        def synchronize(self) -> None:
+            self._inner.synchronize()
+
+        def get_future(self) -> Any:
+            return self._inner.get_future()
+
+    _abortable_type = AbortableWork
+    return AbortableWork
 
 
 # those of them that send or wait for data: refused while the build function runs (below)
@@ -259,7 +418,8 @@ class JobMesh:
         self.logical: tuple[int, ...] | None = None  # the full mesh's sizes (sizes: this world's)
         self.split: set[int] | None = None  # dimensions some tensor is sharded along
 
-    def form(self, gen: int, rank: int, world: int, full_world: int = 0) -> None:
+    def form(self, gen: int, rank: int, world: int, full_world: int = 0,
+             aborted: Callable[[], bool] = _never, abandoned: list | None = None) -> None:
         """Put generation ``gen``'s groups inside the lasting ones (creating them, and the mesh,
         the first time). Called by every rank of the generation, right after its default group
         formed: every subgroup is formed by its own members (in the same order on each).
@@ -292,6 +452,9 @@ class JobMesh:
             if key not in formed:
                 formed[key] = dist.new_group(members, use_local_synchronization=True)
             lasting.inner = formed[key]
+            lasting.aborted = aborted
+            lasting.abandoned = abandoned if abandoned is not None else []
+            lasting.gloo = formed[key]._get_backend_name() == "gloo"
             _register(lasting, lasting.group_name, members, formed[key])
         self.gen = gen
         if self.device_mesh is None:
@@ -401,7 +564,7 @@ class JobMesh:
     def leave(self) -> None:
         """The generation ended: nothing is inside the lasting groups until the next forms."""
         for lasting in self.groups:
-            lasting.inner = None
+            lasting.inner, lasting.aborted, lasting.abandoned = None, _never, []
 
     def coordinates(self) -> dict[str, int]:
         assert self.sizes is not None and self.rank is not None

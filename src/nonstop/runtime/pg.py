@@ -124,7 +124,13 @@ def _drain(kept, fds: dict[int, str] | None, workers: set[int], budget_s: float)
     seen: set[int] = set()
     lock = threading.Lock()
 
+    caller = threading.get_native_id()
+
     def note(_fut):
+        # a probe already complete when its callback is added runs it here, in the caller:
+        # that says nothing of the group's workers
+        if threading.get_native_id() == caller:
+            return
         with lock:
             seen.add(threading.get_native_id())
         time.sleep(DRAIN_HOLD_S)
@@ -217,6 +223,10 @@ class GenerationGroup:
         self.undrained = 0  # times ``release`` found a worker still busy
         self._forming_done = threading.Event()  # init_process_group returned or raised
         self._extending = False  # more groups of this generation forming (``extend``)
+        # works of a mesh's groups its rank gave up waiting for (``mesh.AbortableWork``), as
+        # callables saying whether each has ended: the groups are kept until then (gloo's worker
+        # thread is blocked in it)
+        self.abandoned: list = []
 
     def open(self, joined_store: Callable[[], None] | None = None) -> None:
         """Form the group. ``joined_store`` (a fault injection point) is called once this rank
@@ -394,7 +404,10 @@ class GenerationGroup:
             self._deferred = True
             self.is_open = False
             return time.monotonic() - t0
-        self._end()
+        # gloo: unregistered, not shut down - shutting a group down joins its worker threads,
+        # and one may still be blocked in an operation of the aborted generation that its rank
+        # gave up waiting for (a mesh's ``AbortableWork``): ``release`` ends them, later
+        self._forget()
         return time.monotonic() - t0
 
     def settle(self) -> None:
@@ -411,8 +424,10 @@ class GenerationGroup:
     def _forget(self) -> None:
         """Unregister every group of this process, shutting none down: an aborted NCCL group's
         shutdown (and its destructor) waits for PyTorch's watchdog thread, which a failure keeps
-        busy for seconds (measured on an H200: over 5 s), and the next group needs none of it.
-        The objects are kept, referenced here, until ``release`` ends them off the path."""
+        busy for seconds (measured on an H200: over 5 s); a gloo group's joins its worker
+        threads, one of which may be blocked until the collective timeout; and the next group
+        needs none of it. The objects are kept, referenced here, until ``release`` ends them off
+        the path, once drained."""
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
 
@@ -492,8 +507,9 @@ class GenerationGroup:
         abort = self.nccl_abort
         if abort is not None and abort.started and abort.age() < NCCL_QUIET_S:
             return False  # its watchdog may still be busy with the failure: not yet
-        if not _drain(kept, self._group_fds, self.workers(),
-                      DRAIN_S if budget_s is None else budget_s):
+        self.abandoned = [ended for ended in self.abandoned if not ended()]
+        if self.abandoned or not _drain(kept, self._group_fds, self.workers(),
+                                        DRAIN_S if budget_s is None else budget_s):
             if not self.undrained:
                 print(f"nonstop: the group of generation {self.gen} is still busy in an "
                       f"operation of its own; kept, to be destroyed later", file=sys.stderr,

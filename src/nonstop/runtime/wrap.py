@@ -344,7 +344,9 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
             raise RuntimeError(f"generation {gen} was aborted before this rank joined")
         group.open(joined_store=lambda: rt.injector.in_recovery("rendezvous", rank, gen))
         if rt.job_mesh is not None:  # (the mesh's groups form in the rendezvous phase)
-            group.extend(lambda: rt.job_mesh.form(gen, rank, world, msg.full_world))
+            group.extend(lambda: rt.job_mesh.form(gen, rank, world, msg.full_world,
+                                                  aborted=lambda: group.aborted,
+                                                  abandoned=group.abandoned))
             if rt.job_mesh.state is None:  # the script shards its model: once per process
                 phase = "build"
                 with mesh_mod.building():
