@@ -125,8 +125,17 @@ def test_an_hsdp_rank_receives_its_shard_live_from_its_twin_with_nothing_lost(tm
     run, out = train(tmp_path, "--spares=1", "--snapshot-every=5",
                      f"--inject=crash:rank=1,step=9,at={at}", args=ARGS, world=4, script=HSDP)
     (restore,) = [r for r in run.of("restore") if r["gen"] == 1]
-    assert restore["step"] == resume
-    assert restore["sources"] == {str(r): "live" for r in range(4)}
+    left = {e["rank"]: e["step"] for e in run.of("rank_left") if e["gen"] == 0}
+    if at == "commit" and min(left.values()) < resume:
+        # the abort caught a survivor before its commit (still reducing with another survivor,
+        # on a loaded machine): its shard is a step behind. Those that took the step on their
+        # own verdict go back to the state they kept before it: still nothing lost
+        assert restore["step"] == resume - 1 == min(left.values()), (restore, left)
+        assert restore["sources"] == {str(r): "kept" if left.get(r) == resume else "live"
+                                      for r in range(4)}, (restore, left)
+    else:
+        assert restore["step"] == resume
+        assert restore["sources"] == {str(r): "live" for r in range(4)}
     (inc,) = run.summary["incident_list"]
     assert inc["steps_lost"] == 0
     sdc = run.summary["sdc"]
