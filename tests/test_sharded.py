@@ -88,6 +88,32 @@ def test_a_rank_of_an_fsdp_and_tensor_parallel_job_is_replaced_with_nothing_lost
     assert bitwise_equal(out, reference(4, *ARGS_2D, script=TWO_D))
 
 
+THREE_D = EXAMPLES / "train_3d.py"
+
+
+@pytest.mark.integration
+def test_a_tensor_parallel_rank_of_a_3d_job_receives_its_part_live_from_its_twin(
+        tmp_path, reference):
+    """A 3-D mesh (dp_replicate, dp_shard, tp) = (2, 2, 2), eight ranks: rank 5 - tensor-parallel
+    peer of rank 4, its (dp_shard, tp) position held by rank 1 in the other replica group - is
+    killed three steps after the last snapshot. A warm spare builds the TP + HSDP structure at its
+    coordinates, alone, and receives its part live from its twin; the seven others keep theirs
+    in their processes. The job resumes at the step it failed in: nothing lost, the gathered
+    weights bitwise, the twins' digests equal at every check."""
+    run, out = train(tmp_path, "--spares=1", "--snapshot-every=5", "--inject=crash:rank=5,step=8",
+                     args=ARGS_2D, world=8, script=THREE_D)
+    assert [d["level"] for d in run.of("decision")] == ["rank replacement"]
+    held = rank_wids(run)
+    assert len(held[5]) == 2 and all(len(held[r]) == 1 for r in range(8) if r != 5)
+    (restore,) = [r for r in run.of("restore") if r["gen"] == 1]
+    assert restore["step"] == 8 and restore["sources"] == {str(r): "live" for r in range(8)}
+    (inc,) = run.summary["incident_list"]
+    assert inc["steps_lost"] == 0
+    sdc = run.summary["sdc"]
+    assert sdc["checks"] > 0 and sdc["mismatches"] == 0, sdc
+    assert bitwise_equal(out, reference(8, *ARGS_2D, script=THREE_D))
+
+
 @pytest.mark.integration
 def test_an_fsdp2_job_without_a_spare_rolls_back_to_its_shards_last_common_snapshot(
         tmp_path, reference):

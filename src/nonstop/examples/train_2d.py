@@ -8,6 +8,11 @@ ranks of one ``tp`` group see the same data; the ``dp_shard`` groups see differe
 global batch. A lost rank's replacement builds the same structure at the same coordinates, alone
 (its peers wait in the restore), then receives its part.
 
+With ``--replicas R`` (examples/train_3d.py: 2) the mesh is 3-D, ``(dp_replicate, dp_shard, tp)`` =
+``(R, -1, tp)``: HSDP across the two data-parallel dimensions, tensor parallel within ``tp``. A
+lost rank's twin - the same ``(dp_shard, tp)`` position in another replica group - holds its
+part, and sends it live.
+
 The build function must not communicate: ``parallelize_module`` sends rank 0's weights to the
 other ranks of each ``tp`` group unless given ``src_data_rank=None``, and a replacement's peers
 are not there to receive them. With ``src_data_rank=None`` each rank keeps its part of the
@@ -31,6 +36,8 @@ parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--dim", type=int, default=16)
 parser.add_argument("--blocks", type=int, default=2)
 parser.add_argument("--tp", type=int, default=2, help="the tensor-parallel degree")
+parser.add_argument("--replicas", type=int, default=1,
+                    help="replica groups (HSDP): above 1, a 3-D mesh (dp_replicate, dp_shard, tp)")
 parser.add_argument("--sleep-ms", type=float, default=0.0, help="stand-in for accelerator work")
 parser.add_argument("--save", help="rank 0 writes the final (full) parameters here")
 args = parser.parse_args()
@@ -65,13 +72,18 @@ torch.manual_seed(args.seed)
 model = Model(args.dim, args.blocks)  # the same initial weights on every rank (one seed)
 
 
+DP = ("dp_replicate", "dp_shard") if args.replicas > 1 else ("dp_shard",)
+
+
 def parallelize(mesh):
-    """Tensor parallel within ``tp``, then FSDP2 across ``dp_shard``. Runs once per process."""
+    """Tensor parallel within ``tp``, then FSDP2 across ``dp_shard`` (HSDP with ``dp_replicate``
+    too). Runs once per process."""
     plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    dp = mesh[DP] if len(DP) > 1 else mesh["dp_shard"]
     for block in model.blocks:
         parallelize_module(block, mesh["tp"], plan, src_data_rank=None)
-        fully_shard(block, mesh=mesh["dp_shard"])
-    fully_shard(model, mesh=mesh["dp_shard"])
+        fully_shard(block, mesh=dp)
+    fully_shard(model, mesh=dp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return nonstop.State(model=model, optimizer=optimizer)
 
@@ -83,12 +95,23 @@ def batch(step, dp_rank, dp_size):
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
-@nonstop.wrap(nonstop.Mesh(("dp_shard", "tp"), (-1, args.tp), parallelize))
+MESH = (nonstop.Mesh(("dp_shard", "tp"), (-1, args.tp), parallelize) if args.replicas == 1 else
+        nonstop.Mesh(DP + ("tp",), (args.replicas, -1, args.tp), parallelize))
+
+
+def dp_position(mesh):
+    """This rank's data-parallel group and how many there are (over both dimensions of HSDP)."""
+    index, size = 0, 1
+    for name in DP:
+        index, size = index * mesh[name].size() + mesh[name].get_local_rank(), size * mesh[name].size()
+    return index, size
+
+
+@nonstop.wrap(MESH)
 def train(ctx):
     optimizer = ctx.state["optimizer"]
-    dp = ctx.mesh["dp_shard"]
     for step in ctx.steps(args.steps):
-        x, y = batch(step, dp.get_local_rank(), dp.size())
+        x, y = batch(step, *dp_position(ctx.mesh))
         loss = F.mse_loss(model(x), y)
         optimizer.zero_grad()
         loss.backward()
