@@ -176,9 +176,9 @@ def lasting_group_type() -> Any:
             return inner
 
     def forward(op: str) -> Callable[..., Any]:
-        if op in COMMUNICATING or op == "_end_coalescing":
+        if op in RETURNS_WORK:
             def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-                if _building[0] and op != "_end_coalescing":
+                if _building[0] and op in COMMUNICATING:
                     raise BuildCommunicated(op)
                 if self.aborted():  # posted after the abort: it would find its peers gone
                     raise RuntimeError(f"{self._name}: {op} after its generation was aborted")
@@ -353,6 +353,8 @@ def abortable_work_type() -> Any:
 COMMUNICATING = frozenset(FORWARDED) - {"_start_coalescing", "_end_coalescing", "_get_backend",
                                         "_get_backend_name", "_wait_for_pending_works",
                                         "_get_sequence_number_for_group"}
+# those that hand back a work to wait for (a coalesced batch's end too): abortable with gloo
+RETURNS_WORK = COMMUNICATING | {"_end_coalescing"}
 _building = [False]
 
 
