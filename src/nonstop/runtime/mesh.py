@@ -49,6 +49,12 @@ class Mesh:
     once per process; in every later generation the same mesh (``ctx.mesh``) and the same sharded
     objects are used again, with the new generation's groups inside.
 
+    ``stages``: the name of a dimension whose ranks hold different state that is no DTensor - a
+    pipeline's stages (``torch.distributed.pipelining``), one per rank along it. nonstop finds the
+    dimensions that DTensors are sharded along by itself; it cannot tell that two plain tensors
+    of the same name are two stages' different weights. The ranks that differ only along the
+    other dimensions (data parallel) hold the same state: twins, each other's copies.
+
     Example::
 
         def parallelize(mesh):
@@ -64,7 +70,8 @@ class Mesh:
     """
 
     def __init__(self, dims: tuple[str, ...] | list[str], shape: tuple[int, ...] | list[int],
-                 build: Callable[[Any], Any], device_type: str = "cpu"):
+                 build: Callable[[Any], Any], device_type: str = "cpu",
+                 stages: str | None = None):
         dims, shape = tuple(dims), tuple(shape)
         if not dims or not all(isinstance(d, str) and d for d in dims) or len(set(dims)) != len(dims):
             raise MeshError(f"nonstop.Mesh: dims must be distinct non-empty names, not {dims!r}")
@@ -80,7 +87,10 @@ class Mesh:
                             "nonstop.State")
         if device_type not in ("cpu", "cuda"):
             raise MeshError(f"nonstop.Mesh: device_type is 'cpu' or 'cuda', not {device_type!r}")
+        if stages is not None and stages not in dims:
+            raise MeshError(f"nonstop.Mesh: stages names one of the dims {dims!r}, not {stages!r}")
         self.dims, self.shape, self.build, self.device_type = dims, shape, build, device_type
+        self.stages = stages
 
     def sizes(self, world: int) -> tuple[int, ...]:
         """The shape for a world of ``world`` ranks (-1 filled in)."""
@@ -213,6 +223,9 @@ WAIT_IGNORES_TIMEOUT = {"_reduce_scatter_base", "reduce_scatter_single", "reduce
                         "reduce_scatter_tensor_coalesced", "allgather_into_tensor_coalesced",
                         "all_gather_single_coalesced", "reduce_scatter_single_coalesced",
                         "_end_coalescing"}
+# gloo's send and receive: a wait that times out closes the connection to the peer ("Application
+# timeout caused pair closure"), which a slice must never do. Waited for on a helper thread too.
+POINT_TO_POINT = {"send", "recv", "recv_anysource"}
 
 
 class _Waiter:
@@ -290,7 +303,7 @@ def abortable_work_type() -> Any:
         def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
             limit = timeout.total_seconds()
             deadline = time.monotonic() + limit if limit > 0 else None
-            if self._op in WAIT_IGNORES_TIMEOUT:
+            if self._op in WAIT_IGNORES_TIMEOUT or self._op in POINT_TO_POINT:
                 return self._wait_aside(deadline, limit)
             while True:
                 try:
@@ -509,13 +522,14 @@ class JobMesh:
         return tuple(out)
 
     def _split(self, state: Any) -> set[int]:
-        """The dimensions some sharded parameter of ``state`` is split along (all of them when a
-        parameter's mesh is not this one's)."""
+        """The dimensions some sharded parameter of ``state`` is split along, and the pipeline's
+        (all of them when a parameter's mesh is not this one's)."""
         import torch
 
         from ..state.shards import is_dtensor
 
-        split: set[int] = set()
+        split: set[int] = set() if self.spec.stages is None else {
+            self.spec.dims.index(self.spec.stages)}
         for obj in state.objects().values():
             if not isinstance(obj, torch.nn.Module):
                 continue
@@ -529,6 +543,44 @@ class JobMesh:
                     if not placement.is_replicate():
                         split.add(self.spec.dims.index(name))
         return split
+
+    def check_twins(self, state: Any) -> None:
+        """At the job's first generation, where every rank built its state from the script and
+        none was restored: the ranks this mesh makes copies of each other (twins) must hold the
+        same parameters - shapes and values - or a lost rank would be given a twin's wrong ones.
+        A collective of the whole world. Raises ``ScriptSetupError`` saying what to declare."""
+        twins = state.twins
+        if twins is None:
+            return
+        import torch
+        import torch.distributed as dist
+        import xxhash
+
+        from ..state.digest import digest
+
+        layout = xxhash.xxh3_64()
+        for m in state.modules():
+            for name, p in m.named_parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p
+                layout.update(f"{name}:{tuple(local.shape)}:{local.dtype};".encode())
+        mine = torch.tensor([layout.intdigest() - 2**63, digest(state.modules())],
+                            dtype=torch.int64)
+        every = torch.zeros(2 * len(twins), dtype=torch.int64)
+        dist.all_gather_into_tensor(every, mine)
+        rows = every.view(-1, 2).tolist()
+        for r, part in enumerate(twins):
+            first = twins.index(part)
+            if rows[r] == rows[first]:
+                continue
+            a, b = coordinates(first, self.sizes), coordinates(r, self.sizes)
+            along = [n for n, x, y in zip(self.spec.dims, a, b) if x != y]
+            what = "parameters of other names or shapes" if rows[r][0] != rows[first][0] else \
+                "other parameter values"
+            raise ScriptSetupError(
+                f"ranks {first} and {r} hold {what}, but the mesh makes them copies of each other "
+                f"(they differ only along {', '.join(map(repr, along))}): declare a dimension "
+                "whose ranks hold different plain tensors - a pipeline's stages - with "
+                "nonstop.Mesh(..., stages=NAME), and build copies from the same seed")
 
     def replica_group(self, twins: tuple[int, ...] | None) -> list[int] | None:
         """The ranks of this rank's replica group: those holding one shard each of a whole copy

@@ -335,7 +335,8 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
         if rejoin:
             digests = rt.snapshots.digests if rt.snapshots is not None else None
             if digests is not None:  # before DDP, built again, copies rank 0's parameters to all
-                digests.check(tracked.modules(), tracked.step, world, tracked.twins)
+                digests.check(tracked.modules(), tracked.step, world, tracked.twins,
+                              tracked.meshed)
             ctx = _context(rt, tracked, msg, None)
             return fn(ctx, *args, **kwargs)
         for left in rt.closed_groups:  # an NCCL group whose abort still ran when it was left
@@ -359,7 +360,10 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
                         "that end with their generation): pass it the build function's mesh")
                 tracked = rt.job_mesh.state = built
                 _attach(rt, tracked)
+                phase = "rendezvous"
             tracked.twins = rt.job_mesh.twins(tracked)  # of this generation's world
+            if gen == 0:  # every rank built its state from the script: copies must agree
+                rt.job_mesh.check_twins(tracked)
         elif rt.ever_entered and (unmanaged := shards.unmanaged_mesh(tracked)) is not None:
             raise unmanaged
         if rt.ever_entered:  # FSDP2 left mid-step by the failed generation: back to rest

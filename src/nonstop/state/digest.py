@@ -37,8 +37,9 @@ class SilentCorruption(BaseException):
         self.step, self.suspects, self.digests = step, suspects, digests
 
 
-SHARDED = ("sharded parameters (FSDP2, tensor parallel): each rank holds its own part, which no "
-           "other rank holds to compare it with (HSDP's replica groups have twins to compare)")
+SHARDED = ("sharded parameters (FSDP2, tensor parallel, pipeline stages): each rank holds its own "
+           "part, which no other rank holds to compare it with (HSDP's replica groups, and a "
+           "pipeline's data-parallel groups, have twins to compare)")
 
 
 def sharded(modules: list[Any]) -> bool:
@@ -151,19 +152,21 @@ class Digests:
         return statistics.median(self._costs) if self._costs else None
 
     def check(self, modules: list[Any], step: int, world: int,
-              twins: tuple[int, ...] | None = None) -> float:
+              twins: tuple[int, ...] | None = None, meshed: bool = False) -> float:
         """Compare this step's parameters with every other rank's (a collective: every rank
-        calls it at the same steps); sharded parameters with their twins' only (``twins[r]``:
-        the shard rank r holds). Returns the seconds it took; raises ``SilentCorruption`` when
-        they differ (unless the policy only reports: then ``mismatch`` says so)."""
+        calls it at the same steps); sharded parameters - or any state built over a mesh
+        (``meshed``: a pipeline's stages are plain tensors) - with their twins' only
+        (``twins[r]``: the part rank r holds). Returns the seconds it took; raises
+        ``SilentCorruption`` when they differ (unless the policy only reports: then ``mismatch``
+        says so)."""
         if not self.enabled or world < 2 or not modules:
             return 0.0
-        if self.uncompared is None and sharded(modules) and (
-                twins is None or len(set(twins)) == len(twins)):
+        own = meshed or sharded(modules)  # each rank may hold a part of its own
+        if self.uncompared is None and own and (twins is None or len(set(twins)) == len(twins)):
             self.uncompared = SHARDED
         if self.uncompared is not None:
             return 0.0
-        classes = twins if twins is not None and sharded(modules) else None
+        classes = twins if own else None
         import torch
         import torch.distributed as dist
 

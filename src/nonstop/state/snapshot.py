@@ -261,7 +261,8 @@ class Snapshots:
         self.anchor = step
         spent = 0.0
         if self.digests is not None:
-            spent += self.digests.check(state.modules(), step, world, state.twins)
+            spent += self.digests.check(state.modules(), step, world, state.twins,
+                                        state.meshed)
         return spent + self.take(state, rank, world, gen, injector)
 
     def take(self, state: Any, rank: int, world: int, gen: int, injector: Any = None,
@@ -373,7 +374,7 @@ class Snapshots:
         launcher waits for the newest checkpoint asked for before it ends the node's memory.
         The final weights are compared across replicas first (every rank ends at the same step)."""
         if self.enabled and self.digests is not None and self.digests.last_step != state.step:
-            self.digests.check(state.modules(), state.step, world, state.twins)
+            self.digests.check(state.modules(), state.step, world, state.twins, state.meshed)
         self.settle()  # the snapshot in flight is committed (or given up) before the end is seen
         if not self.enabled or self.root is None:
             return

@@ -1,0 +1,70 @@
+"""Pipeline-parallel jobs (torch.distributed.pipelining on a (dp, pp) mesh) under nonstop: a lost
+stage's rank is replaced in-process, its weights live from its twin in the other data-parallel
+group, bitwise; a mesh that does not say its ranks hold different stages is refused at the start."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import EXAMPLES, bitwise_equal, rank_wids, run_nonstop, train
+
+from nonstop.runtime.mesh import Mesh, MeshError
+
+PP = EXAMPLES / "train_pp.py"
+ARGS = ("--steps", "12", "--dim", "8", "--blocks", "1")
+
+
+def test_a_mesh_names_its_stages_dimension_among_its_dims():
+    assert Mesh(("dp", "pp"), (-1, 2), lambda m: None, stages="pp").stages == "pp"
+    with pytest.raises(MeshError, match="stages names one of the dims"):
+        Mesh(("dp", "pp"), (-1, 2), lambda m: None, stages="tp")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("fault, rank", [
+    ("crash", 1),  # the last stage of the first data-parallel group, killed at the step's start
+    ("hang", 2),   # the first stage of the second, frozen: its neighbour waits in a receive
+])
+def test_a_pipeline_stage_is_replaced_with_its_weights_live_from_its_twin(tmp_path, reference,
+                                                                          fault, rank):
+    """(dp, pp) = (2, 2), a GPipe schedule of 2 micro-batches, a snapshot every 5 steps: one rank
+    is lost three steps after the last snapshot. A warm spare builds its stage alone and
+    receives the stage's weights and optimizer state live from its twin (the same stage in the
+    other data-parallel group); the three others keep theirs in their processes, their schedule
+    made again for the new generation. A frozen rank's pipeline neighbour, blocked in a receive
+    that no closed socket ends, is released by the abort. The job resumes at the step it failed
+    in: nothing lost, every stage's weights bitwise those of the fault-free run."""
+    run, out = train(tmp_path, "--spares=1", "--snapshot-every=5",
+                     f"--inject={fault}:rank={rank},step=8", args=ARGS, world=4, script=PP)
+    assert [d["level"] for d in run.of("decision")] == ["rank replacement"]
+    held = rank_wids(run)
+    assert len(held[rank]) == 2 and all(len(held[r]) == 1 for r in range(4) if r != rank)
+    left = {e["rank"]: e["reason"] for e in run.of("rank_left") if e["gen"] == 0}
+    assert set(left) == set(range(4)) - {rank}, left  # every survivor left on its own
+    (restore,) = [r for r in run.of("restore") if r["gen"] == 1]
+    assert restore["step"] == 8 and restore["sources"] == {str(r): "live" for r in range(4)}
+    (inc,) = run.summary["incident_list"]
+    assert inc["steps_lost"] == 0
+    sdc = run.summary["sdc"]
+    assert sdc["checks"] > 0 and sdc["mismatches"] == 0, sdc  # the twins' stages agreed
+    assert bitwise_equal(out, reference(4, *ARGS, script=PP))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("pp, what", [
+    ("2", "parameters of other names or shapes"),  # the last stage has the head
+    ("3", "other parameter values"),  # stages 0 and 1: the same blocks, their own weights
+])
+def test_a_pipeline_that_does_not_declare_its_stages_is_refused_at_its_start(tmp_path, pp, what):
+    """A user's pipeline script whose mesh leaves out ``stages=``: nonstop would take the ranks
+    along ``pp`` for copies of each other (a plain tensor carries no placement), compare their
+    digests and give a lost rank another stage's weights. The first generation compares the
+    ranks it takes for copies - the names and shapes of their parameters, then their values -
+    and the job stops with one line saying what to declare, before any step."""
+    script = tmp_path / "undeclared_pp.py"
+    script.write_text(PP.read_text().replace(', build, stages="pp")', ", build)"))
+    run = run_nonstop(tmp_path / "run", f"--nproc={pp}", str(script), *ARGS, "--pp", pp,
+                      timeout=120)
+    assert run.code == 2, run.stdout[-3000:] + run.stderr[-3000:]
+    (line,) = [x for x in run.stderr.splitlines() if x.startswith("nonstop: error:")]
+    assert what in line and "differ only along 'pp'" in line and "stages=NAME" in line, line
+    assert not run.of("first_step")
