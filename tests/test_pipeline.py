@@ -68,3 +68,31 @@ def test_a_pipeline_that_does_not_declare_its_stages_is_refused_at_its_start(tmp
     (line,) = [x for x in run.stderr.splitlines() if x.startswith("nonstop: error:")]
     assert what in line and "differ only along 'pp'" in line and "stages=NAME" in line, line
     assert not run.of("first_step")
+
+
+@pytest.mark.integration
+def test_a_pipeline_without_a_spare_shrinks_by_a_data_parallel_group_and_grows_back(tmp_path,
+                                                                                   reference):
+    """No spare (``scale_in.when: no_warm_spare``): rank 1 (the last stage of the first
+    data-parallel group) is killed and its whole group - a pipeline - leaves; the other goes on
+    alone at once, renumbered, its two stages kept in their processes, the global batch kept
+    (it runs both groups' samples). Once new processes are up the group comes back at a step
+    boundary, its stages from their twins. The weights end within the elastic oracle's
+    tolerance of the fault-free run."""
+    from conftest import policy_file
+    from elastic_oracle import TOLERANCE, max_rel_diff
+
+    pol = policy_file(tmp_path, "recover:\n  levels:\n    scale_in:\n      when: no_warm_spare\n"
+                                "      grow_after_s: 0.5\n")
+    args = ("--steps", "40", "--dim", "8", "--blocks", "1", "--sleep-ms", "30")
+    run, out = train(tmp_path, "--spares=0", f"--policy={pol}", "--inject=crash:rank=1,step=10",
+                     args=args, world=4, script=PP)
+    assert [d["level"] for d in run.of("decision")] == ["scale-in", "scale-out"]
+    worlds = [len(g["ranks"]) for g in run.of("generation")]
+    assert worlds == [4, 2, 4], worlds
+    (shrunk,) = [r for r in run.of("restore") if r["gen"] == 1]
+    assert shrunk["step"] == 10 and shrunk["sources"] == {"0": "live", "1": "live"}
+    (grown,) = [r for r in run.of("restore") if r["gen"] == 2]
+    assert set(grown["sources"].values()) == {"live"} and grown["bytes"] > 0  # from the twins
+    assert run.summary["steps_lost"] == 0
+    assert max_rel_diff(out, reference(4, *args, script=PP)) < TOLERANCE

@@ -159,9 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the step of the fault (default 50; hosts: 50)")
     bench.add_argument("--systems", help="comma-separated subset to run (default: all)")
     bench.add_argument("--parallel", metavar="LIST", default="ddp",
-                       help="crash: comma-separated data-parallel layouts, each the same job: "
-                            "ddp, fsdp (FSDP2 over every rank), hsdp (2 replica groups of "
-                            "FSDP2 shards); overhead: one of them (default ddp)")
+                       help="crash: comma-separated layouts, each the same job: ddp, fsdp "
+                            "(FSDP2 over every rank), hsdp (2 replica groups of FSDP2 shards), "
+                            "2d and 3d (fsdp and hsdp with tensor parallel of degree 2), pp (2 "
+                            "pipeline stages x data parallel); overhead: ddp, fsdp or hsdp "
+                            "(default ddp)")
     bench.add_argument("--false-positive-minutes", type=float, default=10.0,
                        help="hang: minutes of fault-free jittery training to count false alarms")
     bench.add_argument("--collective-timeout", type=float, default=10.0,

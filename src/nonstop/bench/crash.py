@@ -2,9 +2,10 @@
 
 Systems, each on the same job (bench/job.py): nonstop with a warm spare, nonstop with no spare
 (a new process), and torchrun with --max-restarts and a checkpoint every 20 steps. With
-``--parallel ddp,fsdp,hsdp`` each layout is its own job (DDP; FSDP2 over every rank; HSDP, 2
-replica groups of shards), run by every system, against a fault-free run of that layout;
-torchrun's FSDP2 checkpoint is DCP's. torchft (``torchft_run.py``) runs the HSDP layout, its own
+``--parallel ddp,fsdp,hsdp,2d,3d,pp`` each layout is its own job (DDP; FSDP2 over every rank;
+HSDP, 2 replica groups of shards; FSDP2 or HSDP with tensor parallel of degree 2; 2 pipeline
+stages with data parallel), run by every system, against a fault-free run of that layout;
+torchrun's checkpoint of a sharded or split layout is DCP's. torchft (``torchft_run.py``) runs the HSDP layout, its own
 way (a replica group is its failure domain: the group restarts and heals from another), when it
 can be imported.
 """
@@ -20,7 +21,7 @@ from . import common
 SYSTEMS = ("nonstop-spare", "nonstop-cold", "torchrun", "torchft")
 # torchft's extra measures: its survivors go on alone instead of waiting for the killed group
 TORCHFT_EXTRA = ("survivors_pause_s", "degraded_steps")
-LAYOUTS = ("ddp", "fsdp", "hsdp")
+LAYOUTS = ("ddp", "fsdp", "hsdp", "2d", "3d", "pp")
 # from the fault to a new warm spare ready (the pool refilled): nonstop-spare only
 EXTRA = ("spare_refill_s",)
 TIMEOUT_S = 300.0

@@ -13,9 +13,14 @@ that every rank owns about as many numbers), which alone updates it and then bro
 ``State(..., sharded=True)``.
 
 ``--parallel fsdp`` shards the same model with FSDP2 over all ranks, ``--parallel hsdp`` over a
-mesh of 2 replica groups (``fully_shard`` on each layer, then the root; Adam). nonstop mode
-declares the mesh with ``nonstop.Mesh``; torchrun mode builds it with ``init_device_mesh`` and
-checkpoints with DCP (``get_state_dict``), as an FSDP2 user of torchrun does.
+mesh of 2 replica groups (``fully_shard`` on each layer, then the root; Adam). ``--parallel 2d``
+adds tensor parallelism (degree 2: the first Linear split by columns, the second by rows) under
+FSDP2 (``(dp_shard, tp)``), ``--parallel 3d`` under HSDP (``(dp_replicate, dp_shard, tp)`` =
+``(2, -1, 2)``); ``--parallel pp`` splits the model into 2 pipeline stages (a GPipe schedule of 2
+micro-batches, ``(dp, pp)``; each stage's gradients averaged over ``dp``). The ranks of one
+tensor-parallel or pipeline group see the same data. nonstop mode declares the mesh with
+``nonstop.Mesh``; torchrun mode builds it with ``init_device_mesh`` and checkpoints with DCP
+(``get_state_dict``), as a user of torchrun does.
 """
 
 import argparse
@@ -38,8 +43,9 @@ p.add_argument("--layers", type=int, default=1, help="hidden Linear(hidden, hidd
 p.add_argument("--input", type=int, default=32, help="input features")
 p.add_argument("--batch", type=int, default=64, help="samples per rank and step")
 p.add_argument("--sharded", action="store_true", help="nonstop mode: ZeRO-1 sharded optimizer")
-p.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp"], default="ddp",
-               help="the data-parallel layout: DDP, FSDP2, or HSDP (2 replica groups)")
+p.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp", "2d", "3d", "pp"], default="ddp",
+               help="the layout: DDP, FSDP2, HSDP (2 replica groups), FSDP2 or HSDP with tensor "
+                    "parallel (2d, 3d), pipeline parallel with data parallel (pp)")
 p.add_argument("--sleep-ms", type=float, default=20.0)
 p.add_argument("--ckpt-every", type=int, default=20, help="torchrun mode (0: never)")
 p.add_argument("--ddp", choices=["reproducible", "plain"], default="reproducible",
@@ -57,7 +63,11 @@ if args.sharded and args.mode != "nonstop":
     p.error("--sharded needs --mode nonstop")
 if args.sharded and args.parallel != "ddp":
     p.error("--sharded is DDP's ZeRO-1 optimizer: leave it out with --parallel fsdp/hsdp")
-MESH = {"fsdp": (("dp_shard",), (-1,)), "hsdp": (("dp_replicate", "dp_shard"), (2, -1))}
+MESH = {"fsdp": (("dp_shard",), (-1,)), "hsdp": (("dp_replicate", "dp_shard"), (2, -1)),
+        "2d": (("dp_shard", "tp"), (-1, 2)), "3d": (("dp_replicate", "dp_shard", "tp"), (2, -1, 2)),
+        "pp": (("dp", "pp"), (-1, 2))}
+DP = {"fsdp": ("dp_shard",), "hsdp": ("dp_replicate", "dp_shard"), "2d": ("dp_shard",),
+      "3d": ("dp_replicate", "dp_shard"), "pp": ("dp",)}  # the data-parallel dimensions
 
 torch.manual_seed(0)
 _layers = [torch.nn.Linear(args.input, args.hidden), torch.nn.Tanh()]
@@ -115,43 +125,118 @@ def save_final(rank, full=None):
 
 
 def shard(mesh):
-    """FSDP2 over ``mesh``: each hidden layer a unit, then the root."""
+    """The layout's parallelisation over ``mesh`` (the job's full mesh): tensor parallel first
+    (2d, 3d), then FSDP2 over the data-parallel dimensions, each Linear a unit, then the root;
+    pp: this rank's stage (the model with the other stage's layers replaced by Identity: the
+    names stay the full model's, unique to a stage). Returns the optimizer."""
+    global stage_module
+    if args.parallel == "pp":
+        s, n = mesh["pp"].get_local_rank(), mesh["pp"].size()
+        children = list(model)
+        per = -(-len(children) // n)
+        stage_module = torch.nn.Sequential(*[
+            c if s * per <= i < (s + 1) * per else torch.nn.Identity()
+            for i, c in enumerate(children)])
+        return torch.optim.Adam(stage_module.parameters(), lr=1e-3)
     from torch.distributed.fsdp import fully_shard
 
+    if args.parallel in ("2d", "3d"):
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()},
+                           src_data_rank=None)
+    dims = DP[args.parallel]
+    dp = mesh if len(dims) == len(mesh.mesh_dim_names) else mesh[dims] if len(dims) > 1 \
+        else mesh[dims[0]]
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=dp)
+    fully_shard(model, mesh=dp)
     return torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
-def gathered():
-    """The full parameters of a sharded model (a collective: every rank calls it)."""
-    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+stage_module = None  # pp: this rank's stage
+
+
+def dp_position(mesh):
+    """This rank's data-parallel group: the ranks of one tensor-parallel or pipeline group
+    see the same data."""
+    index = 0
+    for name in DP[args.parallel]:  # (the groups' own: a mesh's are fixed when it is built)
+        group = mesh[name].get_group()
+        index = index * group.size() + group.rank()
+    return index
+
+
+def gathered(mesh):
+    """The full parameters of a sharded or split model (a collective: every rank calls it)."""
+    if args.parallel != "pp":
+        return {k: v.full_tensor() for k, v in model.state_dict().items()}
+    every = [None] * mesh["pp"].size()
+    dist.all_gather_object(every, stage_module.state_dict(), group=mesh["pp"].get_group())
+    return {k: v for part in every for k, v in part.items()}
+
+
+class Pipeline:
+    """pp: this generation's stage and schedule (they hold a step's buffers: made again for
+    each generation), and a step through them."""
+
+    def __init__(self, mesh):
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+        self.mesh = mesh
+        self.s, self.n = mesh["pp"].get_local_rank(), mesh["pp"].size()
+        stage = PipelineStage(stage_module, self.s, self.n, torch.device("cpu"),
+                              group=mesh["pp"].get_group())
+        self.schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=F.mse_loss)
+
+    def step(self, x, y):
+        if self.s == 0:
+            self.schedule.step(x)
+        elif self.s == self.n - 1:
+            self.schedule.step(target=y)
+        else:
+            self.schedule.step()
+        dp = self.mesh["dp"].get_group()
+        grads = [p.grad for p in stage_module.parameters() if p.grad is not None]
+        if dp.size() > 1 and grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=dp)
+            flat /= dp.size()
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
 
 
 def run_nonstop_sharded():
     def build(mesh):
         return nonstop.State(model=model, optimizer=shard(mesh))
 
-    @nonstop.wrap(nonstop.Mesh(*MESH[args.parallel], build))
+    stages = "pp" if args.parallel == "pp" else None
+
+    @nonstop.wrap(nonstop.Mesh(*MESH[args.parallel], build, stages=stages))
     def train(ctx):
         opt = ctx.state["optimizer"]
+        pipe = Pipeline(ctx.mesh) if args.parallel == "pp" else None
         with open(os.path.join(args.out, f"steps-r{ctx.rank}.txt"), "a") as fh:
             for step in ctx.steps(args.steps):
-                sharded_step(opt, step, ctx.rank)
+                sharded_step(opt, step, dp_position(ctx.mesh), pipe)
                 log_step(fh, step + 1, ctx.generation)
-        return ctx.rank, gathered()
+        return ctx.rank, gathered(ctx.mesh)
 
     rank, full = train()
     save_final(rank, full)
 
 
-def sharded_step(opt, step, rank):
-    x, y = batch(step, rank)
-    loss = F.mse_loss(model(x), y)
+def sharded_step(opt, step, position, pipe=None):
+    x, y = batch(step, position)
     opt.zero_grad()
-    loss.backward()
+    if pipe is not None:
+        pipe.step(x, y)
+    else:
+        F.mse_loss(model(x), y).backward()
     opt.step()
     if args.sleep_ms:
         time.sleep(args.sleep_ms / 1000)  # stand-in for accelerator work
@@ -185,19 +270,31 @@ def run_torchrun_sharded():
 
     attempt, rank, world = tr.join_group(args.collective_timeout)
     dims, shape = MESH[args.parallel]
-    sizes = tuple(world // 2 if n == -1 and len(shape) == 2 else world if n == -1 else n
-                  for n in shape)
-    opt = shard(init_device_mesh("cpu", sizes, mesh_dim_names=dims))
-    ckpt = os.path.join(args.out, "dcp")
+    known = 1
+    for n in shape:
+        known *= n if n != -1 else 1
+    sizes = tuple(world // known if n == -1 else n for n in shape)
+    mesh = init_device_mesh("cpu", sizes, mesh_dim_names=dims)
+    opt = shard(mesh)
+    pipe = Pipeline(mesh) if args.parallel == "pp" else None
+    mine = stage_module if pipe is not None else model
+    # DCP for DTensors; a pipeline stage is plain tensors, each rank's own file (DCP's optimizer
+    # state dict of a stage did not load back here: KeyError 'betas')
+    ckpt = os.path.join(args.out, "dcp" if pipe is None else f"stage-r{rank}.pt")
+    resume = tr.resume_dcp if pipe is None else tr.resume
     with open(os.path.join(args.out, f"steps-r{rank}.txt"), "a") as fh:
-        for step in range(tr.resume_dcp(ckpt, model, opt), args.steps):
+        for step in range(resume(ckpt, mine, opt), args.steps):
             if rank == args.kill_rank and attempt == 0 and step == args.kill_step:
                 tr.kill_self(args.out, args.kill_signal)
-            sharded_step(opt, step, rank)
+            sharded_step(opt, step, dp_position(mesh), pipe)
             log_step(fh, step + 1, attempt)
             if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
-                tr.save_dcp(ckpt, model, opt, step + 1)
-    save_final(rank, gathered())
+                if pipe is None:
+                    tr.save_dcp(ckpt, mine, opt, step + 1)
+                else:
+                    tr.save(ckpt, mine, opt, step + 1)
+                    dist.barrier()
+    save_final(rank, gathered(mesh))
     dist.destroy_process_group()
 
 

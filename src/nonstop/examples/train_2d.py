@@ -102,8 +102,9 @@ MESH = (nonstop.Mesh(("dp_shard", "tp"), (-1, args.tp), parallelize) if args.rep
 def dp_position(mesh):
     """This rank's data-parallel group and how many there are (over both dimensions of HSDP)."""
     index, size = 0, 1
-    for name in DP:
-        index, size = index * mesh[name].size() + mesh[name].get_local_rank(), size * mesh[name].size()
+    for name in DP:  # this generation's groups (a mesh's own sizes are the full mesh's)
+        group = mesh[name].get_group()
+        index, size = index * group.size() + group.rank(), size * group.size()
     return index, size
 
 

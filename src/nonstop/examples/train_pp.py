@@ -39,7 +39,7 @@ parser.add_argument("--sleep-ms", type=float, default=0.0, help="stand-in for ac
 parser.add_argument("--save", help="rank 0 writes the final parameters of every stage here")
 args = parser.parse_args()
 
-BATCH = 8  # samples per data-parallel group and step
+BATCH = 8  # samples per data-parallel group of the full mesh, per step
 
 
 class Block(torch.nn.Module):
@@ -83,15 +83,22 @@ def build(mesh):
     return nonstop.State(model=stage_module, optimizer=optimizer)
 
 
-def batch(step, dp_rank, dp_size):
-    """This data-parallel group's part of the step's global batch."""
+def batch(step, ctx):
+    """This data-parallel group's part of the step's global batch: the same global batch
+    whatever the world, should a data-parallel group be away (the job shrunk)."""
     g = torch.Generator().manual_seed(nonstop.step_seed(args.seed, step, 0))
-    x = torch.randn(BATCH * dp_size, args.dim, generator=g)[BATCH * dp_rank:BATCH * (dp_rank + 1)]
+    x = torch.randn(BATCH * (ctx.full_world_size // args.pp), args.dim, generator=g)
+    # the data-parallel groups of this generation: the group's own rank and size (the mesh's
+    # get_local_rank() and size() are the full mesh's, fixed when it was built)
+    dp = ctx.mesh["dp"].get_group()
+    share = len(x) // dp.size()
+    x = x[share * dp.rank():share * (dp.rank() + 1)]
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
-def average_gradients(module, group, size):
+def average_gradients(module, group):
     """The data-parallel groups' mean gradient of this stage (the same bits on every twin)."""
+    size = group.size()  # this generation's groups (fewer while the job is shrunk)
     if size == 1:
         return
     grads = [p.grad for p in module.parameters() if p.grad is not None]
@@ -114,7 +121,7 @@ def train(ctx):
     # (every stage is given the loss: a schedule without one runs no backward)
     schedule = ScheduleGPipe(stage, n_microbatches=args.microbatches, loss_fn=F.mse_loss)
     for step in ctx.steps(args.steps):
-        x, y = batch(step, dp.get_local_rank(), dp.size())
+        x, y = batch(step, ctx)
         optimizer.zero_grad()
         if s == 0:
             schedule.step(x)
@@ -124,11 +131,11 @@ def train(ctx):
             ctx.report(torch.stack(losses).mean())
         else:
             schedule.step()
-        average_gradients(stage_module, dp.get_group(), dp.size())
+        average_gradients(stage_module, dp.get_group())
         optimizer.step()
         if args.sleep_ms:
             time.sleep(args.sleep_ms / 1000)
-        if s == n - 1 and dp.get_local_rank() == 0 and step % 25 == 0:
+        if s == n - 1 and dp.get_group().rank() == 0 and step % 25 == 0:
             print(f"step {step} loss {torch.stack(losses).mean().item():.4f} "
                   f"(generation {ctx.generation})")
     # rank 0 gathers every stage's parameters (the first data-parallel group's)

@@ -157,13 +157,16 @@ class State:
                         optimizer.state.pop(p, None)
 
     def _sharded_optimizer(self, optimizer: Any) -> bool:
-        """Whether ``optimizer``'s parameters are DTensors (decided at its first step: an
-        optimizer is built on the parameters it keeps)."""
+        """Whether ``optimizer``'s parameters are this rank's own: DTensors, or any state built
+        over a mesh (a pipeline's stage is plain tensors; a NaN in one stage's gradients must stop
+        every stage's step). Decided at its first step: an optimizer is built on the parameters
+        it keeps."""
         known = self._sharded_opts.get(id(optimizer))
         if known is None:
             from ..state import shards
 
-            known = self._sharded_opts[id(optimizer)] = shards.sharded_object(optimizer)
+            known = self._sharded_opts[id(optimizer)] = (self.meshed
+                                                         or shards.sharded_object(optimizer))
         return known
 
     def prune_unowned(self) -> None:
