@@ -21,3 +21,9 @@ def test_bench_elastic_bad_input():
     proc = subprocess.run(nonstop_cmd("bench", "elastic", "--hosts", "1"), capture_output=True,
                           text=True, timeout=60)
     assert_one_line_error(proc, "--hosts must be at least 2")
+    proc = subprocess.run(nonstop_cmd("bench", "elastic", "--parallel", "ddp,tp"),
+                          capture_output=True, text=True, timeout=60)
+    assert_one_line_error(proc, "--parallel: unknown layout(s) tp")
+    proc = subprocess.run(nonstop_cmd("bench", "elastic", "--hosts", "2", "--parallel", "pp"),
+                          capture_output=True, text=True, timeout=60)
+    assert_one_line_error(proc, "bench elastic --hosts runs the ddp layout")

@@ -39,7 +39,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, words: str) -> None
     (["bench", "crash", "--systems", "slurm"], "unknown system(s) slurm"),
     (["bench", "crash", "--parallel", "ddp,tp"], "--parallel: unknown layout(s) tp"),
     (["bench", "crash", "--systems", "torchft"], "torchft runs the hsdp layout"),
-    (["bench", "hang", "--parallel", "fsdp"], "--parallel is for bench crash and overhead (not hang)"),
+    (["bench", "hang", "--parallel", "fsdp"], "--parallel is for bench crash, elastic and overhead (not hang)"),
     (["bench", "overhead", "--parallel", "fsdp,hsdp"], "overhead measures one layout"),
     (["bench", "overhead", "--parallel", "fsdp", "--systems", "reproducible"],
      "systems plain, nonstop only (not reproducible)"),

@@ -96,3 +96,25 @@ def test_a_pipeline_without_a_spare_shrinks_by_a_data_parallel_group_and_grows_b
     assert set(grown["sources"].values()) == {"live"} and grown["bytes"] > 0  # from the twins
     assert run.summary["steps_lost"] == 0
     assert max_rel_diff(out, reference(4, *args, script=PP)) < TOLERANCE
+
+
+@pytest.mark.integration
+def test_a_pipeline_redoes_a_nan_step_in_every_stage_and_finds_a_flipped_bit_by_its_twin(
+        tmp_path, reference):
+    """Two incidents in one run of (dp, pp) = (2, 2), snapshots every 4 steps:
+    1. the last stage's output turns NaN at step 3 on rank 1: the NaN reaches stage 0's
+       gradients too, but each stage checks only its own, so the verdict is all-reduced (the
+       step's commit): every stage of every group redoes the step in place, none steps alone;
+    2. a bit of rank 2's stage flips at step 6: compared with its twin (rank 0, the same stage
+       in the other data-parallel group) at the next check, the two differ, and the job goes
+       back to the last snapshot whose twins agreed.
+    The final weights bitwise those of the fault-free run."""
+    run, out = train(tmp_path, "--spares=1", "--snapshot-every=4",
+                     "--inject=nan:rank=1,step=3;bitflip:rank=2,step=6", args=ARGS, world=4,
+                     script=PP)
+    decisions = run.of("decision")
+    assert decisions[0]["level"] == "step retry" and decisions[0]["step"] == 3, decisions
+    sdc = [f for f in run.of("fault") if f["kind"] == "sdc"]
+    assert sdc and {f["rank"] for f in sdc} >= {0, 2}, sdc  # the pair of twins
+    assert run.summary["sdc"]["mismatches"] >= 1
+    assert bitwise_equal(out, reference(4, *ARGS, script=PP))

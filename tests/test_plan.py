@@ -59,6 +59,22 @@ def test_sharded_prefers_a_replica_on_its_own_node_to_one_sent_over_the_network(
     assert sources(plan(offers, sharded=True)) == [("live", None), ("buddy", None)]
 
 
+def test_a_lost_shard_comes_from_its_own_snapshot_read_by_a_rank_still_on_its_old_node():
+    """FSDP x tensor parallel on two nodes: rank 3 dies, and its warm spare runs on node 0. Its
+    own snapshot is in node 1's memory, which rank 2 (still on node 1) reads and sends - before
+    a buddy's replica, which lags behind it."""
+    offers = [Offer(live=4, memory=(4, 3)), Offer(live=4, memory=(4, 3)),
+              Offer(live=4, memory=(4, 3), neighbours={3: (4, 3)}, replicas={0: (3,)}),
+              Offer()]
+    p = plan(offers, sharded=True)
+    assert p.step == 4
+    assert sources(p) == [("live", None)] * 3 + [("node", 2)]
+    # without it, the job could only go back to the buddy's older replica, or nowhere
+    offers[2] = Offer(live=4, memory=(4, 3))
+    with pytest.raises(NoConsistentState):
+        plan(offers, sharded=True)
+
+
 def test_sharded_never_takes_a_peers_copy():
     with pytest.raises(NoConsistentState):
         plan([Offer(live=9, memory=(9,)), Offer()], sharded=True)

@@ -288,7 +288,10 @@ def test_an_hsdp_job_without_a_spare_shrinks_by_a_replica_group_and_grows_back(t
     group's ranks keep their shards, renumbered, their mesh's replica dimension one group
     smaller); once new processes are up, the group comes back at a step boundary, its shards
     from their twins. The global batch is kept (``ctx.share``), so the weights end within the
-    elastic oracle's tolerance of the fault-free run."""
+    elastic oracle's tolerance of the fault-free run. Snapshots every 2 steps: the twins'
+    digests are compared while the job is shrunk too (there are none then: no check), and again
+    once it has grown back, by every rank (a survivor that had stopped checking for good left
+    its new twins alone in the check's collective: a hang)."""
     from conftest import policy_file
     from elastic_oracle import TOLERANCE, max_rel_diff
 
@@ -296,8 +299,8 @@ def test_an_hsdp_job_without_a_spare_shrinks_by_a_replica_group_and_grows_back(t
     pol = policy_file(tmp_path, "recover:\n  levels:\n    scale_in:\n      when: no_warm_spare\n"
                                 "      grow_after_s: 0.5\n")
     args = ("--steps", "40", "--dim", "16", "--blocks", "1", "--sleep-ms", "30")
-    run, out = train(tmp_path, "--spares=0", f"--policy={pol}", "--inject=crash:rank=1,step=10",
-                     args=args, world=4, script=HSDP)
+    run, out = train(tmp_path, "--spares=0", f"--policy={pol}", "--snapshot-every=2",
+                     "--inject=crash:rank=1,step=10", args=args, world=4, script=HSDP)
     assert [d["level"] for d in run.of("decision")] == ["scale-in", "scale-out"]
     worlds = [len(g["ranks"]) for g in run.of("generation")]
     assert worlds == [4, 2, 4], worlds

@@ -162,8 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="crash: comma-separated layouts, each the same job: ddp, fsdp "
                             "(FSDP2 over every rank), hsdp (2 replica groups of FSDP2 shards), "
                             "2d and 3d (fsdp and hsdp with tensor parallel of degree 2), pp (2 "
-                            "pipeline stages x data parallel); overhead: ddp, fsdp or hsdp "
-                            "(default ddp)")
+                            "pipeline stages x data parallel); elastic: ddp, hsdp and pp "
+                            "shrink (fsdp and 2d are listed as not yet); overhead: ddp, fsdp or "
+                            "hsdp (default ddp)")
     bench.add_argument("--false-positive-minutes", type=float, default=10.0,
                        help="hang: minutes of fault-free jittery training to count false alarms")
     bench.add_argument("--collective-timeout", type=float, default=10.0,
@@ -301,8 +302,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_demo(steps=args.steps, run_dir=args.run_dir)
         if args.command == "bench" and args.parallel != "ddp" and args.scenario not in (
-                "crash", "overhead"):
-            raise UsageError(f"--parallel is for bench crash and overhead (not {args.scenario})")
+                "crash", "overhead", "elastic"):
+            raise UsageError(f"--parallel is for bench crash, elastic and overhead (not "
+                             f"{args.scenario})")
         if args.command == "chaos" or (args.command == "bench" and args.scenario == "chaos"):
             if getattr(args, "hosts", None):  # the same soak across test hosts
                 from .bench import chaos_hosts

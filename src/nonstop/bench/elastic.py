@@ -19,6 +19,12 @@ process started for it is ready. ``--cases host_loss``: at step 50 a host that d
 controller is killed whole and the world shrinks by its ranks; at step 100 ``nonstop run`` is
 started on a new test host, which joins, and the world grows back onto it.
 
+``--parallel ddp,hsdp,pp`` (one host): each layout is its own job (DDP; HSDP over 2 replica
+groups; 2 pipeline stages x data parallel), nonstop-scale-in only for the meshed ones: they shrink
+by a whole replica group (a whole pipeline), which keeps its shards (no resharding: the bytes a
+growth moves, from the twins, are reported). ``fsdp`` and ``2d`` are listed as left out: they
+have no replicated dimension, and shrinking them needs resharding (not yet).
+
 Measured: MTTR (kill -> a step completed by every process of the next generation), the scale-out
 pause (the first rank leaving for the larger world -> a step completed by every rank of it), steps
 lost, whether every step trained on exactly its global batch of the stream (each sample of an
@@ -55,12 +61,17 @@ def _policy(out: Path, system: str, grow_after_s: float) -> Path:
     return p
 
 
+LAYOUTS = ("ddp", "hsdp", "pp")
+NOT_YET = {"fsdp": "no replicated dimension: shrinking needs resharding (not yet)",
+           "2d": "no replicated dimension: shrinking needs resharding (not yet)"}
+
+
 def run_once(system: str, ranks: int, steps: int, kill_step: int, grow_after_s: float,
-             out: Path) -> dict[str, Any]:
+             out: Path, parallel: str = "ddp") -> dict[str, Any]:
     common.fresh(out)
     victim = ranks // 2
     job = [str(JOB), "--steps", str(steps), "--out", str(out), "--samples", str(SAMPLES),
-           "--global-batch", str(BATCH)]
+           "--global-batch", str(BATCH), "--parallel", parallel]
     if system == "torchrun":
         cmd = common.torchrun_cmd(ranks, *job, "--mode", "torchrun", "--ckpt-every", "20",
                                   "--kill-rank", str(victim), "--kill-step", str(kill_step))
@@ -84,6 +95,10 @@ def run_once(system: str, ranks: int, steps: int, kill_step: int, grow_after_s: 
     result.update(recovery(read_steps(out), t_kill))
     pauses = [e["pause_s"] for e in common.events(out / "run") if e["type"] == "scale_out_done"]
     result["scale_out_pause_s"] = pauses[0] if pauses else None
+    gens = [e["gen"] for e in common.events(out / "run") if e["type"] == "generation"]
+    grown = [e for e in common.events(out / "run") if e["type"] == "restore" and gens
+             and e["gen"] == gens[-1] and len(gens) > 2]
+    result["grow_bytes"] = grown[0].get("bytes") if grown else None  # the twins' copies sent
     result.update(check_samples(out, steps))
     return result
 
@@ -249,6 +264,13 @@ def main(args: argparse.Namespace) -> int:
         if args.kill_step + GROW_AFTER_STEPS >= args.steps:
             raise UsageError(f"--steps must leave room for the new host: more than kill step + "
                              f"{GROW_AFTER_STEPS}")
+    chosen = [x.strip() for x in args.parallel.split(",") if x.strip()]
+    unknown = [x for x in chosen if x not in LAYOUTS and x not in NOT_YET]
+    if unknown or not chosen:
+        raise UsageError(f"--parallel: unknown layout(s) {', '.join(unknown) or '(none)'}; "
+                         f"choose from {', '.join(LAYOUTS + tuple(NOT_YET))}")
+    if across and chosen != ["ddp"]:
+        raise UsageError("bench elastic --hosts runs the ddp layout")
     systems, base, say = common.setup(args, SYSTEMS)
     where = (f"{args.hosts} test hosts x {args.ranks_per_host} ranks, no spare host, " + (
         f"a host killed at step {args.kill_step}, a new host at step "
@@ -258,37 +280,51 @@ def main(args: argparse.Namespace) -> int:
              f"{args.kill_step}")
     say(f"bench elastic: {where}, {args.steps} steps, grow back after {args.grow_after:g} s, "
         f"{args.repeat} repeats; runs in {base}")
-    ref = common.reference_weights(
-        run_once("reference", args.ranks, args.steps, args.kill_step, 0, base / "reference"),
-        base / "reference", say)
-    if ref is None:
-        return 1
     results = []
-    for system in systems:
-        runs = []
-        for i in range(args.repeat):
-            out = base / system / f"run{i}"
-            r = (hosts_once(args, case, out) if across else
-                 run_once(system, args.ranks, args.steps, args.kill_step, args.grow_after, out))
-            r["final_params_max_rel_diff"] = max_rel_diff(ref, out / "final.pt")
-            r["params_match_reference"] = r["exit_code"] == 0 and common.params_equal(
-                ref, out / "final.pt")
-            runs.append(r)
-            say(f"  {system:20s} run {i + 1}/{args.repeat}: exit {r['exit_code']}, MTTR "
-                f"{r['mttr_s']} s, scale-out pause {r['scale_out_pause_s']} s, steps lost "
-                f"{r['lost_steps']}, samples once {r['samples_exactly_once']}, params rel diff "
-                f"{r['final_params_max_rel_diff']}")
-        agg = common.aggregate(system, runs, extra=("scale_out_pause_s",))
-        agg["samples_exactly_once"] = all(r["samples_exactly_once"] for r in runs)
-        agg["global_batch_constant"] = all(r["global_batch_constant"] for r in runs)
-        diffs = [r["final_params_max_rel_diff"] for r in runs]
-        agg["final_params_max_rel_diff"] = None if None in diffs else max(diffs)
-        results.append(agg)
+    for parallel in dict.fromkeys(chosen):
+        if parallel in NOT_YET:
+            say(f"  {parallel}: left out: {NOT_YET[parallel]}")
+            results.append({"parallel": parallel, "system": "nonstop-scale-in",
+                            "skipped": NOT_YET[parallel]})
+            continue
+        where_ = base / parallel if len(chosen) > 1 else base
+        ref = common.reference_weights(
+            run_once("reference", args.ranks, args.steps, args.kill_step, 0,
+                     where_ / "reference", parallel), where_ / "reference", say)
+        if ref is None:
+            return 1
+        for system in systems if parallel == "ddp" else ["nonstop-scale-in"]:
+            runs = []
+            for i in range(args.repeat):
+                out = where_ / system / f"run{i}"
+                r = (hosts_once(args, case, out) if across else
+                     run_once(system, args.ranks, args.steps, args.kill_step, args.grow_after,
+                              out, parallel))
+                r["final_params_max_rel_diff"] = max_rel_diff(ref, out / "final.pt")
+                r["params_match_reference"] = r["exit_code"] == 0 and common.params_equal(
+                    ref, out / "final.pt")
+                runs.append(r)
+                say(f"  {parallel:4s} {system:20s} run {i + 1}/{args.repeat}: exit "
+                    f"{r['exit_code']}, MTTR {r['mttr_s']} s, scale-out pause "
+                    f"{r['scale_out_pause_s']} s, steps lost {r['lost_steps']}, samples once "
+                    f"{r['samples_exactly_once']}, params rel diff "
+                    f"{r['final_params_max_rel_diff']}")
+            agg = {"parallel": parallel,
+                   **common.aggregate(system, runs, extra=("scale_out_pause_s",))}
+            agg["samples_exactly_once"] = all(r["samples_exactly_once"] for r in runs)
+            agg["global_batch_constant"] = all(r["global_batch_constant"] for r in runs)
+            diffs = [r["final_params_max_rel_diff"] for r in runs]
+            agg["final_params_max_rel_diff"] = None if None in diffs else max(diffs)
+            grow = [r.get("grow_bytes") for r in runs if r.get("grow_bytes") is not None]
+            agg["grow_bytes"] = max(grow) if grow else None
+            agg["reshard_s"] = None  # no layout here reshards: a growth copies whole shards
+            results.append(agg)
     summary = {"scenario": "elastic", "ranks": args.ranks, "hosts": args.hosts,
                "case": case, "repeat": args.repeat,
                "steps": args.steps, "kill_step": args.kill_step, "grow_after_s": args.grow_after,
                "date": common.now_stamp(), "results": results}
-    ratio = common.mttr_ratio(results, "torchrun", "nonstop-scale-in")
+    ratio = common.mttr_ratio([r for r in results if r["parallel"] == "ddp"], "torchrun",
+                              "nonstop-scale-in")
     if ratio is not None or "torchrun" in systems and "nonstop-scale-in" in systems:
         summary["torchrun_over_scale_in"] = ratio
     return common.conclude(summary, table(summary), base, args, say)
@@ -296,15 +332,20 @@ def main(args: argparse.Namespace) -> int:
 
 def table(summary: dict[str, Any]) -> str:
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    lines = ["| system | MTTR median s | scale-out pause median s | steps lost (max) | samples "
-             "exactly once | global batch constant | params max rel diff |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| layout | system | MTTR median s | scale-out pause median s | steps lost (max) | "
+             "samples exactly once | global batch constant | params max rel diff | grow bytes |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in summary["results"]:
+        if "skipped" in r:
+            lines.append(f"| {r['parallel']} | {r['system']} | left out: {r['skipped']} "
+                         "| | | | | | |")
+            continue
         pause = (r.get("scale_out_pause_s") or {}).get("median")
         diff = r["final_params_max_rel_diff"]
-        lines.append(f"| {r['system']} | {fmt(r['mttr_s']['median'])} | {fmt(pause)} | "
-                     f"{r['lost_steps']['max']} | {r['samples_exactly_once']} | "
-                     f"{r['global_batch_constant']} | {'-' if diff is None else f'{diff:.2e}'} |")
+        lines.append(f"| {r['parallel']} | {r['system']} | {fmt(r['mttr_s']['median'])} | "
+                     f"{fmt(pause)} | {r['lost_steps']['max']} | {r['samples_exactly_once']} | "
+                     f"{r['global_batch_constant']} | {'-' if diff is None else f'{diff:.2e}'} | "
+                     f"{r.get('grow_bytes') if r.get('grow_bytes') is not None else '-'} |")
     if summary.get("torchrun_over_scale_in"):
         lines.append(f"\ntorchrun / nonstop-scale-in MTTR ratio: {summary['torchrun_over_scale_in']}")
     return "\n".join(lines)

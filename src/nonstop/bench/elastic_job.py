@@ -7,6 +7,12 @@ loss is weighted by ``world / global_batch`` so that the averaged gradient is th
 mean. Every process appends, per completed step, ``<steps done> <time> <generation> <world>`` to
 ``steps-p<pid>.txt`` and the sample ids it trained on to ``samples-p<pid>.jsonl``.
 
+``--parallel hsdp`` (nonstop mode) shards the model with HSDP over ``(dp_replicate, dp_shard) =
+(2, -1)`` (every rank a data-parallel rank: the batch split over the world, as with DDP);
+``--parallel pp`` splits it into 2 pipeline stages over ``(dp, pp)``: the global batch is split
+over the data-parallel groups (each a whole pipeline), whose first stage logs the group's share.
+Either shrinks by a whole replica group or pipeline.
+
 ``--mode torchrun`` is a careful torchrun user's loop: a checkpoint (model, optimizer, step: the
 data position) every ``--ckpt-every`` steps, resumed on restart, a fresh store prefix per restart.
 """
@@ -22,6 +28,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nonstop
+from nonstop.bench import layouts
 
 p = argparse.ArgumentParser()
 p.add_argument("--mode", choices=["nonstop", "torchrun"], required=True)
@@ -34,7 +41,11 @@ p.add_argument("--sleep-ms", type=float, default=20.0)
 p.add_argument("--ckpt-every", type=int, default=20)
 p.add_argument("--kill-rank", type=int, default=-1, help="torchrun mode: SIGKILL this rank...")
 p.add_argument("--kill-step", type=int, default=-1, help="...at the start of this step, first attempt")
+p.add_argument("--parallel", choices=["ddp", "hsdp", "pp"], default="ddp",
+               help="nonstop mode: DDP, HSDP (2 replica groups) or 2 pipeline stages")
 args = p.parse_args()
+if args.parallel != "ddp" and args.mode != "nonstop":
+    p.error("--parallel hsdp/pp: nonstop mode only")
 
 torch.manual_seed(0)
 x_all = torch.randn(args.samples, 32, generator=torch.Generator().manual_seed(1))
@@ -49,23 +60,82 @@ steps_log = open(os.path.join(args.out, f"steps-p{pid}.txt"), "a")
 samples_log = open(os.path.join(args.out, f"samples-p{pid}.jsonl"), "a")
 
 
-def one_step(ddp, step, rank, world, gen):
+def one_step(ddp, step, rank, world, gen, opt=optimizer):
     ids = sampler.share(step, rank, world)
-    optimizer.zero_grad()
+    opt.zero_grad()
     if ids:
         idx = torch.tensor(ids)
         loss = F.mse_loss(ddp(x_all[idx]), y_all[idx], reduction="sum") * world / args.global_batch
     else:
         loss = ddp(x_all[:1]).sum() * 0.0
     loss.backward()
-    optimizer.step()
+    opt.step()
+    finish(step, gen, world, rank, world, ids)
+
+
+def finish(step, gen, world, group, groups, ids):
+    """After a step: the stand-in for accelerator work, then the logs (``ids``: None for a
+    process that logs no samples - a pipeline's later stages)."""
     if args.sleep_ms:
         time.sleep(args.sleep_ms / 1000)  # stand-in for accelerator work
     steps_log.write(f"{step + 1} {time.time():.6f} {gen} {world}\n")
     steps_log.flush()
-    samples_log.write(json.dumps({"step": step, "gen": gen, "rank": rank, "world": world,
-                                  "ids": ids}) + "\n")
-    samples_log.flush()
+    if ids is not None:
+        samples_log.write(json.dumps({"step": step, "gen": gen, "rank": group, "world": groups,
+                                      "ids": ids}) + "\n")
+        samples_log.flush()
+
+
+def pipeline_step(pipe, opt, step, ctx):
+    """One step of a pipeline: this data-parallel group's share of the global batch through
+    the stages, in 2 micro-batches (the schedule's loss weighted so that the gradient averaged
+    over the groups is the global batch's mean)."""
+    group, groups = layouts.dp_position(ctx.mesh, "pp")
+    ids = sampler.share(step, group, groups)
+    idx = torch.tensor(ids)
+    opt.zero_grad()
+    pipe.step(x_all[idx], y_all[idx])
+    opt.step()
+    finish(step, ctx.generation, ctx.world_size, group, groups, ids if pipe.s == 0 else None)
+
+
+def run_nonstop_mesh():
+    """HSDP or a pipeline, declared with nonstop.Mesh; rank 0 gathers the final parameters."""
+    parts = {}
+
+    def build(mesh):
+        if args.parallel == "pp":
+            parts["module"] = module = layouts.stage(model, mesh)
+        else:
+            layouts.shard(model, mesh, args.parallel)
+            parts["module"] = module = model
+        opt = torch.optim.SGD(module.parameters(), lr=0.02, momentum=0.9)
+        return nonstop.State(model=module, optimizer=opt, sampler=sampler)
+
+    dims, shape, _ = layouts.MESH[args.parallel]
+
+    @nonstop.wrap(nonstop.Mesh(dims, shape, build, stages="pp" if args.parallel == "pp" else None))
+    def train(ctx):
+        opt = ctx.state["optimizer"]
+        if args.parallel == "pp":
+            groups = layouts.dp_position(ctx.mesh, "pp")[1]
+            micro = 2
+
+            def loss_fn(out, y):  # the schedule divides each micro-batch's gradient by 2
+                return F.mse_loss(out, y, reduction="sum") * groups * micro / args.global_batch
+
+            pipe = layouts.Pipeline(parts["module"], ctx.mesh, loss_fn, micro)
+        for step in ctx.steps(args.steps):
+            if args.parallel == "pp":
+                pipeline_step(pipe, opt, step, ctx)
+            else:
+                one_step(model, step, ctx.rank, ctx.world_size, ctx.generation, opt)
+        full = layouts.gathered(model, ctx.mesh, args.parallel, parts["module"])
+        return ctx.rank, full
+
+    rank, full = train()
+    if rank == 0:
+        torch.save(full, os.path.join(args.out, "final.pt"))
 
 
 def save_final(rank):
@@ -104,6 +174,6 @@ def run_torchrun():
 
 
 if args.mode == "nonstop":
-    run_nonstop()
+    run_nonstop() if args.parallel == "ddp" else run_nonstop_mesh()
 else:
     run_torchrun()

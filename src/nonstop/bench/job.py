@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nonstop
+from nonstop.bench import layouts
 
 p = argparse.ArgumentParser()
 p.add_argument("--mode", choices=["nonstop", "torchrun"], required=True)
@@ -63,12 +64,6 @@ if args.sharded and args.mode != "nonstop":
     p.error("--sharded needs --mode nonstop")
 if args.sharded and args.parallel != "ddp":
     p.error("--sharded is DDP's ZeRO-1 optimizer: leave it out with --parallel fsdp/hsdp")
-MESH = {"fsdp": (("dp_shard",), (-1,)), "hsdp": (("dp_replicate", "dp_shard"), (2, -1)),
-        "2d": (("dp_shard", "tp"), (-1, 2)), "3d": (("dp_replicate", "dp_shard", "tp"), (2, -1, 2)),
-        "pp": (("dp", "pp"), (-1, 2))}
-DP = {"fsdp": ("dp_shard",), "hsdp": ("dp_replicate", "dp_shard"), "2d": ("dp_shard",),
-      "3d": ("dp_replicate", "dp_shard"), "pp": ("dp",)}  # the data-parallel dimensions
-
 torch.manual_seed(0)
 _layers = [torch.nn.Linear(args.input, args.hidden), torch.nn.Tanh()]
 for _ in range(args.layers):
@@ -125,106 +120,41 @@ def save_final(rank, full=None):
 
 
 def shard(mesh):
-    """The layout's parallelisation over ``mesh`` (the job's full mesh): tensor parallel first
-    (2d, 3d), then FSDP2 over the data-parallel dimensions, each Linear a unit, then the root;
-    pp: this rank's stage (the model with the other stage's layers replaced by Identity: the
-    names stay the full model's, unique to a stage). Returns the optimizer."""
+    """The layout's parallelisation over the job's full ``mesh`` (bench/layouts.py); pp: this
+    rank's stage. Returns the optimizer."""
     global stage_module
     if args.parallel == "pp":
-        s, n = mesh["pp"].get_local_rank(), mesh["pp"].size()
-        children = list(model)
-        per = -(-len(children) // n)
-        stage_module = torch.nn.Sequential(*[
-            c if s * per <= i < (s + 1) * per else torch.nn.Identity()
-            for i, c in enumerate(children)])
+        stage_module = layouts.stage(model, mesh)
         return torch.optim.Adam(stage_module.parameters(), lr=1e-3)
-    from torch.distributed.fsdp import fully_shard
-
-    if args.parallel in ("2d", "3d"):
-        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                       parallelize_module)
-
-        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()},
-                           src_data_rank=None)
-    dims = DP[args.parallel]
-    dp = mesh if len(dims) == len(mesh.mesh_dim_names) else mesh[dims] if len(dims) > 1 \
-        else mesh[dims[0]]
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=dp)
-    fully_shard(model, mesh=dp)
+    layouts.shard(model, mesh, args.parallel)
     return torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
 stage_module = None  # pp: this rank's stage
 
 
-def dp_position(mesh):
-    """This rank's data-parallel group: the ranks of one tensor-parallel or pipeline group
-    see the same data."""
-    index = 0
-    for name in DP[args.parallel]:  # (the groups' own: a mesh's are fixed when it is built)
-        group = mesh[name].get_group()
-        index = index * group.size() + group.rank()
-    return index
-
-
-def gathered(mesh):
-    """The full parameters of a sharded or split model (a collective: every rank calls it)."""
-    if args.parallel != "pp":
-        return {k: v.full_tensor() for k, v in model.state_dict().items()}
-    every = [None] * mesh["pp"].size()
-    dist.all_gather_object(every, stage_module.state_dict(), group=mesh["pp"].get_group())
-    return {k: v for part in every for k, v in part.items()}
-
-
-class Pipeline:
-    """pp: this generation's stage and schedule (they hold a step's buffers: made again for
-    each generation), and a step through them."""
-
-    def __init__(self, mesh):
-        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-
-        self.mesh = mesh
-        self.s, self.n = mesh["pp"].get_local_rank(), mesh["pp"].size()
-        stage = PipelineStage(stage_module, self.s, self.n, torch.device("cpu"),
-                              group=mesh["pp"].get_group())
-        self.schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=F.mse_loss)
-
-    def step(self, x, y):
-        if self.s == 0:
-            self.schedule.step(x)
-        elif self.s == self.n - 1:
-            self.schedule.step(target=y)
-        else:
-            self.schedule.step()
-        dp = self.mesh["dp"].get_group()
-        grads = [p.grad for p in stage_module.parameters() if p.grad is not None]
-        if dp.size() > 1 and grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=dp)
-            flat /= dp.size()
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+def pipeline(mesh):
+    return layouts.Pipeline(stage_module, mesh, F.mse_loss) if args.parallel == "pp" else None
 
 
 def run_nonstop_sharded():
     def build(mesh):
-        return nonstop.State(model=model, optimizer=shard(mesh))
+        optimizer = shard(mesh)
+        return nonstop.State(model=stage_module if args.parallel == "pp" else model,
+                             optimizer=optimizer)
 
     stages = "pp" if args.parallel == "pp" else None
+    dims, shape, _ = layouts.MESH[args.parallel]
 
-    @nonstop.wrap(nonstop.Mesh(*MESH[args.parallel], build, stages=stages))
+    @nonstop.wrap(nonstop.Mesh(dims, shape, build, stages=stages))
     def train(ctx):
         opt = ctx.state["optimizer"]
-        pipe = Pipeline(ctx.mesh) if args.parallel == "pp" else None
+        pipe = pipeline(ctx.mesh)
         with open(os.path.join(args.out, f"steps-r{ctx.rank}.txt"), "a") as fh:
             for step in ctx.steps(args.steps):
-                sharded_step(opt, step, dp_position(ctx.mesh), pipe)
+                sharded_step(opt, step, layouts.dp_position(ctx.mesh, args.parallel)[0], pipe)
                 log_step(fh, step + 1, ctx.generation)
-        return ctx.rank, gathered(ctx.mesh)
+        return ctx.rank, layouts.gathered(model, ctx.mesh, args.parallel, stage_module)
 
     rank, full = train()
     save_final(rank, full)
@@ -269,14 +199,10 @@ def run_torchrun_sharded():
     from nonstop.bench import torchrun_side as tr
 
     attempt, rank, world = tr.join_group(args.collective_timeout)
-    dims, shape = MESH[args.parallel]
-    known = 1
-    for n in shape:
-        known *= n if n != -1 else 1
-    sizes = tuple(world // known if n == -1 else n for n in shape)
-    mesh = init_device_mesh("cpu", sizes, mesh_dim_names=dims)
+    mesh = init_device_mesh("cpu", layouts.sizes(args.parallel, world),
+                            mesh_dim_names=layouts.MESH[args.parallel][0])
     opt = shard(mesh)
-    pipe = Pipeline(mesh) if args.parallel == "pp" else None
+    pipe = pipeline(mesh)
     mine = stage_module if pipe is not None else model
     # DCP for DTensors; a pipeline stage is plain tensors, each rank's own file (DCP's optimizer
     # state dict of a stage did not load back here: KeyError 'betas')
@@ -286,7 +212,7 @@ def run_torchrun_sharded():
         for step in range(resume(ckpt, mine, opt), args.steps):
             if rank == args.kill_rank and attempt == 0 and step == args.kill_step:
                 tr.kill_self(args.out, args.kill_signal)
-            sharded_step(opt, step, dp_position(mesh), pipe)
+            sharded_step(opt, step, layouts.dp_position(mesh, args.parallel)[0], pipe)
             log_step(fh, step + 1, attempt)
             if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
                 if pipe is None:
@@ -294,7 +220,7 @@ def run_torchrun_sharded():
                 else:
                     tr.save(ckpt, mine, opt, step + 1)
                     dist.barrier()
-    save_final(rank, gathered(mesh))
+    save_final(rank, layouts.gathered(model, mesh, args.parallel, stage_module))
     dist.destroy_process_group()
 
 

@@ -88,10 +88,14 @@ def parallelize(mesh):
     return nonstop.State(model=model, optimizer=optimizer)
 
 
-def batch(step, dp_rank, dp_size):
-    """This data-parallel group's part of the step's global batch (8 samples per group)."""
+def batch(step, ctx):
+    """This data-parallel group's part of the step's global batch (8 samples per group of the
+    full mesh: the same global batch while a replica group is away)."""
     g = torch.Generator().manual_seed(nonstop.step_seed(args.seed, step, 0))
-    x = torch.randn(8 * dp_size, args.dim, generator=g)[8 * dp_rank:8 * (dp_rank + 1)]
+    x = torch.randn(8 * (ctx.full_world_size // args.tp), args.dim, generator=g)
+    index, size = dp_position(ctx.mesh)
+    share = len(x) // size
+    x = x[share * index:share * (index + 1)]
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
@@ -112,7 +116,7 @@ def dp_position(mesh):
 def train(ctx):
     optimizer = ctx.state["optimizer"]
     for step in ctx.steps(args.steps):
-        x, y = batch(step, *dp_position(ctx.mesh))
+        x, y = batch(step, ctx)
         loss = F.mse_loss(model(x), y)
         optimizer.zero_grad()
         loss.backward()

@@ -80,11 +80,15 @@ def dp_position(mesh):
     return index, size
 
 
-def batch(step, dp_rank, dp_size):
-    """This data-parallel group's sequences of the step's global batch."""
+def batch(step, ctx):
+    """This data-parallel group's sequences of the step's global batch (``--batch`` per group
+    of the full mesh: the same global batch while a replica group is away)."""
     g = torch.Generator().manual_seed(nonstop.step_seed(args.seed, step, 0))
-    tokens = torch.randint(0, args.vocab, (args.batch * dp_size, args.seq), generator=g)
-    return tokens[args.batch * dp_rank:args.batch * (dp_rank + 1)]
+    tokens = torch.randint(0, args.vocab, (args.batch * (ctx.full_world_size // args.tp), args.seq),
+                           generator=g)
+    index, size = dp_position(ctx.mesh)
+    share = len(tokens) // size
+    return tokens[share * index:share * (index + 1)]
 
 
 MESH = (nonstop.Mesh(("dp_shard", "tp"), (-1, args.tp), parallelize) if args.replicas == 1 else
@@ -95,7 +99,7 @@ MESH = (nonstop.Mesh(("dp_shard", "tp"), (-1, args.tp), parallelize) if args.rep
 def train(ctx):
     optimizer = ctx.state["optimizer"]
     for step in ctx.steps(args.steps):
-        tokens = batch(step, *dp_position(ctx.mesh))
+        tokens = batch(step, ctx)
         loss = model(input_ids=tokens, labels=tokens).loss
         optimizer.zero_grad()
         loss.backward()

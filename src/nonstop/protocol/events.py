@@ -24,7 +24,7 @@ KINDS: dict[str, type[RankEvent]] = {}  # type -> its record
 Phase = Literal["rendezvous", "build", "restore", "train", "retry"]
 # a copy of the state: the rank's own in its process, its node's memory, the certified copy the
 # process keeps, a replica on the buddy node, a checkpoint on disk
-Source = Literal["live", "memory", "kept", "buddy", "disk"]
+Source = Literal["live", "memory", "kept", "node", "buddy", "disk"]
 
 
 class BadEvent(BadRecord):

@@ -162,10 +162,14 @@ class Digests:
         if not self.enabled or world < 2 or not modules:
             return 0.0
         own = meshed or sharded(modules)  # each rank may hold a part of its own
-        if self.uncompared is None and own and (twins is None or len(set(twins)) == len(twins)):
+        if own and (twins is None or len(set(twins)) == len(twins)):
+            # no two ranks of this generation hold the same part: nothing to compare - decided
+            # for each world (every rank alike), not once: an HSDP job shrunk to one replica
+            # group has no twins until it grows back, and a survivor that skipped the check
+            # from then on left its new twins alone in its collective
             self.uncompared = SHARDED
-        if self.uncompared is not None:
             return 0.0
+        self.uncompared = None
         classes = twins if own else None
         import torch
         import torch.distributed as dist

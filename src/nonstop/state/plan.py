@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-SOURCES = ("live", "memory", "kept", "buddy", "disk")  # cheapest first
+SOURCES = ("live", "memory", "kept", "node", "buddy", "disk")  # cheapest first
 
 
 class NoConsistentState(RuntimeError):
@@ -32,17 +32,22 @@ class Offer:
     # the step of a snapshot whose replicas agreed, kept in its own process while its node's
     # memory could not take it (the memory died, a new one is not up yet): a certified copy
     kept: int | None = None
+    # steps of other ranks' own snapshots in its node's memory (ranks of its node; a lost one's
+    # replacement may run on another node): rank r -> steps
+    neighbours: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
         return {"live": self.live, "memory": list(self.memory),
                 "replicas": {str(k): list(v) for k, v in self.replicas.items()},
+                "neighbours": {str(k): list(v) for k, v in self.neighbours.items()},
                 "disk": list(self.disk), "kept": self.kept}
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "Offer":
         return cls(d.get("live"), tuple(d.get("memory", ())),
                    {int(k): tuple(v) for k, v in d.get("replicas", {}).items()},
-                   tuple(d.get("disk", ())), d.get("kept"))
+                   tuple(d.get("disk", ())), d.get("kept"),
+                   {int(k): tuple(v) for k, v in d.get("neighbours", {}).items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +93,10 @@ def _holders(offers: list[Offer], rank: int, step: int, sharded: bool,
                     o.live == step or step in o.memory or o.kept == step):
                 found.append(("live", r))
                 break
+    for r, o in enumerate(offers):  # its own snapshot, on the node it ran on before
+        if r != rank and step in o.neighbours.get(rank, ()):
+            found.append(("node", r))
+            break
     for r, o in enumerate(offers):
         if r != rank and step in o.replicas.get(rank, ()):
             found.append(("buddy", r))

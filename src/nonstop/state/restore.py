@@ -62,6 +62,7 @@ def _offer(state: Any, rank: int, has_state: bool, where: Where) -> tuple[Offer,
     live = state.step if has_state and not state.dirty else None
     memory: tuple[int, ...] = ()
     replicas: dict[int, tuple[int, ...]] = {}
+    neighbours: dict[int, tuple[int, ...]] = {}
     problems: dict[str, Any] = {}
     if where.memory is not None:
         try:
@@ -70,6 +71,8 @@ def _offer(state: Any, rank: int, has_state: bool, where: Where) -> tuple[Offer,
             for name in listing:
                 if name.startswith("rep"):
                     replicas[int(name[3:])] = tuple(where.memory.steps(name, listing))
+                elif name.startswith("r") and name[1:].isdigit() and name != mem.own(rank):
+                    neighbours[int(name[1:])] = tuple(where.memory.steps(name, listing))
         except (OSError, ConnectionError) as exc:  # the node's memory is gone: offer none of it
             where.memory.reset()
             problems["memory"] = f"{type(exc).__name__}: {exc}"
@@ -93,9 +96,10 @@ def _offer(state: Any, rank: int, has_state: bool, where: Where) -> tuple[Offer,
         live = live if live is not None and live <= cap else None
         memory = tuple(x for x in memory if x <= cap)
         replicas = {r: tuple(x for x in held if x <= cap) for r, held in replicas.items()}
+        neighbours = {r: tuple(x for x in held if x <= cap) for r, held in neighbours.items()}
         disk = [x for x in disk if x <= cap]
         kept_step = kept_step if kept_step is not None and kept_step <= cap else None
-    return Offer(live, memory, replicas, tuple(disk), kept_step), problems
+    return Offer(live, memory, replicas, tuple(disk), kept_step, neighbours), problems
 
 
 def _kept(where: Where, rank: int) -> tuple[int, int, int, bytes, Any] | None:
@@ -285,6 +289,10 @@ def _without(offers: list[Offer], failed: list[dict[str, Any]]) -> list[Offer]:
             reps = dict(o.replicas)
             reps[f["rank"]] = tuple(s for s in reps.get(f["rank"], ()) if s != step)
             out[r] = dataclasses.replace(o, replicas=reps)
+        elif source == "node":  # the lost rank's own snapshot, read on its old node
+            near = dict(o.neighbours)
+            near[f["rank"]] = tuple(s for s in near.get(f["rank"], ()) if s != step)
+            out[r] = dataclasses.replace(o, neighbours=near)
         elif source == "disk":
             out = [dataclasses.replace(x, disk=tuple(s for s in x.disk if s != step)) for x in out]
     return out
@@ -350,7 +358,8 @@ def _send(a: planning.Action, step: int, me: Offer, state: Any, rank: int, where
         if kept is not None and kept[0] == step:
             _send_parts(a.rank, _header(True, len(kept[3]), kept[4].numel()), kept[3], kept[4])
             return live_packed
-    holder = mem.own(rank) if a.source == "live" else mem.replica(a.rank)
+    holder = (mem.own(rank) if a.source == "live" else mem.own(a.rank) if a.source == "node"
+              else mem.replica(a.rank))
     try:
         with where.memory.lease(holder, step) as found:  # type: ignore[union-attr]
             if found is None:
