@@ -69,3 +69,24 @@ def segments(worlds):
         else:
             out.append([worlds[s], s, s + 1])
     return out
+
+
+# no spare: the job shrinks at once and grows back half a second after new processes are up
+SCALE_IN = "recover:\n  levels:\n    scale_in:\n      when: no_warm_spare\n      grow_after_s: 0.5\n"
+
+
+def assert_shrank_by_a_group_and_grew_back(run, out, ref, step: int) -> None:
+    """A 4-rank mesh job that lost a rank at ``step`` with no spare: its group of 2 left
+    (the other went on at once, from its own live state), then came back at a step boundary
+    with its parts from their twins; nothing lost, the weights within the elastic oracle's
+    tolerance of the fault-free run (``ref``)."""
+    assert [d["level"] for d in run.of("decision")] == ["scale-in", "scale-out"]
+    worlds = [len(g["ranks"]) for g in run.of("generation")]
+    assert worlds == [4, 2, 4], worlds
+    (shrunk,) = [r for r in run.of("restore") if r["gen"] == 1]
+    assert shrunk["step"] == step and shrunk["sources"] == {"0": "live", "1": "live"}
+    (grown,) = [r for r in run.of("restore") if r["gen"] == 2]
+    assert set(grown["sources"].values()) == {"live"} and grown["bytes"] > 0  # from the twins
+    assert run.summary["steps_lost"] == 0
+    diff = max_rel_diff(out, ref)
+    assert diff < TOLERANCE, diff

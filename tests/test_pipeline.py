@@ -80,22 +80,12 @@ def test_a_pipeline_without_a_spare_shrinks_by_a_data_parallel_group_and_grows_b
     boundary, its stages from their twins. The weights end within the elastic oracle's
     tolerance of the fault-free run."""
     from conftest import policy_file
-    from elastic_oracle import TOLERANCE, max_rel_diff
+    from elastic_oracle import SCALE_IN, assert_shrank_by_a_group_and_grew_back
 
-    pol = policy_file(tmp_path, "recover:\n  levels:\n    scale_in:\n      when: no_warm_spare\n"
-                                "      grow_after_s: 0.5\n")
     args = ("--steps", "40", "--dim", "8", "--blocks", "1", "--sleep-ms", "30")
-    run, out = train(tmp_path, "--spares=0", f"--policy={pol}", "--inject=crash:rank=1,step=10",
-                     args=args, world=4, script=PP)
-    assert [d["level"] for d in run.of("decision")] == ["scale-in", "scale-out"]
-    worlds = [len(g["ranks"]) for g in run.of("generation")]
-    assert worlds == [4, 2, 4], worlds
-    (shrunk,) = [r for r in run.of("restore") if r["gen"] == 1]
-    assert shrunk["step"] == 10 and shrunk["sources"] == {"0": "live", "1": "live"}
-    (grown,) = [r for r in run.of("restore") if r["gen"] == 2]
-    assert set(grown["sources"].values()) == {"live"} and grown["bytes"] > 0  # from the twins
-    assert run.summary["steps_lost"] == 0
-    assert max_rel_diff(out, reference(4, *args, script=PP)) < TOLERANCE
+    run, out = train(tmp_path, "--spares=0", f"--policy={policy_file(tmp_path, SCALE_IN)}",
+                     "--inject=crash:rank=1,step=10", args=args, world=4, script=PP)
+    assert_shrank_by_a_group_and_grew_back(run, out, reference(4, *args, script=PP), step=10)
 
 
 @pytest.mark.integration

@@ -251,3 +251,20 @@ def test_the_compiled_reader_takes_and_refuses_exactly_what_the_careful_one_does
         assert fast == careful, (case, fast, careful)
         if fast is not None:
             assert type(fast) is cls
+
+
+def test_a_spare_set_aside_with_its_part_built_takes_only_a_rank_at_its_position(tmp_path):
+    """A sharded job's process set aside by a scale-in holds its part of the model at its
+    position in a replica group (here position 1 of 2): when the group grows back it must take
+    rank 1 or 3 - before any fresh spare there - and never rank 0 or 2, nor replace one."""
+    log = EventLog(tmp_path)
+    table = WorkerTable(agent=None, log=log, spare_mode="script", mail=_Mail([]))
+    built = table.workers[4] = Worker(wid=4, spare=True, ready=True, home=(1, 2))
+    fresh = table.workers[9] = Worker(wid=9, spare=True, ready=True)
+    assert table.take_spare(0, only=True, rank=2) is fresh
+    assert table.take_spare(0, only=True, rank=3) is built
+    fresh.spare = False
+    assert table.take_spare(0, only=True, rank=2) is None  # none that fits: a new process
+    assert table.take_spare(0, rank=0) is None and table.take_spare(0) is None
+    assert table.take_spare(0, rank=1) is built
+    log.close()

@@ -20,6 +20,26 @@ HSDP = EXAMPLES / "train_hsdp.py"
 ARGS = ("--steps", "90", "--dim", "16", "--blocks", "1")
 
 
+def run_and_kill_a_host(j: HostJob, script, args, snapshot_every: int) -> int:
+    """2 hosts of 2 ranks and a spare host train ``script``; at step 25 the host of the node
+    that does not hold the controller is killed whole, and the job runs to its end there.
+    Returns that node; the surviving hosts must have ended well."""
+    for i in range(3):
+        j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
+                "--snapshot-every", str(snapshot_every), script=str(script),
+                script_args=[*args, "--sleep-ms", "15", "--save", str(j.base / "final.pt")])
+    j.wait_output("step 25 ", 120)
+    leader = j.of("leader")[0]
+    order = list(leader["hosts"])  # node order: the order the hosts joined
+    victim_node = 1 if order[1] != leader["host"] else 0
+    victim = order[victim_node]
+    j.kill_host(int(victim.removeprefix("host")))
+    codes = j.wait(150)
+    alive = {i: c for i, c in codes.items() if f"host{i}" != victim}
+    assert set(alive.values()) == {0}, "\n".join(j.output(i)[-3000:] for i in alive)
+    return victim_node
+
+
 def test_an_hsdp_host_killed_whole_its_shards_come_from_their_twins_on_the_other_host(
         tmp_path, reference):
     """2 hosts of 2 ranks and a spare host; the mesh (2 replica groups x 2 shards) puts one
@@ -27,19 +47,7 @@ def test_an_hsdp_host_killed_whole_its_shards_come_from_their_twins_on_the_other
     ranks go to the spare host and take their shards live from their twins on node 0, across
     the hosts' addresses - no snapshot needed, no step lost beyond the one in flight."""
     with HostJob(tmp_path / "job", 3) as j:
-        for i in range(3):
-            j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
-                    "--snapshot-every", "10", script=str(HSDP),
-                    script_args=[*ARGS, "--sleep-ms", "15", "--save", str(j.base / "final.pt")])
-        j.wait_output("step 25 ", 120)
-        leader = j.of("leader")[0]
-        order = list(leader["hosts"])  # node order: the order the hosts joined
-        victim_node = 1 if order[1] != leader["host"] else 0
-        victim = order[victim_node]
-        j.kill_host(int(victim.removeprefix("host")))
-        codes = j.wait(150)
-        alive = {i: c for i, c in codes.items() if f"host{i}" != victim}
-        assert set(alive.values()) == {0}, "\n".join(j.output(i)[-3000:] for i in alive)
+        victim_node = run_and_kill_a_host(j, HSDP, ARGS, snapshot_every=10)
         (incident,) = j.of("incident")
         left = {e["rank"]: e["step"] for e in j.of("rank_left") if e["gen"] == 0}
         spawns = {e["wid"]: e["node"] for e in j.of("spawn")}
@@ -71,18 +79,7 @@ def test_a_pipeline_host_killed_whole_its_stages_come_from_their_twins_on_the_ot
     their twins on node 0, across the hosts' addresses. Every step commits (one flag
     all-reduced), so the survivors - two stages - leave at one step: nothing lost, bitwise."""
     with HostJob(tmp_path / "job", 3) as j:
-        for i in range(3):
-            j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
-                    "--snapshot-every", "10", script=str(PP),
-                    script_args=[*PP_ARGS, "--sleep-ms", "15", "--save", str(j.base / "final.pt")])
-        j.wait_output("step 25 ", 120)
-        leader = j.of("leader")[0]
-        order = list(leader["hosts"])  # node order: the order the hosts joined
-        victim_node = 1 if order[1] != leader["host"] else 0
-        j.kill_host(int(order[victim_node].removeprefix("host")))
-        codes = j.wait(150)
-        alive = {i: c for i, c in codes.items() if f"host{i}" != order[victim_node]}
-        assert set(alive.values()) == {0}, "\n".join(j.output(i)[-3000:] for i in alive)
+        run_and_kill_a_host(j, PP, PP_ARGS, snapshot_every=10)
         (incident,) = j.of("incident")
         assert incident["steps_lost"] == 0, incident
         (rest,) = [e for e in j.of("restore") if e["gen"] > 0]
@@ -103,19 +100,7 @@ def test_a_tensor_parallel_host_killed_whole_its_parts_come_from_the_replicas_on
     replicas of their snapshots on node 0 (the buddy node), across the hosts' addresses; every
     rank resumes at that snapshot's step - at most the interval lost - bitwise."""
     with HostJob(tmp_path / "job", 3) as j:
-        for i in range(3):
-            j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
-                    "--snapshot-every", "5", script=str(TWO_D),
-                    script_args=[*TWO_D_ARGS, "--sleep-ms", "15",
-                                 "--save", str(j.base / "final.pt")])
-        j.wait_output("step 25 ", 120)
-        leader = j.of("leader")[0]
-        order = list(leader["hosts"])
-        victim_node = 1 if order[1] != leader["host"] else 0
-        j.kill_host(int(order[victim_node].removeprefix("host")))
-        codes = j.wait(150)
-        alive = {i: c for i, c in codes.items() if f"host{i}" != order[victim_node]}
-        assert set(alive.values()) == {0}, "\n".join(j.output(i)[-3000:] for i in alive)
+        victim_node = run_and_kill_a_host(j, TWO_D, TWO_D_ARGS, snapshot_every=5)
         (incident,) = j.of("incident")
         assert incident["steps_lost"] <= 5 + 1, incident  # the interval, and a step in flight
         spawns = {e["wid"]: e["node"] for e in j.of("spawn")}

@@ -206,12 +206,13 @@ class Generations:
             node = placement[rank]
             # a spare node's processes stay whole for a node replacement: a rank of a node with
             # no spare left takes a ready one on another node that holds ranks, else starts cold
-            w = self.table.take_spare(node, only=node in spare_nodes, avoid=spare_nodes)
+            w = self.table.take_spare(node, only=node in spare_nodes, avoid=spare_nodes,
+                                      rank=rank)
             cold = w is None
             if w is None:
                 w = self.table.new(spare=False, node=node)
                 new.append(w)
-            w.spare = False
+            w.spare, w.home = False, None
             self.plan[rank] = w.wid
             self.replacements[rank] += 1
             if inc is not None:
@@ -230,6 +231,9 @@ class Generations:
             for r in sorted(decision.drop):
                 w = self.workers[self.plan[r]]
                 if not w.dead and w.node not in isolated:  # it goes on waiting, as a spare
+                    group = w.entered_ev.replica_group if w.entered_ev is not None else None
+                    if group and r in group:  # (sharded: only its own position fits it)
+                        w.home = (group.index(r), len(group))
                     w.spare, w.ready, w.rank = True, True, None
                 else:
                     self.table.kill(w, f"rank {r} dropped by a scale-in")
@@ -241,11 +245,11 @@ class Generations:
                            target=self.target, renumbered={str(r): i for i, r in enumerate(keep)})
             return new
         for rank, node in sorted(placement.items()):
-            w = self.table.take_spare(node, only=True)
+            w = self.table.take_spare(node, only=True, rank=rank)
             if w is None:
                 w = self.table.new(spare=False, node=node)
                 new.append(w)
-            w.spare = False
+            w.spare, w.home = False, None
             self.plan[rank] = w.wid
             self.replacements.append(0)
         self.log.write("scale_out", added=sorted(placement), world=len(self.plan),

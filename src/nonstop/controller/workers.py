@@ -62,6 +62,9 @@ class Worker:
     retry_step: int | None = None  # the step it asks to retry (non-finite gradients)
     retry_loss: Any = None
     warm_gen: int = -1  # the generation it was already running for when published
+    # a process of a sharded job set aside by a scale-in: it built its part at its position in a
+    # replica group, (position, the group's size), and can take only a rank at that position
+    home: tuple[int, int] | None = None
     # what the state machine last saw of it (controller._seen), and under which (rank, gen,
     # stopped while forming): a write to a field it is made of (SEEN_FIELDS) drops it, so a
     # job of 16,384 ranks rebuilds only the records that changed since the last look
@@ -235,15 +238,23 @@ class WorkerTable:
                 if w.spare and not w.dead:
                     have[node] = have.get(node, 0) + 1
 
-    def take_spare(self, node: int, only: bool = False, avoid: set[int] | None = None
-                   ) -> Worker | None:
-        """A spare for a rank that goes to ``node``: one on that node, else (unless ``only``)
-        one on another node not in ``avoid``; ready ones first, oldest first."""
-        mine = sorted(self.spares(node), key=lambda w: (not w.ready, w.wid))
+    def take_spare(self, node: int, only: bool = False, avoid: set[int] | None = None,
+                   rank: int | None = None) -> Worker | None:
+        """A spare for rank ``rank`` that goes to ``node``: one on that node, else (unless
+        ``only``) one on another node not in ``avoid``; ready ones first, oldest first. A spare
+        that holds a part of a sharded job (``home``) is taken only for a rank at its position,
+        and before the others there (its part is already built)."""
+        def fits(w: Worker) -> bool:
+            return w.home is None or (rank is not None and rank % w.home[1] == w.home[0])
+
+        def key(w: Worker) -> tuple:
+            return (w.home is None, not w.ready, w.wid)
+
+        mine = sorted((w for w in self.spares(node) if fits(w)), key=key)
         if mine or only:
             return mine[0] if mine else None
-        others = sorted((w for w in self.spares() if w.node not in (avoid or set())),
-                        key=lambda w: (not w.ready, w.wid))
+        others = sorted((w for w in self.spares() if w.node not in (avoid or set()) and fits(w)),
+                        key=key)
         return others[0] if others else None
 
     def send(self, w: Worker, msg: protocol.Mail) -> None:
