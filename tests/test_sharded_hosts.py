@@ -68,23 +68,60 @@ def test_an_hsdp_host_killed_whole_its_shards_come_from_their_twins_on_the_other
 
 
 PP = EXAMPLES / "train_pp.py"
-PP_ARGS = ("--steps", "90", "--dim", "8", "--blocks", "1")
+PP_ARGS = ("--steps", "400", "--dim", "8", "--blocks", "1")
 
 
-def test_a_pipeline_host_killed_whole_its_stages_come_from_their_twins_on_the_other_host(
-        tmp_path, reference):
-    """2 hosts of 2 ranks and a spare host; the mesh (dp, pp) = (2, 2) puts one data-parallel
-    group - a whole pipeline, both stages - on each host. The host of node 1 (not the
-    controller's) is killed: its two ranks go to the spare host and take their stages live from
-    their twins on node 0, across the hosts' addresses. Every step commits (one flag
-    all-reduced), so the survivors - two stages - leave at one step: nothing lost, bitwise."""
+def test_a_pipeline_across_hosts_moves_to_the_spare_host_then_shrinks_without_one(tmp_path,
+                                                                                   reference):
+    """(dp, pp) = (2, 2) on 2 hosts of 2 ranks and a spare host: one data-parallel group - a
+    whole pipeline, both stages - on each host. Two faults of the outside world:
+    1. the host of node 1 (not the controller's) is killed: its two ranks go to the spare host
+       and take their stages live from their twins on node 0, across the hosts' addresses;
+       every step commits (one flag all-reduced), so the two surviving stages leave at one
+       step: nothing lost;
+    2. then that host (the spare host, now node 2) is cut off: no spare host is left, so the
+       job shrinks by its pipeline and goes on with one; the host fences itself, is healed,
+       joins again as a new host, and the pipeline grows back onto it, its stages from their
+       twins.
+    The weights end within the elastic oracle's tolerance of the fault-free run (a world of
+    one pipeline takes both groups' samples: the same global batch)."""
+    from conftest import policy_file
+    from elastic_oracle import TOLERANCE, max_rel_diff
+
+    pol = policy_file(tmp_path, "recover:\n  levels:\n    scale_in: {when: no_warm_spare}\n")
     with HostJob(tmp_path / "job", 3) as j:
-        run_and_kill_a_host(j, PP, PP_ARGS, snapshot_every=10)
-        (incident,) = j.of("incident")
-        assert incident["steps_lost"] == 0, incident
-        (rest,) = [e for e in j.of("restore") if e["gen"] > 0]
+        for i in range(3):
+            j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
+                    "--snapshot-every", "10", "--policy", pol, script=str(PP),
+                    script_args=[*PP_ARGS, "--sleep-ms", "25", "--save", str(j.base / "final.pt")])
+        j.wait_output("step 25 ", 120)
+        leader = j.of("leader")[0]
+        order = list(leader["hosts"])  # node order: the order the hosts joined
+        assert order[0] == leader["host"]
+        j.kill_host(int(order[1].removeprefix("host")))
+        j.wait_output("incident 1 recovered", 60)
+        moved = int(order[2].removeprefix("host"))  # the spare host holds node 1's ranks now
+        j.wait_output("step 150 ", 90)
+        j.hosts[moved].cut()
+        j.wait_output("fenced", 30, hosts=[moved])
+        j.hosts[moved].heal()  # it joins again, as a new host
+        codes = j.wait(180)
+        alive = {i: c for i, c in codes.items() if f"host{i}" != order[1]}
+        assert set(alive.values()) == {0}, "\n".join(j.output(i)[-3000:] for i in alive)
+        levels = [d["level"] for d in j.of("decision")]
+        assert levels == ["node replacement", "scale-in", "scale-out"], levels
+        first = j.of("incident")[0]
+        assert first["steps_lost"] == 0, first
+        (rest,) = [e for e in j.of("restore") if e["gen"] == 1]
         assert {rest["sources"][str(r)] for r in range(4)} == {"live"}, rest
-        assert bitwise_equal(j.base / "final.pt", reference(4, *PP_ARGS, script=PP))
+        (shrunk,) = j.of("scale_in")
+        assert shrunk["world"] == 2 and shrunk["dropped"] == [2, 3]
+        (grown,) = j.of("scale_out")
+        assert grown["world"] == 4
+        regrown = [e for e in j.of("restore") if e["gen"] == j.of("generation")[-1]["gen"]]
+        assert regrown and set(regrown[-1]["sources"].values()) == {"live"}  # from the twins
+        diff = max_rel_diff(j.base / "final.pt", reference(4, *PP_ARGS, script=PP))
+        assert diff < TOLERANCE, diff
 
 
 TWO_D = EXAMPLES / "train_2d.py"
