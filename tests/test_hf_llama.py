@@ -10,6 +10,13 @@ from conftest import EXAMPLES, bitwise_equal, rank_wids, train
 pytest.importorskip("transformers")
 
 LLAMA = EXAMPLES / "train_hf_llama.py"
+
+
+@pytest.fixture(autouse=True)
+def preloaded(monkeypatch):
+    """transformers imported once per node, by the zygote (NONSTOP_PRELOAD), not by each of the
+    runs' processes (2.5-3.5 s of CPU each here): the fault-free reference's too."""
+    monkeypatch.setenv("NONSTOP_PRELOAD", "transformers,transformers.models.llama.modeling_llama")
 ARGS = ("--steps", "10", "--hidden", "16", "--layers", "1", "--heads", "4", "--kv-heads", "2",
         "--vocab", "64", "--seq", "8")
 
@@ -57,8 +64,8 @@ def test_a_hugging_face_llama_with_hsdp_and_tensor_parallel_shrinks_and_grows_ba
     from conftest import policy_file
     from elastic_oracle import SCALE_IN, assert_shrank_by_a_group_and_grew_back
 
-    # (the group's new processes import transformers before it can grow back: seconds)
-    args = (ARGS[0], "40", *ARGS[2:], "--replicas", "2", "--sleep-ms", "150")
+    # (the group's new processes build the model and join before it can grow back: a second)
+    args = (ARGS[0], "30", *ARGS[2:], "--replicas", "2", "--sleep-ms", "100")
     run, out = train(tmp_path, "--spares=0", f"--policy={policy_file(tmp_path, SCALE_IN)}",
                      "--inject=crash:rank=1,step=6", args=args, world=4, script=LLAMA)
     assert_shrank_by_a_group_and_grew_back(run, out, reference(4, *args, script=LLAMA), step=6)

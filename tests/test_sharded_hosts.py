@@ -75,14 +75,14 @@ def test_a_pipeline_across_hosts_moves_to_the_spare_host_then_shrinks_without_on
                                                                                    reference):
     """(dp, pp) = (2, 2) on 2 hosts of 2 ranks and a spare host: one data-parallel group - a
     whole pipeline, both stages - on each host. Two faults of the outside world:
-    1. the host of node 1 (not the controller's) is killed: its two ranks go to the spare host
+    1. a job host that is not the controller's is killed: its two ranks go to the spare host
        and take their stages live from their twins on node 0, across the hosts' addresses;
        every step commits (one flag all-reduced), so the two surviving stages leave at one
        step: nothing lost;
-    2. then that host (the spare host, now node 2) is cut off: no spare host is left, so the
-       job shrinks by its pipeline and goes on with one; the host fences itself, is healed,
-       joins again as a new host, and the pipeline grows back onto it, its stages from their
-       twins.
+    2. then the other job host that is not the controller's is cut off: no spare host is left,
+       so the job shrinks by its pipeline and goes on with one; the host fences itself, is
+       healed, joins again as a new host, and the pipeline grows back onto it, its stages from
+       their twins.
     The weights end within the elastic oracle's tolerance of the fault-free run (a world of
     one pipeline takes both groups' samples: the same global batch)."""
     from conftest import policy_file
@@ -97,16 +97,20 @@ def test_a_pipeline_across_hosts_moves_to_the_spare_host_then_shrinks_without_on
         j.wait_output("step 25 ", 120)
         leader = j.of("leader")[0]
         order = list(leader["hosts"])  # node order: the order the hosts joined
-        assert order[0] == leader["host"]
-        j.kill_host(int(order[1].removeprefix("host")))
+        # neither fault strikes the controller's host (wherever the election put it)
+        killed = order[1] if order[1] != leader["host"] else order[0]
+        j.kill_host(int(killed.removeprefix("host")))
         j.wait_output("incident 1 recovered", 60)
-        moved = int(order[2].removeprefix("host"))  # the spare host holds node 1's ranks now
+        # the spare host holds the killed host's pipeline now; cut the job host that is not
+        # the controller's
+        (cut,) = [h for h in order if h not in (killed, leader["host"])]
+        cut_i = int(cut.removeprefix("host"))
         j.wait_output("step 150 ", 90)
-        j.hosts[moved].cut()
-        j.wait_output("fenced", 30, hosts=[moved])
-        j.hosts[moved].heal()  # it joins again, as a new host
+        j.hosts[cut_i].cut()
+        j.wait_output("fenced", 30, hosts=[cut_i])
+        j.hosts[cut_i].heal()  # it joins again, as a new host
         codes = j.wait(180)
-        alive = {i: c for i, c in codes.items() if f"host{i}" != order[1]}
+        alive = {i: c for i, c in codes.items() if f"host{i}" != killed}
         assert set(alive.values()) == {0}, "\n".join(j.output(i)[-3000:] for i in alive)
         levels = [d["level"] for d in j.of("decision")]
         assert levels == ["node replacement", "scale-in", "scale-out"], levels
@@ -115,7 +119,7 @@ def test_a_pipeline_across_hosts_moves_to_the_spare_host_then_shrinks_without_on
         (rest,) = [e for e in j.of("restore") if e["gen"] == 1]
         assert {rest["sources"][str(r)] for r in range(4)} == {"live"}, rest
         (shrunk,) = j.of("scale_in")
-        assert shrunk["world"] == 2 and shrunk["dropped"] == [2, 3]
+        assert shrunk["world"] == 2 and shrunk["dropped"] in ([0, 1], [2, 3])  # a pipeline
         (grown,) = j.of("scale_out")
         assert grown["world"] == 4
         regrown = [e for e in j.of("restore") if e["gen"] == j.of("generation")[-1]["gen"]]

@@ -33,6 +33,8 @@ from ..pids import pid_alive
 MAX_MSG = 1 << 20  # a request: an environment and a command line
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
            "nonstop.runtime.bootstrap", "nonstop.runtime.worker", "nonstop.runtime.wrap")
+# more modules to import once, before any fork: the script's heavy ones (comma-separated)
+PRELOAD_ENV = "NONSTOP_PRELOAD"
 SESSION_S = 5.0  # a fork is answered once its child has its own session (at most this long)
 READY_S = 120.0  # the agent waits this long for the zygote's imports before it starts ranks itself
 
@@ -46,7 +48,8 @@ def main() -> None:
     sock = socket.socket(fileno=fd)
     import importlib
 
-    for name in PRELOAD:
+    extra = [m.strip() for m in os.environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
+    for name in (*PRELOAD, *extra):
         try:
             importlib.import_module(name)
         except BaseException:  # noqa: BLE001 - a child imports it again and reports what fails
