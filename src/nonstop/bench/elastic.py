@@ -93,11 +93,11 @@ def run_once(system: str, ranks: int, steps: int, kill_step: int, grow_after_s: 
     else:
         t_kill = common.inject_time(out / "run")
     result.update(recovery(read_steps(out), t_kill))
-    pauses = [e["pause_s"] for e in common.events(out / "run") if e["type"] == "scale_out_done"]
+    evs = list(common.events(out / "run"))  # (read once: the pause, the growth's bytes)
+    pauses = [e["pause_s"] for e in evs if e["type"] == "scale_out_done"]
     result["scale_out_pause_s"] = pauses[0] if pauses else None
-    gens = [e["gen"] for e in common.events(out / "run") if e["type"] == "generation"]
-    grown = [e for e in common.events(out / "run") if e["type"] == "restore" and gens
-             and e["gen"] == gens[-1] and len(gens) > 2]
+    gens = [e["gen"] for e in evs if e["type"] == "generation"]
+    grown = [e for e in evs if e["type"] == "restore" and len(gens) > 2 and e["gen"] == gens[-1]]
     result["grow_bytes"] = grown[0].get("bytes") if grown else None  # the twins' copies sent
     result.update(check_samples(out, steps))
     return result
