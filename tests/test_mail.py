@@ -1,4 +1,4 @@
-"""The workers' events through the job's store (a real TCPStore): each worker numbers its own, so
+"""The workers' events through the job's store (its server, and torch's TCPStore client): each worker numbers its own, so
 a writer delayed for any time loses nothing and holds back no one else's."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from nonstop.runtime.worker import WorkerRuntime
 def store():
     s = loopback.master_store()
     yield s
-    del s
+    s.close()
 
 
 def writer(store, wid: int) -> WorkerRuntime:

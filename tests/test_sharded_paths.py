@@ -33,7 +33,7 @@ def test_a_hung_fsdp2_rank_is_killed_and_replaced_with_nothing_lost(tmp_path, re
     killed and replaced by a warm spare, which takes rank 1's shard from its node's memory (a
     snapshot every step); rank 0, set back to rest, keeps its own shard and its process. No step
     lost, weights bitwise."""
-    run, out = train(tmp_path, "--spares=1", "--hang-timeout=1", "--snapshot-every=1",
+    run, out = train(tmp_path, "--spares=1", "--hang-timeout=3", "--snapshot-every=1",
                      "--inject=hang:rank=1,step=12", args=ARGS, world=2, script=FSDP)
     kinds = [f["kind"] for f in run.of("fault")]
     assert kinds[0] == "hang" and "teardown_timeout" in kinds, kinds
@@ -62,7 +62,9 @@ def test_an_hsdp_job_redoes_nan_steps_in_place_and_replaces_a_hung_rank_from_its
     3. rank 3's output turns NaN at step 14, in the new generation (the mesh's lasting groups
        carry the verdict's all-reduce): redone in place again.
     Weights bitwise; the twins' digests agree at every check."""
-    run, out = train(tmp_path, "--spares=1", "--hang-timeout=1", "--snapshot-every=5",
+    # (a 3 s timeout: at 1 s, the replacement's second step on a loaded machine was once taken
+    # for a hang)
+    run, out = train(tmp_path, "--spares=1", "--hang-timeout=3", "--snapshot-every=5",
                      "--inject=nan:rank=1,step=4;hang:rank=2,step=12;nan:rank=3,step=14",
                      args=ARGS, world=4, script=HSDP)
     decisions = run.of("decision")

@@ -133,8 +133,6 @@ class HostAgent:
             self.agent = Agent(cfg.script, cfg.script_args, f"{loopback.HOST}:{self.local_port}",
                                self.run_dir, env, self._output)
             self.agent.start_zygote()  # ranks are forked from it: it imports torch meanwhile
-            # the standby campaigns while this process imports torch for its stores below (on a
-            # loaded host the import took seconds, and the first election waited for it)
             self._spawn_controller()
             self.agent.keeper_host = cfg.addr  # replicas come in from other hosts
             self.agent.keeper_env = {SECRET_ENV: replica_secret(self.secret)}
@@ -576,7 +574,7 @@ class HostAgent:
                 store = bound_store(bound_socket(self.cfg.addr))
                 self._gen_stores[gen] = store
                 for old in [g for g in self._gen_stores if g < gen - 1]:
-                    del self._gen_stores[old]
+                    self._gen_stores.pop(old).close()
                 self._send(m.Reply(id=order.id, port=store.port))
             case m.End(code=code, grace_s=grace_s, why=why, released=released):
                 self.agent.end_all(grace_s)

@@ -1,17 +1,18 @@
 """Every socket a job listens on is bound to loopback: on one host, nothing of it is reachable from
 another machine.
 
-torch's ``TCPStore`` binds every interface whatever host it is given, so the store's socket is
-bound here and handed over (``master_listen_fd``). The collective libraries pick an interface of
-their own (gloo: the address the host name resolves to): the ranks' environment pins them to
-loopback unless the user chose an interface.
+The store the ranks meet on speaks torch's TCPStore protocol, served from Python
+(``nonstop.store.tcpstore``: the launcher never imports torch) on a socket bound here. The
+collective libraries pick an interface of their own (gloo: the address the host name resolves
+to): the ranks' environment pins them to loopback unless the user chose an interface.
 """
 
 from __future__ import annotations
 
 import socket
-import threading
 from typing import Any
+
+from ..store.tcpstore import StoreServer
 
 HOST = "127.0.0.1"
 # gloo's and NCCL's listeners (NCCL's bootstrap; its data moves over NVLink/PCIe on one host)
@@ -30,29 +31,10 @@ def listen(backlog: int = 1024) -> socket.socket:
     return sock
 
 
-def preimport() -> threading.Thread:
-    """Import torch.distributed (for ``master_store``) in a thread of its own, now: while the
-    zygote imports it too and the caller waits for that, not after."""
-    def run() -> None:
-        try:
-            import torch.distributed  # noqa: F401
-        except Exception:  # noqa: BLE001 - said again, with its cause, where the store is made
-            pass
-
-    t = threading.Thread(target=run, name="nonstop-import-torch", daemon=True)
-    t.start()
-    return t
-
-
-def master_store(sock: socket.socket | None = None, **kwargs: Any) -> Any:
-    """A ``TCPStore`` server listening on loopback only (on ``sock`` when given: the store takes
-    it over and closes it)."""
-    from torch.distributed import TCPStore
-
-    sock = sock if sock is not None else listen()
-    port = sock.getsockname()[1]
-    kwargs.setdefault("wait_for_workers", False)
-    return TCPStore(HOST, port, is_master=True, master_listen_fd=sock.detach(), **kwargs)
+def master_store(sock: socket.socket | None = None) -> StoreServer:
+    """A store server of torch's TCPStore protocol listening on loopback only (on ``sock`` when
+    given: the store takes it over)."""
+    return StoreServer(sock if sock is not None else listen())
 
 
 def interface() -> str | None:

@@ -107,8 +107,8 @@ class StoreMail:
         reused (a managed rank uses the main store under ``g/<gen>/pg``)."""
         from . import loopback
 
-        gen_store = loopback.master_store()  # torch's own would listen on every interface
+        gen_store = loopback.master_store()
         self._gen_stores[gen] = gen_store
         for old in [g for g in self._gen_stores if g < gen - 1]:
-            del self._gen_stores[old]
+            self._gen_stores.pop(old).close()
         return {"port": gen_store.port}

@@ -1,7 +1,7 @@
 """``nonstop run``: check the input, host the store, start the agent and controller, report.
 
-The coordination store is torch's TCPStore, hosted here on loopback (port from the OS): no
-external service on one machine.
+The coordination store speaks torch's TCPStore protocol, served here on loopback (port from the
+OS) without importing torch: no external service on one machine.
 """
 
 from __future__ import annotations
@@ -209,10 +209,8 @@ def run(cfg: RunConfig) -> int:
     log = EventLog(run_dir)
     if log.attempt > 1:  # the same run directory again: one history, the earlier logs kept
         mark_logs(run_dir, log.attempt)
-    # the store's socket, made before the store itself: the processes can be started (and import
-    # torch) while the launcher imports torch too
-    listener = loopback.listen()
-    port = listener.getsockname()[1]
+    store = loopback.master_store()
+    port = store.port
     controller: Controller | None = None
 
     def label(wid: int) -> str:
@@ -231,8 +229,7 @@ def run(cfg: RunConfig) -> int:
 
     agent = Agent(cfg.script, cfg.script_args, f"{loopback.HOST}:{port}", run_dir,
                   worker_env(run_dir, faults), output)
-    agent.start_zygote()  # ranks are forked from it: it imports torch while the launcher does
-    loopback.preimport()  # the store's torch, while the ranks wait for the zygote
+    agent.start_zygote()  # ranks are forked from it: it imports torch while the launcher goes on
     from ..agent.mail import StoreMail
 
     mail = StoreMail(wids=agent.recent_wids)
@@ -253,7 +250,6 @@ def run(cfg: RunConfig) -> int:
     code: int
     try:
         controller.prespawn()
-        store = loopback.master_store(listener)
         store.set(protocol.JOB_KEY, protocol.dumps({
             "run_id": run_dir.name, "world": cfg.nproc,
             "rendezvous_timeout_s": pol.timeouts.rendezvous_s,
@@ -290,7 +286,7 @@ def run(cfg: RunConfig) -> int:
         for s, h in old.items():
             signal.signal(s, h)
         agent.close()
-        listener.close()  # a no-op once the store has it
+        store.close()
         controller.memory.disk.clean_up()
     report(controller, log, run_dir, code, display)
     if served is not None:

@@ -51,9 +51,8 @@ def bound_socket(addr: str) -> Any:
 
 
 def bound_store(sock: Any) -> Any:
-    """The store the generations whose rank 0 is on this host form their groups on."""
-    from torch.distributed import TCPStore
+    """The store the generations whose rank 0 is on this host form their groups on (a server of
+    torch's TCPStore protocol, on ``sock``)."""
+    from ..store.tcpstore import StoreServer
 
-    addr, port = sock.getsockname()[:2]
-    return TCPStore(addr, port, is_master=True, wait_for_workers=False,
-                    master_listen_fd=sock.detach())
+    return StoreServer(sock)

@@ -51,6 +51,12 @@ def temp_dir(root: Path, step: int) -> Path:
     return path
 
 
+def warm() -> None:
+    """Load what writing a part needs (torch and DCP: seconds), so that the first write does not
+    wait for it."""
+    from torch.distributed.checkpoint import FileSystemWriter, save  # noqa: F401
+
+
 def write_part(state_dict: Mapping[str, Any], tmp: Path, rank: int, info: dict) -> dict:
     """Write one rank's state dict as a plain DCP checkpoint into ``tmp / "rank-<rank>"``.
 

@@ -84,6 +84,9 @@ def _refused(why: str) -> km.WriteFailed:
 def main() -> None:
     fd, parent = int(sys.argv[1]), int(sys.argv[2])
     die_with(parent)
+    # the writer starts with the job; torch and DCP load now, not when the first checkpoint is
+    # due (on a busy machine that import alone took longer than a dozen training steps)
+    checkpoint.warm()
     serve(socket.socket(fileno=fd))
 
 
