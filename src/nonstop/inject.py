@@ -296,20 +296,29 @@ class Injector:
 
 
 def _keeper_pid() -> int | None:
-    """The pid of this node's keeper, asked of the kernel (the peer of a connection to it)."""
+    """The pid of this node's keeper, asked of the kernel (the peer of a connection to it). A
+    keeper that does not take the connection at once (a loaded machine) is asked again for a few
+    seconds; one that cannot be reached is said on stderr: the fault then kills less than the
+    node, and the run must not look as if it had killed all of it."""
     from .protocol import ENV_KEEPER
 
     name = os.environ.get(ENV_KEEPER)
     if not name:
         return None
-    try:
-        from .state import wire
+    from .state import wire
 
-        client = wire.Client(name, timeout_s=5.0)
-        client.close()
-        return client.pid
-    except OSError:
-        return None
+    deadline = time.monotonic() + 5.0
+    while True:
+        try:
+            client = wire.Client(name, timeout_s=max(0.1, deadline - time.monotonic()))
+            client.close()
+            return client.pid
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                print(f"nonstop: fault injection could not reach the node's memory ({exc!r}): "
+                      "it is not killed", file=sys.stderr, flush=True)
+                return None
+            time.sleep(0.05)
 
 
 def fire(f: FaultSpec) -> None:

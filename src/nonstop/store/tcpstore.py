@@ -471,3 +471,18 @@ class StoreServer:
                 return
             c.inbox += data
             self._serve(c)
+
+
+def main() -> None:
+    """``python -m nonstop.store.tcpstore``: a server of its own on loopback (port from the OS,
+    the first line of stdout), until its stdin closes (its parent ended it, or died)."""
+    import sys
+
+    server = StoreServer()
+    print(server.port, flush=True)
+    sys.stdin.read()
+    server.close()
+
+
+if __name__ == "__main__":
+    main()
