@@ -14,12 +14,13 @@ import time
 
 import pytest
 
+from nonstop.agent import loopback
 from nonstop.store.tcpstore import MAGIC, StoreServer
 
 
 @pytest.fixture
 def server():
-    s = StoreServer()
+    s = StoreServer(loopback.listen())
     yield s
     s.close()
 

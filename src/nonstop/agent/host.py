@@ -40,7 +40,8 @@ from ..launch.config import HostConfig
 from .fencing import (REGISTER_RETRY_S, EtcdSilent, Fence, JobEnded, Membership, OutageOver,
                       Registered, Rejoined, Verdict)
 from .host_keepers import HostKeepers, replica_secret
-from ..net.netif import bound_socket, bound_store, interface_of
+from ..net.netif import bound_socket, interface_of
+from ..store.tcpstore import StoreServer
 
 CLOSED = object()  # in the inbox: the channel it came on is closed
 CONTROLLER_WID = -1  # the standby controller in the agent's process table
@@ -141,7 +142,7 @@ class HostAgent:
             self.store.set(protocol.JOB_KEY, protocol.dumps(self._job_settings()))
             self.mail = StoreMail(wids=self.agent.recent_wids)
             self.mail.attach(self.store)
-            self.rdzv = bound_store(rdzv_sock)
+            self.rdzv = StoreServer(rdzv_sock)  # where the generations whose rank 0 is here meet
             threading.Thread(target=self._store_loop, name="nonstop-store", daemon=True).start()
             return self._loop()
         finally:
@@ -571,7 +572,7 @@ class HostAgent:
             case m.OpenStore(gen=gen):
                 # a plain script rendezvouses with unprefixed keys through MASTER_ADDR/PORT: each
                 # of its generations gets a store of its own, on this host's address only
-                store = bound_store(bound_socket(self.cfg.addr))
+                store = StoreServer(bound_socket(self.cfg.addr))
                 self._gen_stores[gen] = store
                 for old in [g for g in self._gen_stores if g < gen - 1]:
                     self._gen_stores.pop(old).close()

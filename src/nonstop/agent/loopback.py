@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+from ..net.netif import bound_socket
 from ..store.tcpstore import StoreServer
 
 HOST = "127.0.0.1"
@@ -19,16 +20,9 @@ HOST = "127.0.0.1"
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
-def listen(backlog: int = 1024) -> socket.socket:
+def listen() -> socket.socket:
     """A listening TCP socket on loopback, on a port from the OS."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind((HOST, 0))
-        sock.listen(backlog)
-    except OSError:
-        sock.close()
-        raise
-    return sock
+    return bound_socket(HOST)
 
 
 def master_store(sock: socket.socket | None = None) -> StoreServer:

@@ -37,7 +37,7 @@ def route_to(host: str, port: int) -> str:
 
 
 def bound_socket(addr: str) -> Any:
-    """A listening socket on the host's address only (torch's store would take every address)."""
+    """A listening socket on ``addr`` only, on a port from the OS."""
     import socket
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -48,11 +48,3 @@ def bound_socket(addr: str) -> Any:
         sock.close()
         raise
     return sock
-
-
-def bound_store(sock: Any) -> Any:
-    """The store the generations whose rank 0 is on this host form their groups on (a server of
-    torch's TCPStore protocol, on ``sock``)."""
-    from ..store.tcpstore import StoreServer
-
-    return StoreServer(sock)

@@ -121,18 +121,10 @@ class _Conn:
 
 
 class StoreServer:
-    """A TCPStore server on ``sock`` (a listening socket, which it takes over), or on a new
-    socket on ``host`` (port from the OS). ``port`` is where torch's clients connect."""
+    """A TCPStore server on ``sock`` (a listening socket, which it takes over). ``port`` is where
+    torch's clients connect."""
 
-    def __init__(self, sock: socket.socket | None = None, host: str = "127.0.0.1"):
-        if sock is None:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                sock.bind((host, 0))
-                sock.listen(1024)
-            except OSError:
-                sock.close()
-                raise
+    def __init__(self, sock: socket.socket):
         self._listener = sock
         self.port: int = sock.getsockname()[1]
         sock.setblocking(False)
@@ -478,7 +470,9 @@ def main() -> None:
     the first line of stdout), until its stdin closes (its parent ended it, or died)."""
     import sys
 
-    server = StoreServer()
+    from ..net.netif import bound_socket
+
+    server = StoreServer(bound_socket("127.0.0.1"))
     print(server.port, flush=True)
     sys.stdin.read()
     server.close()
