@@ -16,7 +16,7 @@ WORLD = 3
 # ten SIGKILLs on one machine would otherwise isolate it (rules.isolate): here they are injected.
 # A survivor gets 3 s, not 0.5, to leave a failed generation: on a loaded machine one was once
 # not scheduled in time, and the (correct, but other) recovery of a late survivor followed
-POLICY = "rules:\n  isolate:\n    times: 100\ntimeouts:\n  teardown_s: 3\n"
+POLICY = "rules:\n  isolate:\n    times: 100\nrecover:\n  timeouts:\n    teardown_s: 3\n"
 ARGS = ("--steps", "46", "--sleep-ms", "5")
 # Each incident is a crash at a step, then a second fault inside its recovery, keyed by the
 # generation that recovery forms (every incident with a second fault takes two generations).

@@ -114,7 +114,7 @@ def test_a_lost_hsdp_node_moves_to_the_spare_node_its_shards_from_the_twins(tmp_
 # -- 4. a second fault inside the recovery (FSDP2) -------------------------------------------------
 # ten SIGKILLs on one machine would otherwise isolate it (rules.isolate); a survivor gets 3 s to
 # leave a failed generation (a loaded machine may not schedule it within the default 0.5 s)
-ISOLATE_LATE = "rules:\n  isolate:\n    times: 100\ntimeouts:\n  teardown_s: 3\n"
+ISOLATE_LATE = "rules:\n  isolate:\n    times: 100\nrecover:\n  timeouts:\n    teardown_s: 3\n"
 # each incident: a crash at a step, then a second fault inside its recovery, keyed by the
 # generation that recovery forms (an incident with a second fault takes two generations)
 SECOND = [

@@ -40,8 +40,7 @@ from ..launch.config import HostConfig
 from .fencing import (REGISTER_RETRY_S, EtcdSilent, Fence, JobEnded, Membership, OutageOver,
                       Registered, Rejoined, Verdict)
 from .host_keepers import HostKeepers, replica_secret
-from ..net.netif import bound_socket, interface_of
-from ..store.tcpstore import StoreServer
+from ..net.netif import bound_socket, interface_of, torch_store
 
 CLOSED = object()  # in the inbox: the channel it came on is closed
 CONTROLLER_WID = -1  # the standby controller in the agent's process table
@@ -134,15 +133,17 @@ class HostAgent:
             self.agent = Agent(cfg.script, cfg.script_args, f"{loopback.HOST}:{self.local_port}",
                                self.run_dir, env, self._output)
             self.agent.start_zygote()  # ranks are forked from it: it imports torch meanwhile
+            # the standby campaigns while this process imports torch for its stores below (on a
+            # loaded host the import took seconds, and the first election waited for it)
             self._spawn_controller()
             self.agent.keeper_host = cfg.addr  # replicas come in from other hosts
             self.agent.keeper_env = {SECRET_ENV: replica_secret(self.secret)}
             self.keepers = HostKeepers(self._send).start()
-            self.store = loopback.master_store(self.local_listener)
+            self.store = torch_store(self.local_listener)
             self.store.set(protocol.JOB_KEY, protocol.dumps(self._job_settings()))
             self.mail = StoreMail(wids=self.agent.recent_wids)
             self.mail.attach(self.store)
-            self.rdzv = StoreServer(rdzv_sock)  # where the generations whose rank 0 is here meet
+            self.rdzv = torch_store(rdzv_sock)  # where the generations whose rank 0 is here meet
             threading.Thread(target=self._store_loop, name="nonstop-store", daemon=True).start()
             return self._loop()
         finally:
@@ -572,10 +573,10 @@ class HostAgent:
             case m.OpenStore(gen=gen):
                 # a plain script rendezvouses with unprefixed keys through MASTER_ADDR/PORT: each
                 # of its generations gets a store of its own, on this host's address only
-                store = StoreServer(bound_socket(self.cfg.addr))
+                store = torch_store(bound_socket(self.cfg.addr))
                 self._gen_stores[gen] = store
                 for old in [g for g in self._gen_stores if g < gen - 1]:
-                    self._gen_stores.pop(old).close()
+                    del self._gen_stores[old]  # (torch's server stops with its object)
                 self._send(m.Reply(id=order.id, port=store.port))
             case m.End(code=code, grace_s=grace_s, why=why, released=released):
                 self.agent.end_all(grace_s)

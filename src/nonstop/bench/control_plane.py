@@ -5,9 +5,8 @@ simulated: this process stands in for H host agents of 8 ranks each. Every simul
 registers in etcd under a lease of its own, listens on a port of its own and speaks the hosts'
 real protocol (the authenticated channel, the typed messages of ``protocol/messages.py``); its
 ranks say what real ranks say (hello, ready, joining, entered, first step, left, done) and meet,
-for each generation, on a real store (the one a host agent serves, nonstop.store.tcpstore, in a
-process of its own; torch's TCPStore clients) under the generation's prefix. Only the training
-is missing: a step takes no time.
+for each generation, on a real store (torch's TCPStore, libuv) under the generation's prefix. Only
+the training is missing: a step takes no time.
 
 One rank's process is reported dead (SIGKILL). Measured from that report: the controller's
 decision (the aborts reach every host), every rank's assignment in the new generation delivered,

@@ -109,17 +109,16 @@ class Sim:
                  pin: tuple[str, ...] = ()):
         self.pin = pin  # a command prefix that puts the controller on its core (split placement)
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # (the polled waits' timeouts)
+        import torch.distributed as dist
 
         self.n = hosts
         self.spares = spares
         self.base = base
         self.rng = random.Random(seed)
         self.secret = secrets.token_hex(24).encode()
-        # the rendezvous store a host agent serves, in a process of its own as on a cluster
-        # (here it would share this process's interpreter lock with every simulated host)
-        self.server = subprocess.Popen([sys.executable, "-m", "nonstop.store.tcpstore"],
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.store_port = int(self.server.stdout.readline())
+        self.server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(60),
+                                    wait_for_workers=False, use_libuv=True)
+        self.store_port = self.server.port
         self.etcd_url = etcd_url
         self.job_id = f"cp-{os.getpid()}-{hosts}-{secrets.token_hex(3)}"
         self.hosts: list[_Host] = []
@@ -469,12 +468,6 @@ class Sim:
 
     def close(self) -> None:
         self.stop.set()
-        self.server.stdin.close()  # it ends
-        try:
-            self.server.wait(10)
-        except subprocess.TimeoutExpired:
-            self.server.kill()
-            self.server.wait(10)
         if self.leader is not None and self.leader.poll() is None:
             try:
                 os.killpg(self.leader.pid, signal.SIGKILL)

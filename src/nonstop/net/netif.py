@@ -48,3 +48,15 @@ def bound_socket(addr: str) -> Any:
         sock.close()
         raise
     return sock
+
+
+def torch_store(sock: Any) -> Any:
+    """torch's own TCPStore server (C++, libuv) on ``sock``: where a host's ranks, and the
+    generations whose rank 0 is on this host, meet. Across hosts thousands of ranks may meet on
+    one: a Python server's interpreter lock made the control plane's rendezvous of 16,384 ranks
+    twice as slow (``bench control-plane``), so the host agents import torch for it."""
+    from torch.distributed import TCPStore
+
+    addr, port = sock.getsockname()[:2]
+    return TCPStore(addr, port, is_master=True, wait_for_workers=False,
+                    master_listen_fd=sock.detach())

@@ -2,9 +2,11 @@
 (``init_process_group``, ``TCPStore(..., is_master=False)``), and the process that serves it
 reads and writes the keys directly, without a client and without importing torch.
 
-Why not torch's server: it lives in torch, and importing torch costs the launcher and every host
-agent two seconds of CPU (more on a busy host) for a dictionary behind a socket. The launcher's
-own work (watching the ranks, deciding) has no other use for torch.
+Why not torch's server on one host: it lives in torch, and importing torch costs ``nonstop run``
+two seconds of CPU (more on a busy host) for a dictionary behind a socket; the launcher's own
+work (watching the ranks, deciding) has no other use for torch. Across hosts the agents serve
+torch's own (``net.netif.torch_store``): thousands of ranks may meet on one, and this server,
+behind its process's interpreter lock, made that rendezvous twice as slow.
 
 The wire protocol is torch's (``torch/csrc/distributed/c10d/TCPStoreBackend.hpp`` and the libuv
 backend): each request is a one-byte query type and its fields, integers in the machine's byte
@@ -26,6 +28,7 @@ import os
 import selectors
 import socket
 import struct
+import sys
 import threading
 import time
 from typing import Iterable
@@ -38,6 +41,7 @@ STOP_WAITING, WAIT_CANCELED = 0, 1  # WAIT's and CANCEL_WAIT's
 MAX_KEY_LEN = 8 * 1024  # torch's own server refuses longer keys, larger values, more keys
 MAX_VALUE_LEN = 8 * 1024 * 1024
 MAX_KEYS = 128 * 1024
+SWITCH_INTERVAL_S = 0.0005
 PREFIX = "/"  # what torch's TCPStore client puts before every key it sends
 
 _U32, _U64, _I64 = struct.Struct("<I"), struct.Struct("<Q"), struct.Struct("<q")
@@ -141,6 +145,9 @@ class StoreServer:
         self._writable: set[_Conn] = set()  # connections with bytes the loop must still send
         self._pending: list[_Conn] = []  # ...of which those it must start watching (other thread)
         self._closing = False
+        # a request waits for this process's interpreter lock: handed over every 5 ms by default,
+        # which a recovery's rendezvous (a few round trips per rank) pays each time
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._loop, name="nonstop-tcpstore", daemon=True)
         self._thread.start()
 
@@ -463,20 +470,3 @@ class StoreServer:
                 return
             c.inbox += data
             self._serve(c)
-
-
-def main() -> None:
-    """``python -m nonstop.store.tcpstore``: a server of its own on loopback (port from the OS,
-    the first line of stdout), until its stdin closes (its parent ended it, or died)."""
-    import sys
-
-    from ..net.netif import bound_socket
-
-    server = StoreServer(bound_socket("127.0.0.1"))
-    print(server.port, flush=True)
-    sys.stdin.read()
-    server.close()
-
-
-if __name__ == "__main__":
-    main()
