@@ -10,7 +10,6 @@ to): the ranks' environment pins them to loopback unless the user chose an inter
 from __future__ import annotations
 
 import socket
-from typing import Any
 
 from ..net.netif import bound_socket
 from ..store.tcpstore import StoreServer
