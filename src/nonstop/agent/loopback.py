@@ -24,10 +24,9 @@ def listen() -> socket.socket:
     return bound_socket(HOST)
 
 
-def master_store(sock: socket.socket | None = None) -> StoreServer:
-    """A store server of torch's TCPStore protocol listening on loopback only (on ``sock`` when
-    given: the store takes it over)."""
-    return StoreServer(sock if sock is not None else listen())
+def master_store() -> StoreServer:
+    """A store server of torch's TCPStore protocol listening on loopback only."""
+    return StoreServer(listen())
 
 
 def interface() -> str | None:
