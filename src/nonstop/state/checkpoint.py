@@ -57,6 +57,19 @@ def warm() -> None:
     from torch.distributed.checkpoint import FileSystemWriter, save  # noqa: F401
 
 
+def warm_in_background() -> None:
+    """``warm`` on a thread of its own (errors are said again where the import is needed)."""
+    import threading
+
+    def run() -> None:
+        try:
+            warm()
+        except Exception:  # noqa: BLE001
+            pass
+
+    threading.Thread(target=run, name="nonstop-import-dcp", daemon=True).start()
+
+
 def write_part(state_dict: Mapping[str, Any], tmp: Path, rank: int, info: dict) -> dict:
     """Write one rank's state dict as a plain DCP checkpoint into ``tmp / "rank-<rank>"``.
 
