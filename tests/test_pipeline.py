@@ -61,7 +61,7 @@ def test_a_pipeline_that_does_not_declare_its_stages_is_refused_at_its_start(tmp
     ranks it takes for copies - the names and shapes of their parameters, then their values -
     and the job stops with one line saying what to declare, before any step."""
     script = tmp_path / "undeclared_pp.py"
-    script.write_text(PP.read_text().replace(', build, stages="pp")', ", build)"))
+    script.write_text(PP.read_text().replace(', build, stages="pp",', ", build,"))
     run = run_nonstop(tmp_path / "run", f"--nproc={pp}", str(script), *ARGS, "--pp", pp,
                       timeout=120)
     assert run.code == 2, run.stdout[-3000:] + run.stderr[-3000:]

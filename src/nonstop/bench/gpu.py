@@ -15,7 +15,11 @@ fault-free reference of the same job and layout, and must end with its weights b
 - fsdp: rank 1 of an FSDP2 job (2 ranks, ``examples/train_fsdp.py``) killed: the mesh's NCCL
   groups formed again for the next generation, the spare's shard from its snapshot;
 - hsdp: rank 1 of an HSDP job (2 replica groups x 2 shards) killed at step 33, snapshots every 10
-  steps: the spare's shard comes from its twin in the other replica group, nothing lost.
+  steps: the spare's shard comes from its twin in the other replica group, nothing lost;
+- 2d, 3d, pp, llama: rank 1 killed in a model-parallel job: FSDP2 with tensor parallelism (2 x 2,
+  a snapshot every step), HSDP with tensor parallelism (2 x 2 x 2, its part live from its twin),
+  two pipeline stages in two data-parallel groups (the stage from its twin), and Hugging Face's
+  Llama with FSDP2 and tensor parallelism (2 x 2).
 
 Then ``nonstop bench state --device cuda``: snapshot and restore bandwidth against the device's own
 memcpy, snapshots bitwise, their overhead per step.
@@ -51,6 +55,10 @@ LAYOUTS: dict[str, tuple[str, int, tuple[str, ...], str]] = {
     "ddp": ("train_sharded.py", 2, (), "--snapshot-every=1"),
     "fsdp": ("train_fsdp.py", 2, (), "--snapshot-every=1"),
     "hsdp": ("train_fsdp.py", 4, ("--replicas", "2"), "--snapshot-every=10"),
+    "2d": ("train_2d.py", 4, (), "--snapshot-every=1"),
+    "3d": ("train_3d.py", 8, (), "--snapshot-every=10"),
+    "pp": ("train_pp.py", 4, (), "--snapshot-every=10"),
+    "llama": ("train_hf_llama.py", 4, (), "--snapshot-every=1"),
 }
 
 #: case -> (the fault, what must happen: "replaced" (the faulted rank's process replaced, the
@@ -62,6 +70,10 @@ CASES: dict[str, tuple[str, str, str, str]] = {
     "oom": ("cuda_oom:rank=0,step=30", "in_place", "in-process restart", "ddp"),
     "fsdp": ("crash:rank=1,step=30", "replaced", "rank replacement", "fsdp"),
     "hsdp": ("crash:rank=1,step=33", "replaced", "rank replacement", "hsdp"),
+    "2d": ("crash:rank=1,step=30", "replaced", "rank replacement", "2d"),
+    "3d": ("crash:rank=1,step=33", "replaced", "rank replacement", "3d"),
+    "pp": ("crash:rank=1,step=33", "replaced", "rank replacement", "pp"),
+    "llama": ("crash:rank=1,step=30", "replaced", "rank replacement", "llama"),
 }
 
 

@@ -40,6 +40,8 @@ parser.add_argument("--replicas", type=int, default=1,
                     help="replica groups (HSDP): above 1, a 3-D mesh (dp_replicate, dp_shard, tp)")
 parser.add_argument("--sleep-ms", type=float, default=0.0, help="stand-in for accelerator work")
 parser.add_argument("--save", help="rank 0 writes the final (full) parameters here")
+parser.add_argument("--device", default="cpu", help="cpu, or cuda (the parts live on the GPU)")
+parser.add_argument("--backend", default="gloo", help="gloo, or nccl (with --device cuda)")
 args = parser.parse_args()
 
 
@@ -96,11 +98,14 @@ def batch(step, ctx):
     index, size = dp_position(ctx.mesh)
     share = len(x) // size
     x = x[share * index:share * (index + 1)]
+    x = x.to(args.device)
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
-MESH = (nonstop.Mesh(("dp_shard", "tp"), (-1, args.tp), parallelize) if args.replicas == 1 else
-        nonstop.Mesh(DP + ("tp",), (args.replicas, -1, args.tp), parallelize))
+MESH = (nonstop.Mesh(("dp_shard", "tp"), (-1, args.tp), parallelize, device_type=args.device)
+        if args.replicas == 1 else
+        nonstop.Mesh(DP + ("tp",), (args.replicas, -1, args.tp), parallelize,
+                     device_type=args.device))
 
 
 def dp_position(mesh):
@@ -112,7 +117,7 @@ def dp_position(mesh):
     return index, size
 
 
-@nonstop.wrap(MESH)
+@nonstop.wrap(MESH, backend=args.backend)
 def train(ctx):
     optimizer = ctx.state["optimizer"]
     for step in ctx.steps(args.steps):
@@ -127,7 +132,7 @@ def train(ctx):
         if ctx.rank == 0 and step % 25 == 0:
             print(f"step {step} loss {loss.item():.4f} (generation {ctx.generation})")
     # every rank takes part in gathering the full parameters (rank 0 keeps them)
-    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    full = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
     return full if ctx.rank == 0 else None
 
 

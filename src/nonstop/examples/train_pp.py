@@ -37,6 +37,8 @@ parser.add_argument("--pp", type=int, default=2, help="pipeline stages")
 parser.add_argument("--microbatches", type=int, default=2)
 parser.add_argument("--sleep-ms", type=float, default=0.0, help="stand-in for accelerator work")
 parser.add_argument("--save", help="rank 0 writes the final parameters of every stage here")
+parser.add_argument("--device", default="cpu", help="cpu, or cuda (the parts live on the GPU)")
+parser.add_argument("--backend", default="gloo", help="gloo, or nccl (with --device cuda)")
 args = parser.parse_args()
 
 BATCH = 8  # samples per data-parallel group of the full mesh, per step
@@ -78,7 +80,8 @@ def build(mesh):
     """This rank's stage of the model and its optimizer. Runs once per process."""
     global stage_module
     s, n = mesh["pp"].get_local_rank(), mesh["pp"].size()
-    stage_module = Stage(BLOCKS[s * args.blocks:(s + 1) * args.blocks], HEAD if s == n - 1 else None)
+    stage_module = Stage(BLOCKS[s * args.blocks:(s + 1) * args.blocks],
+                         HEAD if s == n - 1 else None).to(args.device)
     optimizer = torch.optim.AdamW(stage_module.parameters(), lr=1e-3)
     return nonstop.State(model=stage_module, optimizer=optimizer)
 
@@ -92,7 +95,7 @@ def batch(step, ctx):
     # get_local_rank() and size() are the full mesh's, fixed when it was built)
     dp = ctx.mesh["dp"].get_group()
     share = len(x) // dp.size()
-    x = x[share * dp.rank():share * (dp.rank() + 1)]
+    x = x[share * dp.rank():share * (dp.rank() + 1)].to(args.device)
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
@@ -111,13 +114,15 @@ def average_gradients(module, group):
         offset += g.numel()
 
 
-@nonstop.wrap(nonstop.Mesh(("dp", "pp"), (-1, args.pp), build, stages="pp"))
+@nonstop.wrap(nonstop.Mesh(("dp", "pp"), (-1, args.pp), build, stages="pp",
+                           device_type=args.device), backend=args.backend)
 def train(ctx):
     optimizer = ctx.state["optimizer"]
     pp, dp = ctx.mesh["pp"], ctx.mesh["dp"]
     s, n = pp.get_local_rank(), pp.size()
     # a stage and a schedule for this generation (their buffers are a step's)
-    stage = PipelineStage(stage_module, s, n, torch.device("cpu"), group=pp.get_group())
+    stage = PipelineStage(stage_module, s, n, torch.device(args.device),
+                          group=pp.get_group())
     # (every stage is given the loss: a schedule without one runs no backward)
     schedule = ScheduleGPipe(stage, n_microbatches=args.microbatches, loss_fn=F.mse_loss)
     for step in ctx.steps(args.steps):
@@ -139,7 +144,7 @@ def train(ctx):
             print(f"step {step} loss {torch.stack(losses).mean().item():.4f} "
                   f"(generation {ctx.generation})")
     # rank 0 gathers every stage's parameters (the first data-parallel group's)
-    mine = {f"stage{s}.{k}": v for k, v in stage_module.state_dict().items()}
+    mine = {f"stage{s}.{k}": v.cpu() for k, v in stage_module.state_dict().items()}
     every = [None] * n
     dist.all_gather_object(every, mine, group=pp.get_group())
     return {k: v for part in every for k, v in part.items()} if ctx.rank == 0 else None
