@@ -192,7 +192,7 @@ class WorkerRuntime:
                 worlds: dict[int, int] | None = None, not_after: int | None = None) -> Any:
         """Bring this rank to the step every rank agrees on, from the cheapest source; sharded
         state last trained at another world size is merged from every old shard."""
-        from ..state import reshard
+        from ..state import regrid, reshard
         from ..state.restore import Where, restore
 
         snaps = self.snapshots if self.registered else None
@@ -211,13 +211,17 @@ class WorkerRuntime:
             old_world = reshard.disk_world(root, world)
         resharded = bool(old_world) and old_world != world
         agreed = lambda: self.injector.in_recovery("restore", rank, gen)  # noqa: E731
+        resumed = None
         if resharded:
             held = self.held
             live = (held[0], state.step, held[1]) if (has_state and not state.dirty
                                                       and held is not None) else None
             resumed = reshard.reshard(state, rank, world, worlds or {}, live, where, schedule,
                                       prefer=old_world, agreed=agreed)
-        else:
+        elif state.meshed and initial:  # a new job: its checkpoint may be of another size
+            resumed = regrid.resume(state, rank, world, root, schedule, agreed=agreed)
+            resharded = resumed is not None
+        if resumed is None:
             resumed = restore(state, rank, world, has_state, where, schedule, agreed=agreed)
         self.held = (rank, world)
         if snaps is not None:
