@@ -29,6 +29,9 @@ KILL_AFTER=${TT_KILL_AFTER:-20}
 CKPT_EVERY=${TT_CKPT_EVERY:-10}
 SEQ=${TT_SEQ:-512}
 BATCH=${TT_BATCH:-4}
+NPROC=${TT_NPROC:-2}  # rank processes (TT_PARALLEL: torchtitan's parallelism flags for them)
+KILL_RANK=$(( NPROC > 1 ? 1 : 0 ))
+OUT_NAME=${TT_OUT_NAME:-tt}
 SITE=${TT_SITE:-/tmp/site}
 WORK=${TT_WORK:-/tmp/tt_gpu}
 TT_ASSETS=$ROOT/.tt
@@ -101,6 +104,19 @@ def compat():
 
         fsdp.DataParallelMeshDims = DataParallelMeshDims
         filled.append("torch.distributed.fsdp.DataParallelMeshDims=placeholder")
+    import inspect
+
+    from torch.nn.attention import flex_attention as fa
+
+    if "separate_full_blocks" not in inspect.signature(fa.create_block_mask).parameters:
+        # a newer torch's switch; this one always keeps the full blocks apart (its default)
+        make_mask = fa.create_block_mask
+
+        def create_block_mask(*args, separate_full_blocks=True, **kwargs):
+            return make_mask(*args, **kwargs)
+
+        fa.create_block_mask = create_block_mask
+        filled.append("flex_attention.create_block_mask(separate_full_blocks=) dropped")
     if filled:
         print(f"tt_launch: torch {torch.__version__}: filled {', '.join(filled)}",
               file=sys.stderr, flush=True)
@@ -390,7 +406,7 @@ tt_args() {  # $1: dump folder
         --dataloader.dataset c4_test --dataloader.dataset-path "$TT_ASSETS/c4_test" \
         --dump-folder "$1" \
         --training.steps "$STEPS" --training.seq-len "$SEQ" --training.local-batch-size "$BATCH" \
-        --parallelism.data-parallel-shard-degree 2 --parallelism.spmd-backend partial_dtensor \
+        ${TT_PARALLEL:---parallelism.data-parallel-shard-degree 2 --parallelism.spmd-backend partial_dtensor} \
         --checkpoint.enable --checkpoint.interval "$CKPT_EVERY" --checkpoint.folder checkpoint \
         --debug.seed 42 --debug.deterministic --debug.no-enable-structured-logging \
         --metrics.log-freq 1 --metrics.no-enable-tensorboard --metrics.disable-color-printing \
@@ -401,7 +417,7 @@ tt_args() {  # $1: dump folder
 nonstop_run() {  # $1: name (run_a / run_b), $2: log, $3: rc file, $4: timeout
     local name=$1
     # shellcheck disable=SC2046
-    timeout -k 10 "$4" "$PY" -m nonstop run --nproc 2 --no-live --run-dir "$WORK/$name" \
+    timeout -k 10 "$4" "$PY" -m nonstop run --nproc "$NPROC" --no-live --run-dir "$WORK/$name" \
         "$WORK/tt_launch.py" $(tt_args "$WORK/out_${name#run_}") > "$WORK/$2" 2>&1
     echo $? > "$WORK/$3"
 }
@@ -410,10 +426,10 @@ killer() {  # SIGKILL rank 1 of run B once its step-$KILL_AFTER checkpoint is co
     local meta="$WORK/out_b/checkpoint/step-$KILL_AFTER/.metadata" pid="" t
     while [ ! -f "$WORK/b.rc" ]; do
         if [ -f "$meta" ]; then
-            pid=$("$PY" "$WORK/tt_pid.py" "$WORK/run_b" 1)
+            pid=$("$PY" "$WORK/tt_pid.py" "$WORK/run_b" "$KILL_RANK")
             if [ -n "$pid" ] && kill -9 "$pid" 2>/dev/null; then
                 t=$(( $(date +%s) - T0 ))
-                echo "{\"killed\": true, \"pid\": $pid, \"rank\": 1, \"after\": \"step-$KILL_AFTER/.metadata\", \"at_s\": $t}" > "$WORK/kill.json"
+                echo "{\"killed\": true, \"pid\": $pid, \"rank\": $KILL_RANK, \"after\": \"step-$KILL_AFTER/.metadata\", \"at_s\": $t}" > "$WORK/kill.json"
                 say "run B: SIGKILL to rank 1 (pid $pid) at ${t}s, after its step-$KILL_AFTER checkpoint"
                 return
             fi
@@ -470,9 +486,9 @@ echo "tt: --- preflight (rc $(cat "$WORK/preflight.rc" 2>/dev/null)): $(head -c 
 tail -3 "$WORK/preflight.err" 2>/dev/null | cut -c1-300 | sed 's/^/tt: preflight: /'
 timeout 20 "$PY" "$WORK/tt_report.py" "$WORK" "$STEPS" > "$WORK/result.json" 2> "$WORK/report.err"
 if [ -n "${OUT:-}" ]; then
-    mkdir -p "$OUT/tt"
-    cp "$WORK/result.json" "$OUT/tt/" 2>/dev/null
-    (cd "$WORK" && tar czf "$OUT/tt/tt_logs.tgz" --exclude='*.distcp' --exclude='tt_*.py' \
+    mkdir -p "$OUT/$OUT_NAME"
+    cp "$WORK/result.json" "$OUT/$OUT_NAME/" 2>/dev/null
+    (cd "$WORK" && tar czf "$OUT/$OUT_NAME/tt_logs.tgz" --exclude='*.distcp' --exclude='tt_*.py' \
         ./*.log ./*.rc ./*.json ./*.err run_a run_b 2>/dev/null)
 fi
 say "done in $(( $(date +%s) - T0 ))s"
