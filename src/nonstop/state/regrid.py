@@ -17,6 +17,7 @@ train from scratch with a checkpoint beside it.
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -92,8 +93,22 @@ def resume(state: Any, rank: int, world: int, root: Path | None,
                 phases={"check": round(t_checked - t0, 6),
                         "read": round(time.monotonic() - t_checked, 6)})
         skipped.append(f"step {step}: {failures[0]}")
+    if _has_own_size(root, world):  # an older one of this size: the ordinary restore reads it
+        print(f"nonstop: rank {rank}: passed over the checkpoints of another world size: "
+              + "; ".join(skipped), file=sys.stderr, flush=True)
+        return None
     raise ScriptSetupError(f"no checkpoint under {root} could be read at {world} ranks: "
                            + "; ".join(skipped))
+
+
+def _has_own_size(root: Path, world: int) -> bool:
+    for step in checkpoint.complete_steps(root):
+        try:
+            if checkpoint.read_manifest(root, step).get("world") == world:
+                return True
+        except checkpoint.CorruptCheckpoint:
+            continue
+    return False
 
 
 def _verify_share(root: Path, step: int, manifest: dict[str, Any], rank: int,
