@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import EXAMPLES, SCRIPTS, run_nonstop
+from conftest import EXAMPLES, SCRIPTS, bitwise_equal, run_nonstop
 
 REGRID = SCRIPTS / "regrid.py"
 PP = EXAMPLES / "train_pp.py"
@@ -65,14 +65,39 @@ def test_a_mesh_job_resumes_at_another_world_size_holding_exactly_what_it_checkp
 
 
 @pytest.mark.integration
-def test_a_pipeline_checkpoint_at_another_world_size_stops_the_job_saying_why(tmp_path):
-    """A pipeline's stages are plain tensors, not DTensor shards: a job of 2 ranks started on a
-    checkpoint of 4 cannot read it yet. It stops at once, exit code 2, with one line that says
-    so and what to run - it never trains from scratch beside a checkpoint."""
+def test_a_pipeline_resumes_at_another_data_parallel_size_each_stage_from_a_rank_that_held_it(
+        tmp_path):
+    """A pipeline's stages are plain tensors, whole in every data-parallel group: 2 groups x 2
+    stages checkpoint at step 4; a job of 1 group (2 ranks) resumes there, each rank reading its
+    stage from the part of an old rank that held it, and ends (no further step) with the
+    weights of every stage the first job ended with, bit for bit."""
     ckpt = tmp_path / "ckpt"
     args = ("--steps", "4", "--dim", "8", "--blocks", "1")
-    job(tmp_path, "first", 4, ckpt, *args, script=PP)
-    run, _ = job(tmp_path, "second", 2, ckpt, *args, script=PP, code=2)
-    (line,) = [x for x in run.stderr.splitlines() if x.startswith("nonstop: error:")]
-    assert "written by a job of 4 ranks and this one has 2" in line and "start the job with 4" in line
-    assert not run.of("first_step")
+    _, first = job(tmp_path, "first", 4, ckpt, *args, script=PP)
+    run, second = job(tmp_path, "second", 2, ckpt, *args, script=PP)
+    (restore,) = run.of("restore")
+    assert restore["step"] == 4 and set(restore["sources"].values()) == {"disk, resharded"}
+    assert bitwise_equal(first, second)
+
+
+def test_which_old_part_holds_a_stage_and_what_cannot_be_read_at_another_size(tmp_path):
+    """Pure: a pipeline's rank reads the part of the first old rank at its stage; a state that is
+    neither DTensor shards nor stages, or a pipeline of sharded stages, stops the job saying to
+    start it with the checkpoint's size."""
+    from types import SimpleNamespace
+
+    from nonstop.errors import ScriptSetupError
+    from nonstop.state.regrid import _stage_part
+
+    # (dp, pp) = (2, 2) before, (1, 2) now: rank r held stage r % 2
+    old = {4: (0, 1, 0, 1)}
+    pipeline = SimpleNamespace(stage_twins=old.get, twins=(0, 1))
+    assert [_stage_part(pipeline, r, 8, 4, 2, {}, tmp_path) for r in (0, 1)] == [0, 1]
+    mesh = SimpleNamespace(stage_twins=None, twins=None)
+    assert _stage_part(mesh, 0, 8, 4, 2, {"dcp": {"bytes": 1}}, tmp_path) is None
+    for state, manifest, why in [(mesh, {}, "neither DTensor shards nor"),
+                                 (pipeline, {"dcp": {"bytes": 1}}, "stages are sharded too")]:
+        with pytest.raises(ScriptSetupError, match=why) as err:
+            _stage_part(state, 0, 8, 4, 2, manifest, tmp_path)
+        assert "written by a job of 4 ranks and this one has 2" in str(err.value)
+        assert "start the job with 4 ranks" in str(err.value)

@@ -510,14 +510,24 @@ class JobMesh:
         assert self.sizes is not None
         if self.split is None:
             self.split = self._split(state)
-        if len(self.split) == len(self.sizes):
+        return self._twins(self.sizes)
+
+    def twins_at(self, world: int) -> tuple[int, ...] | None:
+        """``twins`` of the full mesh of a job of ``world`` ranks (its free dimension taking the
+        rest): which shard each of its ranks held - a checkpoint's, written at another size."""
+        assert self.split is not None, "twins_at before twins"
+        return self._twins(self.spec.sizes(world))
+
+    def _twins(self, sizes: tuple[int, ...]) -> tuple[int, ...] | None:
+        assert self.split is not None
+        if len(self.split) == len(sizes):
             return None
         out = []
-        for rank in range(math.prod(self.sizes)):
-            coord = coordinates(rank, self.sizes)
+        for rank in range(math.prod(sizes)):
+            coord = coordinates(rank, sizes)
             shard = 0
             for d in sorted(self.split):
-                shard = shard * self.sizes[d] + coord[d]
+                shard = shard * sizes[d] + coord[d]
             out.append(shard)
         return tuple(out)
 

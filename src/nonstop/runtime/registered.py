@@ -84,6 +84,9 @@ class State:
         # built by a nonstop.Mesh: its shards keep their mesh coordinates (a world that changes
         # by whole replica groups is no reshard: every rank keeps its shard)
         self.meshed = False
+        # a pipeline's mesh: the twins of a job of another size (world -> which stage each of
+        # its ranks held), to read a checkpoint written at that size; None: not a pipeline
+        self.stage_twins: Callable[[int], tuple[int, ...] | None] | None = None
         self.step = 0  # steps completed
         self.dirty = False  # an optimizer stepped inside a step that has not completed
         self.check_finite = False  # set by the runtime from the policy

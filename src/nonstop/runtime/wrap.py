@@ -362,6 +362,8 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
                 _attach(rt, tracked)
                 phase = "rendezvous"
             tracked.twins = rt.job_mesh.twins(tracked)  # of this generation's world
+            if rt.job_mesh.spec.stages is not None:
+                tracked.stage_twins = rt.job_mesh.twins_at
             if gen == 0:  # every rank built its state from the script: copies must agree
                 rt.job_mesh.check_twins(tracked)
         elif rt.ever_entered and (unmanaged := shards.unmanaged_mesh(tracked)) is not None:

@@ -10,9 +10,10 @@ the shards (the optimizer's step counters and hyperparameters, other registered 
 whole, as written by the first part.
 
 Every part's files are checked against their checksums first, shared out over the ranks; a step
-that fails is passed over for the next older one. A mesh whose parts are not DTensor shards
-(pipeline stages) cannot be read at another size yet: the job is told so and stops, rather than
-train from scratch with a checkpoint beside it.
+that fails is passed over for the next older one. A pipeline's stages are plain tensors, each
+whole in every data-parallel group: a rank reads its stage from the part of an old rank that held
+the same stage. What fits neither (a pipeline whose stages are sharded too) stops the job with
+one line, rather than let it train from scratch beside its checkpoint.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import ScriptSetupError
-from . import checkpoint, shards, staging
-from .restore import RestoreResult, _all_gather_json
+from . import checkpoint, packing, shards
+from .restore import RestoreResult, _all_gather_json, load_into
 
 
 def candidates(root: Path | None, world: int) -> Iterator[tuple[int, int, dict[str, Any]]]:
@@ -68,18 +69,18 @@ def resume(state: Any, rank: int, world: int, root: Path | None,
     skipped: list[str] = []
     for step, size in found:
         manifest = checkpoint.read_manifest(root, step)
-        if not manifest.get("dcp"):
-            raise ScriptSetupError(
-                f"the newest checkpoint under {root} (step {step}) was written by a job of "
-                f"{size} ranks and this one has {world}: its parts are not DTensor shards "
-                "(pipeline stages), which cannot be read at another world size yet; start the "
-                f"job with {size} ranks")
+        part = _stage_part(state, rank, step, size, world, manifest, root)
         failure = _verify_share(root, step, manifest, rank, world)
         t_checked = time.monotonic()
         nbytes = 0
         if failure is None:
             try:
-                nbytes = _load(state, root, step, manifest)
+                if part is None:
+                    nbytes = _load(state, root, step, manifest)
+                else:  # this rank's stage, as a rank that held it wrote it
+                    sd, _ = checkpoint.read_part(root, step, part, verify=False)
+                    nbytes = packing.tensor_bytes(sd)
+                    load_into(state, sd)
             except (checkpoint.CorruptCheckpoint, shards.ShardMismatch) as exc:
                 failure = str(exc)
         failures = [f for f in _all_gather_json(failure, world) if f is not None]
@@ -109,6 +110,29 @@ def _has_own_size(root: Path, world: int) -> bool:
         except checkpoint.CorruptCheckpoint:
             continue
     return False
+
+
+def _stage_part(state: Any, rank: int, step: int, size: int, world: int,
+                manifest: dict[str, Any], root: Path) -> int | None:
+    """For a pipeline's mesh, the part of a rank of the old job that held this rank's stage
+    (the stages are plain tensors: a data-parallel size that changed leaves each stage whole);
+    None for a mesh of DTensor shards (DCP reads them). Raises ScriptSetupError for a state of
+    neither kind."""
+    stage_twins = getattr(state, "stage_twins", None)
+    if stage_twins is None:
+        if manifest.get("dcp"):
+            return None
+        why = "its parts are neither DTensor shards nor a pipeline's stages"
+    elif manifest.get("dcp"):
+        why = "a pipeline whose stages are sharded too cannot be read at another size yet"
+    else:
+        old, new = stage_twins(size), state.twins
+        if old is not None and new is not None and new[rank] in old:
+            return old.index(new[rank])
+        why = "no rank of its mesh held this rank's stage"
+    raise ScriptSetupError(
+        f"the newest checkpoint under {root} (step {step}) was written by a job of {size} ranks "
+        f"and this one has {world}: {why}; start the job with {size} ranks")
 
 
 def _verify_share(root: Path, step: int, manifest: dict[str, Any], rank: int,
@@ -164,7 +188,7 @@ def _load(state: Any, root: Path, step: int, manifest: dict[str, Any]) -> int:
     sd[shards.KEY] = new_paths
     nbytes = sum(int(t.numel() * t.element_size()) for t in local.values()
                  if hasattr(t, "element_size"))
-    state.load_state_dict(staging.to_device(state, sd))
+    load_into(state, sd)
     return nbytes
 
 

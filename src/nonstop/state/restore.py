@@ -420,6 +420,12 @@ def _unpack(meta: bytes, data: Any, what: str, where: Where | None = None) -> di
     return sd
 
 
+def load_into(state: Any, sd: dict[str, Any]) -> None:
+    """Load a state dict read from disk into the live state (a GPU's share through bounce
+    buffers)."""
+    _load(state, sd)
+
+
 def _load(state: Any, sd: dict[str, Any], where: Where | None = None) -> None:
     """Load ``sd`` into the live state: what goes to a GPU through pinned bounce buffers first
     (``staging.to_device``); given ``where``, ``sd`` views a leased slot (``_private``)."""
