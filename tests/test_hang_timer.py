@@ -78,3 +78,17 @@ def test_auto_off_is_the_fixed_timeout_and_the_first_steps_initial_allowance():
         t.observe_first_step(s)
     assert t.steady_timeout() == 7.0
     assert t.first_step_timeout() == 300.0
+
+
+def test_a_step_while_the_generation_settles_may_take_as_long_as_the_slowest_first_step():
+    t = timer(warmup_steps=1)
+    assert t.settling_timeout() == t.steady_timeout()  # no first step seen: the steady one
+    t.observe_step(0.05)
+    assert t.settling_timeout() == 1.0  # the steady floor
+    t.observe_first_step(2.5)
+    assert t.settling_timeout() == 2.5  # a cold process's next steps, as long as its first
+    t.observe_step(1.0)
+    assert t.settling_timeout() == pytest.approx(5.0)  # steady above it: steady
+    fixed = timer(auto=False, timeout_s=3.0)
+    fixed.observe_first_step(8.0)
+    assert fixed.settling_timeout() == 3.0  # a fixed timeout is kept as set

@@ -179,3 +179,32 @@ def test_a_relayed_progress_record_has_every_time_moved_onto_the_controllers_clo
     bad = {**raw, "hb": "late"}  # left for the reader to refuse
     assert hosts.shift_progress(dict(bad), 5.0)["hb"] == "late"
     assert hosts.shift_progress(["x"], 5.0) == ["x"]
+
+
+def test_a_ranks_first_steps_of_a_generation_are_timed_with_the_settling_allowance():
+    """A replacement's second step under load can take as long as its first (cold kernels, the
+    allocator, other groups' first collectives): until ``settle_steps`` (3) steps of the
+    generation are done, a rank is judged by the slowest first step seen, then by the steady
+    timeout."""
+    sig = Signals(policy.load(None))
+    for _ in range(10):
+        sig.hang.observe_step(0.05)
+    steady = sig.hang.steady_timeout()
+    assert steady == 1.0
+    w = _rank(1, 0, t_step=100.0, first_gen=2)
+    w.step, w.step_gen = 10, 2
+    sig.on_first_step(w, 100.0)  # (no entered event: the first step's length is not known)
+    sig.hang.observe_first_step(4.0)
+    w.first_step = 10  # its first step of generation 2 completed step 10
+    fault, _ = sig.check_hang([w], gen=2, t_running=90.0, now=100.0 + 3.0)
+    assert fault is None  # the second step: within the slowest first step (4 s)
+    w.step, w.t_step = 11, 103.0
+    fault, _ = sig.check_hang([w], gen=2, t_running=90.0, now=103.0 + 3.5)
+    assert fault is None  # the third
+    w.step, w.t_step = 12, 106.5
+    fault, _ = sig.check_hang([w], gen=2, t_running=90.0, now=106.5 + 1.5)
+    assert fault is not None and "for 1.00 s" in fault.message  # settled: the steady timeout
+    w.first_step = None  # a rank whose first step is not known is judged steady at once
+    w.step, w.t_step = 11, 103.0
+    fault, _ = sig.check_hang([w], gen=2, t_running=90.0, now=103.0 + 1.5)
+    assert fault is not None

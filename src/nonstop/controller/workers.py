@@ -51,6 +51,7 @@ class Worker:
     busy: float = 0.0
     first_gen: int = -1  # newest generation in which it completed a step
     t_first: float = 0.0
+    first_step: int | None = None  # the step its first step of that generation completed
     entered_ev: events.EnteredGeneration | None = None
     exit_report: events.Exiting | None = None  # its last words
     hb: float = 0.0  # the last heartbeat of its background thread
@@ -99,7 +100,7 @@ class Worker:
                 self.step, self.step_gen, self.t_step = ev.step, gen, ev.t
             case events.FirstStep(gen=gen):
                 self.step, self.step_gen, self.t_step = ev.step, gen, ev.t
-                self.first_gen, self.t_first = gen, ev.t
+                self.first_gen, self.t_first, self.first_step = gen, ev.t, ev.step
             case events.LeftGeneration(gen=gen, step=step):
                 self.left = gen
                 # it may have completed a step it had not published yet

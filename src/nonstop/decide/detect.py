@@ -23,7 +23,8 @@ class HangTimer:
 
     Steady state: ``multiplier`` x the slowest step seen recently on any rank, clamped to the
     policy's floor and ceiling. The first step of a generation (a new DDP, a cold process, the
-    state transfer) is timed separately, from the slowest first step seen so far.
+    state transfer) is timed separately, from the slowest first step seen so far, and the next
+    ones until ``settle_steps`` are done may take as long as that slowest first step.
     """
 
     def __init__(self, policy: Hang):
@@ -52,6 +53,14 @@ class HangTimer:
         if self._seen < p.warmup_steps:
             return _clamp(p.steady.initial_s, p.steady)
         return _clamp(p.steady.multiplier * max(self._steps), p.steady)
+
+    def settling_timeout(self) -> float:
+        """A step after the first of a generation, while the rank settles (``settle_steps``):
+        the steady timeout, or the slowest first step seen if that is longer (auto off: the
+        fixed timeout, as set)."""
+        if not self.policy.auto:
+            return self.policy.timeout_s
+        return max(self.steady_timeout(), max(self._first, default=0.0))
 
     def first_step_timeout(self) -> float:
         p = self.policy

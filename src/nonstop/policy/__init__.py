@@ -45,6 +45,10 @@ class Hang(_Strict):
                                         initial_s=300.0)
     window: int = Field(50, ge=1, le=100_000)  # recent step times kept per rank
     warmup_steps: int = Field(5, ge=1)  # steps seen before the steady timeout is tuned
+    # steps of a generation, its first included, before the steady timeout applies to a rank:
+    # until then its step may take as long as the slowest first step seen (a new process is
+    # still cold after its first step: the allocator, kernels, other groups' first collectives)
+    settle_steps: int = Field(3, ge=1)
     heartbeat_s: float = Field(2.0, gt=0)  # older heartbeat during a hang: the process is frozen
 
 
