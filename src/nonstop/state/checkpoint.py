@@ -16,7 +16,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import xxhash
 
@@ -251,6 +251,20 @@ def complete_steps(root: Path) -> list[int]:
             read_manifest(Path(root), int(m[1]))
             steps.append(int(m[1]))
     return sorted(steps, reverse=True)
+
+
+def sharded_steps(root: Path | None) -> Iterator[tuple[int, int, dict]]:
+    """(step, world size, manifest) of the complete checkpoints of sharded state under ``root``
+    (a ZeRO-1 optimizer's, a mesh job's), newest first; unreadable manifests are passed over."""
+    if root is None:
+        return
+    for step in complete_steps(root):
+        try:
+            manifest = read_manifest(root, step)
+        except CorruptCheckpoint:
+            continue
+        if manifest.get("sharded") and isinstance(manifest.get("world"), int):
+            yield step, manifest["world"], manifest
 
 
 def read_manifest(root: Path, step: int) -> dict:

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Iterator
+from typing import Any
 
 from ..protocol.keeper_messages import HolderEntry
+from . import checkpoint
 from . import memory as mem
 from . import packing, staging
 from .plan import NoConsistentState
@@ -156,26 +157,10 @@ def reshard(state: Any, rank: int, world: int, worlds: dict[int, int],
                                  "merge": round(time.monotonic() - t_moved, 6)})
 
 
-def _sharded_checkpoints(root: Any) -> Iterator[tuple[int, int, dict[str, Any]]]:
-    """(step, world size, manifest) of the complete sharded checkpoints under ``root``, newest
-    first."""
-    if root is None:
-        return
-    from . import checkpoint
-
-    for step in checkpoint.complete_steps(root):
-        try:
-            manifest = checkpoint.read_manifest(root, step)
-        except checkpoint.CorruptCheckpoint:
-            continue
-        if manifest.get("sharded") and isinstance(manifest.get("world"), int):
-            yield step, manifest["world"], manifest
-
-
 def disk_world(root: Any, world: int) -> int:
     """The world size of the newest complete sharded checkpoint under ``root`` when it is not
     ``world`` (a job started again at another size), else 0."""
-    for _, size, _ in _sharded_checkpoints(root):
+    for _, size, _ in checkpoint.sharded_steps(root):
         return size if size != world else 0
     return 0
 
@@ -183,7 +168,7 @@ def disk_world(root: Any, world: int) -> int:
 def _disk_parts(root: Any) -> dict[int, dict[int, list[int]]]:
     """world -> part -> steps of the complete sharded checkpoints under ``root``."""
     out: dict[int, dict[int, list[int]]] = {}
-    for step, size, manifest in _sharded_checkpoints(root):
+    for step, size, manifest in checkpoint.sharded_steps(root):
         for part in manifest["parts"]:
             out.setdefault(size, {}).setdefault(int(part), []).append(step)
     return out
@@ -236,7 +221,6 @@ def _read(state: Any, src: Source, step: int, old_world: int, where: Any) -> tup
         with verified(where, holder, step, src.kind) as (_, meta, data):
             meta, data = bytes(meta), data.clone()
     else:
-        from . import checkpoint
 
         try:
             sd, _ = checkpoint.read_part(where.checkpoint_root, step, src.shard)
