@@ -14,10 +14,11 @@ REGRID = SCRIPTS / "regrid.py"
 PP = EXAMPLES / "train_pp.py"
 
 
-def job(tmp_path, name, world, ckpt, *args, script=REGRID, code=0):
+def job(tmp_path, name, world, ckpt, *args, script=REGRID, code=0, flags=()):
     out = tmp_path / f"{name}.pt"
     run = run_nonstop(tmp_path / name, f"--nproc={world}", f"--checkpoint-dir={ckpt}",
-                      "--checkpoint-every=4", str(script), *args, "--save", str(out), timeout=150)
+                      "--checkpoint-every=4", *flags, str(script), *args, "--save", str(out),
+                      timeout=150)
     assert run.code == code, run.stdout[-3000:] + run.stderr[-3000:]
     return run, out
 
@@ -38,18 +39,23 @@ def test_a_mesh_job_resumes_at_another_world_size_holding_exactly_what_it_checkp
     """FSDP2 shrinks from 4 ranks to 2, FSDP2 x tensor parallel grows from (1, 2) to (2, 2): the
     first job trains 8 steps and checkpoints; the second, at the other size, resumes at step 8
     and trains no further. Its parameters and optimizer state, gathered whole, are the first
-    job's bit for bit (moments and step counters too). With a part of step 8 damaged, a third
-    job passes it over for step 4."""
+    job's bit for bit (moments and step counters too). Growing, a rank killed in the middle of
+    the read changes nothing of that. With a part of step 8 damaged, a third job passes it over
+    for step 4."""
     ckpt = tmp_path / "ckpt"
     args = ("--steps", "8", "--tp", str(tp))
     _, first = job(tmp_path, "first", before, ckpt, *args)
     manifest = json.loads((ckpt / "step-0000000008" / "manifest.json").read_text())
     assert manifest["world"] == before and manifest["dcp"]
-    run, second = job(tmp_path, "second", after, ckpt, *args)
+    # growing, rank 1 is killed while the ranks read the checkpoint: the generation that follows
+    # (a warm spare in its place) reads it again - the survivors' half-read state is offered
+    # to no one
+    fault = ("--spares=1", "--inject=crash:rank=1,at=restore,gen=0") if before < after else ()
+    run, second = job(tmp_path, "second", after, ckpt, *args, flags=fault)
     (restore,) = run.of("restore")
-    assert restore["step"] == 8
+    assert restore["gen"] == (1 if fault else 0) and restore["step"] == 8
     assert set(restore["sources"].values()) == {"disk, resharded"}, restore
-    assert "resumed at step 8 (from disk, resharded)" in run.stderr + run.stdout
+    assert fault or "resumed at step 8 (from disk, resharded)" in run.stderr + run.stdout
     assert torch.load(second)["optimizer"], "no optimizer state was compared"
     assert same(first, second) == []
     if before < after:

@@ -211,18 +211,17 @@ class WorkerRuntime:
             old_world = reshard.disk_world(root, world)
         resharded = bool(old_world) and old_world != world
         agreed = lambda: self.injector.in_recovery("restore", rank, gen)  # noqa: E731
-        resumed = None
+        if state.meshed:  # nothing of this world anywhere: a checkpoint of another size?
+            where.on_fresh = lambda: regrid.resume(state, rank, world, root, schedule)
         if resharded:
             held = self.held
             live = (held[0], state.step, held[1]) if (has_state and not state.dirty
                                                       and held is not None) else None
             resumed = reshard.reshard(state, rank, world, worlds or {}, live, where, schedule,
                                       prefer=old_world, agreed=agreed)
-        elif state.meshed and initial:  # a new job: its checkpoint may be of another size
-            resumed = regrid.resume(state, rank, world, root, schedule, agreed=agreed)
-            resharded = resumed is not None
-        if resumed is None:
+        else:
             resumed = restore(state, rank, world, has_state, where, schedule, agreed=agreed)
+            resharded = "old_world" in resumed.agreed  # read from a checkpoint of another size
         self.held = (rank, world)
         if snaps is not None:
             snaps.adopt(resumed.agreed["schedules"], resumed.step, resumed.agreed["disk"])

@@ -40,7 +40,7 @@ def candidates(root: Path | None, world: int) -> Iterator[tuple[int, int, dict[s
 
 
 def resume(state: Any, rank: int, world: int, root: Path | None,
-           schedule: dict[str, Any] | None = None, agreed: Any = None) -> RestoreResult | None:
+           schedule: dict[str, Any] | None = None) -> RestoreResult | None:
     """Collective over the default group. When the newest checkpoint under ``root`` is of another
     world size, every rank loads its new shards from it (or an older one of another size, if it
     fails its checks) and the result says so; None when there is none (the ordinary restore
@@ -54,8 +54,6 @@ def resume(state: Any, rank: int, world: int, root: Path | None,
                                "checkpoint directory must be the same for every rank)")
     if not found:
         return None
-    if agreed is not None:  # a fault injection point: the checkpoint is known, nothing read yet
-        agreed()
     assert root is not None
     skipped: list[str] = []
     for step, size in found:
@@ -64,6 +62,10 @@ def resume(state: Any, rank: int, world: int, root: Path | None,
         failure = _verify_share(root, step, manifest, rank, world)
         t_checked = time.monotonic()
         nbytes = 0
+        # until every rank has its part, what this one holds is no copy of anything: a fault
+        # here must not leave it offered as live state of step 0 (it is the checkpoint's, or
+        # half of it)
+        state.dirty = True
         if failure is None:
             try:
                 if part is None:

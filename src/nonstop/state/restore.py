@@ -56,6 +56,9 @@ class Where:
     world: int = 0  # sharded: a copy taken at another world size is no copy of this rank's shard
     not_after: int | None = None  # no state newer than this step is offered (silent corruption)
     compare: bool = False  # live states of one step are compared (digests) before one is copied
+    # when no rank holds any state of this world (a fresh start): another source to try first,
+    # collectively (a mesh job's checkpoint of another world size); None from it: start fresh
+    on_fresh: Callable[[], "RestoreResult | None"] | None = None
 
 
 def _offer(state: Any, rank: int, has_state: bool, where: Where) -> tuple[Offer, dict[str, Any]]:
@@ -195,6 +198,10 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
     skipped = [SkippedCopy(cause="sdc", source="live", rank=f["rank"], step=f["step"],
                            why="its parameters differ from its replicas'", digests=f["digests"])
                for f in odd]
+    if where.on_fresh is not None and not any(_steps_past_start(o) for o in offers):
+        other = where.on_fresh()  # (the same offers on every rank: all take this way, or none)
+        if other is not None:
+            return other
     for attempt in range(MAX_ATTEMPTS):
         p = planning.plan(offers, where.sharded, where.twins)
         nbytes, failure = _execute(p, offers, state, rank, where)
@@ -236,6 +243,13 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
                                  "agree": round(t_gathered - t_offer, 6),  # waits for the last rank
                                  "move": round(t_moved - t_gathered, 6),  # the final attempt
                                  "confirm": round(t_end - t_moved, 6)})
+
+
+def _steps_past_start(o: Offer) -> bool:
+    """Whether an offer holds any state past step 0 (a job's start holds its built state only)."""
+    held = [*o.memory, *o.disk, *(s for steps in o.replicas.values() for s in steps),
+            *(s for steps in o.neighbours.values() for s in steps)]
+    return any(s > 0 for s in held) or bool(o.live) or bool(o.kept)
 
 
 def said(skipped: list[SkippedCopy]) -> str:
