@@ -12,6 +12,12 @@
 # nonstop need beyond the machine's image; never torch) and .tt/ (the tokenizer of torchtitan's
 # tests/assets and a small JSON-lines text set in c4_test's format). Logs go to $OUT/tt/ if $OUT
 # is set. The whole script keeps within TT_BUDGET_S (default 235 s): every step has a timeout.
+# Making them, where pip reaches PyPI: `pip download --no-deps --only-binary=:all: --python-version
+# 3.12 -d .whl torchtitan==0.3.0 torchdata torch_checkpointing "datasets<4.8" "dill<0.4.1"
+# "multiprocess<0.70.19" tyro docstring_parser typeguard shtab spmd_types==0.2.3 pydantic
+# pydantic_core annotated_types typing_inspection typing_extensions orjson` (with the machine's
+# --platform manylinux tags); `.tt/tokenizer` is torchtitan's tests/assets/tokenizer (its git
+# repository); `.tt/c4_test/data.json` any JSON lines of {"text": ...}.
 #
 # Knobs (for a local dry run on CPU, where FlexAttention cannot train, TT_CPU=1 swaps in plain
 # causal attention and gloo): PY, TT_SITE (where the wheels go; TT_SKIP_INSTALL=1 to use it as
