@@ -43,7 +43,11 @@ def launch(tmp_path, name: str, *flags: str, secret: str | None = SECRET,
 
 
 def refused(proc: subprocess.Popen, timeout: float = 60) -> str:
-    out, err = proc.communicate(timeout=timeout)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # not refused: ended whole, not left to the next tests
+        end(proc)
+        raise
     assert proc.returncode == 2, out + err
     lines = [x for x in err.splitlines() if x.strip()]
     # on a loaded machine the host may first say that etcd was slow to answer (its lease not
