@@ -23,6 +23,7 @@
 # causal attention and gloo): PY, TT_SITE (where the wheels go; TT_SKIP_INSTALL=1 to use it as
 # it is), TT_EXTRA_PYTHONPATH, TT_WORK, TT_STEPS (40), TT_KILL_AFTER (20), TT_CKPT_EVERY (10),
 # TT_SEQ (512), TT_BATCH (4), TT_SERIAL=1 (run B after A, not beside it), TT_BUDGET_S,
+# TT_DETERMINISTIC (default --debug.deterministic; " " to leave it out),
 # TT_RUN_S (155: the most a nonstop run may take), TT_FORCE_FALLBACK=1 (run the fallback anyway).
 set -u
 cd "$(dirname "$0")/.." || exit 2
@@ -414,7 +415,7 @@ tt_args() {  # $1: dump folder
         --training.steps "$STEPS" --training.seq-len "$SEQ" --training.local-batch-size "$BATCH" \
         ${TT_PARALLEL:---parallelism.data-parallel-shard-degree 2 --parallelism.spmd-backend partial_dtensor} \
         --checkpoint.enable --checkpoint.interval "$CKPT_EVERY" --checkpoint.folder checkpoint \
-        --debug.seed 42 --debug.deterministic --debug.no-enable-structured-logging \
+        --debug.seed 42 ${TT_DETERMINISTIC:---debug.deterministic} --debug.no-enable-structured-logging \
         --metrics.log-freq 1 --metrics.no-enable-tensorboard --metrics.disable-color-printing \
         --validator.no-enable --comm.trace-buf-size 0 \
         --comm.init-timeout-seconds 60 --comm.train-timeout-seconds 60
