@@ -199,20 +199,21 @@ class WorkerRuntime:
         if snaps is not None:  # a staged snapshot still in flight is committed (or given up)
             snaps.settle()
         root = snaps.root if snaps is not None else None
+        schedule = snaps.schedule() if snaps is not None else None
         where = Where(memory=self.node_memory if snaps is not None else None,
                       checkpoint_root=root, sharded=state.sharded, twins=state.twins,
                       world=world,
                       not_after=not_after,
-                      compare=snaps is not None and snaps.digests is not None)
-        schedule = snaps.schedule() if snaps is not None else None
+                      compare=snaps is not None and snaps.digests is not None,
+                      # nothing of this world anywhere: a checkpoint of another size?
+                      on_fresh=(lambda: regrid.resume(state, rank, world, root, schedule))
+                      if state.meshed and root is not None else None)
         zero = state.sharded and not state.meshed  # ZeRO-1 state: resharded at another world
         old_world = reshard_from if zero else 0
         if zero and initial and not old_world:  # a new job: its checkpoint's size
             old_world = reshard.disk_world(root, world)
         resharded = bool(old_world) and old_world != world
         agreed = lambda: self.injector.in_recovery("restore", rank, gen)  # noqa: E731
-        if state.meshed:  # nothing of this world anywhere: a checkpoint of another size?
-            where.on_fresh = lambda: regrid.resume(state, rank, world, root, schedule)
         if resharded:
             held = self.held
             live = (held[0], state.step, held[1]) if (has_state and not state.dirty

@@ -16,7 +16,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import xxhash
 
@@ -331,11 +331,11 @@ def read_part(root: Path, step: int, part_rank: int,
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        flat = _load_flat(root / step_dir_name(step) / part["dir"])
+        flat = read_entries(root / step_dir_name(step) / part["dir"])
         ours = pickle.loads(flat.pop(_ENTRY))
         if ours.get("format") != FORMAT:
             raise ValueError(f"format {ours.get('format')!r}")
-        return _rebuild(ours["skeleton"], flat), ours["info"]
+        return rebuild(ours["skeleton"], flat), ours["info"]
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise CorruptCheckpoint(
             f"step {step} part {part_rank}: {part['dir']}: unreadable ({_line(e)})") from e
@@ -495,14 +495,15 @@ def _skeleton(state_dict: Mapping[str, Any]) -> Any:
     return build((), state_dict)
 
 
-def _rebuild(skeleton: Any, flat: dict[str, Any]) -> Any:
+def rebuild(skeleton: Any, flat: dict[str, Any]) -> Any:
+    """A skeleton (``write_part``'s: each leaf its DCP name) with its leaves from ``flat``."""
     # Every str in a skeleton is a leaf's name: real str values are leaves themselves.
     if isinstance(skeleton, str):
         return flat[skeleton]
     if isinstance(skeleton, Mapping):
-        return _like(skeleton, {k: _rebuild(v, flat) for k, v in skeleton.items()})
+        return _like(skeleton, {k: rebuild(v, flat) for k, v in skeleton.items()})
     if isinstance(skeleton, list):
-        return [_rebuild(v, flat) for v in skeleton]
+        return [rebuild(v, flat) for v in skeleton]
     raise TypeError(f"unexpected {type(skeleton).__name__} in the skeleton")
 
 
@@ -517,24 +518,61 @@ def _like(mapping: Mapping, items: dict) -> Mapping:
         return dict(items)
 
 
-def _load_flat(part_dir: Path) -> dict[str, Any]:
-    # Every entry under its DCP name, read into a template made from the checkpoint's own
-    # metadata: DCP keeps the dotted keys of a flat dict as they are.
+def read_entries(path: Path, like: Callable[[str, Any], Any] | None = None,
+                 only: Callable[[str], bool] | None = None) -> dict[str, Any]:
+    """The entries of the DCP checkpoint at ``path`` (a part, or a sharded step's directory)
+    under their DCP names (``only``: those it accepts), each read into what ``like(name,
+    metadata)`` gives - a DTensor takes the chunks its shard covers, from whichever files hold
+    them - or, where it gives None, into a template made from the checkpoint's own metadata.
+    DCP keeps the dotted keys of a flat dict as they are. Raises what DCP raises."""
     import torch
     from torch.distributed.checkpoint import FileSystemReader, load
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(part_dir).read_metadata()
+    reader = FileSystemReader(path)
     flat: dict[str, Any] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
+    for fqn, md in reader.read_metadata().state_dict_metadata.items():
+        if only is not None and not only(fqn):
+            continue
+        given = like(fqn, md) if like is not None else None
+        if given is not None:
+            flat[fqn] = given
+        elif isinstance(md, TensorStorageMetadata):
             flat[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
         else:  # BytesStorageMetadata: DCP puts the unpickled value in place of this
             flat[fqn] = None
     with warnings.catch_warnings():
         _quiet()
-        load(flat, storage_reader=FileSystemReader(part_dir), no_dist=True)
+        load(flat, storage_reader=reader, no_dist=True)
     return flat
+
+
+def shard_layout(root: Path, step: int) -> tuple[Any, dict[str, Any]]:
+    """What a sharded step's parts were made of, read from its first part's own entries (every
+    part has the same): the state dict's nesting (``rebuild`` puts the leaves back into it) and
+    the record of its shards (``shards.KEY``: object name -> [path, shape, offset] entries).
+    Raises CorruptCheckpoint."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from . import shards
+
+    manifest = read_manifest(root, step)
+    first = _part(manifest, step, min(int(p) for p in manifest["parts"]))
+    part_dir = Path(root) / step_dir_name(step) / first["dir"]
+    try:
+        flat = read_entries(part_dir, only=lambda fqn: fqn == _ENTRY
+                            or fqn.startswith(shards.KEY + "."))
+        skeleton = pickle.loads(flat.pop(_ENTRY))["skeleton"]
+        names = skeleton.pop(shards.KEY)
+        return skeleton, {name: flat[leaf] for name, leaf in names.items()}
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CorruptCheckpoint(f"step {step} part {first['dir']}: no record of its shards "
+                                f"({_line(e)})") from e
+
+
+def unreadable(what: str, exc: BaseException) -> CorruptCheckpoint:
+    """The error to raise when reading ``what`` failed with ``exc``."""
+    return CorruptCheckpoint(f"{what}: unreadable ({_line(exc)})")
 
 
 def _part(manifest: dict, step: int, part_rank: int) -> dict:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -46,7 +45,8 @@ def resume(state: Any, rank: int, world: int, root: Path | None,
     fails its checks) and the result says so; None when there is none (the ordinary restore
     then runs). Raises ScriptSetupError for a checkpoint no rank of this mesh can read."""
     t0 = time.monotonic()
-    found = [[step, size] for step, size, _ in candidates(root, world)]
+    manifests = {step: manifest for step, _, manifest in candidates(root, world)}
+    found = [[step, manifest["world"]] for step, manifest in manifests.items()]
     gathered = _all_gather_json({"found": found, "schedule": schedule or {}}, world)
     if any(g["found"] != found for g in gathered):  # another disk, or one written meanwhile
         views = sorted({str(g["found"][:1]) for g in gathered})
@@ -57,7 +57,7 @@ def resume(state: Any, rank: int, world: int, root: Path | None,
     assert root is not None
     skipped: list[str] = []
     for step, size in found:
-        manifest = checkpoint.read_manifest(root, step)
+        manifest = manifests[step]
         part = _stage_part(state, rank, step, size, world, manifest, root)
         failure = _verify_share(root, step, manifest, rank, world)
         t_checked = time.monotonic()
@@ -69,7 +69,7 @@ def resume(state: Any, rank: int, world: int, root: Path | None,
         if failure is None:
             try:
                 if part is None:
-                    nbytes = _load(state, root, step, manifest)
+                    nbytes = _load(state, root, step)
                 else:  # this rank's stage, as a rank that held it wrote it
                     sd, _ = checkpoint.read_part(root, step, part, verify=False)
                     nbytes = packing.tensor_bytes(sd)
@@ -105,7 +105,7 @@ def _stage_part(state: Any, rank: int, step: int, size: int, world: int,
     (the stages are plain tensors: a data-parallel size that changed leaves each stage whole);
     None for a mesh of DTensor shards (DCP reads them). Raises ScriptSetupError for a state of
     neither kind."""
-    stage_twins = getattr(state, "stage_twins", None)
+    stage_twins = state.stage_twins
     if stage_twins is None:
         if manifest.get("dcp"):
             return None
@@ -134,79 +134,37 @@ def _verify_share(root: Path, step: int, manifest: dict[str, Any], rank: int,
     return None
 
 
-def _load(state: Any, root: Path, step: int, manifest: dict[str, Any]) -> int:
+def _load(state: Any, root: Path, step: int) -> int:
     """Read this rank's new shards of step ``step`` (and the rest whole) into ``state``.
     Returns the bytes read into tensors."""
-    from torch.distributed.checkpoint import FileSystemReader, load
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    step_dir = root / checkpoint.step_dir_name(step)
-    skeleton, old_paths = _first_part_layout(step_dir, manifest)
+    skeleton, recorded = checkpoint.shard_layout(root, step)
+    old_paths = shards.check_paths(recorded)
     templates = _templates(state, old_paths)
-    reader = FileSystemReader(step_dir)
-    metadata = reader.read_metadata()
-    flat: dict[str, Any] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if fqn == checkpoint._ENTRY:
-            continue
-        if fqn in templates:
-            flat[fqn] = _empty_like(templates[fqn], fqn, md)
-        elif isinstance(md, TensorStorageMetadata):
-            flat[fqn] = _empty(md)
-        else:  # bytes: DCP puts the unpickled value in place of this
-            flat[fqn] = None
-    missing = sorted(set(templates) - set(flat))
-    if missing:
-        raise shards.ShardMismatch(f"the checkpoint of step {step} holds no {missing[0]!r}")
     try:
-        with warnings.catch_warnings():
-            checkpoint._quiet()
-            load(flat, storage_reader=reader, no_dist=True)
+        flat = checkpoint.read_entries(
+            root / checkpoint.step_dir_name(step),
+            like=lambda fqn, md: _empty_like(templates[fqn], fqn, md) if fqn in templates else None)
+    except shards.ShardMismatch:
+        raise
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        raise checkpoint.CorruptCheckpoint(
-            f"step {step}: unreadable at this world size ({checkpoint._line(exc)})") from exc
+        raise checkpoint.unreadable(f"step {step} at this world size", exc) from exc
+    missing = sorted(set(templates) - set(flat))
+    if missing:
+        raise shards.ShardMismatch(f"the checkpoint of step {step} holds no {missing[0]!r}")
     new_paths = {name: [[path, list(templates[_fqn(name, path)].shape),
                          list(shards._offset(flat[_fqn(name, path)]))] for path in paths]
                  for name, paths in old_paths.items()}
     local = {fqn: shards.local(v) for fqn, v in flat.items()}
-    sd = checkpoint._rebuild(skeleton, local)
+    sd = checkpoint.rebuild(skeleton, local)
     sd[shards.KEY] = new_paths
-    nbytes = sum(int(t.numel() * t.element_size()) for t in local.values()
-                 if hasattr(t, "element_size"))
     load_into(state, sd)
-    return nbytes
+    return packing.tensor_bytes(local)
 
 
 def _fqn(name: str, path: list[Any]) -> str:
     return ".".join(str(k) for k in [name, *path])
-
-
-def _first_part_layout(step_dir: Path, manifest: dict[str, Any]) -> tuple[Any, dict[str, list]]:
-    """The first part's skeleton (the state dict's nesting, each leaf its DCP name), and where
-    its shards were: {object name: [path, ...]} (every part has the same ones)."""
-    import pickle
-
-    from torch.distributed.checkpoint import FileSystemReader, load
-
-    first = manifest["parts"][str(min(int(p) for p in manifest["parts"]))]
-    part_dir = step_dir / first["dir"]
-    entry: dict[str, Any] = {checkpoint._ENTRY: None}
-    with warnings.catch_warnings():
-        checkpoint._quiet()
-        load(entry, storage_reader=FileSystemReader(part_dir), no_dist=True)
-    ours = pickle.loads(entry[checkpoint._ENTRY])
-    skeleton = ours["skeleton"]
-    names = skeleton.pop(shards.KEY, None)
-    if not isinstance(names, dict):
-        raise shards.ShardMismatch(f"{part_dir}: no record of its shards")
-    raw: dict[str, Any] = {str(v): None for v in names.values()}
-    with warnings.catch_warnings():
-        checkpoint._quiet()
-        load(raw, storage_reader=FileSystemReader(part_dir), no_dist=True)
-    recorded = {name: raw[str(leaf)] for name, leaf in names.items()}
-    return skeleton, shards.check_paths(recorded)
 
 
 def _templates(state: Any, paths: dict[str, list[list[Any]]]) -> dict[str, Any]:
@@ -220,24 +178,16 @@ def _templates(state: Any, paths: dict[str, list[list[Any]]]) -> dict[str, Any]:
         obj = objects.get(name)
         if obj is None:
             raise shards.ShardMismatch(f"{shards.KEY}: {name!r} is not a registered object")
-        if isinstance(obj, torch.nn.Module):
-            live = obj.state_dict()
-            for path in entries:
-                key = path[0] if len(path) == 1 else None
-                if key not in live or not shards.is_dtensor(live[key]):
-                    raise shards.ShardMismatch(f"{_fqn(name, path)}: a shard in the checkpoint, "
-                                               "no sharded entry of the model")
-                out[_fqn(name, path)] = live[key]
-        elif isinstance(obj, torch.optim.Optimizer):
-            params = [p for group in obj.param_groups for p in group["params"]]
-            for path in entries:
-                if len(path) != 3 or path[0] != "state" or not isinstance(path[1], int) \
-                        or not 0 <= path[1] < len(params) or not shards.is_dtensor(params[path[1]]):
-                    raise shards.ShardMismatch(f"{_fqn(name, path)}: a shard in the checkpoint, "
-                                               "not the state of a sharded parameter")
-                out[_fqn(name, path)] = params[path[1]]
-        else:
-            raise shards.ShardMismatch(f"{name}: a {type(obj).__name__} holding shards")
+        live = obj.state_dict() if isinstance(obj, torch.nn.Module) else None
+        for path in entries:
+            what = _fqn(name, path)
+            if isinstance(obj, torch.optim.Optimizer):
+                out[what] = shards.state_param(obj, path, what)
+            elif live is not None and len(path) == 1 and shards.is_dtensor(live.get(path[0])):
+                out[what] = live[path[0]]
+            else:
+                raise shards.ShardMismatch(f"{what}: a shard in the checkpoint, no sharded entry "
+                                           f"of this {type(obj).__name__}")
     return out
 
 
@@ -256,8 +206,3 @@ def _empty_like(template: Any, fqn: str, md: Any) -> Any:
     return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False,
                               shape=template.shape, stride=template.stride())
 
-
-def _empty(md: Any) -> Any:
-    import torch
-
-    return torch.empty(md.size, dtype=md.properties.dtype)

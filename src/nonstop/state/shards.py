@@ -272,18 +272,24 @@ def globalize(name: str, obj: Any, part: Any, paths: list[list[Any]]) -> Any:
         raise ScriptSetupError(f"{what}: the copy received is a shard, but this process's model "
                                f"is not sharded: {MESH_ADVICE}")
     if isinstance(obj, torch.optim.Optimizer):
-        params = [p for group in obj.param_groups for p in group["params"]]
         for path in paths:
             what = f"{name}.{'.'.join(str(p) for p in path)}"
-            if len(path) != 3 or path[0] != "state" or not isinstance(path[1], int) \
-                    or not 0 <= path[1] < len(params) or not is_dtensor(params[path[1]]):
-                raise ShardMismatch(f"{what}: kept as a shard, but it is not the state of a "
-                                    "sharded parameter of this optimizer")
-            template = params[path[1]]
+            template = state_param(obj, path, what)
             part = _set(part, path, lambda v, t=template, w=what: _like(v, t, w), what)
         return part
     raise ShardMismatch(f"{name}: a {type(obj).__name__} holding DTensors cannot be kept yet "
                         "(only modules and optimizers can)")
+
+
+def state_param(optimizer: Any, path: list[Any], what: str) -> Any:
+    """The sharded parameter whose optimizer state a kept shard at ``path`` (``["state", index,
+    name]``) is: the DTensor its shard is laid out like. Raises ShardMismatch."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if len(path) != 3 or path[0] != "state" or not isinstance(path[1], int) \
+            or not 0 <= path[1] < len(params) or not is_dtensor(params[path[1]]):
+        raise ShardMismatch(f"{what}: kept as a shard, but it is not the state of a sharded "
+                            "parameter of this optimizer")
+    return params[path[1]]
 
 
 def _ints(x: Any) -> bool:
