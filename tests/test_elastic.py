@@ -251,3 +251,41 @@ def test_a_sharded_job_leaves_and_comes_back_by_whole_replica_groups():
     assert d.level is Level.SCALE_IN and d.drop == {0, 1}
     assert elastic.grow(4, 6, [0], pol(), unit=2) == {}  # one spare: half a group, not enough
     assert elastic.grow(4, 6, [0, 0, 0], pol(), unit=2) == {4: 0, 5: 0}
+
+
+# == a mesh sharded along the dimension that changes (plain FSDP, FSDP x TP) ===================
+TWO_D = dataclasses.replace(ONE_HOST, regrid_unit=2)  # (dp_shard, tp) = (2, 2)
+
+
+def test_a_mesh_sharded_along_its_first_dimension_shrinks_by_a_block_all_in_new_processes():
+    d = decide([Fault("crash", rank=2, code=-9)], {2}, view=TWO_D, policy=pol(when="no_warm_spare"))
+    # the lost rank's tensor-parallel peer leaves with it; the others' processes hold a model
+    # sharded for 4 ranks: every rank that stays gets a new one (numbered as before the shrink)
+    assert d.level is Level.SCALE_IN and d.drop == {2, 3} and d.replace == {0, 1}
+    fsdp = dataclasses.replace(ONE_HOST, regrid_unit=1)
+    d = decide([CRASH1], {1}, view=fsdp, policy=pol(when="no_warm_spare"))
+    assert d.drop == {1} and d.replace == {0, 2, 3}  # an uneven world is fine for FSDP2
+    # a block of one rank's world left: below the minimum, a new process for the lost rank
+    one = dataclasses.replace(TWO_D, world=2, node_of={0: 0, 1: 0})
+    d = decide([CRASH1], {1}, view=one, policy=pol(when="no_warm_spare"))
+    assert d.level is Level.REPLACE_RANK and d.replace == {1}
+    assert ladder.restarted(ONE_HOST, {0, 1}) == set()  # DDP, HSDP: the survivors go on live
+
+
+def test_such_a_mesh_grows_back_by_whole_blocks_every_rank_in_a_new_process():
+    p = pol(grow_after_s=1.0)
+    s = mc.JobState(phase=Phase.RUNNING, gen=1, degraded_since=0.0)
+    rs = rank_seen(2, 1)
+
+    def see(t, ranks, ready):
+        return mc.Seen(now=t, ranks=ranks, total_nodes=1, slots=4, target_world=4,
+                       ready_spares=ready, slowest_step_s=0.1, regrid_unit=2)
+
+    assert mc.step(s, mc.Tick(see(5.0, rs, {0: 1})), p)[1] == []  # one spare: half a block
+    s, cmds = mc.step(s, mc.Tick(see(5.0, rs, {0: 2})), p)
+    assert cmds == [mc.Regroup(1)]
+    left = tuple(dataclasses.replace(r, left=1) for r in rs)
+    s, cmds = mc.step(s, mc.Tick(see(5.2, left, {0: 2})), p)
+    (_, carry) = cmds
+    assert carry.decision.level is Level.SCALE_OUT and carry.placement == {2: 0, 3: 0}
+    assert carry.decision.replace == {0, 1}  # the ranks that stay start again too

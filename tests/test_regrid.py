@@ -107,3 +107,37 @@ def test_which_old_part_holds_a_stage_and_what_cannot_be_read_at_another_size(tm
             _stage_part(state, 0, 8, 4, 2, manifest, tmp_path)
         assert "written by a job of 4 ranks and this one has 2" in str(err.value)
         assert "start the job with 4 ranks" in str(err.value)
+
+
+@pytest.mark.integration
+def test_an_fsdp2_job_without_a_spare_shrinks_to_an_uneven_world_its_shards_cut_in_memory(
+        tmp_path):
+    """No spare, ``scale_in.when: no_warm_spare``, the growth held off: rank 2 of 4 is killed at
+    step 8. Plain FSDP has no copy of a rank's shard, and its processes cannot be sharded again,
+    so the job goes on at 3 ranks in new processes, each cutting its new (uneven) shards out of
+    the old world's snapshots in node memory - nothing read from disk. What it then holds is
+    what a job at 3 ranks resumed from a checkpoint of step 8 holds (DCP's resharding, shown
+    exact above), bit for bit: parameters, moments and step counters, after 4 more steps."""
+    from conftest import policy_file
+
+    ckpt = tmp_path / "ckpt"
+    _, _ = job(tmp_path, "first", 4, ckpt, "--steps", "8")
+    _, reference = job(tmp_path, "second", 3, ckpt, "--steps", "12")
+    pol = policy_file(tmp_path, "recover:\n  levels:\n    scale_in:\n      when: no_warm_spare\n"
+                                "      grow_after_s: 1000\n")
+    out = tmp_path / "shrunk.pt"
+    run = run_nonstop(tmp_path / "shrunk", "--nproc=4", "--spares=0", f"--policy={pol}",
+                      "--snapshot-every=1", "--inject=crash:rank=2,step=8", str(REGRID),
+                      "--steps", "12", "--save", str(out), timeout=150)
+    assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (decision,) = run.of("decision")
+    assert decision["level"] == "scale-in"
+    gens = run.of("generation")
+    assert [len(g["ranks"]) for g in gens] == [4, 3]
+    assert not set(gens[0]["ranks"].values()) & set(gens[1]["ranks"].values())  # all new
+    (restore,) = [r for r in run.of("restore") if r["gen"] == 1]
+    assert restore["step"] == 8 and set(restore["sources"].values()) == {"memory, resharded"}
+    assert restore["bytes"] > 0
+    assert run.summary["steps_lost"] == 0
+    assert torch.load(out)["optimizer"], "no optimizer state was compared"
+    assert same(reference, out) == []

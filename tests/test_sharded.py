@@ -303,3 +303,40 @@ def test_an_hsdp_job_without_a_spare_shrinks_by_a_replica_group_and_grows_back(t
                      "--snapshot-every=2", "--inject=crash:rank=0,step=10", args=args, world=4,
                      script=HSDP)
     assert_shrank_by_a_group_and_grew_back(run, out, reference(4, *args, script=HSDP), step=10)
+
+
+@pytest.mark.integration
+def test_a_2d_job_without_a_spare_shrinks_by_a_tensor_parallel_group_and_grows_back_resharded(
+        tmp_path, reference):
+    """FSDP2 x tensor parallel, (dp_shard, tp) = (2, 2), no spare: rank 2 is killed at step 10.
+    Nothing holds a copy of its part and FSDP2 cannot be applied again to a process's model, so
+    its tensor-parallel group leaves (tp degree is the model's) and the job goes on at (1, 2) in
+    new processes that cut their shards out of the old world's snapshots in node memory. One of
+    them is killed in the middle of that (``at=restore``): the generation that follows cuts them
+    again, from the same snapshots. Once new processes are ready the world grows back to (2, 2)
+    at a step boundary, resharded again from the small world's shards of that very step (kept
+    as the ranks left, between the snapshots every 5 steps): nothing lost, every step once, the weights within the elastic oracle's
+    tolerance of the fault-free run."""
+    from conftest import policy_file
+    from elastic_oracle import SCALE_IN, TOLERANCE, max_rel_diff
+
+    args = ("--steps", "30", "--dim", "8", "--blocks", "1", "--sleep-ms", "30")
+    run, out = train(tmp_path, "--spares=0", f"--policy={policy_file(tmp_path, SCALE_IN)}",
+                     "--snapshot-every=5",
+                     "--inject=crash:rank=2,step=10;crash:rank=1,at=restore,gen=1",
+                     args=args, world=4, script=TWO_D)
+    levels = [d["level"] for d in run.of("decision")]
+    assert levels[0] == "scale-in" and levels[-1] == "scale-out", levels
+    worlds = [len(g["ranks"]) for g in run.of("generation")]
+    assert worlds[0] == 4 and worlds[1] == 2 and worlds[-1] == 4, worlds
+    shrunk = [r for r in run.of("restore") if 0 < r["gen"] < len(worlds) - 1]
+    assert shrunk and shrunk[-1]["step"] == 10
+    assert set(shrunk[-1]["sources"].values()) == {"memory, resharded"}, shrunk
+    (grown,) = [r for r in run.of("restore") if r["gen"] == len(worlds) - 1]
+    assert set(grown["sources"].values()) == {"memory, resharded"} and grown["bytes"] > 0
+    # (a snapshot every 5 steps: the step the ranks left at is kept as they leave)
+    (done,) = run.of("scale_out_done")
+    assert grown["step"] == done["step"]
+    assert run.summary["steps_lost"] == 0
+    diff = max_rel_diff(out, reference(4, *args, script=TWO_D))
+    assert diff < TOLERANCE, diff

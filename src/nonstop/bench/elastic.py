@@ -19,11 +19,14 @@ process started for it is ready. ``--cases host_loss``: at step 50 a host that d
 controller is killed whole and the world shrinks by its ranks; at step 100 ``nonstop run`` is
 started on a new test host, which joins, and the world grows back onto it.
 
-``--parallel ddp,hsdp,pp`` (one host): each layout is its own job (DDP; HSDP over 2 replica
-groups; 2 pipeline stages x data parallel), nonstop-scale-in only for the meshed ones: they shrink
-by a whole replica group (a whole pipeline), which keeps its shards (no resharding: the bytes a
-growth moves, from the twins, are reported). ``fsdp`` and ``2d`` are listed as left out: they
-have no replicated dimension, and shrinking them needs resharding (not yet).
+``--parallel ddp,fsdp,hsdp,2d,pp`` (one host): each layout is its own job (DDP; FSDP2; HSDP over
+2 replica groups; FSDP2 x tensor parallel of degree 2; 2 pipeline stages x data parallel),
+nonstop-scale-in only for the meshed ones. ``hsdp`` and ``pp`` shrink by a whole replica group (a
+whole pipeline) whose survivors keep their shards live: the bytes a growth moves, from the twins,
+are reported. ``fsdp`` and ``2d`` have no copy of a lost rank's shard: they change size by new
+processes that cut their shards from the old world's snapshots in node memory; the time of that
+resharding (``reshard_s``, the restore of the shrunk world) and the bytes it moved are reported
+apart.
 
 Measured: MTTR (kill -> a step completed by every process of the next generation), the scale-out
 pause (the first rank leaving for the larger world -> a step completed by every rank of it), steps
@@ -61,9 +64,8 @@ def _policy(out: Path, system: str, grow_after_s: float) -> Path:
     return p
 
 
-LAYOUTS = ("ddp", "hsdp", "pp")
-NOT_YET = {"fsdp": "no replicated dimension: shrinking needs resharding (not yet)",
-           "2d": "no replicated dimension: shrinking needs resharding (not yet)"}
+LAYOUTS = ("ddp", "fsdp", "hsdp", "2d", "pp")
+NOT_YET: dict[str, str] = {}  # layout -> why it is left out
 
 
 def run_once(system: str, ranks: int, steps: int, kill_step: int, grow_after_s: float,
@@ -99,6 +101,12 @@ def run_once(system: str, ranks: int, steps: int, kill_step: int, grow_after_s: 
     gens = [e["gen"] for e in evs if e["type"] == "generation"]
     grown = [e for e in evs if e["type"] == "restore" and len(gens) > 2 and e["gen"] == gens[-1]]
     result["grow_bytes"] = grown[0].get("bytes") if grown else None  # the twins' copies sent
+    # a layout resharded at the shrink (new processes cutting their shards from the old world's):
+    # the restore of the shrunk world, and the bytes it moved
+    shrunk = [e for e in evs if e["type"] == "restore" and len(gens) > 1 and e["gen"] == gens[1]
+              and any("resharded" in str(v) for v in e["sources"].values())]
+    result["reshard_s"] = shrunk[0]["seconds"] if shrunk else None
+    result["reshard_bytes"] = shrunk[0]["bytes"] if shrunk else None
     result.update(check_samples(out, steps))
     return result
 
@@ -317,7 +325,11 @@ def main(args: argparse.Namespace) -> int:
             agg["final_params_max_rel_diff"] = None if None in diffs else max(diffs)
             grow = [r.get("grow_bytes") for r in runs if r.get("grow_bytes") is not None]
             agg["grow_bytes"] = max(grow) if grow else None
-            agg["reshard_s"] = None  # no layout here reshards: a growth copies whole shards
+            # fsdp, 2d: the shrunk world's restore, its shards cut from the old (hsdp, pp: None)
+            reshard = sorted(r["reshard_s"] for r in runs if r.get("reshard_s") is not None)
+            agg["reshard_s"] = reshard[len(reshard) // 2] if reshard else None
+            moved = [r["reshard_bytes"] for r in runs if r.get("reshard_bytes") is not None]
+            agg["reshard_bytes"] = max(moved) if moved else None
             results.append(agg)
     summary = {"scenario": "elastic", "ranks": args.ranks, "hosts": args.hosts,
                "case": case, "repeat": args.repeat,
@@ -333,19 +345,22 @@ def main(args: argparse.Namespace) -> int:
 def table(summary: dict[str, Any]) -> str:
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     lines = ["| layout | system | MTTR median s | scale-out pause median s | steps lost (max) | "
-             "samples exactly once | global batch constant | params max rel diff | grow bytes |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "samples exactly once | global batch constant | params max rel diff | grow bytes | "
+             "reshard s | reshard bytes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["results"]:
         if "skipped" in r:
             lines.append(f"| {r['parallel']} | {r['system']} | left out: {r['skipped']} "
-                         "| | | | | | |")
+                         "| | | | | | | | |")
             continue
         pause = (r.get("scale_out_pause_s") or {}).get("median")
         diff = r["final_params_max_rel_diff"]
         lines.append(f"| {r['parallel']} | {r['system']} | {fmt(r['mttr_s']['median'])} | "
                      f"{fmt(pause)} | {r['lost_steps']['max']} | {r['samples_exactly_once']} | "
                      f"{r['global_batch_constant']} | {'-' if diff is None else f'{diff:.2e}'} | "
-                     f"{r.get('grow_bytes') if r.get('grow_bytes') is not None else '-'} |")
+                     f"{r.get('grow_bytes') if r.get('grow_bytes') is not None else '-'} | "
+                     f"{fmt(r.get('reshard_s'))} | "
+                     f"{r.get('reshard_bytes') if r.get('reshard_bytes') is not None else '-'} |")
     if summary.get("torchrun_over_scale_in"):
         lines.append(f"\ntorchrun / nonstop-scale-in MTTR ratio: {summary['torchrun_over_scale_in']}")
     return "\n".join(lines)

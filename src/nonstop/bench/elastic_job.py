@@ -7,11 +7,13 @@ loss is weighted by ``world / global_batch`` so that the averaged gradient is th
 mean. Every process appends, per completed step, ``<steps done> <time> <generation> <world>`` to
 ``steps-p<pid>.txt`` and the sample ids it trained on to ``samples-p<pid>.jsonl``.
 
-``--parallel hsdp`` (nonstop mode) shards the model with HSDP over ``(dp_replicate, dp_shard) =
-(2, -1)`` (every rank a data-parallel rank: the batch split over the world, as with DDP);
-``--parallel pp`` splits it into 2 pipeline stages over ``(dp, pp)``: the global batch is split
-over the data-parallel groups (each a whole pipeline), whose first stage logs the group's share.
-Either shrinks by a whole replica group or pipeline.
+``--parallel`` (nonstop mode) lays the model out over a ``nonstop.Mesh`` (``bench/layouts.py``):
+``fsdp`` and ``hsdp`` shard it (every rank a data-parallel rank: the batch split over the world,
+as with DDP); ``2d`` adds tensor parallel of degree 2 (the batch split over the data-parallel
+groups, whose tensor-parallel rank 0 logs the group's share); ``pp`` splits it into 2 pipeline
+stages over ``(dp, pp)`` (the batch split over the pipelines, whose first stage logs). ``hsdp``
+and ``pp`` shrink by a whole replica group or pipeline, the survivors going on live; ``fsdp`` and
+``2d`` have no such copy, and change size by new processes that cut their shards from the old.
 
 ``--mode torchrun`` is a careful torchrun user's loop: a checkpoint (model, optimizer, step: the
 data position) every ``--ckpt-every`` steps, resumed on restart, a fresh store prefix per restart.
@@ -41,11 +43,12 @@ p.add_argument("--sleep-ms", type=float, default=20.0)
 p.add_argument("--ckpt-every", type=int, default=20)
 p.add_argument("--kill-rank", type=int, default=-1, help="torchrun mode: SIGKILL this rank...")
 p.add_argument("--kill-step", type=int, default=-1, help="...at the start of this step, first attempt")
-p.add_argument("--parallel", choices=["ddp", "hsdp", "pp"], default="ddp",
-               help="nonstop mode: DDP, HSDP (2 replica groups) or 2 pipeline stages")
+p.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp", "2d", "pp"], default="ddp",
+               help="nonstop mode: DDP, FSDP2, HSDP (2 replica groups), FSDP2 x tensor parallel "
+                    "(degree 2) or 2 pipeline stages")
 args = p.parse_args()
 if args.parallel != "ddp" and args.mode != "nonstop":
-    p.error("--parallel hsdp/pp: nonstop mode only")
+    p.error("--parallel fsdp/hsdp/2d/pp: nonstop mode only")
 
 torch.manual_seed(0)
 x_all = torch.randn(args.samples, 32, generator=torch.Generator().manual_seed(1))
@@ -60,16 +63,16 @@ steps_log = open(os.path.join(args.out, f"steps-p{pid}.txt"), "a")
 samples_log = open(os.path.join(args.out, f"samples-p{pid}.jsonl"), "a")
 
 
-def one_step(ddp, step, rank, world, gen, opt=optimizer):
+def one_step(ddp, step, rank, world, gen):
     ids = sampler.share(step, rank, world)
-    opt.zero_grad()
+    optimizer.zero_grad()
     if ids:
         idx = torch.tensor(ids)
         loss = F.mse_loss(ddp(x_all[idx]), y_all[idx], reduction="sum") * world / args.global_batch
     else:
         loss = ddp(x_all[:1]).sum() * 0.0
     loss.backward()
-    opt.step()
+    optimizer.step()
     finish(step, gen, world, rank, world, ids)
 
 
@@ -99,8 +102,23 @@ def pipeline_step(pipe, opt, step, ctx):
     finish(step, ctx.generation, ctx.world_size, group, groups, ids if pipe.s == 0 else None)
 
 
+def sharded_step(step, ctx, opt):
+    """One step of a sharded layout: this data-parallel group's share of the global batch (the
+    loss weighted by the groups' number: FSDP2 averages the gradients over them); a group's
+    tensor-parallel ranks see the same samples, its first one logs them."""
+    group, groups = layouts.dp_position(ctx.mesh, args.parallel)
+    ids = sampler.share(step, group, groups)
+    idx = torch.tensor(ids)
+    opt.zero_grad()
+    loss = F.mse_loss(model(x_all[idx]), y_all[idx], reduction="sum") * groups / args.global_batch
+    loss.backward()
+    opt.step()
+    first = args.parallel != "2d" or ctx.mesh["tp"].get_local_rank() == 0
+    finish(step, ctx.generation, ctx.world_size, group, groups, ids if first else None)
+
+
 def run_nonstop_mesh():
-    """HSDP or a pipeline, declared with nonstop.Mesh; rank 0 gathers the final parameters."""
+    """A layout declared with nonstop.Mesh; rank 0 gathers the final parameters."""
     parts = {}
 
     def build(mesh):
@@ -129,7 +147,7 @@ def run_nonstop_mesh():
             if args.parallel == "pp":
                 pipeline_step(pipe, opt, step, ctx)
             else:
-                one_step(model, step, ctx.rank, ctx.world_size, ctx.generation, opt)
+                sharded_step(step, ctx, opt)
         full = layouts.gathered(model, ctx.mesh, args.parallel, parts["module"])
         return ctx.rank, full
 

@@ -309,7 +309,8 @@ class Controller:
                        slowest_step_s=self.watchers.signals.hang.slowest_step(),
                        abort_s=self.policy.timeouts.abort_s if self.reports.nccl else 0.0,
                        target_world=self.gens.target, ready_spares=self.gens.ready_spares(),
-                       replica_groups=self.reports.replica_groups)
+                       replica_groups=self.reports.replica_groups,
+                       regrid_unit=self.gens.regrid_unit)
 
     def _step(self, ob: mc.Observation) -> None:
         """One observation through the machine, its commands carried out in order; what a
@@ -641,7 +642,8 @@ class Controller:
             replacements=tuple(self.gens.replacements), max_step=self.max_step,
             node_of=self.gens.node_of(), claimed=dict(self.gens.claimed),
             next_wid=self.agent.next_wid, worlds=dict(self.gens.worlds),
-            trained_world=self.gens.trained_world, counters=self.counters.record(),
+            trained_world=self.gens.trained_world, regrid_unit=self.gens.regrid_unit,
+            counters=self.counters.record(),
             # closed, the predecessors' too: an open one goes on after us
             incidents=self.book.base + len(self.incidents), job=self.job_so_far(time.time()))
 

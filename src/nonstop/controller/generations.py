@@ -69,6 +69,10 @@ class Generations:
         self.target = world  # ranks the job was started with
         self.trained_world = world  # the newest generation in which every rank stepped: its size
         self.worlds: dict[int, int] = {}  # generation -> world size (the recent ones)
+        # a mesh sharded along its first dimension, none replicating it (plain FSDP, FSDP x TP),
+        # as its ranks said: the ranks per index of that dimension (0: not such a job). Its
+        # generations are laid out over their own world, and it changes size by new processes
+        self.regrid_unit = 0
         self.not_after: int | None = None  # no rank resumes from state newer (a corruption)
         self.spares_target = spares
         self.total_nodes = nodes + spare_nodes  # nodes that hold ranks at the start, then spares
@@ -112,6 +116,7 @@ class Generations:
         self.claimed = dict(journal.claimed)
         self.worlds = dict(journal.worlds)
         self.trained_world = journal.trained_world or self.trained_world
+        self.regrid_unit = journal.regrid_unit or self.regrid_unit
         for wid in adoption.orphans:
             self.table.kill(self.workers[wid], "assigned by the controller before, not in the "
                                                "job's plan")
@@ -155,7 +160,8 @@ class Generations:
         # (16,384 assignments built one by one took a tenth of a second)
         alike = protocol.mail_record(protocol.Assign(
             gen=gen, rank=0, world=self.world, full_world=self.target, reshard_from=reshard_from,
-            worlds=worlds, initial=initial, not_after=self.not_after, claimed=claimed, **where))
+            regrid=bool(self.regrid_unit), worlds=worlds, initial=initial, not_after=self.not_after,
+            claimed=claimed, **where))
         # a node that keeps working after losing its memory gets a new one - before its ranks
         # enter: their restore and their first snapshots find it (a snapshot into a memory
         # still starting fails, and until the next one nothing is held that a corruption found
@@ -230,7 +236,9 @@ class Generations:
             keep = [r for r in sorted(self.plan) if r not in decision.drop]
             for r in sorted(decision.drop):
                 w = self.workers[self.plan[r]]
-                if not w.dead and w.node not in isolated:  # it goes on waiting, as a spare
+                if decision.replace and not w.dead:  # its mesh was built for the old world
+                    self.table.kill(w, f"rank {r} dropped by a scale-in (its shards are resharded)")
+                elif not w.dead and w.node not in isolated:  # it goes on waiting, as a spare
                     group = w.entered_ev.replica_group if w.entered_ev is not None else None
                     if group and r in group:  # (sharded: only its own position fits it)
                         w.home = (group.index(r), len(group))
@@ -243,7 +251,8 @@ class Generations:
             self.plan.update({i: moved[r] for i, r in enumerate(keep)})
             self.log.write("scale_in", dropped=sorted(decision.drop), world=len(keep),
                            target=self.target, renumbered={str(r): i for i, r in enumerate(keep)})
-            return new
+            return self._restart([i for i, r in enumerate(keep) if r in decision.replace])
+        new = self._restart(sorted(decision.replace))
         for rank, node in sorted(placement.items()):
             w = self.table.take_spare(node, only=True, rank=rank)
             if w is None:
@@ -256,6 +265,22 @@ class Generations:
                        target=self.target, ranks={str(r): self.plan[r] for r in sorted(placement)})
         return new
 
+    def _restart(self, ranks: list[int]) -> list[Worker]:
+        """New processes, on the same nodes, for ``ranks`` of a world that changed size, whose
+        live processes hold a mesh built for the old one (they cannot be sharded again): cold
+        ones, since a warm spare is kept for a place the world grows by. Returns them."""
+        new: list[Worker] = []
+        for rank in ranks:
+            old = self.workers[self.plan[rank]]
+            if not old.dead:
+                self.table.kill(old, f"rank {rank}: a new process for the resharded world")
+            w = self.table.new(spare=False, node=old.node)
+            self.plan[rank] = w.wid
+            self.replacements[rank] += 1
+            self.log.write("replace", rank=rank, wid=w.wid, node=old.node, warm=False, cold=True)
+            new.append(w)
+        return new
+
     def ready_spares(self) -> dict[int, int]:
         """Warm spares ready now, per node."""
         out: dict[int, int] = {}
@@ -265,10 +290,14 @@ class Generations:
         return out
 
     def announce(self, decision: Decision, gen: int) -> None:
-        moved = ", ".join(f"rank {r} -> worker {self.plan[r]}"
-                          + (f" (node {self.workers[self.plan[r]].node})"
-                             if self.total_nodes > 1 else "")
-                          for r in sorted(decision.replace))
+        if decision.level in (Level.SCALE_IN, Level.SCALE_OUT):  # ``replace``: the old numbers
+            moved = (f"{len(decision.replace)} rank(s) in new processes, their shards cut from "
+                     "the old world's" if decision.replace else "")
+        else:
+            moved = ", ".join(f"rank {r} -> worker {self.plan[r]}"
+                              + (f" (node {self.workers[self.plan[r]].node})"
+                                 if self.total_nodes > 1 else "")
+                              for r in sorted(decision.replace))
         if decision.passed_over:
             self.display.info("passed over: " + "; ".join(decision.passed_over))
         self.display.info(f"{decision.level.value} (generation {gen})"

@@ -250,7 +250,7 @@ def _growth(s: JobState, seen: Seen, policy: Any) -> dict[int, int]:
     nodes = elastic.room(seen.node_of, seen.total_nodes, seen.slots, s.counters.isolated,
                          seen.ready_spares)
     groups = seen.replica_groups  # a sharded job comes back by whole replica groups
-    unit = len(next(iter(groups.values()))) if groups else 1
+    unit = seen.regrid_unit or (len(next(iter(groups.values()))) if groups else 1)
     return elastic.grow(len(seen.ranks), seen.target, nodes, policy, unit)
 
 
@@ -303,8 +303,10 @@ def _grow(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]
     """The ranks left for a larger world: the ready spares join as new ranks."""
     placement = _growth(s, seen, policy)  # empty if the spares went meanwhile: the same world
     world = len(seen.ranks) + len(placement)
+    stay = ladder.restarted(view(set(s.counters.isolated), seen), set(range(len(seen.ranks))))
     decision = Decision(Level.SCALE_OUT, reason=f"{len(placement)} rank(s) ready: {len(seen.ranks)} "
-                        f"-> {world} of {seen.target}")
+                        f"-> {world} of {seen.target}", replace=frozenset(stay) if placement
+                        else frozenset())
     gen = s.gen + 1
     s = _with(_publish(s, seen, policy, gen), level=None, level_deadline=None,
               degraded_since=s.degraded_since if world < seen.target else None)
@@ -365,7 +367,9 @@ def _migrate(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Comma
     level = Level.REPLACE_NODE if node is not None else Level.REPLACE_RANK
     reason = f"drain {'node ' + str(node) if node is not None else 'rank(s)'}: {why}"
     if drop is not None:  # no spare node: the world goes on without the node's ranks
-        decision = Decision(Level.SCALE_IN, isolate=isolate, drop=drop, reason=reason)
+        stay = set(range(len(seen.ranks))) - drop
+        decision = Decision(Level.SCALE_IN, isolate=isolate, drop=drop, reason=reason,
+                            replace=frozenset(ladder.restarted(view(isolate, seen), stay)))
     else:
         decision = Decision(level, replace=frozenset(ranks), isolate=isolate, reason=reason)
     counters = s.counters.but(isolated=s.counters.isolated | isolate)

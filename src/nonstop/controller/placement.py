@@ -22,7 +22,7 @@ def view(isolated: set[int], seen: Seen) -> JobView:
                    capacity=len(healthy) * seen.slots, slots=seen.slots,
                    ready_spares=dict(seen.ready_spares),
                    free_slots=free_slots(node_of, seen.slots, set(isolated)),
-                   replica_groups=seen.replica_groups)
+                   replica_groups=seen.replica_groups, regrid_unit=seen.regrid_unit)
 
 
 def free_slots(node_of: dict[int, int], slots: int, isolated: set[int],

@@ -116,12 +116,18 @@ class JobView:
     free_slots: dict[int, int] = dataclasses.field(default_factory=dict)
     # a sharded job's replica groups (rank -> its group's ranks; empty: none)
     replica_groups: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    # a mesh sharded along its first dimension, none replicating it (plain FSDP, FSDP x TP):
+    # the ranks per index of that dimension (0: not such a job). Its world changes by whole
+    # blocks of them, and every rank of the new world is a new process (``restarted``)
+    regrid_unit: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
     level: Level
-    replace: frozenset[int] = frozenset()  # ranks that get a new process
+    # ranks that get a new process (SCALE_IN, SCALE_OUT: the ranks that stay, a mesh job whose
+    # processes cannot be sharded again: ``restarted``)
+    replace: frozenset[int] = frozenset()
     isolate: frozenset[int] = frozenset()  # nodes never used again
     reason: str = ""
     diagnosis: str | None = None  # for FAIL: what to tell the user
@@ -272,6 +278,7 @@ def decide(faults: list[Fault], dead: set[int], view: JobView, policy: Policy,
                 passed.append(f"{level.value}: {why_not}")
                 continue
             isolate = isolate | sick_nodes
+            replace = restarted(view, set(range(view.world)) - drop)
         if level is Level.JOB_RESTART:
             replace = set(range(view.world))
             # the nodes this decision isolates are gone too
@@ -318,10 +325,16 @@ def shrink(lost: set[int], sick_nodes: set[int], view: JobView, policy: Policy
         drop = set(lost) | {r for r, n in view.node_of.items() if n in sick_nodes}
     if not drop:
         return set(), "no rank lost"
-    if view.replica_groups:  # a sharded job: a lost rank's whole replica group leaves with it
+    if view.regrid_unit:  # its first dimension shrinks: a lost rank's whole block leaves
+        unit = view.regrid_unit
+        drop |= {r for d in set(drop) for r in range(d - d % unit, d - d % unit + unit)}
+        group = unit
+    elif view.replica_groups:  # a sharded job: a lost rank's whole replica group leaves with it
         drop |= {r for d in set(drop) for r in view.replica_groups.get(d, (d,))}
+        group = len(next(iter(view.replica_groups.values())))
+    else:
+        group = 1
     left = view.world - len(drop)
-    group = len(next(iter(view.replica_groups.values()))) if view.replica_groups else 1
     allowed = left - left % math.lcm(cfg.multiple_of, group)
     keep = sorted(r for r in range(view.world) if r not in drop)
     drop |= set(keep[allowed:])  # the highest ranks go too: the world stays an allowed size
@@ -330,6 +343,13 @@ def shrink(lost: set[int], sick_nodes: set[int], view: JobView, policy: Policy
                                        if cfg.multiple_of > 1 else "")
         return set(), f"{size} would be left, below the minimum of {cfg.min_world} (scale_in.min_world)"
     return drop, None
+
+
+def restarted(view: JobView, ranks: set[int]) -> set[int]:
+    """The ranks of a world that changes size which need new processes: every one, for a mesh
+    sharded along the dimension that changes (``regrid_unit``: its processes cannot be sharded
+    again, and the new ones cut their shards from the old); none otherwise (they go on live)."""
+    return set(ranks) if view.regrid_unit else set()
 
 
 def _prefer_shrink(replace: set[int], view: JobView, policy: Policy, counters: Counters,

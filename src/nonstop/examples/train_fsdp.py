@@ -105,7 +105,10 @@ def train(ctx):
     optimizer = ctx.state["optimizer"]
     for step in ctx.steps(args.steps):
         x, y = batch(step, ctx)
-        loss = F.mse_loss(model(x), y)
+        # the summed loss weighted so that the gradient FSDP2 averages over the ranks is the
+        # global batch's mean, however the batch splits (a world that shrank by one rank)
+        weight = ctx.world_size / (8 * ctx.full_world_size)
+        loss = F.mse_loss(model(x), y, reduction="sum") * weight
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

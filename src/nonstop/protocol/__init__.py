@@ -85,6 +85,9 @@ class Assign:
     world: int
     full_world: int = 0  # the world the job was started with (0: the same as world)
     reshard_from: int = 0  # sharded state was last trained at this other world size (0: same)
+    # the mesh is laid out over this world, not the full one: its first dimension shards the
+    # state (plain FSDP, FSDP x TP), so the job changes size only by new processes resharding it
+    regrid: bool = False
     worlds: dict[str, int] = dataclasses.field(default_factory=dict)  # recent gen -> world size
     replacements: int = 0  # times this rank was replaced
     initial: bool = False  # the job (re)starts: no rank holds state to agree on

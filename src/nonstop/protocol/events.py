@@ -138,6 +138,10 @@ class EnteredGeneration(RankEvent):
     # a mesh's replicated dimension (HSDP): the ranks of this rank's replica group (a whole
     # copy of the model, one shard each), itself included
     replica_group: list[int] | None = None
+    # a mesh whose first dimension shards the state and none replicates it (plain FSDP, FSDP x
+    # TP): the ranks per index of that dimension. The world changes by whole such blocks, every
+    # rank a new process resharding the state (its processes cannot be sharded again)
+    regrid_unit: int | None = None
     nccl: bool | None = None
     t_pg: float | None = None  # its group formed
     t_restored: float | None = None

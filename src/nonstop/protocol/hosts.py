@@ -152,6 +152,7 @@ class JournalRecord:
     next_wid: int = 0
     worlds: dict[int, int] = dataclasses.field(default_factory=dict)  # generation -> world size
     trained_world: int = 0
+    regrid_unit: int = 0  # a mesh sharded along its first dimension: the ranks per index of it
     counters: dict[str, Any] | None = None  # ladder.Counters.record()
     incidents: int = 0  # closed, the predecessors' too
     job: dict[str, Any] | None = None  # the whole job's account so far (Controller.job_so_far)
@@ -197,6 +198,7 @@ class JournalRecord:
                    next_wid=_int(data["next_wid"], "next_wid"),
                    worlds=_int_map(data["worlds"], "worlds"),
                    trained_world=_int(data["trained_world"], "trained_world"),
+                   regrid_unit=_int(data["regrid_unit"], "regrid_unit"),
                    counters=data["counters"], incidents=_int(data["incidents"], "incidents"),
                    job=job)
 

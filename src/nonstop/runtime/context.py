@@ -139,6 +139,7 @@ class Context:
                     if rt.monitor.regroup_due() and state.step < total:  # the world grows: leave here, between steps
                         from .registered import Regroup
 
+                        rt.before_regroup(state, self.rank, self.world_size, self.generation)
                         raise Regroup(self.generation)
             if rt is not None and state.step >= total:
                 rt.steps_done(state, self.rank, self.world_size, self.generation)

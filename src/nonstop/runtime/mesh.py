@@ -592,6 +592,16 @@ class JobMesh:
                 "whose ranks hold different plain tensors - a pipeline's stages - with "
                 "nonstop.Mesh(..., stages=NAME), and build copies from the same seed")
 
+    def regrid_unit(self, twins: tuple[int, ...] | None) -> int | None:
+        """For a mesh whose first dimension is the free one (-1) and shards the state, with no
+        dimension that replicates it: the ranks per index of that dimension (the block a
+        shrink drops and a growth adds). None otherwise: the world changes by whole replica
+        groups whose survivors go on live, or not at all."""
+        if twins is not None or self.split is None or 0 not in self.split \
+                or self.spec.shape[0] != -1 or self.spec.stages is not None or self.sizes is None:
+            return None
+        return math.prod(self.sizes[1:])
+
     def replica_group(self, twins: tuple[int, ...] | None) -> list[int] | None:
         """The ranks of this rank's replica group: those holding one shard each of a whole copy
         (the same coordinates along the dimensions its twins differ in - those every tensor is

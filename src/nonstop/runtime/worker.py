@@ -209,7 +209,10 @@ class WorkerRuntime:
                       on_fresh=(lambda: regrid.resume(state, rank, world, root, schedule))
                       if state.meshed and root is not None else None)
         zero = state.sharded and not state.meshed  # ZeRO-1 state: resharded at another world
-        old_world = reshard_from if zero else 0
+        # a mesh sharded along the dimension that changed (plain FSDP, FSDP x TP): every rank a
+        # new process, its new shards cut from every old one's (no twin holds them whole)
+        regridded = state.meshed and state.twins is None
+        old_world = reshard_from if zero or regridded else 0
         if zero and initial and not old_world:  # a new job: its checkpoint's size
             old_world = reshard.disk_world(root, world)
         resharded = bool(old_world) and old_world != world
@@ -217,9 +220,10 @@ class WorkerRuntime:
         if resharded:
             held = self.held
             live = (held[0], state.step, held[1]) if (has_state and not state.dirty
-                                                      and held is not None) else None
+                                                      and held is not None and zero) else None
             resumed = reshard.reshard(state, rank, world, worlds or {}, live, where, schedule,
-                                      prefer=old_world, agreed=agreed)
+                                      prefer=old_world, agreed=agreed,
+                                      load=regrid.load_boxes if regridded else None)
         else:
             resumed = restore(state, rank, world, has_state, where, schedule, agreed=agreed)
             resharded = "old_world" in resumed.agreed  # read from a checkpoint of another size
@@ -252,6 +256,25 @@ class WorkerRuntime:
                 self.emit(events.SnapshotFailed(gen=gen, rank=rank, step=state.step,
                                                 error=snaps.error))
         return spent
+
+    def before_regroup(self, state: Any, rank: int, world: int, gen: int,
+                       mid_step: bool = False) -> None:
+        """Leaving at a step boundary for a world of another size. A mesh that changes size
+        only by new processes (sharded along the dimension that changes) keeps this step in
+        its node's memory first: the new processes cut their shards from it, and lose none.
+        ``mid_step``: this rank was already in the next step when a peer left at the boundary
+        (its state is still the boundary's, its FSDP2 modules mid-step: set back to rest)."""
+        from ..state import shards
+
+        snaps = self.snapshots
+        mesh = self.job_mesh
+        if snaps is None or not self.registered or mesh is None or state.dirty or \
+                mesh.regrid_unit(state.twins) is None or snaps.last_step == state.step:
+            return
+        if mid_step:
+            shards.settle(state)
+        snaps.take(state, rank, world, gen)
+        snaps.settle()
 
     def steps_done(self, state: Any, rank: int, world: int, gen: int) -> None:
         """The training loop ended: the last step goes to disk if checkpoints are on."""

@@ -215,6 +215,8 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
                 # were still on their way when it was aborted, so they count for nothing
                 tracked.dirty = True
             rt.injector.in_recovery("teardown", rank, gen)
+            if rt.monitor.regroup == gen:  # a peer left for a larger world before this rank
+                rt.before_regroup(tracked, rank, world, gen, mid_step=True)
             if rt.job_mesh is not None:
                 rt.job_mesh.leave()
             # Torn down only now, outside the except block: while an exception is being handled
@@ -345,7 +347,9 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
             raise RuntimeError(f"generation {gen} was aborted before this rank joined")
         group.open(joined_store=lambda: rt.injector.in_recovery("rendezvous", rank, gen))
         if rt.job_mesh is not None:  # (the mesh's groups form in the rendezvous phase)
-            group.extend(lambda: rt.job_mesh.form(gen, rank, world, msg.full_world,
+            # (a mesh resharded at each size is laid out over this world, else the full one's)
+            group.extend(lambda: rt.job_mesh.form(gen, rank, world,
+                                                  world if msg.regrid else msg.full_world,
                                                   aborted=lambda: group.aborted,
                                                   abandoned=group.abandoned))
             if rt.job_mesh.state is None:  # the script shards its model: once per process
@@ -390,6 +394,7 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
             restore_phases=resumed.phases, sharded=tracked.sharded, nccl=group.nccl,
             replica_group=rt.job_mesh.replica_group(tracked.twins)
             if rt.job_mesh is not None else None,
+            regrid_unit=rt.job_mesh.regrid_unit(tracked.twins) if rt.job_mesh is not None else None,
             t_assigned=t_assigned, t_pg=t_pg, t_restored=t_restored,
             fds=len(os.listdir("/proc/self/fd")), threads=len(os.listdir("/proc/self/task")),
             rss_mb=_rss_mb()))

@@ -163,6 +163,97 @@ def _load(state: Any, root: Path, step: int) -> int:
     return packing.tensor_bytes(local)
 
 
+def load_boxes(state: Any, parts: list[dict[str, Any]]) -> None:
+    """Load into ``state`` this rank's new shards, cut from ``parts``: the state dicts of every
+    rank of the old world at one step (from node memory, a buddy, a disk part). Each new local
+    shard is the box of the whole tensor its DTensor covers, filled from the old shards' boxes
+    that overlap it; what is not sharded (step counters, hyperparameters) is the first part's.
+    Raises ShardMismatch when the old shards do not cover a new one exactly."""
+    first = parts[0]
+    if shards.KEY not in first:
+        raise shards.ShardMismatch(f"the old shards hold no {shards.KEY!r}: not a mesh's state")
+    old_paths = shards.check_paths(first[shards.KEY])
+    templates = _templates(state, old_paths)
+    pieces: dict[str, list[tuple[list[int], Any]]] = {}
+    for part in parts:
+        lay = shards.layout(part)
+        for name, paths in shards.check_paths(part[shards.KEY]).items():
+            for path in paths:
+                fqn = _fqn(name, path)
+                shape, offset = lay[fqn]
+                template = templates.get(fqn)
+                if template is not None and list(template.shape) != list(shape):
+                    raise shards.ShardMismatch(f"{fqn}: {tuple(shape)} in the old shards, "
+                                               f"{tuple(template.shape)} in this model")
+                pieces.setdefault(fqn, []).append((offset, _at(part[name], path, fqn)))
+    state.dirty = True  # half loaded, it is a copy of nothing
+    new_paths: dict[str, list[list[Any]]] = {}
+    for name, paths in old_paths.items():
+        for path in paths:
+            fqn = _fqn(name, path)
+            template = templates[fqn]
+            _put(first[name], path, _cut(fqn, template, pieces.get(fqn, [])), fqn)
+            new_paths.setdefault(name, []).append(
+                [path, list(template.shape), list(shards._offset(template))])
+    first[shards.KEY] = new_paths
+    load_into(state, first)
+
+
+def _cut(fqn: str, template: Any, pieces: list[tuple[list[int], Any]]) -> Any:
+    """This rank's local shard of ``template``'s whole tensor, copied from the old shards
+    (``pieces``: each one's offset in the whole tensor and its local tensor) that overlap it."""
+    import math
+
+    import torch
+
+    shape = tuple(template._local_tensor.shape)
+    at = shards._offset(template)
+    if not pieces:
+        raise shards.ShardMismatch(f"{fqn}: in no old shard")
+    out = torch.empty(shape, dtype=pieces[0][1].dtype)
+    covered, seen = 0, set()
+    for offset, piece in pieces:
+        box = (tuple(offset), tuple(piece.shape))
+        if box in seen:  # a copy of the same shard (a dimension that replicates it)
+            continue
+        seen.add(box)
+        lo = [max(a, o) for a, o in zip(at, offset)]
+        hi = [min(a + n, o + m) for a, n, o, m in zip(at, shape, offset, piece.shape)]
+        if any(low >= high for low, high in zip(lo, hi)):
+            continue
+        out[tuple(slice(low - a, high - a) for low, high, a in zip(lo, hi, at))] = \
+            piece[tuple(slice(low - o, high - o) for low, high, o in zip(lo, hi, offset))]
+        covered += math.prod(high - low for low, high in zip(lo, hi))
+    if covered != out.numel():
+        raise shards.ShardMismatch(f"{fqn}: the old shards cover {covered} of the {out.numel()} "
+                                   "elements of this rank's new shard")
+    return out
+
+
+def _key(node: Any, key: Any, fqn: str) -> Any:
+    """``key`` as ``node`` has it (an optimizer's parameter index may have become a str)."""
+    if isinstance(node, (list, tuple)):
+        return int(key)
+    if isinstance(node, dict):
+        if key in node:
+            return key
+        other = str(key) if isinstance(key, int) else int(key) if str(key).isdigit() else None
+        if other is not None and other in node:
+            return other
+    raise shards.ShardMismatch(f"{fqn}: no {key!r} in the old shard")
+
+
+def _at(node: Any, path: list[Any], fqn: str) -> Any:
+    for key in path:
+        node = node[_key(node, key, fqn)]
+    return node
+
+
+def _put(node: Any, path: list[Any], value: Any, fqn: str) -> None:
+    parent = _at(node, path[:-1], fqn)
+    parent[_key(parent, path[-1], fqn)] = value
+
+
 def _fqn(name: str, path: list[Any]) -> str:
     return ".".join(str(k) for k in [name, *path])
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ..protocol.keeper_messages import HolderEntry
 from . import checkpoint
@@ -110,10 +110,13 @@ def merge(shards: list[dict[str, Any]]) -> dict[str, Any]:
 # == carrying it out over the new group ==========================================================
 def reshard(state: Any, rank: int, world: int, worlds: dict[int, int],
             live: tuple[int, int, int] | None, where: Any, schedule: dict[str, Any] | None = None,
-            prefer: int = 0, agreed: Any = None) -> Any:
+            prefer: int = 0, agreed: Any = None,
+            load: Callable[[Any, list[dict[str, Any]]], Any] | None = None) -> Any:
     """Collective over the default group: every rank ends holding the merged shards of one step.
     ``live``: (old rank, step, world) of the clean shard this process holds, if any; ``worlds``:
-    the world size of each recent generation (its snapshots')."""
+    the world size of each recent generation (its snapshots'). ``load``: how this rank takes
+    its state from every old shard's (a mesh's: ``regrid.load_boxes``); by default, ZeRO-1's
+    merge, then the state of parameters this rank no longer owns dropped."""
     t0 = time.monotonic()
     listing = None
     if where.memory is not None:
@@ -143,9 +146,12 @@ def reshard(state: Any, rank: int, world: int, worlds: dict[int, int],
         raise NoConsistentState(f"no good copy of every shard after {MAX_ATTEMPTS} attempts; "
                                 f"failed: {said(skipped)}")
     t_moved = time.monotonic()
-    state.load_state_dict(staging.to_device(state, merge(shards)))
+    if load is None:
+        state.load_state_dict(staging.to_device(state, merge(shards)))
+        state.prune_unowned()
+    else:
+        load(state, shards)
     state.step, state.dirty = step, False
-    state.prune_unowned()
     kinds = {s.kind for s in sources}
     how = "+".join(k for k in _SOURCES if k in kinds) + ", resharded"  # e.g. "live+memory, ..."
     return RestoreResult(step, how, None, {r: how for r in range(world)},
