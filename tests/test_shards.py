@@ -247,3 +247,23 @@ def test_a_shards_offset_is_computed_once_per_mesh(world_of_one, monkeypatch):
     # ...at another place in it (its coordinate): computed for that place
     monkeypatch.setattr(type(model[0].weight.device_mesh), "get_coordinate", lambda self: [7])
     assert state.state_dict()[shards.KEY] == first and len(calls) == 8
+
+
+def test_a_new_shard_is_cut_from_the_old_shards_that_overlap_it_and_refused_if_not_covered():
+    """The arithmetic of resharding a running job (``regrid.cut``): rows 0..9 of a 10 x 2 tensor
+    were sharded over 3 old ranks (4, 4, 2 rows, FSDP2's chunks), one of them also held by a
+    twin; a new rank of 2 holds rows 5..9."""
+    from nonstop.state import regrid, shards
+
+    whole = torch.arange(20, dtype=torch.float32).view(10, 2)
+    old = [([0, 0], whole[0:4]), ([4, 0], whole[4:8]), ([4, 0], whole[4:8].clone()),
+           ([8, 0], whole[8:10])]
+    got = regrid.cut("w", (5, 2), (5, 0), old)
+    assert torch.equal(got, whole[5:10])
+    # column shards too (tensor parallel): the right half of rows 2..5
+    cols = [([0, 0], whole[:, :1]), ([0, 1], whole[:, 1:])]
+    assert torch.equal(regrid.cut("w", (4, 1), (2, 1), cols), whole[2:6, 1:])
+    with pytest.raises(shards.ShardMismatch, match="cover 6 of the 10"):
+        regrid.cut("w", (5, 2), (5, 0), old[:2])  # rows 8..9 in no old shard
+    with pytest.raises(shards.ShardMismatch, match="in no old shard"):
+        regrid.cut("w", (5, 2), (5, 0), [])

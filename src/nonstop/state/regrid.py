@@ -192,22 +192,24 @@ def load_boxes(state: Any, parts: list[dict[str, Any]]) -> None:
         for path in paths:
             fqn = _fqn(name, path)
             template = templates[fqn]
-            _put(first[name], path, _cut(fqn, template, pieces.get(fqn, [])), fqn)
+            _put(first[name], path, cut(fqn, tuple(template._local_tensor.shape),
+                                        shards._offset(template), pieces.get(fqn, [])), fqn)
             new_paths.setdefault(name, []).append(
                 [path, list(template.shape), list(shards._offset(template))])
     first[shards.KEY] = new_paths
     load_into(state, first)
 
 
-def _cut(fqn: str, template: Any, pieces: list[tuple[list[int], Any]]) -> Any:
-    """This rank's local shard of ``template``'s whole tensor, copied from the old shards
-    (``pieces``: each one's offset in the whole tensor and its local tensor) that overlap it."""
+def cut(fqn: str, shape: tuple[int, ...], at: tuple[int, ...] | list[int],
+        pieces: list[tuple[list[int], Any]]) -> Any:
+    """The box of a whole tensor at offset ``at`` of ``shape`` (this rank's new local shard),
+    copied from the old shards (``pieces``: each one's offset in the whole tensor and its local
+    tensor) that overlap it. Copies of one shard (a dimension that replicates it) count once;
+    raises ShardMismatch unless the old shards cover the box exactly."""
     import math
 
     import torch
 
-    shape = tuple(template._local_tensor.shape)
-    at = shards._offset(template)
     if not pieces:
         raise shards.ShardMismatch(f"{fqn}: in no old shard")
     out = torch.empty(shape, dtype=pieces[0][1].dtype)
