@@ -289,3 +289,10 @@ def test_such_a_mesh_grows_back_by_whole_blocks_every_rank_in_a_new_process():
     (_, carry) = cmds
     assert carry.decision.level is Level.SCALE_OUT and carry.placement == {2: 0, 3: 0}
     assert carry.decision.replace == {0, 1}  # the ranks that stay start again too
+
+
+def test_a_mesh_of_fixed_size_with_nothing_replicated_does_not_shrink_and_says_why():
+    fixed = dataclasses.replace(ONE_HOST, regrid_unit=-1)
+    d = decide([CRASH1], {1}, view=fixed, policy=pol(when="no_warm_spare"))
+    assert d.level is Level.REPLACE_RANK  # a new process for the rank, its shard from memory
+    assert "its size is fixed" in ladder.shrink({1}, set(), fixed, pol())[1]

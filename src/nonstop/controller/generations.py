@@ -160,7 +160,7 @@ class Generations:
         # (16,384 assignments built one by one took a tenth of a second)
         alike = protocol.mail_record(protocol.Assign(
             gen=gen, rank=0, world=self.world, full_world=self.target, reshard_from=reshard_from,
-            regrid=bool(self.regrid_unit), worlds=worlds, initial=initial, not_after=self.not_after,
+            regrid=self.regrid_unit > 0, worlds=worlds, initial=initial, not_after=self.not_after,
             claimed=claimed, **where))
         # a node that keeps working after losing its memory gets a new one - before its ranks
         # enter: their restore and their first snapshots find it (a snapshot into a memory

@@ -250,7 +250,8 @@ def _growth(s: JobState, seen: Seen, policy: Any) -> dict[int, int]:
     nodes = elastic.room(seen.node_of, seen.total_nodes, seen.slots, s.counters.isolated,
                          seen.ready_spares)
     groups = seen.replica_groups  # a sharded job comes back by whole replica groups
-    unit = seen.regrid_unit or (len(next(iter(groups.values()))) if groups else 1)
+    unit = seen.regrid_unit if seen.regrid_unit > 0 else \
+        len(next(iter(groups.values()))) if groups else 1
     return elastic.grow(len(seen.ranks), seen.target, nodes, policy, unit)
 
 

@@ -50,7 +50,8 @@ class Seen:
     ready_spares: dict[int, int] = dataclasses.field(default_factory=dict)  # node -> warm, ready
     # a sharded job's replica groups (rank -> its group's ranks), as the ranks said; read only
     replica_groups: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-    regrid_unit: int = 0  # a mesh sharded along its first dimension: the ranks per index of it
+    # a mesh sharded along its first dimension: the ranks per index of it (-1: its size fixed)
+    regrid_unit: int = 0
 
     @property
     def target(self) -> int:

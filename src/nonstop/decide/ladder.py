@@ -118,7 +118,8 @@ class JobView:
     replica_groups: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     # a mesh sharded along its first dimension, none replicating it (plain FSDP, FSDP x TP):
     # the ranks per index of that dimension (0: not such a job). Its world changes by whole
-    # blocks of them, and every rank of the new world is a new process (``restarted``)
+    # blocks of them, and every rank of the new world is a new process (``restarted``); -1: a
+    # mesh with no replicated dimension whose size is fixed (it cannot shrink)
     regrid_unit: int = 0
 
 
@@ -325,6 +326,9 @@ def shrink(lost: set[int], sick_nodes: set[int], view: JobView, policy: Policy
         drop = set(lost) | {r for r, n in view.node_of.items() if n in sick_nodes}
     if not drop:
         return set(), "no rank lost"
+    if view.regrid_unit < 0:
+        return set(), ("the mesh has no dimension that replicates the state and no free first "
+                       "dimension (-1) that shards it: its size is fixed")
     if view.regrid_unit:  # its first dimension shrinks: a lost rank's whole block leaves
         unit = view.regrid_unit
         drop |= {r for d in set(drop) for r in range(d - d % unit, d - d % unit + unit)}
@@ -349,7 +353,7 @@ def restarted(view: JobView, ranks: set[int]) -> set[int]:
     """The ranks of a world that changes size which need new processes: every one, for a mesh
     sharded along the dimension that changes (``regrid_unit``: its processes cannot be sharded
     again, and the new ones cut their shards from the old); none otherwise (they go on live)."""
-    return set(ranks) if view.regrid_unit else set()
+    return set(ranks) if view.regrid_unit > 0 else set()
 
 
 def _prefer_shrink(replace: set[int], view: JobView, policy: Policy, counters: Counters,

@@ -140,7 +140,8 @@ class EnteredGeneration(RankEvent):
     replica_group: list[int] | None = None
     # a mesh whose first dimension shards the state and none replicates it (plain FSDP, FSDP x
     # TP): the ranks per index of that dimension. The world changes by whole such blocks, every
-    # rank a new process resharding the state (its processes cannot be sharded again)
+    # rank a new process resharding the state (its processes cannot be sharded again); -1: a
+    # mesh with no replicated dimension that cannot change size at all
     regrid_unit: int | None = None
     nccl: bool | None = None
     t_pg: float | None = None  # its group formed

@@ -152,7 +152,8 @@ class JournalRecord:
     next_wid: int = 0
     worlds: dict[int, int] = dataclasses.field(default_factory=dict)  # generation -> world size
     trained_world: int = 0
-    regrid_unit: int = 0  # a mesh sharded along its first dimension: the ranks per index of it
+    # a mesh sharded along its first dimension: the ranks per index of it (-1: its size fixed)
+    regrid_unit: int = 0
     counters: dict[str, Any] | None = None  # ladder.Counters.record()
     incidents: int = 0  # closed, the predecessors' too
     job: dict[str, Any] | None = None  # the whole job's account so far (Controller.job_so_far)

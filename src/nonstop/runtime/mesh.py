@@ -595,11 +595,13 @@ class JobMesh:
     def regrid_unit(self, twins: tuple[int, ...] | None) -> int | None:
         """For a mesh whose first dimension is the free one (-1) and shards the state, with no
         dimension that replicates it: the ranks per index of that dimension (the block a
-        shrink drops and a growth adds). None otherwise: the world changes by whole replica
-        groups whose survivors go on live, or not at all."""
-        if twins is not None or self.split is None or 0 not in self.split \
-                or self.spec.shape[0] != -1 or self.spec.stages is not None or self.sizes is None:
+        shrink drops and a growth adds). -1 for a mesh with no replicated dimension that
+        cannot change size (no free dimension, or another one is free). None when the world
+        changes by whole replica groups whose survivors go on live."""
+        if twins is not None or self.split is None or self.sizes is None:
             return None
+        if 0 not in self.split or self.spec.shape[0] != -1 or self.spec.stages is not None:
+            return -1
         return math.prod(self.sizes[1:])
 
     def replica_group(self, twins: tuple[int, ...] | None) -> list[int] | None:
