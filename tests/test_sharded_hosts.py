@@ -43,6 +43,44 @@ def run_and_kill_a_host(j: HostJob, script, args, snapshot_every: int) -> int:
     return victim_node
 
 
+
+def kill_then_cut(j: HostJob, script, args, snapshot_every: int, pol: str, *flags: str) -> int:
+    """2 hosts of 2 ranks and a spare host train ``script``; at step 25 a job host that is not
+    the controller's is killed (its ranks go to the spare host), and at step 150 the other job
+    host that is not the controller's is cut off (no spare host is left: the job shrinks), fences
+    itself, is healed and joins again as a new host (the job grows back onto it). Returns the
+    killed host's node; the surviving hosts must have ended well, through a node replacement, a
+    scale-in and a scale-out."""
+    for i in range(3):
+        j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
+                "--snapshot-every", str(snapshot_every), "--policy", pol, *flags,
+                script=str(script),
+                script_args=[*args, "--sleep-ms", "25", "--save", str(j.base / "final.pt")])
+    j.wait_output("step 25 ", 120)
+    leader = j.of("leader")[0]
+    order = list(leader["hosts"])  # node order: the order the hosts joined
+    # neither fault strikes the controller's host (wherever the election put it)
+    victim_node = 1 if order[1] != leader["host"] else 0
+    killed = order[victim_node]
+    j.kill_host(int(killed.removeprefix("host")))
+    j.wait_output("incident 1 recovered", 60)
+    # the spare host holds the killed host's ranks now; cut the job host that is not the
+    # controller's (the first leader's list may predate the spare host's joining: all three by
+    # name)
+    (cut,) = [h for h in (f"host{i}" for i in range(3)) if h not in (killed, leader["host"])]
+    cut_i = int(cut.removeprefix("host"))
+    j.wait_output("step 150 ", 90)
+    j.hosts[cut_i].cut()
+    j.wait_output("fenced", 30, hosts=[cut_i])
+    j.hosts[cut_i].heal()  # it joins again, as a new host
+    codes = j.wait(180)
+    alive = {i: c for i, c in codes.items() if f"host{i}" != killed}
+    assert set(alive.values()) == {0}, "\n".join(j.output(i)[-3000:] for i in alive)
+    levels = [d["level"] for d in j.of("decision")]
+    assert levels == ["node replacement", "scale-in", "scale-out"], levels
+    return victim_node
+
+
 def test_an_hsdp_host_killed_whole_its_shards_come_from_their_twins_on_the_other_host(
         tmp_path, reference):
     """2 hosts of 2 ranks and a spare host; the mesh (2 replica groups x 2 shards) puts one
@@ -97,31 +135,7 @@ def test_a_pipeline_across_hosts_moves_to_the_spare_host_then_shrinks_without_on
 
     pol = policy_file(tmp_path, "recover:\n  levels:\n    scale_in: {when: no_warm_spare}\n")
     with HostJob(tmp_path / "job", 3) as j:
-        for i in range(3):
-            j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
-                    "--snapshot-every", "10", "--policy", pol, script=str(PP),
-                    script_args=[*PP_ARGS, "--sleep-ms", "25", "--save", str(j.base / "final.pt")])
-        j.wait_output("step 25 ", 120)
-        leader = j.of("leader")[0]
-        order = list(leader["hosts"])  # node order: the order the hosts joined
-        # neither fault strikes the controller's host (wherever the election put it)
-        killed = order[1] if order[1] != leader["host"] else order[0]
-        j.kill_host(int(killed.removeprefix("host")))
-        j.wait_output("incident 1 recovered", 60)
-        # the spare host holds the killed host's pipeline now; cut the job host that is not
-        # the controller's
-        # (the first leader's list may predate the spare host's joining: all three by name)
-        (cut,) = [h for h in (f"host{i}" for i in range(3)) if h not in (killed, leader["host"])]
-        cut_i = int(cut.removeprefix("host"))
-        j.wait_output("step 150 ", 90)
-        j.hosts[cut_i].cut()
-        j.wait_output("fenced", 30, hosts=[cut_i])
-        j.hosts[cut_i].heal()  # it joins again, as a new host
-        codes = j.wait(180)
-        alive = {i: c for i, c in codes.items() if f"host{i}" != killed}
-        assert set(alive.values()) == {0}, "\n".join(j.output(i)[-3000:] for i in alive)
-        levels = [d["level"] for d in j.of("decision")]
-        assert levels == ["node replacement", "scale-in", "scale-out"], levels
+        kill_then_cut(j, PP, PP_ARGS, 10, pol)
         first = j.of("incident")[0]
         assert first["steps_lost"] == 0, first
         (rest,) = [e for e in j.of("restore") if e["gen"] == 1]
@@ -162,29 +176,7 @@ def test_a_tensor_parallel_host_killed_then_another_cut_off_with_no_spare_host_l
 
     pol = policy_file(tmp_path, "recover:\n  levels:\n    scale_in: {when: no_warm_spare}\n")
     with HostJob(tmp_path / "job", 3) as j:
-        for i in range(3):
-            j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
-                    "--snapshot-every", "5", "--hang-timeout", "10", "--policy", pol,
-                    script=str(TWO_D), script_args=[*TWO_D_ARGS, "--sleep-ms", "25", "--save",
-                                                    str(j.base / "final.pt")])
-        j.wait_output("step 25 ", 120)
-        leader = j.of("leader")[0]
-        order = list(leader["hosts"])  # node order: the order the hosts joined
-        victim_node = 1 if order[1] != leader["host"] else 0
-        killed = order[victim_node]
-        j.kill_host(int(killed.removeprefix("host")))
-        j.wait_output("incident 1 recovered", 60)
-        (cut,) = [h for h in (f"host{i}" for i in range(3)) if h not in (killed, leader["host"])]
-        cut_i = int(cut.removeprefix("host"))
-        j.wait_output("step 150 ", 90)
-        j.hosts[cut_i].cut()
-        j.wait_output("fenced", 30, hosts=[cut_i])
-        j.hosts[cut_i].heal()  # it joins again, as a new host
-        codes = j.wait(180)
-        alive = {i: c for i, c in codes.items() if f"host{i}" != killed}
-        assert set(alive.values()) == {0}, "\n".join(j.output(i)[-3000:] for i in alive)
-        levels = [d["level"] for d in j.of("decision")]
-        assert levels == ["node replacement", "scale-in", "scale-out"], levels
+        victim_node = kill_then_cut(j, TWO_D, TWO_D_ARGS, 5, pol, "--hang-timeout", "10")
         first = j.of("incident")[0]
         assert first["steps_lost"] <= 5 + 1, first  # the interval, and a step in flight
         spawns = {e["wid"]: e["node"] for e in j.of("spawn")}
