@@ -12,7 +12,7 @@ import time
 import pytest
 from conftest import TRAIN, policy_file
 
-from nonstop.protocol.hosts import host_key
+from nonstop.protocol.hosts import JOURNAL, host_key
 from nonstop.store.etcd import Etcd, parse_endpoints
 from nonstop.store.etcd_server import EtcdCluster
 
@@ -89,14 +89,19 @@ def test_bad_rendezvous_flags(tmp_path, flags, secret, says):
 
 def test_a_host_the_job_has_no_room_for_a_host_with_another_secret_or_other_settings(tmp_path,
                                                                                    etcd):
+    # (leases of 5 s: while two hosts import torch at once on a loaded machine, one of them
+    # could miss its 2 s lease - then it is gone, and a third host rightly takes its place)
+    pol = policy_file(tmp_path, "hosts:\n  lease_ttl_s: 5\n")
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", etcd.url,
-              "--rdzv-id", "full"]
+              "--rdzv-id", "full", "--policy", pol]
     a, b = launch(tmp_path, "a", *common), launch(tmp_path, "b", *common)
     try:
-        # the job is up once both are registered: a third host has no place in it
+        # the job is up once both are registered and its controller has published its first
+        # generation (the journal): a third host has no place in it
         store = Etcd(parse_endpoints(etcd.url), "full")
-        deadline = time.time() + 30
-        while len(store.get_prefix("hosts/")) < 2 and time.time() < deadline:
+        deadline = time.time() + 60
+        while (len(store.get_prefix("hosts/")) < 2 or store.get(JOURNAL)[0] is None) \
+                and time.time() < deadline:
             time.sleep(0.1)
         store.close()
         assert a.poll() is None and b.poll() is None

@@ -340,3 +340,32 @@ def test_a_2d_job_without_a_spare_shrinks_by_a_tensor_parallel_group_and_grows_b
     assert run.summary["steps_lost"] == 0
     diff = max_rel_diff(out, reference(4, *args, script=TWO_D))
     assert diff < TOLERANCE, diff
+
+
+@pytest.mark.integration
+def test_a_shrunk_hsdp_job_whose_last_group_loses_a_rank_restarts_from_the_full_worlds_copies(
+        tmp_path, reference):
+    """HSDP, 2 replica groups of 2, no spare, rank replacement off and one scale-in allowed:
+    rank 0 is killed at step 10 and its group leaves (the other goes on at world 2); the new
+    rank 1 is killed while it enters that generation, so its part is nowhere in this world (no
+    twin left, no snapshot of world 2 yet). The job restarts at world 2, and each rank takes
+    its part from the full world's snapshot of step 10 held by an old rank at the same shard
+    position, in node memory: nothing lost. Before, the copies of the other world size were
+    offered, refused one by one, and the job started again from step 0 without a word. The
+    run ends within the elastic oracle's tolerance of the fault-free run."""
+    from conftest import policy_file
+    from elastic_oracle import TOLERANCE, max_rel_diff
+
+    pol = policy_file(tmp_path, "recover:\n  levels:\n    rank_replacement: {enabled: false}\n"
+                                "    scale_in:\n      when: no_warm_spare\n"
+                                "      grow_after_s: 1000\n      budget: 1\n")
+    args = ("--steps", "20", "--dim", "16", "--blocks", "1", "--sleep-ms", "30")
+    run, out = train(tmp_path, "--spares=0", f"--policy={pol}", "--snapshot-every=5",
+                     "--inject=crash:rank=0,step=10;crash:rank=1,at=restore,gen=1", args=args,
+                     world=4, script=HSDP)
+    assert [d["level"] for d in run.of("decision")] == ["scale-in", "job restart"]
+    (again,) = [r for r in run.of("restore") if r["gen"] == 2]
+    assert again["step"] == 10 and set(again["sources"].values()) == {"memory, resharded"}
+    assert run.summary["steps_lost"] == 0
+    diff = max_rel_diff(out, reference(4, *args, script=HSDP))
+    assert diff < TOLERANCE, diff

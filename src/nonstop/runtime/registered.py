@@ -87,6 +87,9 @@ class State:
         # a pipeline's mesh: the twins of a job of another size (world -> which stage each of
         # its ranks held), to read a checkpoint written at that size; None: not a pipeline
         self.stage_twins: Callable[[int], tuple[int, ...] | None] | None = None
+        # any mesh's: the twins of a job of another size (world -> which part each of its ranks
+        # held), to take a part from an old rank that held it
+        self.twins_at: Callable[[int], tuple[int, ...] | None] | None = None
         self.step = 0  # steps completed
         self.dirty = False  # an optimizer stepped inside a step that has not completed
         self.check_finite = False  # set by the runtime from the policy

@@ -193,21 +193,44 @@ class WorkerRuntime:
         """Bring this rank to the step every rank agrees on, from the cheapest source; sharded
         state last trained at another world size is merged from every old shard."""
         from ..state import regrid, reshard
-        from ..state.restore import Where, restore
+        from ..state.restore import NoConsistentState, Where, restore
 
         snaps = self.snapshots if self.registered else None
         if snaps is not None:  # a staged snapshot still in flight is committed (or given up)
             snaps.settle()
         root = snaps.root if snaps is not None else None
         schedule = snaps.schedule() if snaps is not None else None
+        agreed = lambda: self.injector.in_recovery("restore", rank, gen)  # noqa: E731
+
+        def from_twins() -> Any:
+            """Not every part of this world is anywhere (a mesh with twins - HSDP, a pipeline -
+            that shrank, then lost a rank with no copy of its part at the new size): each
+            rank's part from an old rank of another world size that held the same one, in node
+            memory. Collective; None when that cannot be done either."""
+            other = any(w != world for w in (worlds or {}).values())
+            if not other or not_after is not None or state.twins is None \
+                    or state.twins_at is None or snaps is None:
+                return None
+            try:
+                return reshard.reshard(state, rank, world, worlds or {}, None, where, schedule,
+                                       agreed=agreed, load=regrid.twin_loader(rank))
+            except NoConsistentState:
+                return None
+
+        def fresh() -> Any:
+            """Nothing of this world anywhere: an old world's parts, or a checkpoint of another
+            size."""
+            other = from_twins()
+            if other is not None:
+                return other
+            return regrid.resume(state, rank, world, root, schedule) if root is not None else None
+
         where = Where(memory=self.node_memory if snaps is not None else None,
                       checkpoint_root=root, sharded=state.sharded, twins=state.twins,
-                      world=world,
+                      world=world, worlds=dict(worlds or {}),
                       not_after=not_after,
                       compare=snaps is not None and snaps.digests is not None,
-                      # nothing of this world anywhere: a checkpoint of another size?
-                      on_fresh=(lambda: regrid.resume(state, rank, world, root, schedule))
-                      if state.meshed and root is not None else None)
+                      on_fresh=fresh if state.meshed else None)
         zero = state.sharded and not state.meshed  # ZeRO-1 state: resharded at another world
         # a mesh sharded along the dimension that changed (plain FSDP, FSDP x TP): every rank a
         # new process, its new shards cut from every old one's (no twin holds them whole)
@@ -216,7 +239,6 @@ class WorkerRuntime:
         if zero and initial and not old_world:  # a new job: its checkpoint's size
             old_world = reshard.disk_world(root, world)
         resharded = bool(old_world) and old_world != world
-        agreed = lambda: self.injector.in_recovery("restore", rank, gen)  # noqa: E731
         if resharded:
             held = self.held
             live = (held[0], state.step, held[1]) if (has_state and not state.dirty
@@ -225,8 +247,13 @@ class WorkerRuntime:
                                       prefer=old_world, agreed=agreed,
                                       load=regrid.load_boxes if regridded else None)
         else:
-            resumed = restore(state, rank, world, has_state, where, schedule, agreed=agreed)
-            resharded = "old_world" in resumed.agreed  # read from a checkpoint of another size
+            try:
+                resumed = restore(state, rank, world, has_state, where, schedule, agreed=agreed)
+            except NoConsistentState:  # (alike on every rank: the same offers)
+                resumed = from_twins() if state.meshed else None
+                if resumed is None:
+                    raise
+            resharded = "old_world" in resumed.agreed  # read from another size
         self.held = (rank, world)
         if snaps is not None:
             snaps.adopt(resumed.agreed["schedules"], resumed.step, resumed.agreed["disk"])

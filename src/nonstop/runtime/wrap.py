@@ -366,6 +366,7 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
                 _attach(rt, tracked)
                 phase = "rendezvous"
             tracked.twins = rt.job_mesh.twins(tracked)  # of this generation's world
+            tracked.twins_at = rt.job_mesh.twins_at
             if rt.job_mesh.spec.stages is not None:
                 tracked.stage_twins = rt.job_mesh.twins_at
             if gen == 0:  # every rank built its state from the script: copies must agree

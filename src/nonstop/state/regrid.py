@@ -200,6 +200,21 @@ def load_boxes(state: Any, parts: list[dict[str, Any]]) -> None:
     load_into(state, first)
 
 
+def twin_loader(rank: int) -> Any:
+    """How rank ``rank`` of a mesh with twins (HSDP's replicas, a pipeline's data-parallel
+    groups) takes its state from every old rank's, of another world size: whole, from an old
+    rank that held the same part (the same coordinates along the dimensions that split it)."""
+    def load(state: Any, parts: list[dict[str, Any]]) -> None:
+        old, new = state.twins_at(len(parts)), state.twins
+        if old is None or new is None or new[rank] not in old:
+            raise shards.ShardMismatch(f"no rank of the old world of {len(parts)} held rank "
+                                       f"{rank}'s part")
+        state.dirty = True  # half loaded, it is a copy of nothing
+        load_into(state, parts[old.index(new[rank])])
+
+    return load
+
+
 def cut(fqn: str, shape: tuple[int, ...], at: tuple[int, ...] | list[int],
         pieces: list[tuple[list[int], Any]]) -> Any:
     """The box of a whole tensor at offset ``at`` of ``shape`` (this rank's new local shard),

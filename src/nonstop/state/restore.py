@@ -54,6 +54,9 @@ class Where:
     sharded: bool = False
     twins: tuple[int, ...] | None = None  # sharded: which shard each rank holds (HSDP's twins)
     world: int = 0  # sharded: a copy taken at another world size is no copy of this rank's shard
+    # recent generations' world sizes (a snapshot's is its generation's): sharded, the copies
+    # of another world are not offered (only a reshard reads them)
+    worlds: dict[int, int] = dataclasses.field(default_factory=dict)
     not_after: int | None = None  # no state newer than this step is offered (silent corruption)
     compare: bool = False  # live states of one step are compared (digests) before one is copied
     # when no rank holds any state of this world (a fresh start): another source to try first,
@@ -70,6 +73,8 @@ def _offer(state: Any, rank: int, has_state: bool, where: Where) -> tuple[Offer,
     if where.memory is not None:
         try:
             listing = where.memory.listing()
+            if where.sharded and where.world and where.worlds:  # this world's copies only
+                listing = _of_world(listing, where.worlds, where.world)
             memory = tuple(where.memory.steps(mem.own(rank), listing))
             for name in listing:
                 if name.startswith("rep"):
@@ -103,6 +108,19 @@ def _offer(state: Any, rank: int, has_state: bool, where: Where) -> tuple[Offer,
         disk = [x for x in disk if x <= cap]
         kept_step = kept_step if kept_step is not None and kept_step <= cap else None
     return Offer(live, memory, replicas, tuple(disk), kept_step, neighbours), problems
+
+
+def _of_world(listing: dict[str, Any], worlds: dict[int, int], world: int) -> dict[str, Any]:
+    """A node memory's listing without the snapshots taken at another world size (those of a
+    generation too old to be known are kept: their check refuses them if they are)."""
+    out = {}
+    for name, entry in listing.items():
+        if entry:
+            slots = [s if s is None or worlds.get(s.gen, world) == world else None
+                     for s in entry.slots]
+            entry = dataclasses.replace(entry, slots=slots)
+        out[name] = entry
+    return out
 
 
 def _kept(where: Where, rank: int) -> tuple[int, int, int, bytes, Any] | None:
@@ -202,8 +220,14 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
         other = where.on_fresh()  # (the same offers on every rank: all take this way, or none)
         if other is not None:
             return other
+    trained = any(_steps_past_start(o) for o in offers)
     for attempt in range(MAX_ATTEMPTS):
         p = planning.plan(offers, where.sharded, where.twins)
+        if p.fresh and trained:
+            # every copy of the trained state was refused: starting from step 0 would lose the
+            # whole run without a word - new processes (a coarser level) must start instead
+            raise NoConsistentState("every copy of the trained state was refused: "
+                                    f"{said(skipped)}")
         nbytes, failure = _execute(p, offers, state, rank, where)
         t_moved = time.monotonic()
         statuses = _all_gather_json(failure, world)
