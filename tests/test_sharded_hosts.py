@@ -112,10 +112,6 @@ PP = EXAMPLES / "train_pp.py"
 PP_ARGS = ("--steps", "400", "--dim", "8", "--blocks", "1")
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known weak (seen once in 3 suite runs): after the cut, the shrunk world of 2 was restarted "
-    "from the buddies' copies of the 4-rank world, which a 2-rank restore refuses; job restarts "
-    "until the job fails"))
 def test_a_pipeline_across_hosts_moves_to_the_spare_host_then_shrinks_without_one(tmp_path,
                                                                                    reference):
     """(dp, pp) = (2, 2) on 2 hosts of 2 ranks and a spare host: one data-parallel group - a
