@@ -20,49 +20,44 @@ HSDP = EXAMPLES / "train_hsdp.py"
 ARGS = ("--steps", "90", "--dim", "16", "--blocks", "1")
 
 
-def run_and_kill_a_host(j: HostJob, script, args, snapshot_every: int) -> int:
-    """2 hosts of 2 ranks and a spare host train ``script``; at step 25 the host of the node
-    that does not hold the controller is killed whole, and the job runs to its end there.
-    Returns that node; the surviving hosts must have ended well. (No hang is injected: a fixed
-    10 s hang timeout keeps a step slowed by a loaded machine from counting as one - the 1 s
-    floor of the tuned timeout once did, after the recovery, and made a second generation.)"""
+def start_and_kill(j: HostJob, script, args, sleep_ms: int, *flags: str
+                   ) -> tuple[int, str, dict]:
+    """2 hosts of 2 ranks and a spare host train ``script``; at step 25 the job host that does
+    not hold the controller (wherever the election put it) is killed whole. Returns its node,
+    its name and the first leader's record."""
     for i in range(3):
-        j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
-                "--snapshot-every", str(snapshot_every), "--hang-timeout", "10",
-                script=str(script),
-                script_args=[*args, "--sleep-ms", "15", "--save", str(j.base / "final.pt")])
+        j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", *flags,
+                script=str(script), script_args=[*args, "--sleep-ms", str(sleep_ms), "--save",
+                                                 str(j.base / "final.pt")])
     j.wait_output("step 25 ", 120)
     leader = j.of("leader")[0]
     order = list(leader["hosts"])  # node order: the order the hosts joined
     victim_node = 1 if order[1] != leader["host"] else 0
-    victim = order[victim_node]
-    j.kill_host(int(victim.removeprefix("host")))
+    j.kill_host(int(order[victim_node].removeprefix("host")))
+    return victim_node, order[victim_node], leader
+
+
+def run_and_kill_a_host(j: HostJob, script, args, snapshot_every: int) -> int:
+    """``start_and_kill``, then the job runs to its end. Returns the killed node; the surviving
+    hosts must have ended well. (No hang is injected: a fixed 10 s hang timeout keeps a step
+    slowed by a loaded machine from counting as one - the 1 s floor of the tuned timeout once
+    did, after the recovery, and made a second generation.)"""
+    victim_node, victim, _ = start_and_kill(j, script, args, 15, "--snapshot-every",
+                                            str(snapshot_every), "--hang-timeout", "10")
     codes = j.wait(150)
     alive = {i: c for i, c in codes.items() if f"host{i}" != victim}
     assert set(alive.values()) == {0}, "\n".join(j.output(i)[-3000:] for i in alive)
     return victim_node
 
 
-
 def kill_then_cut(j: HostJob, script, args, snapshot_every: int, pol: str, *flags: str) -> int:
-    """2 hosts of 2 ranks and a spare host train ``script``; at step 25 a job host that is not
-    the controller's is killed (its ranks go to the spare host), and at step 150 the other job
-    host that is not the controller's is cut off (no spare host is left: the job shrinks), fences
-    itself, is healed and joins again as a new host (the job grows back onto it). Returns the
-    killed host's node; the surviving hosts must have ended well, through a node replacement, a
-    scale-in and a scale-out."""
-    for i in range(3):
-        j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
-                "--snapshot-every", str(snapshot_every), "--policy", pol, *flags,
-                script=str(script),
-                script_args=[*args, "--sleep-ms", "25", "--save", str(j.base / "final.pt")])
-    j.wait_output("step 25 ", 120)
-    leader = j.of("leader")[0]
-    order = list(leader["hosts"])  # node order: the order the hosts joined
-    # neither fault strikes the controller's host (wherever the election put it)
-    victim_node = 1 if order[1] != leader["host"] else 0
-    killed = order[victim_node]
-    j.kill_host(int(killed.removeprefix("host")))
+    """``start_and_kill`` (the killed host's ranks go to the spare host), then at step 150 the
+    other job host that is not the controller's is cut off (no spare host is left: the job
+    shrinks), fences itself, is healed and joins again as a new host (the job grows back onto
+    it). Returns the killed host's node; the surviving hosts must have ended well, through a
+    node replacement, a scale-in and a scale-out."""
+    victim_node, killed, leader = start_and_kill(j, script, args, 25, "--snapshot-every",
+                                                 str(snapshot_every), "--policy", pol, *flags)
     j.wait_output("incident 1 recovered", 60)
     # the spare host holds the killed host's ranks now; cut the job host that is not the
     # controller's (the first leader's list may predate the spare host's joining: all three by
