@@ -216,3 +216,25 @@ def test_a_twin_is_never_taken_from_another_shard_position():
 def test_twins_must_name_every_rank():
     with pytest.raises(ValueError, match="2 ranks, not of 3"):
         plan([Offer(live=1)] * 3, sharded=True, twins=(0, 1))
+
+
+def test_a_sharded_restore_lists_only_the_snapshots_of_its_own_world_size():
+    """A node memory's listing, as a sharded restore sees it: a snapshot counts for the world
+    size of the generation it was taken in, and one of another size is left out (only a
+    reshard reads it); one of a generation too old to be known stays (its check decides)."""
+    from nonstop.protocol.keeper_messages import HolderEntry
+    from nonstop.state.restore import _of_world
+    from nonstop.state.shm import SlotInfo
+
+    def slot(step, gen):
+        return SlotInfo(seq=step, step=step, meta_len=1, data_len=1, checksum=0, written_at=0.0,
+                        rank=0, gen=gen)
+
+    listing = {"r0": HolderEntry(slots=[slot(10, 0), slot(12, 1)], replicated_step=None,
+                                 repl_s=None, repl_error=None, buddy=None),
+               "r1": HolderEntry(slots=[slot(5, 7), None], replicated_step=None, repl_s=None,
+                                 repl_error=None, buddy=None)}
+    mine = _of_world(listing, {0: 4, 1: 2}, 2)
+    assert [s.step if s else None for s in mine["r0"].slots] == [None, 12]
+    assert [s.step if s else None for s in mine["r1"].slots] == [5, None]  # gen 7: unknown
+    assert [s.step for s in listing["r0"].slots] == [10, 12]  # the listing itself unchanged
