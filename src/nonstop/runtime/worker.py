@@ -296,7 +296,7 @@ class WorkerRuntime:
         snaps = self.snapshots
         mesh = self.job_mesh
         if snaps is None or not self.registered or mesh is None or state.dirty or \
-                mesh.regrid_unit(state.twins) is None or snaps.last_step == state.step:
+                (mesh.regrid_unit(state.twins) or 0) <= 0 or snaps.last_step == state.step:
             return
         if mid_step:
             shards.settle(state)
