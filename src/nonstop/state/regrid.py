@@ -185,17 +185,18 @@ def load_boxes(state: Any, parts: list[dict[str, Any]]) -> None:
                 if template is not None and list(template.shape) != list(shape):
                     raise shards.ShardMismatch(f"{fqn}: {tuple(shape)} in the old shards, "
                                                f"{tuple(template.shape)} in this model")
-                pieces.setdefault(fqn, []).append((offset, _at(part[name], path, fqn)))
+                pieces.setdefault(fqn, []).append((offset,
+                                                   shards.value_at(part[name], path, fqn)))
     state.dirty = True  # half loaded, it is a copy of nothing
     new_paths: dict[str, list[list[Any]]] = {}
     for name, paths in old_paths.items():
         for path in paths:
             fqn = _fqn(name, path)
             template = templates[fqn]
-            _put(first[name], path, cut(fqn, tuple(template._local_tensor.shape),
-                                        shards._offset(template), pieces.get(fqn, [])), fqn)
-            new_paths.setdefault(name, []).append(
-                [path, list(template.shape), list(shards._offset(template))])
+            at = shards._offset(template)
+            new = cut(fqn, tuple(template._local_tensor.shape), at, pieces.get(fqn, []))
+            shards.replace_at(first[name], path, lambda _, v=new: v, fqn)
+            new_paths.setdefault(name, []).append([path, list(template.shape), list(at)])
     first[shards.KEY] = new_paths
     load_into(state, first)
 
@@ -245,30 +246,6 @@ def cut(fqn: str, shape: tuple[int, ...], at: tuple[int, ...] | list[int],
         raise shards.ShardMismatch(f"{fqn}: the old shards cover {covered} of the {out.numel()} "
                                    "elements of this rank's new shard")
     return out
-
-
-def _key(node: Any, key: Any, fqn: str) -> Any:
-    """``key`` as ``node`` has it (an optimizer's parameter index may have become a str)."""
-    if isinstance(node, (list, tuple)):
-        return int(key)
-    if isinstance(node, dict):
-        if key in node:
-            return key
-        other = str(key) if isinstance(key, int) else int(key) if str(key).isdigit() else None
-        if other is not None and other in node:
-            return other
-    raise shards.ShardMismatch(f"{fqn}: no {key!r} in the old shard")
-
-
-def _at(node: Any, path: list[Any], fqn: str) -> Any:
-    for key in path:
-        node = node[_key(node, key, fqn)]
-    return node
-
-
-def _put(node: Any, path: list[Any], value: Any, fqn: str) -> None:
-    parent = _at(node, path[:-1], fqn)
-    parent[_key(parent, path[-1], fqn)] = value
 
 
 def _fqn(name: str, path: list[Any]) -> str:

@@ -132,18 +132,29 @@ def _like(value: Any, template: Any, what: str) -> Any:
                               shape=template.shape, stride=template.stride())
 
 
-def _set(root: Any, path: list[Any], fn: Any, what: str) -> Any:
+def replace_at(root: Any, path: list[Any], fn: Any, what: str) -> Any:
     """``root`` with the value at ``path`` replaced by ``fn(value)`` (containers rebuilt along
     the path only: the loaded tree is ours to change)."""
     if not path:
         return fn(root)
-    key, rest = path[0], path[1:]
+    _check_key(root, path[0], what)
+    root[path[0]] = replace_at(root[path[0]], path[1:], fn, what)
+    return root
+
+
+def value_at(root: Any, path: list[Any], what: str) -> Any:
+    """The value at ``path`` of a state dict (a shard kept there)."""
+    for key in path:
+        _check_key(root, key, what)
+        root = root[key]
+    return root
+
+
+def _check_key(root: Any, key: Any, what: str) -> None:
     if isinstance(root, dict) and key in root:
-        root[key] = _set(root[key], rest, fn, what)
-        return root
+        return
     if isinstance(root, list) and isinstance(key, int) and 0 <= key < len(root):
-        root[key] = _set(root[key], rest, fn, what)
-        return root
+        return
     raise ShardMismatch(f"{what}: no {key!r} where a shard was kept")
 
 
@@ -275,7 +286,7 @@ def globalize(name: str, obj: Any, part: Any, paths: list[list[Any]]) -> Any:
         for path in paths:
             what = f"{name}.{'.'.join(str(p) for p in path)}"
             template = state_param(obj, path, what)
-            part = _set(part, path, lambda v, t=template, w=what: _like(v, t, w), what)
+            part = replace_at(part, path, lambda v, t=template, w=what: _like(v, t, w), what)
         return part
     raise ShardMismatch(f"{name}: a {type(obj).__name__} holding DTensors cannot be kept yet "
                         "(only modules and optimizers can)")
