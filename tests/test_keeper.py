@@ -267,3 +267,27 @@ def test_a_snapshot_goes_to_disk_as_a_dcp_part(keepers, tmp_path):
     checkpoint.finalize(tmp_path, 10, {0: km.encode(msg.part)}, world=1, sharded=False)
     sd, info = checkpoint.read_part(tmp_path, 10, 0)
     assert info["step"] == 10 and torch.equal(sd["model"]["weight"], model.weight.detach())
+
+
+def test_a_keeper_that_only_answers_slowly_is_alive_one_on_its_way_out_is_not(keepers):
+    """The controller's probe after a node's ranks die (``KeeperLink.answers``): a keeper
+    stopped (not answering) is alive; killed, it is not - nor is a process in its exit, or a
+    zombie, whose sockets may still be open (``pids.dying``)."""
+    from nonstop.pids import dying
+
+    mem = keepers(0)
+    link = wire.KeeperLink(mem.name)
+    pid = link.client.pid
+    assert link.answers(0.3) and not dying(pid) and not dying(os.getpid())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        assert link.answers(0.3) and not dying(pid)  # slow is alive
+    finally:
+        os.kill(pid, signal.SIGKILL)  # a stopped process dies of it too
+    wait_for(lambda: dying(pid))
+    assert not link.answers(0.3)
+    link.close()
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    wait_for(lambda: dying(child.pid))  # exited, not yet reaped: a zombie
+    assert os.waitpid(child.pid, os.WNOHANG) != (0, 0)
+    assert dying(child.pid)  # reaped: gone

@@ -16,3 +16,24 @@ def pid_alive(pid: int) -> bool:
     except OverflowError:
         return False
     return True
+
+
+PF_EXITING = 0x4  # the kernel's flag of a process inside its exit (include/linux/sched.h)
+
+
+def dying(pid: int) -> bool:
+    """Whether the process is gone or on its way out: a zombie, or killed and still releasing
+    its memory (which can take a while on a loaded machine, its sockets open until then). Read
+    from ``/proc/PID/stat``; False where that cannot be read for another reason."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    except OSError:
+        return False
+    fields = stat[stat.rfind(b")") + 2:].split()  # after the name, which may hold spaces
+    try:
+        return fields[0] in (b"Z", b"X", b"x") or bool(int(fields[6]) & PF_EXITING)
+    except (IndexError, ValueError):
+        return False

@@ -140,18 +140,24 @@ class KeeperLink:
             self.call(request)  # a keeper of this host answers at once
 
     def answers(self, timeout_s: float) -> bool:
-        """False once the keeper's connection has ended (it died); a slow answer counts as alive.
-        Asked on a connection of its own: a late answer must not become another request's."""
+        """False once the keeper's connection has ended (it died); a slow answer counts as alive,
+        unless its process is on its way out (killed, still releasing its memory: its sockets
+        stay open until then). Asked on a connection of its own: a late answer must not become
+        another request's."""
+        from ..pids import dying
+
+        if dying(self.client.pid):
+            return False
         try:
             probe = Client(self.client.name, timeout_s=timeout_s)
         except TimeoutError:
-            return True
+            return not dying(self.client.pid)
         except OSError:
             return False
         try:
             probe.call(km.Ping())
         except TimeoutError:
-            return True
+            return not dying(self.client.pid)
         except (OSError, ConnectionError):
             return False
         except KeeperError:
