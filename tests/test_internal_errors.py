@@ -48,14 +48,17 @@ def test_state_nonstop_cannot_keep_is_told_nonstops(tmp_path):
 
 
 @pytest.mark.integration
-def test_a_mesh_the_script_built_itself_stops_the_job_with_advice(tmp_path):
+@pytest.mark.parametrize("unguarded", [False, True], ids=["once", "every-entry"])
+def test_a_mesh_the_script_built_itself_stops_the_job_with_advice(tmp_path, unguarded):
     """An FSDP2 script that builds its mesh and shards its model inside the wrapped function
     trains, but its mesh's groups end with the first generation: after a crash the job stops at
     once (exit 2, one line) saying what to change, instead of failing in a collective on the
-    dead groups and retrying."""
+    dead groups and retrying. Sharding at every entry, a survivor meets FSDP2's refusal to
+    shard a module twice first: that too is the setup to change, not the user's error to retry
+    in place (it failed alike each time, then stopped on the user-error budget)."""
     run = run_nonstop(tmp_path / "run", "--nproc=2", "--spares=1", "--inject",
                       "crash:rank=1,step=8", str(SCRIPTS / "fsdp_naive.py"), "--steps", "16",
-                      timeout=180)
+                      *(["--unguarded"] if unguarded else []), timeout=180)
     assert run.code == 2, run.stdout[-3000:] + run.stderr[-3000:]
     # (a survivor's collective may fail on the dead peer before it hears: a 'peer' symptom)
     assert {f["kind"] for f in run.of("fault")} - {"peer"} == {"crash", "setup"}

@@ -1,6 +1,7 @@
 """An FSDP2 script written as a new user first writes it: the mesh and fully_shard inside the
 wrapped function, the module registered with nonstop.State. It trains, but its mesh's groups end
-with their generation: after a fault nonstop must say what to change (nonstop.Mesh)."""
+with their generation: after a fault nonstop must say what to change (nonstop.Mesh). With
+``--unguarded`` a survivor's second entry meets FSDP2's refusal to shard a module twice first."""
 
 import argparse
 
@@ -13,6 +14,8 @@ import nonstop
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=20)
+p.add_argument("--unguarded", action="store_true",
+               help="shard at every entry of the wrapped function, as a first draft would")
 args = p.parse_args()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
@@ -21,7 +24,8 @@ state = nonstop.State(model=model)
 
 @nonstop.wrap(state)
 def train(ctx):
-    if not getattr(model, "_sharded_by_script", False):  # (once: fully_shard takes a module once)
+    if args.unguarded or not getattr(model, "_sharded_by_script", False):  # (fully_shard takes
+        # a module once per process)
         fully_shard(model, mesh=init_device_mesh("cpu", (ctx.world_size,)))
         model._sharded_by_script = True
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

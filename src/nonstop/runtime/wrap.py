@@ -411,6 +411,13 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure leads to the next generation
         t_caught = time.time()
+        if phase == "train" and rt.entries > 1 and shards.applied_twice(exc):
+            # the script shards its model in the wrapped function, which runs again in every
+            # survivor after a recovery: it cannot (FSDP2 takes a module once per process), and
+            # a retry would meet the same - the script must change
+            exc = ScriptSetupError("the training function ran again after a recovery and "
+                                   "sharded its model a second time (FSDP2 shards a module once "
+                                   f"per process): {shards.MESH_ADVICE}")
         if phase == "build":
             _build_failed(rt, group, exc, gen, rank, tracked.step)
         cuda = of_exception(exc)

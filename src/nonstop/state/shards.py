@@ -42,6 +42,12 @@ def unmanaged_mesh(state: Any) -> ScriptSetupError | None:
     return None
 
 
+def applied_twice(exc: BaseException) -> bool:
+    """Whether ``exc`` is PyTorch refusing a composable API (``fully_shard``, ``replicate``) on a
+    module that already has it: FSDP2 shards a module once per process."""
+    return isinstance(exc, AssertionError) and "can only be applied to a module once" in str(exc)
+
+
 def is_dtensor(value: Any) -> bool:
     cls = type(value)
     return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed.tensor")
