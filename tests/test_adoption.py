@@ -68,6 +68,19 @@ def test_step2_wrapped_without_state_restarts_in_process_from_its_beginning(tmp_
     assert WARNING not in r.stderr  # nothing registered: restarting from the beginning is the promise
 
 
+def test_a_state_made_inside_the_function_and_given_to_nothing_is_warned_of_once(tmp_path):
+    """A first draft makes its nonstop.State inside the training function and passes it to
+    nothing: the job trains, but nothing would keep that state across a restart. Each rank says
+    so once; the run warns once, naming the function and what to do."""
+    r, _ = run(tmp_path, ADOPTION, "--state-inside", "--steps", "10")
+    assert r.code == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    said = r.of("rank_state_not_kept")
+    assert sorted(e["rank"] for e in said) == [0, 1]
+    assert said[0]["names"] == ["model", "optimizer"] and said[0]["function"] == "train"
+    assert r.stderr.count("without giving it to nonstop.wrap") == 1
+    assert "train() makes nonstop.State(model, optimizer)" in r.stderr
+
+
 def test_step2_with_state_but_without_ctx_steps_warns_and_claims_nothing(tmp_path):
     # the loop of the issue: nonstop.State registered, `for i in range(n)`, ctx.report. Rank 1
     # dies at iteration 10, then hangs in its own code at iteration 20 of the next generation.

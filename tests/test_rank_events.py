@@ -60,6 +60,8 @@ SAMPLES: list[events.RankEvent] = [
                          loss="inf"),
     events.NoSteps(wid=1, t=5.0, gen=2, rank=0, via="returned", registered=True, function="train",
                    faults=["crash:rank=0,step=3"]),
+    events.StateNotKept(wid=1, t=5.0, gen=0, rank=1, function="train",
+                        names=["model", "optimizer"]),
     events.FaultFired(wid=1, t=5.0, fault="crash:rank=0,step=3", kind="crash", rank=0, step=3,
                       gen=2, pid=100, index=0),
     events.Exiting(wid=1, t=6.0, code=86, error="AcceleratorError: ...", assigned=True,

@@ -24,6 +24,9 @@ import nonstop
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--state", action="store_true")
+parser.add_argument("--state-inside", action="store_true",
+                    help="make the nonstop.State inside the training function, and give it to "
+                         "nothing (a first draft's mistake)")
 parser.add_argument("--ctx-steps", action="store_true")
 parser.add_argument("--report", action="store_true")
 parser.add_argument("--steps", type=int, default=40)
@@ -50,6 +53,8 @@ def batch(i, rank):
 
 @nonstop.wrap(state)
 def train(ctx):
+    if args.state_inside:
+        nonstop.State(model=model, optimizer=optimizer)
     ddp = nonstop.reproducible(DDP(model))
     for i in (ctx.steps(args.steps) if args.ctx_steps else range(args.steps)):
         if ctx.rank == 1 and ctx.generation == 0 and i == args.die_at:

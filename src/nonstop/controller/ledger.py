@@ -17,6 +17,7 @@ class TrainingLedger:
     def __init__(self, managed: bool):
         self.managed = managed  # the ranks run inside nonstop.wrap (a rank may say so later)
         self.stepless = False  # the training function runs without ctx.steps (a rank said so)
+        self.not_kept = False  # a rank made a nonstop.State that nothing keeps (and it was said)
         self.steps_seen = False  # some rank completed a step of ctx.steps
         self.progress_seen = False  # some rank made progress nonstop can see (steps or marks)
         self.resumed_step: int | None = None  # the step the first generation started from
@@ -55,6 +56,18 @@ class TrainingLedger:
                           "and the steps lost are unknown; loop with `for step in "
                           "ctx.steps(total)` (docs/usage.md)")
         return None, None
+
+    def state_not_kept(self, ev: events.StateNotKept) -> str | None:
+        """A rank made a nonstop.State the training function was not wrapped with: what to warn
+        of (once per run)."""
+        if self.not_kept:
+            return None
+        self.not_kept = True
+        fn = ev.function or "the training function"
+        return (f"{fn}() makes nonstop.State({', '.join(ev.names)}) without giving it to "
+                "nonstop.wrap: nothing keeps that state across a restart, and after a failure the "
+                "function starts again from its beginning; pass it to nonstop.wrap(state), or "
+                "return it from nonstop.Mesh's build function (docs/usage.md)")
 
     def steps_known(self) -> bool:
         """Whether the steps a failure undid can be counted: only when the ranks iterate ctx.steps."""

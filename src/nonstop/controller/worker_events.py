@@ -181,6 +181,9 @@ class RankReports:
                                          "goes on")
             case events.NoSteps():
                 return self._on_no_steps(ev, job)
+            case events.StateNotKept():
+                if (warning := self.ledger.state_not_kept(ev)) is not None:
+                    self.display.warning(warning)
             case events.NanFound():
                 return [RetryAsked()]
             case events.LossRuleFired():

@@ -247,6 +247,18 @@ class NoSteps(RankEvent):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class StateNotKept(RankEvent):
+    """A ``nonstop.State`` made once the training function was wrapped with none: nothing keeps
+    it across a restart (said once per process)."""
+
+    type: ClassVar[str] = "state_not_kept"
+    gen: int | None
+    rank: int
+    function: str | None
+    names: list[str]  # the objects it holds
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class FaultFired(RankEvent):
     """An injected fault fired (``--inject``)."""
 

@@ -74,6 +74,7 @@ class State:
             elif isinstance(obj, torch.nn.Module):
                 obj.register_forward_pre_hook(self._before_forward)
                 obj.register_forward_hook(self._after_forward)
+        _not_kept(list(objects))
 
     def _init_counters(self) -> None:
         self._objects: dict[str, Any] = {}
@@ -372,6 +373,22 @@ class _StepOnly(State):
 
     def __init__(self) -> None:  # noqa: D107 - no objects to check
         self._init_counters()
+
+
+def _not_kept(names: list[str]) -> None:
+    """Under ``nonstop run``, a State made once the training function was wrapped with none
+    (made inside it, most often) is kept by nothing: the rank says so, once per process."""
+    from . import worker
+
+    rt = worker.current()
+    if rt is None or not rt.wrapped or rt.registered or rt.said_not_kept:
+        return
+    from ..protocol import events
+
+    rt.said_not_kept = True
+    a = rt.assignment
+    rt.emit(events.StateNotKept(gen=a.gen if a is not None else None, rank=rt.rank,
+                                function=rt.function_name, names=names))
 
 
 def _grads_finite(optimizer: Any, sharded: bool,

@@ -77,6 +77,7 @@ class WorkerRuntime:
         self.faults = inject.from_env(os.environ.get(protocol.ENV_INJECT))
         self.injector = inject.Injector(self.faults, self._claim_fault, self._announce_fault)
         self.registered = False  # whether the wrapped function registered a nonstop.State
+        self.said_not_kept = False  # a State nothing keeps was made (and the controller told)
         self.job_mesh: Any = None  # a sharded job's lasting mesh (mesh.JobMesh), once declared
         # the script was taken for a plain one (no nonstop import found in it or its modules):
         # its assignment went to the script itself, so a nonstop.wrap it reaches has none
