@@ -244,18 +244,26 @@ def test_a_build_function_that_communicates_stops_the_job_at_its_start_saying_wh
 
 
 @pytest.mark.integration
-def test_fully_shard_given_another_mesh_than_nonstops_stops_the_job_saying_so(tmp_path):
-    """``fully_shard(model)`` with no mesh builds its own on the generation's default group: it
-    would train, then hang or fail after the first fault. Found when the build function
-    returns, before any step: exit code 2, one line naming the parameter and what to change."""
+@pytest.mark.parametrize("mistake, said", [
+    ("no_mesh", ("model.0.weight is sharded over a mesh other than",
+                 "pass it the build function's mesh")),
+    ("stale_optimizer", ("the optimizer 'optimizer' holds none of the sharded model's parameters",
+                         "make it in the build function, after the sharding"))])
+def test_a_build_that_would_train_wrongly_stops_the_job_saying_so(tmp_path, mistake, said):
+    """Two builds that would start training, wrongly, found when the build function returns,
+    before any step: exit code 2, one line naming what is wrong and what to change.
+    - ``fully_shard(model)`` with no mesh builds its own on the generation's default group: it
+      would train, then hang or fail after the first fault;
+    - an optimizer made before ``fully_shard`` holds the parameters it replaced: it would step
+      tensors the model no longer uses, and the model would not train at all."""
     from conftest import run_nonstop
 
     run = run_nonstop(tmp_path / "run", "--nproc=2", "--spares=0",
-                      str(SCRIPTS / "mesh_bad_build.py"), "--mistake", "no_mesh", timeout=180)
+                      str(SCRIPTS / "mesh_bad_build.py"), "--mistake", mistake, timeout=180)
     assert run.code == 2, run.stdout[-3000:] + run.stderr[-3000:]
     last = run.stderr.strip().splitlines()[-1]
-    assert "model.0.weight is sharded over a mesh other than" in last
-    assert "pass it the build function's mesh" in last and "Traceback" not in run.stderr
+    assert all(s in last for s in said), last
+    assert "Traceback" not in run.stderr
 
 
 @pytest.mark.integration

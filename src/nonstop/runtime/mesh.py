@@ -637,6 +637,25 @@ class JobMesh:
                     return f"{name}.{pname}"
         return None
 
+    @staticmethod
+    def stale_optimizer(state: Any) -> str | None:
+        """The name of a registered optimizer none of whose parameters is a registered sharded
+        module's: one made before ``fully_shard`` replaced the module's parameters (it would
+        step tensors the model no longer uses, and the model would not train). None if none."""
+        import torch
+
+        from ..state.shards import is_dtensor
+
+        params = {id(p) for m in state.modules() for p in m.parameters()}
+        if not any(is_dtensor(p) for m in state.modules() for p in m.parameters()):
+            return None
+        for name, obj in state.objects().items():
+            if isinstance(obj, torch.optim.Optimizer):
+                held = [p for g in obj.param_groups for p in g["params"]]
+                if held and not any(id(p) in params for p in held):
+                    return name
+        return None
+
     def leave(self) -> None:
         """The generation ended: nothing is inside the lasting groups until the next forms."""
         for lasting in self.groups:

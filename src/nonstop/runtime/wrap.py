@@ -362,6 +362,12 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
                         f"{stray} is sharded over a mesh other than the one nonstop.Mesh gives "
                         "the build function (fully_shard without mesh= builds its own, on groups "
                         "that end with their generation): pass it the build function's mesh")
+                stale = rt.job_mesh.stale_optimizer(built)
+                if stale is not None:
+                    raise ScriptSetupError(
+                        f"the optimizer {stale!r} holds none of the sharded model's parameters: "
+                        "it was made before fully_shard replaced them, and would train nothing - "
+                        "make it in the build function, after the sharding")
                 tracked = rt.job_mesh.state = built
                 _attach(rt, tracked)
                 phase = "rendezvous"
