@@ -617,6 +617,22 @@ class JobMesh:
         return [r for r in range(len(twins))
                 if all(coordinates(r, sizes)[d] == mine[d] for d in replicated)]
 
+    def misbuilt(self, state: Any) -> str | None:
+        """What is wrong with the state the build function returned, in one line saying what to
+        change: a module sharded over a mesh of its own, an optimizer made before the sharding
+        (None: nothing found)."""
+        stray = self.foreign(state)
+        if stray is not None:
+            return (f"{stray} is sharded over a mesh other than the one nonstop.Mesh gives the "
+                    "build function (fully_shard without mesh= builds its own, on groups that "
+                    "end with their generation): pass it the build function's mesh")
+        stale = self.stale_optimizer(state)
+        if stale is not None:
+            return (f"the optimizer {stale!r} holds none of the sharded model's parameters: it "
+                    "was made before fully_shard replaced them, and would train nothing - make "
+                    "it in the build function, after the sharding")
+        return None
+
     def foreign(self, state: Any) -> str | None:
         """The first sharded parameter of ``state`` whose mesh is not built on this job's lasting
         groups (``fully_shard`` given no mesh builds its own on the generation's default group,

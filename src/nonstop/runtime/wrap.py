@@ -328,8 +328,6 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
     ``_Retry`` (the step's gradients were not finite: nothing applied, group intact), or a
     ``_Failure`` describing why this rank left (the group already aborted, not yet closed).
     ``rejoin``: re-enter a generation already joined, to retry a step."""
-    from ..state.restore import NoConsistentState
-
     gen, rank, world = msg.gen, msg.rank, msg.world
     phase = "train" if rejoin else "rendezvous"
     t_pg: float | None = None
@@ -356,18 +354,9 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
                 phase = "build"
                 with mesh_mod.building():
                     built = _built(rt.job_mesh.spec.build(rt.job_mesh.device_mesh))
-                stray = rt.job_mesh.foreign(built)
-                if stray is not None:
-                    raise ScriptSetupError(
-                        f"{stray} is sharded over a mesh other than the one nonstop.Mesh gives "
-                        "the build function (fully_shard without mesh= builds its own, on groups "
-                        "that end with their generation): pass it the build function's mesh")
-                stale = rt.job_mesh.stale_optimizer(built)
-                if stale is not None:
-                    raise ScriptSetupError(
-                        f"the optimizer {stale!r} holds none of the sharded model's parameters: "
-                        "it was made before fully_shard replaced them, and would train nothing - "
-                        "make it in the build function, after the sharding")
+                wrong = rt.job_mesh.misbuilt(built)
+                if wrong is not None:
+                    raise ScriptSetupError(wrong)
                 tracked = rt.job_mesh.state = built
                 _attach(rt, tracked)
                 phase = "rendezvous"
