@@ -248,8 +248,9 @@ class NoSteps(RankEvent):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StateNotKept(RankEvent):
-    """A ``nonstop.State`` made once the training function was wrapped with none: nothing keeps
-    it across a restart (said once per process)."""
+    """A ``nonstop.State`` made once the training function was wrapped, other than the one a
+    ``Mesh``'s build function returns: nothing keeps it across a restart (said once per
+    process)."""
 
     type: ClassVar[str] = "state_not_kept"
     gen: int | None

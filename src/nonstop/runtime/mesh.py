@@ -396,6 +396,11 @@ def building() -> Iterator[None]:
         _building[0] = False
 
 
+def in_build() -> bool:
+    """Whether a ``Mesh``'s build function is running (the State it makes is the one kept)."""
+    return _building[0]
+
+
 def _register(pg: Any, name: str, ranks: list[int], inner: Any = None) -> None:
     """Make ``pg`` known to torch.distributed under ``name`` (the group of global ``ranks``), as
     ``new_group`` would: its collectives, ``get_process_group_ranks`` and DTensor's functional
