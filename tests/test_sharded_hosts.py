@@ -114,7 +114,10 @@ def test_a_pipeline_across_hosts_moves_to_the_spare_host_then_shrinks_without_on
     1. a job host that is not the controller's is killed: its two ranks go to the spare host
        and take their stages live from their twins on node 0, across the hosts' addresses;
        every step commits (one flag all-reduced), so the two surviving stages leave at one
-       step: nothing lost;
+       step: nothing lost - unless the host died between the two stages' gradient reductions
+       of a step: the stage whose reduction completed took that step on its own verdict (its
+       commit failed as its peers went), keeping the state before it, and goes back to that
+       copy; the step the other stage never reached is redone;
     2. then the other job host that is not the controller's is cut off: no spare host is left,
        so the job shrinks by its pipeline and goes on with one; the host fences itself, is
        healed, joins again as a new host, and the pipeline grows back onto it, its stages from
@@ -128,9 +131,10 @@ def test_a_pipeline_across_hosts_moves_to_the_spare_host_then_shrinks_without_on
     with HostJob(tmp_path / "job", 3) as j:
         kill_then_cut(j, PP, PP_ARGS, 10, pol)
         first = j.of("incident")[0]
-        assert first["steps_lost"] == 0, first
         (rest,) = [e for e in j.of("restore") if e["gen"] == 1]
-        assert {rest["sources"][str(r)] for r in range(4)} == {"live"}, rest
+        sources = {rest["sources"][str(r)] for r in range(4)}
+        assert (first["steps_lost"], sources) in ((0, {"live"}), (1, {"live", "kept"})), \
+            (first, rest)
         (shrunk,) = j.of("scale_in")
         assert shrunk["world"] == 2 and shrunk["dropped"] in ([0, 1], [2, 3])  # a pipeline
         (grown,) = j.of("scale_out")
