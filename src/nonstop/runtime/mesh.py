@@ -396,6 +396,26 @@ def building() -> Iterator[None]:
         _building[0] = False
 
 
+def stale_optimizer(state: Any) -> str | None:
+    """The name of a registered optimizer none of whose parameters is a registered sharded
+    module's: one made before ``fully_shard`` replaced the module's parameters (it would step
+    tensors the model no longer uses, and the model would not train). None if none."""
+    import torch
+
+    from ..state.shards import is_dtensor
+
+    params = [p for m in state.modules() for p in m.parameters()]
+    if not any(is_dtensor(p) for p in params):
+        return None
+    ids = {id(p) for p in params}
+    for name, obj in state.objects().items():
+        if isinstance(obj, torch.optim.Optimizer):
+            held = [p for g in obj.param_groups for p in g["params"]]
+            if held and not any(id(p) in ids for p in held):
+                return name
+    return None
+
+
 def in_build() -> bool:
     """Whether a ``Mesh``'s build function is running (the State it makes is the one kept)."""
     return _building[0]
@@ -631,7 +651,7 @@ class JobMesh:
             return (f"{stray} is sharded over a mesh other than the one nonstop.Mesh gives the "
                     "build function (fully_shard without mesh= builds its own, on groups that "
                     "end with their generation): pass it the build function's mesh")
-        stale = self.stale_optimizer(state)
+        stale = stale_optimizer(state)
         if stale is not None:
             return (f"the optimizer {stale!r} holds none of the sharded model's parameters: it "
                     "was made before fully_shard replaced them, and would train nothing - make "
@@ -656,25 +676,6 @@ class JobMesh:
                 names = getattr(p.device_mesh, "_dim_group_names", None) or []
                 if not names or any(n not in ours for n in names):
                     return f"{name}.{pname}"
-        return None
-
-    @staticmethod
-    def stale_optimizer(state: Any) -> str | None:
-        """The name of a registered optimizer none of whose parameters is a registered sharded
-        module's: one made before ``fully_shard`` replaced the module's parameters (it would
-        step tensors the model no longer uses, and the model would not train). None if none."""
-        import torch
-
-        from ..state.shards import is_dtensor
-
-        params = {id(p) for m in state.modules() for p in m.parameters()}
-        if not any(is_dtensor(p) for m in state.modules() for p in m.parameters()):
-            return None
-        for name, obj in state.objects().items():
-            if isinstance(obj, torch.optim.Optimizer):
-                held = [p for g in obj.param_groups for p in g["params"]]
-                if held and not any(id(p) in params for p in held):
-                    return name
         return None
 
     def leave(self) -> None:
