@@ -177,13 +177,19 @@ def bitwise_equal(a: Path, b: Path) -> bool:
         torch.equal(x[k].reshape(-1).view(torch.uint8), y[k].reshape(-1).view(torch.uint8)) for k in x)
 
 
+# this worker's zygote template (see zygote_template): a process of the session, not one left
+# behind by a test
+TEMPLATE: dict[str, int] = {}  # its name ("one": one host's, "hosts") -> its pid
+
+
 def our_processes() -> list[str]:
     """Processes started by this test session (launchers, ranks, spares, bench jobs) still alive."""
     found = []
     me = os.getpid()
+    templates = set(TEMPLATE.values())
     marker = SESSION.encode()
     for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == me:
+        if not pid.isdigit() or int(pid) == me or int(pid) in templates:
             continue
         try:
             env = (Path("/proc") / pid / "environ").read_bytes()
@@ -211,6 +217,58 @@ def assert_none_left(timeout: float = 10.0) -> None:
 def no_process_left_behind():
     yield
     assert_none_left()
+
+
+@pytest.fixture(scope="session")
+def zygote_template():
+    """One process per worker that imports torch once (``nonstop.agent.zygote --template``):
+    every ``nonstop run`` of the session forks its zygote from it (``NONSTOP_ZYGOTE_TEMPLATE``)
+    rather than importing torch again - 3-4 s of a small job's 4-5 s start. The zygote it forks
+    enters the run's namespaces (a test host's) and serves the run as one the run started; a run
+    whose import-time environment differs starts its own. ``NONSTOP_TEST_TEMPLATE=0``: none."""
+    import tempfile
+
+    from nonstop.agent import zygote
+
+    if os.environ.get("NONSTOP_TEST_TEMPLATE", "1") == "0":
+        yield None
+        return
+    d = Path(tempfile.mkdtemp(prefix="nst-zt-"))  # short: a socket's path has 107 bytes at most
+    base = dict(os.environ)
+    base.setdefault("OMP_NUM_THREADS", "1")  # what nonstop run gives its zygote
+    # two environments at import: one host's, and across hosts' (which quiets torch's C++ log)
+    envs = {"one": base, "hosts": dict(base, TORCH_CPP_LOG_LEVEL="ERROR")}
+    log = open(d / "template.log", "ab")
+    procs = {name: subprocess.Popen(
+        [sys.executable, "-u", "-m", "nonstop.agent.zygote", "--template", str(d / name)],
+        env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True) for name, env in envs.items()}
+    TEMPLATE.update({name: p.pid for name, p in procs.items()})
+    try:
+        deadline = time.time() + 120
+        while not all((d / n).exists() or p.poll() is not None for n, p in procs.items()) \
+                and time.time() < deadline:
+            time.sleep(0.05)
+        paths = [str(d / n) for n in procs if (d / n).exists()]
+        if paths:
+            os.environ[zygote.TEMPLATE_ENV] = os.pathsep.join(paths)
+        yield paths
+    finally:
+        os.environ.pop(zygote.TEMPLATE_ENV, None)
+        for p in procs.values():
+            p.kill()
+            p.wait(timeout=30)
+        TEMPLATE.clear()
+        log.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def zygotes_from_the_template(request):
+    """Integration tests run with this worker's zygote template (started at the first)."""
+    if request.node.get_closest_marker("integration") is not None:
+        request.getfixturevalue("zygote_template")
+    yield
 
 
 @pytest.fixture(autouse=True)

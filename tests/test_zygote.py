@@ -36,7 +36,20 @@ def _gone(pids: list[int], timeout: float = 10.0) -> bool:
     return False
 
 
-def test_ranks_are_the_zygotes_children_in_sessions_of_their_own_and_die_with_the_launcher(tmp_path):
+@pytest.mark.parametrize("origin", ["own", "template"])
+def test_ranks_are_the_zygotes_children_in_sessions_of_their_own_and_die_with_the_launcher(
+        tmp_path, monkeypatch, origin):
+    """``own``: the launcher started its zygote; ``template``: the zygote was forked for the
+    launcher by the session's template (``NONSTOP_ZYGOTE_TEMPLATE``), its parent, and watches
+    the launcher through their socket."""
+    from conftest import TEMPLATE
+
+    from nonstop.agent.zygote import TEMPLATE_ENV
+
+    if origin == "own":
+        monkeypatch.delenv(TEMPLATE_ENV, raising=False)
+    elif TEMPLATE_ENV not in os.environ:
+        pytest.skip("no zygote template in this session (NONSTOP_TEST_TEMPLATE=0)")
     run_dir = tmp_path / "run"
     proc = start(run_dir, "--nproc=2", "--spares=1", str(TRAIN), "--steps", "100000",
                  "--sleep-ms", "20")
@@ -46,7 +59,9 @@ def test_ranks_are_the_zygotes_children_in_sessions_of_their_own_and_die_with_th
         zygote = {int(_status(p)["PPid"]) for p in spawned}
         assert len(zygote) == 1 and zygote != {proc.pid}, zygote
         (zpid,) = zygote
-        assert int(_status(zpid)["PPid"]) == proc.pid  # the launcher's child
+        parent = proc.pid if origin == "own" else TEMPLATE["one"]
+        assert int(_status(zpid)["PPid"]) == parent  # the launcher's child, or the template's
+        assert "zygote template" not in (run_dir / "logs" / "zygote.log").read_text()  # no refusal
         assert all(os.getsid(p) == p for p in spawned)  # each its own session: signalled alone
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher dies without a word
         assert _gone(spawned + [zpid]), [p for p in spawned + [zpid] if Path(f"/proc/{p}").exists()]

@@ -10,6 +10,21 @@ milliseconds and shares the imported pages with its siblings until it writes the
 
     python -m nonstop.agent.zygote FD      (FD: the agent's end of a socketpair)
 
+Where many short runs follow each other on one machine (a test suite, a CI runner), even once
+per run is most of a small job's start (3-4 s of 4-5 here). A **template** imports once for all
+of them:
+
+    python -m nonstop.agent.zygote --template PATH     (PATH: a Unix socket it listens on)
+
+With ``NONSTOP_ZYGOTE_TEMPLATE=PATH[:PATH...]`` in its environment, an agent asks a template
+(the first that accepts) for its zygote instead of starting one: the template forks it, and the new zygote enters the agent's
+network and mount namespaces (a test host's), takes the agent's environment, working directory
+and log, and serves the agent as one it had started - except that it watches the agent through
+their socket (its parent is the template). The template refuses an agent of another Python, of
+another copy of nonstop, or whose environment differs in what is read at import (threads,
+libraries, ``TORCH*``); the agent then starts its own zygote, as it does when the template is
+absent or does not answer.
+
 Requests and answers are JSON datagrams on the socketpair; the child's output pipe travels with
 its request (SCM_RIGHTS). The zygote is the children's parent: it reaps them and tells the agent
 how each ended. It dies with the agent, and its children with it (as ranks die with the agent
@@ -24,6 +39,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import sys
 import time
 from typing import Any
@@ -39,21 +55,47 @@ SESSION_S = 5.0  # a fork is answered once its child has its own session (at mos
 READY_S = 120.0  # the agent waits this long for the zygote's imports before it starts ranks itself
 
 
+TEMPLATE_ENV = "NONSTOP_ZYGOTE_TEMPLATE"  # the sockets of templates to fork zygotes from
+TEMPLATE_S = 5.0  # the agent waits this long for the template's answer, then starts its own
+# environment read once, at import or at the interpreter's start: a template's zygote serves an
+# agent only where these are the same in both (what the libraries read later, such as CUDA's,
+# NCCL's and gloo's, the rank reads in its own environment)
+IMPORT_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH_")
+APPLIED_ENV = ("PYTHONPATH", "PYTHONUNBUFFERED")  # a template's zygote applies them itself
+_START_ENV: dict[str, str] = {}  # the template's environment before its imports
+
+
 # == the zygote process ==========================================================================
 def main() -> None:
+    if sys.argv[1] == "--template":
+        template_main(sys.argv[2])
+        return
     fd = int(sys.argv[1])
     from ..runtime.bootstrap import die_with_parent
 
     die_with_parent()
     sock = socket.socket(fileno=fd)
+    _preload(PRELOAD)
+    _preload(_extra())
+    serve(sock)
+
+
+def _extra() -> list[str]:
+    return [m.strip() for m in os.environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
+
+
+def _preload(names: Any) -> None:
     import importlib
 
-    extra = [m.strip() for m in os.environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
-    for name in (*PRELOAD, *extra):
+    for name in names:
         try:
             importlib.import_module(name)
         except BaseException:  # noqa: BLE001 - a child imports it again and reports what fails
             pass
+
+
+def serve(sock: socket.socket) -> None:
+    """Fork a child per request of the agent at ``sock``, until the agent is gone."""
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the loop through the pipe
@@ -77,6 +119,164 @@ def main() -> None:
             if msg is None:  # the agent is gone
                 os._exit(0)
             _fork(sock, msg, fds, (wake_r, wake_w))
+
+
+# == the template ================================================================================
+def template_main(path: str) -> None:
+    """Import once, then fork a zygote for each agent that connects to ``path``."""
+    from ..runtime.bootstrap import die_with_parent
+
+    die_with_parent()
+    _START_ENV.update(os.environ)  # (importing torch sets some: TORCHINDUCTOR_CACHE_DIR)
+    _preload(PRELOAD)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    tmp = f"{path}.{os.getpid()}"
+    listener.bind(tmp)
+    os.chmod(tmp, 0o600)
+    listener.listen(16)
+    os.rename(tmp, path)  # there once it can fork: an agent that finds it is served at once
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    ours = (listener.fileno(), wake_r, wake_w)
+    while True:
+        try:
+            readable, _, _ = select.select([listener, wake_r], [], [], 1.0)
+        except InterruptedError:
+            readable = []
+        if wake_r in readable:
+            try:
+                os.read(wake_r, 4096)
+            except BlockingIOError:
+                pass
+        while True:  # the zygotes it forked that ended (their agents gone)
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        if listener in readable:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            with conn:
+                _serve_agent(conn, ours)
+
+
+def _serve_agent(conn: socket.socket, ours: tuple[int, ...]) -> None:
+    conn.settimeout(TEMPLATE_S)
+    fds: list[int] = []
+    try:
+        msg, fds = _recv(conn)
+        uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                  struct.calcsize("3i")))[1]
+        why = _refusal(msg, fds, uid)
+        if why is not None:
+            _send(conn, {"error": why})
+            return
+        assert msg is not None
+        pid = os.fork()
+        if pid == 0:
+            _templated(msg, fds, conn, ours)  # never returns
+        _send(conn, {"pid": pid})
+    except OSError:
+        pass
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _refusal(msg: dict[str, Any] | None, fds: list[int], uid: int) -> str | None:
+    """Why the agent that sent ``msg`` cannot have a zygote of this template, or None."""
+    if msg is None or len(fds) != 4:
+        return "a malformed request"
+    if uid != os.getuid():
+        return f"the agent runs as user {uid}, the template as {os.getuid()}"
+    if msg.get("python") != _python() or msg.get("nonstop") != _nonstop_dir():
+        return (f"the template runs {_python()} with nonstop from {_nonstop_dir()}, the agent "
+                f"{msg.get('python')} with {msg.get('nonstop')}")
+    env = msg.get("env")
+    if not isinstance(env, dict):
+        return "a malformed request"
+    differ = sorted(k for k in {*_import_env(env), *_import_env(_START_ENV)}
+                    if env.get(k) != _START_ENV.get(k))
+    if differ:
+        return "the environment read at import differs: " + ", ".join(differ)
+    return None
+
+
+def _import_env(env: Any) -> list[str]:
+    return [k for k in env if k.startswith(IMPORT_ENV) and k not in APPLIED_ENV]
+
+
+def _apply_start_env(env: dict[str, str]) -> None:
+    """What an interpreter started with ``env`` would have done with it at its start."""
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[1:1] = [p for p in path if p not in sys.path]  # after the first, as at a start
+    if env.get("PYTHONUNBUFFERED"):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.reconfigure(write_through=True)  # type: ignore[union-attr]
+            except (AttributeError, ValueError):
+                pass
+
+
+def _python() -> list[str]:
+    """The interpreter and its environment (a virtual environment's python and python3 are one)."""
+    return [os.path.realpath(sys.executable), sys.prefix]
+
+
+def _nonstop_dir() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _templated(msg: dict[str, Any], fds: list[int], conn: socket.socket,
+               ours: tuple[int, ...]) -> None:
+    """A zygote forked from the template, for the agent that sent ``msg``: in its namespaces,
+    its environment and directory, its log; its parent is the template, so it leaves when the
+    agent's end of their socket closes (the agent gone, however it ended)."""
+    sock_fd, net_fd, mnt_fd, log_fd = fds
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        conn.close()
+        for fd in ours:
+            os.close(fd)
+        os.setsid()
+        _enter(mnt_fd, "mnt", 0x00020000)  # CLONE_NEWNS
+        _enter(net_fd, "net", 0x40000000)  # CLONE_NEWNET
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        for fd in (net_fd, mnt_fd, log_fd):
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(msg["env"])
+        _apply_start_env(msg["env"])
+        os.chdir(msg["cwd"])
+        if not pid_alive(int(msg["agent"])):
+            os._exit(0)
+        _preload(_extra())
+        serve(socket.socket(fileno=sock_fd))
+    except BaseException:  # noqa: BLE001 - a fork never returns into the template's loop
+        import traceback
+
+        traceback.print_exc()
+        _flush()
+    os._exit(1)
+
+
+def _enter(fd: int, kind: str, nstype: int) -> None:
+    """Join the namespace ``fd`` names (another process's ``/proc/PID/ns/<kind>``) unless this
+    process is in it already."""
+    if os.fstat(fd).st_ino == os.stat(f"/proc/self/ns/{kind}").st_ino:
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, nstype) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns({kind}): {os.strerror(err)}")
 
 
 def _fork(sock: socket.socket, msg: dict[str, Any], fds: list[int],
@@ -223,15 +423,48 @@ class Zygote:
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(env, **{"NONSTOP_LAUNCHER_PID": str(os.getpid())})
         self._log = open(log_path, "ab", buffering=0)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", "nonstop.agent.zygote", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL, stdout=self._log,
-            stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc: subprocess.Popen | None = None  # the zygote, when this agent started it
+        self.templated: int | None = None  # the zygote's pid, when a template forked it
+        refused = []
+        for template in filter(None, env.get(TEMPLATE_ENV, "").split(os.pathsep)):
+            try:
+                self.templated = self._from_template(template, theirs, env)
+                break
+            except OSError as exc:
+                refused.append(f"zygote template {template}: {exc}")
+        if self.templated is None:
+            if refused:
+                self._log.write(("\n".join(refused) + "\nstarting a zygote\n").encode())
+            self.proc = subprocess.Popen(
+                [sys.executable, "-u", "-m", "nonstop.agent.zygote", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
+                stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         theirs.close()
         self.pid: int | None = None  # known once it is ready
         self.exits: dict[int, int] = {}  # child pid -> exit code (negative: killed by a signal)
         self.broken: str | None = None  # why it can no longer be used
         self._ids = 0
+
+    def _from_template(self, path: str, theirs: socket.socket, env: dict[str, str]) -> int:
+        """A zygote forked by the template listening at ``path`` for this agent: its pid."""
+        ns = [os.open(f"/proc/self/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
+              for kind in ("net", "mnt")]
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as c:
+                c.settimeout(TEMPLATE_S)
+                c.connect(path)
+                _send(c, {"agent": os.getpid(), "env": env, "cwd": os.getcwd(),
+                          "python": _python(), "nonstop": _nonstop_dir()},
+                      [theirs.fileno(), *ns, self._log.fileno()])
+                reply, fds = _recv(c)
+        finally:
+            for fd in ns:
+                os.close(fd)
+        for fd in fds:
+            os.close(fd)
+        if reply is None or "pid" not in reply:
+            raise OSError((reply or {}).get("error") or "the template did not answer")
+        return int(reply["pid"])
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -305,14 +538,16 @@ class Zygote:
         return True if want is None else None
 
     def close(self) -> None:
+        leader = self.proc.pid if self.proc is not None else self.templated
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            os.killpg(leader, signal.SIGKILL)  # type: ignore[arg-type]
         except (ProcessLookupError, PermissionError):
             pass
-        try:
-            self.proc.wait(timeout=10)
-        except Exception:  # noqa: BLE001 - it was SIGKILLed: it ends
-            pass
+        if self.proc is not None:  # (a template's zygote is the template's to reap)
+            try:
+                self.proc.wait(timeout=10)
+            except Exception:  # noqa: BLE001 - it was SIGKILLed: it ends
+                pass
         self.sock.close()
         self._log.close()
 
