@@ -36,12 +36,14 @@ def _gone(pids: list[int], timeout: float = 10.0) -> bool:
     return False
 
 
-@pytest.mark.parametrize("origin", ["own", "template"])
+@pytest.mark.parametrize("origin", ["own", "template", "refused"])
 def test_ranks_are_the_zygotes_children_in_sessions_of_their_own_and_die_with_the_launcher(
         tmp_path, monkeypatch, origin):
     """``own``: the launcher started its zygote; ``template``: the zygote was forked for the
-    launcher by the session's template (``NONSTOP_ZYGOTE_TEMPLATE``), its parent, and watches
-    the launcher through their socket."""
+    launcher by the session's template (``NONSTOP_ZYGOTE_TEMPLATE``), its parent, in the
+    launcher's namespaces, and watches the launcher through their socket; ``refused``: the
+    launcher's environment differs from every template's in what torch reads at import, so it
+    starts its own zygote and says why."""
     from conftest import TEMPLATE
 
     from nonstop.agent.zygote import TEMPLATE_ENV
@@ -50,6 +52,8 @@ def test_ranks_are_the_zygotes_children_in_sessions_of_their_own_and_die_with_th
         monkeypatch.delenv(TEMPLATE_ENV, raising=False)
     elif TEMPLATE_ENV not in os.environ:
         pytest.skip("no zygote template in this session (NONSTOP_TEST_TEMPLATE=0)")
+    if origin == "refused":
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
     run_dir = tmp_path / "run"
     proc = start(run_dir, "--nproc=2", "--spares=1", str(TRAIN), "--steps", "100000",
                  "--sleep-ms", "20")
@@ -59,9 +63,15 @@ def test_ranks_are_the_zygotes_children_in_sessions_of_their_own_and_die_with_th
         zygote = {int(_status(p)["PPid"]) for p in spawned}
         assert len(zygote) == 1 and zygote != {proc.pid}, zygote
         (zpid,) = zygote
-        parent = proc.pid if origin == "own" else TEMPLATE["one"]
-        assert int(_status(zpid)["PPid"]) == parent  # the launcher's child, or the template's
-        assert "zygote template" not in (run_dir / "logs" / "zygote.log").read_text()  # no refusal
+        parents = set(TEMPLATE.values()) if origin == "template" else {proc.pid}
+        assert int(_status(zpid)["PPid"]) in parents  # the launcher's child, or a template's
+        for ns in ("net", "mnt"):
+            assert os.readlink(f"/proc/{zpid}/ns/{ns}") == os.readlink(f"/proc/{proc.pid}/ns/{ns}")
+        log = (run_dir / "logs" / "zygote.log").read_text()
+        if origin == "refused":  # every template said why
+            assert log.count("the environment read at import differs: OMP_NUM_THREADS") == 2, log
+        else:
+            assert "zygote template" not in log, log
         assert all(os.getsid(p) == p for p in spawned)  # each its own session: signalled alone
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher dies without a word
         assert _gone(spawned + [zpid]), [p for p in spawned + [zpid] if Path(f"/proc/{p}").exists()]

@@ -171,7 +171,7 @@ def _serve_agent(conn: socket.socket, ours: tuple[int, ...]) -> None:
         msg, fds = _recv(conn)
         uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                   struct.calcsize("3i")))[1]
-        why = _refusal(msg, fds, uid)
+        why = _refusal(msg, fds, uid, _START_ENV, os.environ)
         if why is not None:
             _send(conn, {"error": why})
             return
@@ -187,8 +187,10 @@ def _serve_agent(conn: socket.socket, ours: tuple[int, ...]) -> None:
             os.close(fd)
 
 
-def _refusal(msg: dict[str, Any] | None, fds: list[int], uid: int) -> str | None:
-    """Why the agent that sent ``msg`` cannot have a zygote of this template, or None."""
+def _refusal(msg: dict[str, Any] | None, fds: list[int], uid: int, start: Any,
+             now: Any) -> str | None:
+    """Why the agent that sent ``msg`` cannot have a zygote of this template, or None.
+    ``start``, ``now``: the template's environment before its imports, and after."""
     if msg is None or len(fds) != 4:
         return "a malformed request"
     if uid != os.getuid():
@@ -199,8 +201,9 @@ def _refusal(msg: dict[str, Any] | None, fds: list[int], uid: int) -> str | None
     env = msg.get("env")
     if not isinstance(env, dict):
         return "a malformed request"
-    differ = sorted(k for k in {*_import_env(env), *_import_env(_START_ENV)}
-                    if env.get(k) != _START_ENV.get(k))
+    # the same as at the template's start, or as its imports set it (a default of torch's)
+    differ = sorted(k for k in {*_import_env(env), *_import_env(start)}
+                    if env.get(k) not in (start.get(k), now.get(k)))
     if differ:
         return "the environment read at import differs: " + ", ".join(differ)
     return None

@@ -220,7 +220,10 @@ class RankReports:
                     # generation (its peer gone) must not be taken for a survivor by a decision
                     # made before its SIGKILL's exit is read (its exit is still a crash)
                     x.dead = True
-                    self.agent.signal(x.wid)
+                    # the one that fired kills the node's memory, then itself: killed here
+                    # first, the memory lived on (a node lost whole taken for ranks lost alone)
+                    if x is not w:
+                        self.agent.signal(x.wid)
 
     def first_steps(self, job: JobView) -> list[Order]:
         """After first steps: once every rank has taken one in this generation, the job has
