@@ -352,6 +352,10 @@ def test_on_failure_fail_gives_up_with_the_cause(small_fs, tmp_path):
         re.escape(f"nonstop: error: checkpoints cannot be written: Read-only file system ({root}); "
                   "2 attempt(s) in a row failed, the last for step ") + r"\d+ "
         + re.escape("(state.checkpoint.on_failure: fail)"), r.stderr.strip().splitlines()[-1])
-    assert [e["outcome"] for e in r.of("checkpoint_failed")][:2] == ["retrying", "given up"]
+    # a retry, then the give-up; a newer step's checkpoint may supersede one waiting for its retry
+    # (2 attempts in a row count across steps): then more say "retrying" first
+    outcomes = [e["outcome"] for e in r.of("checkpoint_failed")]
+    assert len(outcomes) >= 2 and set(outcomes[:-1]) == {"retrying"}, outcomes
+    assert outcomes[-1] == "given up", outcomes
     assert r.summary["diagnosis"].startswith("checkpoints cannot be written: Read-only")
     assert r.of("emergency_checkpoint")[0]["skipped"] == "checkpoints cannot be written"

@@ -96,29 +96,43 @@ def _preload(names: Any) -> None:
 
 def serve(sock: socket.socket) -> None:
     """Fork a child per request of the agent at ``sock``, until the agent is gone."""
-    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the loop through the pipe
+    wake = _Wakeup()
     _send(sock, {"ready": os.getpid()})
     while True:
-        try:
-            readable, _, _ = select.select([sock, wake_r], [], [], 1.0)
-        except InterruptedError:
-            readable = []
-        if wake_r in readable:
-            try:
-                os.read(wake_r, 4096)
-            except BlockingIOError:
-                pass
+        readable = wake.wait(sock)
         _reap(sock)
-        if sock in readable:
+        if readable:
             try:
                 msg, fds = _recv(sock)
             except OSError:
                 msg, fds = None, []
             if msg is None:  # the agent is gone
                 os._exit(0)
-            _fork(sock, msg, fds, (wake_r, wake_w))
+            _fork(sock, msg, fds, wake.fds)
+
+
+class _Wakeup:
+    """A loop's wait for its socket or for a child's end (SIGCHLD, written to a pipe by the
+    interpreter: none is missed between two waits)."""
+
+    def __init__(self) -> None:
+        self.r, self.w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.fds = (self.r, self.w)  # (a child closes them)
+        signal.set_wakeup_fd(self.w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+
+    def wait(self, sock: socket.socket, timeout_s: float = 1.0) -> bool:
+        """Whether ``sock`` is readable, after at most ``timeout_s`` or a child's end."""
+        try:
+            readable, _, _ = select.select([sock, self.r], [], [], timeout_s)
+        except InterruptedError:
+            readable = []
+        if self.r in readable:
+            try:
+                os.read(self.r, 4096)
+            except BlockingIOError:
+                pass
+        return sock in readable
 
 
 # == the template ================================================================================
@@ -135,27 +149,17 @@ def template_main(path: str) -> None:
     os.chmod(tmp, 0o600)
     listener.listen(16)
     os.rename(tmp, path)  # there once it can fork: an agent that finds it is served at once
-    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    ours = (listener.fileno(), wake_r, wake_w)
+    wake = _Wakeup()
+    ours = (listener.fileno(), *wake.fds)
     while True:
-        try:
-            readable, _, _ = select.select([listener, wake_r], [], [], 1.0)
-        except InterruptedError:
-            readable = []
-        if wake_r in readable:
-            try:
-                os.read(wake_r, 4096)
-            except BlockingIOError:
-                pass
+        readable = wake.wait(listener)
         while True:  # the zygotes it forked that ended (their agents gone)
             try:
                 if os.waitpid(-1, os.WNOHANG)[0] == 0:
                     break
             except ChildProcessError:
                 break
-        if listener in readable:
+        if readable:
             try:
                 conn, _ = listener.accept()
             except OSError:
