@@ -51,7 +51,7 @@ def run_and_kill_a_host(j: HostJob, script, args, snapshot_every: int) -> int:
 
 
 def kill_then_cut(j: HostJob, script, args, snapshot_every: int, pol: str, *flags: str) -> int:
-    """``start_and_kill`` (the killed host's ranks go to the spare host), then at step 150 the
+    """``start_and_kill`` (the killed host's ranks go to the spare host), then at step 100 the
     other job host that is not the controller's is cut off (no spare host is left: the job
     shrinks), fences itself, is healed and joins again as a new host (the job grows back onto
     it). Returns the killed host's node; the surviving hosts must have ended well, through a
@@ -64,7 +64,7 @@ def kill_then_cut(j: HostJob, script, args, snapshot_every: int, pol: str, *flag
     # name)
     (cut,) = [h for h in (f"host{i}" for i in range(3)) if h not in (killed, leader["host"])]
     cut_i = int(cut.removeprefix("host"))
-    j.wait_output("step 150 ", 90)
+    j.wait_output("step 100 ", 90)
     j.hosts[cut_i].cut()
     j.wait_output("fenced", 30, hosts=[cut_i])
     j.hosts[cut_i].heal()  # it joins again, as a new host
@@ -104,7 +104,7 @@ def test_an_hsdp_host_killed_whole_its_shards_come_from_their_twins_on_the_other
 
 
 PP = EXAMPLES / "train_pp.py"
-PP_ARGS = ("--steps", "400", "--dim", "8", "--blocks", "1")
+PP_ARGS = ("--steps", "240", "--dim", "8", "--blocks", "1")
 
 
 def test_a_pipeline_across_hosts_moves_to_the_spare_host_then_shrinks_without_one(tmp_path,
@@ -146,7 +146,7 @@ def test_a_pipeline_across_hosts_moves_to_the_spare_host_then_shrinks_without_on
 
 
 TWO_D = EXAMPLES / "train_2d.py"
-TWO_D_ARGS = ("--steps", "400", "--dim", "8", "--blocks", "1")
+TWO_D_ARGS = ("--steps", "240", "--dim", "8", "--blocks", "1")
 
 
 def test_a_tensor_parallel_host_killed_then_another_cut_off_with_no_spare_host_left(
