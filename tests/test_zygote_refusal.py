@@ -25,9 +25,14 @@ def refusal(msg, fds=None, uid=None, start=None, now=None):
                            os.getuid() if uid is None else uid, start, now)
 
 
+@pytest.fixture(autouse=True)
+def stamp(monkeypatch):
+    monkeypatch.setattr(zygote, "_STAMP", {"code": "c0de"})
+
+
 def request(environ: dict, **changes) -> dict:
     msg = {"agent": 1, "env": environ, "cwd": "/", "python": zygote._python(),
-           "nonstop": zygote._nonstop_dir()}
+           "nonstop": zygote._nonstop_dir(), "code": "c0de"}
     msg.update(changes)
     return msg
 
@@ -75,6 +80,7 @@ def test_a_variable_the_templates_imports_set_may_be_absent_or_as_they_set_it(st
 @pytest.mark.parametrize("change,said", [
     ({"python": ["/usr/bin/python3.9", "/usr"]}, "the template runs"),
     ({"nonstop": "/elsewhere/nonstop"}, "with /elsewhere/nonstop"),
+    ({"code": "newer"}, "changed on disk since the template started"),
     ({"env": "OMP_NUM_THREADS=1"}, "a malformed request"),
 ])
 def test_another_interpreter_another_nonstop_or_a_malformed_request_is_refused(start_env, change,
@@ -92,3 +98,26 @@ def test_pythonpath_goes_where_an_interpreter_start_puts_it(monkeypatch):
     monkeypatch.setattr(sys, "path", ["/script", "/stdlib", "/already"])
     zygote._apply_start_env({"PYTHONPATH": os.pathsep.join(["/a", "/already", "", "/b"])})
     assert sys.path == ["/script", "/a", "/b", "/stdlib", "/already"]
+
+
+def test_the_code_stamp_changes_with_a_file_of_the_package_not_with_its_caches(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub" / "__pycache__").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "sub" / "b.py").write_text("y = 2\n")
+    first = zygote.code_stamp(str(pkg), None)
+    (pkg / "sub" / "__pycache__" / "b.cpython-311.pyc").write_bytes(b"cache")
+    (pkg / "notes.txt").write_text("not code")
+    assert zygote.code_stamp(str(pkg)) == first
+    (pkg / "sub" / "b.py").write_text("y = 3  # an upgrade\n")
+    assert zygote.code_stamp(str(pkg)) != first
+    # torch: its top level only (version.py and its extensions say which build it is)
+    torch = tmp_path / "torch"
+    (torch / "deep").mkdir(parents=True)
+    (torch / "version.py").write_text("__version__ = '2.13.0'\n")
+    (torch / "deep" / "x.py").write_text("1\n")
+    t = zygote.code_stamp(str(torch))
+    (torch / "deep" / "x.py").write_text("22\n")
+    assert zygote.code_stamp(str(torch)) == t
+    (torch / "version.py").write_text("__version__ = '2.14.0'\n")
+    assert zygote.code_stamp(str(torch)) != t

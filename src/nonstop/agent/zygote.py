@@ -142,6 +142,7 @@ def template_main(path: str) -> None:
 
     die_with_parent()
     _START_ENV.update(os.environ)  # (importing torch sets some: TORCHINDUCTOR_CACHE_DIR)
+    _STAMP["code"] = _our_code()
     _preload(PRELOAD)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     tmp = f"{path}.{os.getpid()}"
@@ -202,6 +203,8 @@ def _refusal(msg: dict[str, Any] | None, fds: list[int], uid: int, start: Any,
     if msg.get("python") != _python() or msg.get("nonstop") != _nonstop_dir():
         return (f"the template runs {_python()} with nonstop from {_nonstop_dir()}, the agent "
                 f"{msg.get('python')} with {msg.get('nonstop')}")
+    if msg.get("code") != _STAMP.get("code"):
+        return "nonstop or torch changed on disk since the template started (an upgrade, an edit)"
     env = msg.get("env")
     if not isinstance(env, dict):
         return "a malformed request"
@@ -232,6 +235,42 @@ def _apply_start_env(env: dict[str, str]) -> None:
 def _python() -> list[str]:
     """The interpreter and its environment (a virtual environment's python and python3 are one)."""
     return [os.path.realpath(sys.executable), sys.prefix]
+
+
+def code_stamp(*roots: str | None) -> str:
+    """What the code under ``roots`` is, as the file system says (each ``.py`` file's path, size
+    and modification time; for a binary package, its version file and extensions): a template
+    that imported older code must not serve an agent of newer code."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for root in roots:
+        if not root:
+            continue
+        for d, dirs, files in os.walk(root):
+            dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+            if d != root and os.path.basename(root) == "torch":
+                break  # torch: its top level says its version (version.py, _C)
+            for name in sorted(files):
+                if name.endswith((".py", ".so")):
+                    try:
+                        st = os.stat(os.path.join(d, name))
+                    except OSError:
+                        continue
+                    h.update(f"{d}/{name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()
+
+
+def _our_code() -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")  # (finds it without importing it)
+    torch_dir = (list(spec.submodule_search_locations or [None])[0]
+                 if spec is not None else None)
+    return code_stamp(_nonstop_dir(), torch_dir)
+
+
+_STAMP: dict[str, str] = {}  # the template's code, as it was when it imported it
 
 
 def _nonstop_dir() -> str:
@@ -461,7 +500,8 @@ class Zygote:
                 c.settimeout(TEMPLATE_S)
                 c.connect(path)
                 _send(c, {"agent": os.getpid(), "env": env, "cwd": os.getcwd(),
-                          "python": _python(), "nonstop": _nonstop_dir()},
+                          "python": _python(), "nonstop": _nonstop_dir(),
+                          "code": _our_code()},
                       [theirs.fileno(), *ns, self._log.fileno()])
                 reply, fds = _recv(c)
         finally:
