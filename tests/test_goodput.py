@@ -100,6 +100,37 @@ def test_two_controllers_terms_merge_into_the_whole_jobs_account():
     assert goodput.merge({}, b) == b
 
 
+def test_a_controller_taking_over_counts_the_whole_job_from_its_predecessors_account():
+    """controller/account.py: the first term's account, passed on in the journal (``so_far``),
+    is where the next one counts from - its start, its incidents, rank 0's last sample."""
+    from nonstop.controller.account import JobAccount
+    from nonstop.observe.progress import ProgressLog
+
+    samples = steps(1, 0, 2.0, 0, 100)  # t=2..12
+    first = JobAccount(ProgressLog())
+    first.t_start = 0.0
+    first.progress.rank0.extend(s for s in samples if s["t"] <= 6.0)
+    first.formed(2.0)
+    first.formed(5.0)  # a later generation: the start-up ended at the first
+    closed = [incident(1, 4.0, 0.5)]
+    job = first.so_far(6.0, closed)
+    assert job["t_start"] == 0.0 and job["incidents"] == closed
+    assert job["rank0"] == first.progress.rank0[-1]
+    assert goodput.total(job["time_s"]) == pytest.approx(6.0)
+
+    second = JobAccount(ProgressLog())
+    second.t_start = 7.0  # it took office after the lease lapsed
+    second.adopt(json.loads(json.dumps(job)))  # as the journal carries it
+    assert second.progress.rank0[0] == job["rank0"]  # rank 0's time since counts from it
+    second.progress.rank0.extend(s for s in samples if s["t"] > 6.0)
+    assert second.job_start == 0.0 and second.earlier_incidents() == closed
+    acct, whole = second.count(12.0, [])
+    assert goodput.total(acct["categories"]) == pytest.approx(6.0)  # its own term: 6..12
+    assert whole == goodput.merge(job["time_s"], acct["categories"])
+    assert goodput.total(whole) == pytest.approx(12.0)  # the whole job
+    assert second.so_far(12.0, [])["incidents"] == closed
+
+
 @pytest.mark.integration
 def test_a_real_rollback_is_accounted(tmp_path):
     from conftest import TRAIN, run_nonstop

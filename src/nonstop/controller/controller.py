@@ -29,6 +29,7 @@ from ..protocol.hosts import progress_every
 from ..protocol.requests import DrainRequest
 from .keepers import Keepers
 from . import machine as mc
+from .account import JobAccount
 from .book import IncidentBook
 from .ending import Outcome
 from .generations import Generations
@@ -80,8 +81,8 @@ class Controller:
         self._next_scan = 0.0  # when the whole job is looked at again (_check)
         self._t_running = 0.0  # when the current generation formed on every rank
         self._t_retry = 0.0  # when its ranks were last told to redo a step
-        self.t_ready: float | None = None  # when the first one did (the end of start-up)
         self.progress = ProgressLog(run_dir)  # the ranks' steps as they completed
+        self.job_account = JobAccount(self.progress)  # the whole job's time, counted
         self.exits = ProcessExits(self.workers, self.memory, self.gens, self.progress, log, display)
         self.reports = reports.RankReports(
             table=self.table, ledger=self.ledger, book=self.book, gens=self.gens,
@@ -92,10 +93,6 @@ class Controller:
         self.outcome = Outcome(policy=policy, log=log, display=display, agent=agent,
                                table=self.table, memory=self.memory, book=self.book,
                                run_dir=run_dir)
-        self.t_start = time.time()
-        # across hosts, after a takeover: what the controllers before this one counted of the
-        # job (Controller.job_so_far in its journal), for a summary of the whole job, not of this one's term
-        self.before: dict[str, Any] | None = None
         self._last_progress = 0.0
         self._progress_turn = 0.0  # when the last share of the ranks' progress was counted
         self._progress_owed = 0.0  # the share of them owed a read since (1.0: all)
@@ -539,8 +536,7 @@ class Controller:
         assert ev is not None  # (formed: every rank entered)
         ranks = self._ranks()
         self._t_running = time.time()
-        if self.t_ready is None:
-            self.t_ready = self._t_running
+        self.job_account.formed(self._t_running)
         self.watchers.logs.start(self._t_running, self.plan.keys())
         if not ev.replay:
             self.book.restored(self.gen, [x.entered_ev for x in ranks], self.ledger)
@@ -645,38 +641,9 @@ class Controller:
             trained_world=self.gens.trained_world, regrid_unit=self.gens.regrid_unit,
             counters=self.counters.record(),
             # closed, the predecessors' too: an open one goes on after us
-            incidents=self.book.base + len(self.incidents), job=self.job_so_far(time.time()))
-
-    def account(self, now: float, records: list[dict[str, Any]],
-                t_train_end: float | None = None, final_checkpoint: bool = False
-                ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The goodput account of this controller's time (``observe.goodput``, with the open
-        incident), and its categories added to what the controllers before it counted: the whole
-        job's."""
-        from ..observe import goodput
-
-        before = self.before
-        t0 = before["t"] if before else self.t_start
-        open_inc = self.incident
-        acct = goodput.account(t0, now,
-                               records + ([open_inc.to_record()] if open_inc is not None else []),
-                               self.progress.rank0, t0 if before else self.t_ready, t_train_end,
-                               final_checkpoint=final_checkpoint)
-        cats = goodput.merge(before["time_s"], acct["categories"]) if before \
-            else acct["categories"]
-        return acct, cats
-
-    def job_so_far(self, now: float) -> dict[str, Any]:
-        """What a controller taking over needs to count the whole job, not its own time in
-        office: when the job started, its goodput account so far, its closed incidents, rank 0's
-        newest progress sample (the next one, seen by the successor, is counted from it)."""
-        before = self.before
-        own = self.ledger.incident_records(self.incidents)
-        _, cats = self.account(now, own)
-        rank0 = self.progress.rank0
-        return {"t_start": before["t_start"] if before else self.t_start, "t": now,
-                "time_s": cats, "incidents": ((before or {}).get("incidents") or []) + own,
-                "rank0": rank0[-1] if rank0 else None}
+            incidents=self.book.base + len(self.incidents),
+            job=self.job_account.so_far(time.time(), self.ledger.incident_records(self.incidents),
+                                        self.incident))
 
     # == taking over a running job (across hosts) ===============================================
     def adopt(self, adoption: Any, seen: list[Any], journal: keys.JournalRecord | None,
@@ -695,9 +662,7 @@ class Controller:
         self.gens.adopt(adoption, seen, j)
         self.book.base = j.incidents  # incidents keep their numbers
         if j.job is not None:
-            self.before = j.job
-            if isinstance(j.job.get("rank0"), dict):  # rank 0's time since is counted from it
-                self.progress.rank0.insert(0, j.job["rank0"])
+            self.job_account.adopt(j.job)
         self.max_step = j.max_step
         now = time.time()
         # in rendezvous until the replayed events show every rank in

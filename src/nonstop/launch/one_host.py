@@ -316,8 +316,9 @@ def time_account(controller: Any, records: list[dict[str, Any]], t_end: float) -
     controller.progress.close()
     controller.status.maybe(controller, t_end, force=True)  # the job is over
     # across hosts, the whole job's: what the controllers before this one counted too
-    acct, cats = controller.account(t_end, records, controller.outcome.t_train_end,
-                                    final_checkpoint=controller.reports.final_persist is not None)
+    acct, cats = controller.job_account.count(
+        t_end, records, controller.incident, controller.outcome.t_train_end,
+        final_checkpoint=controller.reports.final_persist is not None)
     costs = {x["id"]: x for x in acct["by_incident"]}
     for rec in records:
         if rec["id"] in costs:
@@ -335,17 +336,17 @@ def report(controller: Any, log: Any, run_dir: Path, code: int, display: Any) ->
     train_end = controller.outcome.t_train_end or t_exit
     ledger = controller.ledger
     records = ledger.incident_records(controller.incidents)
-    before = controller.before  # across hosts: the controllers before this one
-    earlier_records = list((before or {}).get("incidents") or [])
-    t_start = before["t_start"] if before else controller.t_start
+    account = controller.job_account  # across hosts: with the controllers before this one
+    earlier_records = account.earlier_incidents()
+    t_start = account.job_start
     summary = incidents.summarize(earlier_records + records, train_end - t_start,
                                   ledger.productive_s(controller.workers.values()),
                                   ledger.steps_reached(controller.max_step), code,
                                   continues=incidents.continuation(log.previous, ledger.resumed_step))
     summary["wall_s"] = round(t_exit - t_start, 3)
     summary.update(time_account(controller, records, t_exit))
-    if before:  # the job's, from its first controller's start (this one's own time: below)
-        summary["in_office_s"] = round(t_exit - controller.t_start, 3)
+    if account.before:  # the job's, from its first controller's start (this one's: below)
+        summary["in_office_s"] = round(t_exit - account.t_start, 3)
         summary["incident_list"] = earlier_records + records
     summary["finish_s"] = round(t_exit - train_end, 3)
     summary["run_dir"] = str(run_dir)

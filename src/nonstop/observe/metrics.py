@@ -183,14 +183,14 @@ class JobMetrics:
     def account(self, controller: Any, now: float) -> None:
         from . import goodput
 
-        records = [i.to_record() for i in controller.incidents]
-        if controller.incident is not None:
-            records.append(controller.incident.to_record())
-        acct = goodput.account(controller.t_start, now, records, controller.progress.rank0,
-                               controller.t_ready, controller.outcome.t_train_end)
-        if acct["goodput"] is not None:
-            self.goodput.set(acct["goodput"])
-        for cat, secs in acct["categories"].items():
+        # the whole job's: after a takeover, with what the controllers before this one counted
+        _, cats = controller.job_account.count(
+            now, [i.to_record() for i in controller.incidents], controller.incident,
+            controller.outcome.t_train_end)
+        wall = goodput.total(cats)
+        if wall > 0:
+            self.goodput.set(round(cats.get("productive", 0.0) / wall, 4))
+        for cat, secs in cats.items():
             if isinstance(secs, dict):
                 for phase, s in secs.items():
                     self.time.labels(cat, phase).set(s)

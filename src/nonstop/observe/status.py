@@ -69,7 +69,7 @@ def snapshot(controller: Any, now: float | None = None) -> dict[str, Any]:
     used = set(nodes.values())
     isolated = set(controller.counters.isolated)
     return {
-        "t": now, "t_start": controller.t_start, "pid": os.getpid(),
+        "t": now, "t_start": controller.job_account.t_start, "pid": os.getpid(),
         "gen": controller.gen, "phase": str(controller.phase), "world": len(controller.plan),
         "gen_age_s": round(now - controller.state.t_gen, 3) if controller.state.t_gen else None,
         "ranks": table["ranks"],

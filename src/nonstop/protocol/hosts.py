@@ -156,7 +156,7 @@ class JournalRecord:
     regrid_unit: int = 0
     counters: dict[str, Any] | None = None  # ladder.Counters.record()
     incidents: int = 0  # closed, the predecessors' too
-    job: dict[str, Any] | None = None  # the whole job's account so far (Controller.job_so_far)
+    job: dict[str, Any] | None = None  # the whole job's account so far (JobAccount.so_far)
 
     def dumps(self) -> str:
         rec = dataclasses.asdict(self)
