@@ -326,7 +326,9 @@ def test_space_freed_during_the_run_lets_later_checkpoints_through(small_fs, tmp
     assert r.code == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert_quiet(r)
     assert failed["errno"] == "ENOSPC"
-    later = [e["step"] for e in r.of("checkpoint") if e["step"] > failed["step"]]
+    # written once the space is back: later steps', or the failed step's own retry (under load
+    # the writer can be behind enough that the disk fills only at the last step)
+    later = [e["step"] for e in r.of("checkpoint") if e["step"] >= failed["step"]]
     assert later and later[-1] == 150
     assert steps_on_disk(root)[-1] == 150 and temps(root) == []
     ck_sum = r.summary["state"]["checkpoint"]
