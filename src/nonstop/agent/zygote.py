@@ -17,11 +17,12 @@ of them:
     python -m nonstop.agent.zygote --template PATH     (PATH: a Unix socket it listens on)
 
 With ``NONSTOP_ZYGOTE_TEMPLATE=PATH[:PATH...]`` in its environment, an agent asks a template
-(the first that accepts) for its zygote instead of starting one: the template forks it, and the new zygote enters the agent's
-network and mount namespaces (a test host's), takes the agent's environment, working directory
-and log, and serves the agent as one it had started - except that it watches the agent through
-their socket (its parent is the template). The template refuses an agent of another Python, of
-another copy of nonstop, or whose environment differs in what is read at import (threads,
+(the first that accepts) for its zygote instead of starting one: the template forks it, and the
+new zygote enters the agent's network and mount namespaces (a test host's), takes the agent's
+environment, working directory and log, and serves the agent as one it had started - except
+that it watches the agent through their socket (its parent is the template). The template
+refuses an agent of another Python, of another copy of nonstop, of code changed on disk since
+the template imported it, or whose environment differs in what is read at import (threads,
 libraries, ``TORCH*``); the agent then starts its own zygote, as it does when the template is
 absent or does not answer.
 
