@@ -54,6 +54,24 @@ def test_across_nodes_a_lost_node_shrinks_the_world_by_the_whole_node():
     assert d.level is Level.SCALE_IN and d.drop == {2, 3} and not d.isolate
 
 
+def test_a_rank_lost_on_a_node_that_stays_while_another_node_is_lost_gets_a_new_process():
+    """A node lost with no spare node, and at the same moment a survivor on the other node
+    killed for not leaving in time: the world goes on without the lost node only; the killed
+    rank's node still has its place (and its memory), so a new process takes it. Before, it
+    took its node with it, no rank was left and the job restarted whole."""
+    lost = Fault("node_lost", node=1, message="host gone")
+    late = Fault("teardown_timeout", rank=0, node=0, message="still in generation 0")
+    d = decide([lost, Fault("crash", rank=3, code=-9), late], {0, 2, 3}, view=TWO_HOSTS)
+    assert d.level is Level.SCALE_IN and d.drop == {2, 3} and d.isolate == {1}
+    assert d.replace == {0} and not d.reshard  # rank 1 goes on live
+    # a mesh sharded along the dimension that shrinks: every rank that stays is new anyway
+    d = decide([lost, late], {0, 2, 3}, view=dataclasses.replace(TWO_HOSTS, regrid_unit=2))
+    assert d.level is Level.SCALE_IN and d.drop == {2, 3} and d.replace == {0, 1} and d.reshard
+    # with no node lost, a crash on a node still takes its node with it (host granularity)
+    d = decide([late], {0}, view=TWO_HOSTS, policy=pol(when="no_warm_spare"))
+    assert d.level is Level.SCALE_IN and d.drop == {0, 1} and d.replace == set()
+
+
 def test_the_world_stays_a_multiple_of_the_model_parallel_size():
     view = dataclasses.replace(ONE_HOST, world=6, node_of={r: 0 for r in range(6)})
     d = decide([CRASH1], {1}, view=view, policy=pol(when="no_warm_spare", multiple_of=2))

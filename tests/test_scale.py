@@ -116,19 +116,26 @@ def test_shrinks_to_the_minimum_then_fails_below_it_with_a_diagnosis(tmp_path):
 def test_a_lost_node_with_no_spare_node_shrinks_by_the_whole_node_sharded_state_too(tmp_path):
     """ZeRO-1 (Adam's state sharded over the ranks): the lost node's shards come from their
     replicas on the other node, every rank merges all four and keeps what it owns among two; and
-    a job restarted from disk at another world size merges the checkpoint's parts the same way."""
+    a job restarted from disk at another world size merges the checkpoint's parts the same way.
+    At the same moment a rank of the node that stays (rank 0) stops while leaving, and is killed
+    for not leaving in time: it does not take its node with it (the job would restart whole), a
+    new process takes its place, its own shard from its node's memory."""
     sharded = ("--sharded", "--optim", "adam")
     run, out = elastic(tmp_path, "node", "--nodes=2", "--spares=0", "--snapshot-every=1",
-                       "--inject=node_crash:rank=2,step=10", script_args=sharded, world=4,
-                       steps=120, sleep_ms=10)
-    assert [d["level"] for d in run.of("decision")] == ["scale-in"]
+                       "--inject=node_crash:rank=2,step=10;stop:rank=0,at=teardown,gen=0",
+                       script_args=sharded, world=4, steps=120, sleep_ms=10)
+    (decision,) = run.of("decision")
+    assert decision["level"] == "scale-in" and decision["replace"] == [0], decision
     (shrunk,) = run.of("scale_in")
     assert shrunk["dropped"] == [2, 3] and shrunk["world"] == 2
     assert [e["node"] for e in run.of("isolate")] == [1]
-    entered = [e for e in run.of("rank_entered") if e["gen"] == 1]
-    # the survivors' own shards live, the lost node's from their replicas (or older snapshots)
-    assert len(entered) == 2 and {e["source"] for e in entered} <= {
-        "live+buddy, resharded", "memory+buddy, resharded"}
+    (late,) = [e for e in run.of("deadline") if e["what"] == "teardown"]
+    assert late["ranks"] == [0], late
+    entered = {e["rank"]: e for e in run.of("rank_entered") if e["gen"] == 1}
+    # rank 1's own shard live, rank 0's from its node's memory, the lost node's from their
+    # replicas there (or older snapshots); each rank says where the parts of the world came from
+    assert set(entered) == {0, 1} and {e["source"] for e in entered.values()} <= {
+        "live+memory+buddy, resharded", "memory+buddy, resharded"}, entered
     worlds = check_samples(tmp_path / "node" / "samples", 120)
     (small,) = [s for w, s, _ in segments(worlds) if w == 2]
     assert 8 <= small <= 10  # the replicas of the newest snapshots may not all have been made

@@ -236,7 +236,7 @@ class Generations:
             keep = [r for r in sorted(self.plan) if r not in decision.drop]
             for r in sorted(decision.drop):
                 w = self.workers[self.plan[r]]
-                if decision.replace and not w.dead:  # its mesh was built for the old world
+                if decision.reshard and not w.dead:  # its mesh was built for the old world
                     self.table.kill(w, f"rank {r} dropped by a scale-in (its shards are resharded)")
                 elif not w.dead and w.node not in isolated:  # it goes on waiting, as a spare
                     group = w.entered_ev.replica_group if w.entered_ev is not None else None
@@ -251,7 +251,8 @@ class Generations:
             self.plan.update({i: moved[r] for i, r in enumerate(keep)})
             self.log.write("scale_in", dropped=sorted(decision.drop), world=len(keep),
                            target=self.target, renumbered={str(r): i for i, r in enumerate(keep)})
-            return self._restart([i for i, r in enumerate(keep) if r in decision.replace])
+            return self._restart([i for i, r in enumerate(keep) if r in decision.replace],
+                                 warm=not decision.reshard)
         new = self._restart(sorted(decision.replace))
         for rank, node in sorted(placement.items()):
             w = self.table.take_spare(node, only=True, rank=rank)
@@ -265,20 +266,26 @@ class Generations:
                        target=self.target, ranks={str(r): self.plan[r] for r in sorted(placement)})
         return new
 
-    def _restart(self, ranks: list[int]) -> list[Worker]:
-        """New processes, on the same nodes, for ``ranks`` of a world that changed size, whose
-        live processes hold a mesh built for the old one (they cannot be sharded again): cold
-        ones, since a warm spare is kept for a place the world grows by. Returns them."""
+    def _restart(self, ranks: list[int], warm: bool = False) -> list[Worker]:
+        """New processes, on the same nodes, for ``ranks`` of a world that changed size: those
+        whose live processes hold a mesh built for the old one (they cannot be sharded again),
+        cold, since a warm spare is kept for a place the world grows by; or (``warm``) those
+        lost while the world shrank, a warm spare on their node first. Returns those to start."""
         new: list[Worker] = []
         for rank in ranks:
             old = self.workers[self.plan[rank]]
             if not old.dead:
-                self.table.kill(old, f"rank {rank}: a new process for the resharded world")
-            w = self.table.new(spare=False, node=old.node)
+                self.table.kill(old, f"rank {rank}: a new process for the resharded world"
+                                if not warm else f"rank {rank} moves to a new process")
+            w = self.table.take_spare(old.node, only=True, rank=rank) if warm else None
+            if w is None:
+                w = self.table.new(spare=False, node=old.node)
+                new.append(w)
+            w.spare, w.home = False, None
             self.plan[rank] = w.wid
             self.replacements[rank] += 1
-            self.log.write("replace", rank=rank, wid=w.wid, node=old.node, warm=False, cold=True)
-            new.append(w)
+            self.log.write("replace", rank=rank, wid=w.wid, node=old.node, warm=w.ready,
+                           cold=w in new)
         return new
 
     def ready_spares(self) -> dict[int, int]:
@@ -292,7 +299,9 @@ class Generations:
     def announce(self, decision: Decision, gen: int) -> None:
         if decision.level in (Level.SCALE_IN, Level.SCALE_OUT):  # ``replace``: the old numbers
             moved = (f"{len(decision.replace)} rank(s) in new processes, their shards cut from "
-                     "the old world's" if decision.replace else "")
+                     "the old world's" if decision.reshard else
+                     f"rank(s) {', '.join(map(str, sorted(decision.replace)))} in new processes"
+                     if decision.replace else "")
         else:
             moved = ", ".join(f"rank {r} -> worker {self.plan[r]}"
                               + (f" (node {self.workers[self.plan[r]].node})"

@@ -307,7 +307,7 @@ def _grow(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]
     stay = ladder.restarted(view(set(s.counters.isolated), seen), set(range(len(seen.ranks))))
     decision = Decision(Level.SCALE_OUT, reason=f"{len(placement)} rank(s) ready: {len(seen.ranks)} "
                         f"-> {world} of {seen.target}", replace=frozenset(stay) if placement
-                        else frozenset())
+                        else frozenset(), reshard=bool(stay) and bool(placement))
     gen = s.gen + 1
     s = _with(_publish(s, seen, policy, gen), level=None, level_deadline=None,
               degraded_since=s.degraded_since if world < seen.target else None)
@@ -369,8 +369,9 @@ def _migrate(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Comma
     reason = f"drain {'node ' + str(node) if node is not None else 'rank(s)'}: {why}"
     if drop is not None:  # no spare node: the world goes on without the node's ranks
         stay = set(range(len(seen.ranks))) - drop
+        again = ladder.restarted(view(isolate, seen), stay)
         decision = Decision(Level.SCALE_IN, isolate=isolate, drop=drop, reason=reason,
-                            replace=frozenset(ladder.restarted(view(isolate, seen), stay)))
+                            replace=frozenset(again), reshard=bool(again))
     else:
         decision = Decision(level, replace=frozenset(ranks), isolate=isolate, reason=reason)
     counters = s.counters.but(isolated=s.counters.isolated | isolate)

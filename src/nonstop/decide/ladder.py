@@ -136,6 +136,10 @@ class Decision:
     usage_error: bool = False  # FAIL caused by bad input (exit code 2)
     skip: bool = False  # STEP_RETRY: skip the batch instead of redoing it
     drop: frozenset[int] = frozenset()  # SCALE_IN: ranks the smaller world goes on without
+    # SCALE_IN, SCALE_OUT: the mesh is sharded along the dimension that changes, so every rank
+    # of the new world is a new process (``restarted``); otherwise ``replace`` holds only ranks
+    # lost on a node that stays, each given a new process in its own place
+    reshard: bool = False
     passed_over: tuple[str, ...] = ()  # finer levels that could not take it, and why
 
 
@@ -274,12 +278,19 @@ def decide(faults: list[Fault], dead: set[int], view: JobView, policy: Policy,
                 passed.append(f"{level.value}: the lost place can be refilled "
                               "(scale_in.when: no_capacity)")
                 continue
-            drop, why_not = shrink(set(dead) | at_fault, sick_nodes, view, policy)
+            lost = set(dead) | at_fault
+            # nodes lost with no spare: the world goes on without them. A rank lost meanwhile
+            # on a node that stays (a survivor killed for not leaving in time) does not take its
+            # node with it: its place is free, and a new process takes it
+            again = {r for r in lost if view.node_of.get(r) not in sick_nodes} \
+                if sick_nodes else set()
+            drop, why_not = shrink(lost - again, sick_nodes, view, policy)
             if why_not:
                 passed.append(f"{level.value}: {why_not}")
                 continue
             isolate = isolate | sick_nodes
-            replace = restarted(view, set(range(view.world)) - drop)
+            stay = set(range(view.world)) - drop
+            replace = restarted(view, stay) | (again & stay)
         if level is Level.JOB_RESTART:
             replace = set(range(view.world))
             # the nodes this decision isolates are gone too
@@ -307,7 +318,8 @@ def decide(faults: list[Fault], dead: set[int], view: JobView, policy: Policy,
         reason = "; ".join(f.describe() for f in faults if f.kind != "peer") or _last(faults)
         return Decision(level, replace=frozenset(replace), isolate=frozenset(isolate),
                         reason=reason, passed_over=tuple(passed),
-                        drop=frozenset(drop) if level is Level.SCALE_IN else frozenset())
+                        drop=frozenset(drop) if level is Level.SCALE_IN else frozenset(),
+                        reshard=level is Level.SCALE_IN and view.regrid_unit > 0)
     return _fail("no level left", f"no recovery level left ({'; '.join(passed)}); last: "
                  f"{_last(faults)}", traceback=user[0].traceback if user else None,
                  passed_over=tuple(passed))
