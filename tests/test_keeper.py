@@ -288,6 +288,14 @@ def test_a_keeper_that_only_answers_slowly_is_alive_one_on_its_way_out_is_not(ke
     assert not link.answers(0.3)
     link.close()
     child = subprocess.Popen([sys.executable, "-c", "pass"])
-    wait_for(lambda: dying(child.pid))  # exited, not yet reaped: a zombie
+    wait_for(lambda: _state(child.pid) == "Z")  # exited, not yet reaped: a zombie
+    assert dying(child.pid)  # (it counts as dying before that, from the start of its exit)
     assert os.waitpid(child.pid, os.WNOHANG) != (0, 0)
     assert dying(child.pid)  # reaped: gone
+
+
+def _state(pid):
+    """The process's state letter in /proc (R, S, Z...)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        stat = fh.read()
+    return stat[stat.rfind(")") + 2:].split()[0]
