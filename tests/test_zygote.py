@@ -81,6 +81,49 @@ def test_ranks_are_the_zygotes_children_in_sessions_of_their_own_and_die_with_th
         proc.communicate(timeout=30)
 
 
+@pytest.mark.parametrize("origin", ["template", "refused"])
+def test_a_keepers_checkpoint_writer_comes_from_the_template_and_leaves_with_the_keeper(
+        tmp_path, monkeypatch, origin):
+    """``template``: the node's checkpoint writer is forked by the session's template (torch and
+    DCP imported: the first checkpoint is written at once), in the keeper's namespaces, and
+    leaves when the keeper is gone (their socket closed), though the template is its parent;
+    ``refused``: the keeper's environment differs from the templates' in what torch reads at
+    import, so it starts its own writer and says why."""
+    from conftest import TEMPLATE
+
+    from nonstop.agent.zygote import TEMPLATE_ENV, WRITER_NAME
+
+    if TEMPLATE_ENV not in os.environ:
+        pytest.skip("no zygote template in this session (NONSTOP_TEST_TEMPLATE=0)")
+    if origin == "refused":
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "--nproc=2", f"--checkpoint-dir={tmp_path / 'ck'}",
+                 "--checkpoint-every=5", str(TRAIN), "--steps", "100000", "--sleep-ms", "20")
+    try:
+        wait_for_event(run_dir, lambda e: e["type"] == "checkpoint", timeout=90)
+        (keepers,) = [e for e in _events(run_dir) if e["type"] == "keepers"]
+        keeper = keepers["nodes"]["0"]["pid"]
+        if origin == "template":
+            (writer,) = [int(p) for p in os.listdir("/proc") if p.isdigit()
+                         and _status(int(p)).get("Name") == WRITER_NAME
+                         and int(_status(int(p))["PPid"]) in TEMPLATE.values()
+                         and os.readlink(f"/proc/{p}/ns/net") ==
+                         os.readlink(f"/proc/{keeper}/ns/net")]
+            assert "zygote template" not in (run_dir / "logs" / "keeper-n0.log").read_text()
+        else:
+            (writer,) = [int(p) for p in os.listdir("/proc") if p.isdigit()
+                         and int(_status(int(p)).get("PPid", 0)) == keeper]
+            log = (run_dir / "logs" / "keeper-n0.log").read_text()
+            assert log.count("the environment read at import differs: OMP_NUM_THREADS") == 2, log
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher dies, its keeper with it
+        assert _gone([keeper, writer]), [p for p in (keeper, writer) if Path(f"/proc/{p}").exists()]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+
+
 def test_exit_codes_are_reported_as_they_were(tmp_path, reference):
     run, out = train(tmp_path, "--spares=1", "--inject=crash:rank=1,step=10;exit:rank=2,step=20,code=7",
                      args=ARGS)

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from nonstop.agent import zygote
+from nonstop.protocol import zygote_messages as zm
 
 
 @pytest.fixture
@@ -19,10 +20,15 @@ def start_env():
 
 
 def refusal(msg, fds=None, uid=None, start=None, now=None):
+    """Why the template refuses ``msg``, or None where it serves it (the request, read)."""
     start = start if start is not None else {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
     now = now if now is not None else dict(start, TORCHINDUCTOR_CACHE_DIR="/tmp/default")
-    return zygote._refusal(msg, FDS if fds is None else fds,
-                           os.getuid() if uid is None else uid, start, now)
+    out = zygote._refusal(msg, FDS if fds is None else fds,
+                          os.getuid() if uid is None else uid, start, now)
+    if isinstance(out, zm.TemplateRequest):
+        assert zm.encode(out) == msg  # read as it was sent
+        return None
+    return out
 
 
 @pytest.fixture(autouse=True)
@@ -31,7 +37,7 @@ def stamp(monkeypatch):
 
 
 def request(environ: dict, **changes) -> dict:
-    msg = {"agent": 1, "env": environ, "cwd": "/", "python": zygote._python(),
+    msg = {"role": "zygote", "pid": 1, "env": environ, "cwd": "/", "python": zygote._python(),
            "nonstop": zygote._nonstop_dir(), "code": "c0de"}
     msg.update(changes)
     return msg
@@ -81,7 +87,11 @@ def test_a_variable_the_templates_imports_set_may_be_absent_or_as_they_set_it(st
     ({"python": ["/usr/bin/python3.9", "/usr"]}, "the template runs"),
     ({"nonstop": "/elsewhere/nonstop"}, "with /elsewhere/nonstop"),
     ({"code": "newer"}, "changed on disk since the template started"),
-    ({"env": "OMP_NUM_THREADS=1"}, "a malformed request"),
+    ({"env": "OMP_NUM_THREADS=1"}, "a malformed request: TemplateRequest.env"),
+    ({"env": {"OMP_NUM_THREADS": 1}}, "a malformed request: TemplateRequest.env['OMP_NUM_THREADS']"),
+    ({"cwd": None}, "a malformed request: TemplateRequest.cwd"),
+    ({"role": "shell"}, "a malformed request: TemplateRequest.role"),
+    ({"agent": 1}, "unknown field(s) ['agent']"),
 ])
 def test_another_interpreter_another_nonstop_or_a_malformed_request_is_refused(start_env, change,
                                                                                said):
@@ -90,8 +100,15 @@ def test_another_interpreter_another_nonstop_or_a_malformed_request_is_refused(s
 
 def test_another_user_or_missing_descriptors_are_refused(start_env):
     assert "runs as user" in refusal(request(dict(start_env)), uid=os.getuid() + 1)
-    assert refusal(request(dict(start_env)), fds=FDS[:3]) == "a malformed request"
-    assert refusal(None) == "a malformed request"
+    assert refusal(request(dict(start_env)), fds=FDS[:3]) == (
+        "a malformed request: 3 descriptors, not 4")
+    assert refusal(None).startswith("a malformed request")
+
+
+def test_a_keeper_asking_for_a_checkpoint_writer_is_served_and_refused_alike(start_env):
+    assert refusal(request(dict(start_env), role="writer")) is None
+    assert refusal(request(dict(start_env), role="writer"), uid=os.getuid() + 1).startswith(
+        "the keeper runs as user")
 
 
 def test_pythonpath_goes_where_an_interpreter_start_puts_it(monkeypatch):

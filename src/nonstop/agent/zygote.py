@@ -45,13 +45,17 @@ import sys
 import time
 from typing import Any
 
-from ..pids import pid_alive
+from ..pids import dying, pid_alive
+from ..protocol import zygote_messages as zm
 
 MAX_MSG = 1 << 20  # a request: an environment and a command line
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
            "nonstop.runtime.bootstrap", "nonstop.runtime.worker", "nonstop.runtime.wrap")
 # more modules to import once, before any fork: the script's heavy ones (comma-separated)
 PRELOAD_ENV = "NONSTOP_PRELOAD"
+# what a template imports besides, for the checkpoint writers it forks (torch's DCP)
+WRITER_PRELOAD = ("torch.distributed.checkpoint", "nonstop.state.writer")
+WRITER_NAME = "nonstop-writer"  # a template's writer in ps (its command line is the template's)
 SESSION_S = 5.0  # a fork is answered once its child has its own session (at most this long)
 READY_S = 120.0  # the agent waits this long for the zygote's imports before it starts ranks itself
 
@@ -145,6 +149,7 @@ def template_main(path: str) -> None:
     _START_ENV.update(os.environ)  # (importing torch sets some: TORCHINDUCTOR_CACHE_DIR)
     _STAMP["code"] = _our_code()
     _preload(PRELOAD)
+    _preload(WRITER_PRELOAD)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     tmp = f"{path}.{os.getpid()}"
     listener.bind(tmp)
@@ -167,25 +172,24 @@ def template_main(path: str) -> None:
             except OSError:
                 continue
             with conn:
-                _serve_agent(conn, ours)
+                _serve_request(conn, ours)
 
 
-def _serve_agent(conn: socket.socket, ours: tuple[int, ...]) -> None:
+def _serve_request(conn: socket.socket, ours: tuple[int, ...]) -> None:
     conn.settimeout(TEMPLATE_S)
     fds: list[int] = []
     try:
-        msg, fds = _recv(conn)
+        raw, fds = _recv(conn)
         uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                   struct.calcsize("3i")))[1]
-        why = _refusal(msg, fds, uid, _START_ENV, os.environ)
-        if why is not None:
-            _send(conn, {"error": why})
+        req = _refusal(raw, fds, uid, _START_ENV, os.environ)
+        if isinstance(req, str):
+            _send(conn, zm.encode(zm.TemplateAnswer(error=req)))
             return
-        assert msg is not None
         pid = os.fork()
         if pid == 0:
-            _templated(msg, fds, conn, ours)  # never returns
-        _send(conn, {"pid": pid})
+            _templated(req, fds, conn, ours)  # never returns
+        _send(conn, zm.encode(zm.TemplateAnswer(pid=pid)))
     except OSError:
         pass
     finally:
@@ -193,28 +197,34 @@ def _serve_agent(conn: socket.socket, ours: tuple[int, ...]) -> None:
             os.close(fd)
 
 
-def _refusal(msg: dict[str, Any] | None, fds: list[int], uid: int, start: Any,
-             now: Any) -> str | None:
-    """Why the agent that sent ``msg`` cannot have a zygote of this template, or None.
-    ``start``, ``now``: the template's environment before its imports, and after."""
-    if msg is None or len(fds) != 4:
-        return "a malformed request"
+def _refusal(raw: Any, fds: list[int], uid: int, start: Any,
+             now: Any) -> zm.TemplateRequest | str:
+    """The request ``raw`` as a record, or why the process that sent it cannot be served by
+    this template. ``start``, ``now``: the template's environment before its imports, and
+    after."""
+    if len(fds) != 4:
+        return f"a malformed request: {len(fds)} descriptors, not 4"
+    try:
+        req: zm.TemplateRequest = zm.read(zm.TemplateRequest, raw)
+    except zm.BadZygoteMessage as exc:
+        return f"a malformed request: {exc}"
     if uid != os.getuid():
-        return f"the agent runs as user {uid}, the template as {os.getuid()}"
-    if msg.get("python") != _python() or msg.get("nonstop") != _nonstop_dir():
-        return (f"the template runs {_python()} with nonstop from {_nonstop_dir()}, the agent "
-                f"{msg.get('python')} with {msg.get('nonstop')}")
-    if msg.get("code") != _STAMP.get("code"):
+        return f"the {_ASKER[req.role]} runs as user {uid}, the template as {os.getuid()}"
+    if req.python != _python() or req.nonstop != _nonstop_dir():
+        return (f"the template runs {_python()} with nonstop from {_nonstop_dir()}, the "
+                f"{_ASKER[req.role]} {req.python} with {req.nonstop}")
+    if req.code != _STAMP.get("code"):
         return "nonstop or torch changed on disk since the template started (an upgrade, an edit)"
-    env = msg.get("env")
-    if not isinstance(env, dict):
-        return "a malformed request"
+    env = req.env
     # the same as at the template's start, or as its imports set it (a default of torch's)
     differ = sorted(k for k in {*_import_env(env), *_import_env(start)}
                     if env.get(k) not in (start.get(k), now.get(k)))
     if differ:
         return "the environment read at import differs: " + ", ".join(differ)
-    return None
+    return req
+
+
+_ASKER = {"zygote": "agent", "writer": "keeper"}
 
 
 def _import_env(env: Any) -> list[str]:
@@ -278,11 +288,12 @@ def _nonstop_dir() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _templated(msg: dict[str, Any], fds: list[int], conn: socket.socket,
+def _templated(req: zm.TemplateRequest, fds: list[int], conn: socket.socket,
                ours: tuple[int, ...]) -> None:
-    """A zygote forked from the template, for the agent that sent ``msg``: in its namespaces,
-    its environment and directory, its log; its parent is the template, so it leaves when the
-    agent's end of their socket closes (the agent gone, however it ended)."""
+    """A zygote (or a checkpoint writer) forked from the template, for the process that sent
+    ``req``: in its namespaces, its environment and directory, its log; its parent is the
+    template, so it leaves when the asker's end of their socket closes (the asker gone, however
+    it ended)."""
     sock_fd, net_fd, mnt_fd, log_fd = fds
     try:
         signal.set_wakeup_fd(-1)
@@ -298,10 +309,17 @@ def _templated(msg: dict[str, Any], fds: list[int], conn: socket.socket,
         for fd in (net_fd, mnt_fd, log_fd):
             os.close(fd)
         os.environ.clear()
-        os.environ.update(msg["env"])
-        _apply_start_env(msg["env"])
-        os.chdir(msg["cwd"])
-        if not pid_alive(int(msg["agent"])):
+        os.environ.update(req.env)
+        _apply_start_env(req.env)
+        os.chdir(req.cwd)
+        if not pid_alive(req.pid):
+            os._exit(0)
+        if req.role == "writer":
+            from ..state import writer
+
+            _name(WRITER_NAME)
+            writer.serve(socket.socket(fileno=sock_fd))  # until the keeper is gone
+            _flush()
             os._exit(0)
         _preload(_extra())
         serve(socket.socket(fileno=sock_fd))
@@ -461,6 +479,87 @@ def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
 
 
 # == the agent's side ============================================================================
+def templates(env: Any) -> list[str]:
+    """The sockets of the templates ``env`` names, in order."""
+    return [p for p in env.get(TEMPLATE_ENV, "").split(os.pathsep) if p]
+
+
+def ask_template(path: str, role: str, sock_fd: int, env: dict[str, str], log_fd: int) -> int:
+    """A zygote (``role`` "zygote") or a checkpoint writer ("writer") forked for this process by
+    the template listening at ``path``, serving it on ``sock_fd`` (this process keeps the other
+    end), in this process's namespaces, ``env`` and directory, writing to ``log_fd``: its pid.
+    OSError says why the template would not (or did not answer)."""
+    ns = [os.open(f"/proc/self/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC) for kind in ("net", "mnt")]
+    req = zm.TemplateRequest(role=role, pid=os.getpid(), env=dict(env),  # type: ignore[arg-type]
+                             cwd=os.getcwd(), python=_python(), nonstop=_nonstop_dir(),
+                             code=_our_code())
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as c:
+            c.settimeout(TEMPLATE_S)
+            c.connect(path)
+            _send(c, zm.encode(req), [sock_fd, *ns, log_fd])
+            raw, fds = _recv(c)
+    finally:
+        for fd in ns:
+            os.close(fd)
+    for fd in fds:
+        os.close(fd)
+    if raw is None:
+        raise OSError("the template did not answer")
+    try:
+        answer: zm.TemplateAnswer = zm.read(zm.TemplateAnswer, raw)
+    except zm.BadZygoteMessage as exc:
+        raise OSError(f"the template answered something malformed: {exc}") from None
+    if answer.pid is None:
+        raise OSError(answer.error or "the template forked nothing")
+    return answer.pid
+
+
+class TemplatedProcess:
+    """A process a template forked for this one (a keeper's checkpoint writer), in the shape of
+    ``subprocess.Popen`` as far as its owner uses it. Its parent is the template, which reaps
+    it: it has ended once it is in its exit, a zombie or gone."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and dying(self.pid):
+            self.returncode = -signal.SIGKILL  # how it ended is the template's to know
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                import subprocess
+
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            time.sleep(0.01)
+        return self.returncode  # type: ignore[return-value]
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def writer_from_template(sock_fd: int, env: dict[str, str], log_fd: int
+                         ) -> tuple[TemplatedProcess | None, list[str]]:
+    """A checkpoint writer forked by the first template ``env`` names that serves this process,
+    and why the others (or all) did not."""
+    refused = []
+    for template in templates(env):
+        try:
+            return TemplatedProcess(ask_template(template, "writer", sock_fd, env, log_fd)), refused
+        except OSError as exc:
+            refused.append(f"zygote template {template}: {exc}")
+    return None, refused
+
+
 class Zygote:
     """The agent's handle on its zygote: start it, fork children, hear how they end."""
 
@@ -473,9 +572,10 @@ class Zygote:
         self.proc: subprocess.Popen | None = None  # the zygote, when this agent started it
         self.templated: int | None = None  # the zygote's pid, when a template forked it
         refused = []
-        for template in filter(None, env.get(TEMPLATE_ENV, "").split(os.pathsep)):
+        for template in templates(env):
             try:
-                self.templated = self._from_template(template, theirs, env)
+                self.templated = ask_template(template, "zygote", theirs.fileno(), env,
+                                              self._log.fileno())
                 break
             except OSError as exc:
                 refused.append(f"zygote template {template}: {exc}")
@@ -491,28 +591,6 @@ class Zygote:
         self.exits: dict[int, int] = {}  # child pid -> exit code (negative: killed by a signal)
         self.broken: str | None = None  # why it can no longer be used
         self._ids = 0
-
-    def _from_template(self, path: str, theirs: socket.socket, env: dict[str, str]) -> int:
-        """A zygote forked by the template listening at ``path`` for this agent: its pid."""
-        ns = [os.open(f"/proc/self/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
-              for kind in ("net", "mnt")]
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as c:
-                c.settimeout(TEMPLATE_S)
-                c.connect(path)
-                _send(c, {"agent": os.getpid(), "env": env, "cwd": os.getcwd(),
-                          "python": _python(), "nonstop": _nonstop_dir(),
-                          "code": _our_code()},
-                      [theirs.fileno(), *ns, self._log.fileno()])
-                reply, fds = _recv(c)
-        finally:
-            for fd in ns:
-                os.close(fd)
-        for fd in fds:
-            os.close(fd)
-        if reply is None or "pid" not in reply:
-            raise OSError((reply or {}).get("error") or "the template did not answer")
-        return int(reply["pid"])
 
     def fileno(self) -> int:
         return self.sock.fileno()

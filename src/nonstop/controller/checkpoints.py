@@ -198,6 +198,15 @@ class DiskCheckpoints:
         self._said: dict[str, int] = {}  # a failure's cause -> attempts failed so since said
         self._fatal_raised = False
         self.waiting = False  # inside a wait: a give-up is raised in the controller's loop only
+        self._warming = False
+
+    def expect_dtensors(self) -> None:
+        """The job's state is sharded over a mesh: each manifest gets DCP's metadata of the
+        whole, made with torch. torch loads now, on a thread, not in the controller's loop at
+        the first checkpoint (seconds, on a busy host); a job of plain tensors never loads it."""
+        if self.root is not None and not self._warming:
+            self._warming = True
+            checkpoint.warm_in_background()
 
     # == parts and manifests ======================================================================
     def part_done(self, job: km.DiskPart, part: km.PartWritten, node: int) -> None:

@@ -158,6 +158,8 @@ class RankReports:
                     self.nccl = True
                 if ev.replica_group is not None:
                     self.replica_groups[ev.rank] = tuple(ev.replica_group)
+                if ev.replica_group is not None or ev.regrid_unit is not None:
+                    self.memory.disk.expect_dtensors()  # a mesh: its state is DTensors
                 if ev.regrid_unit is not None:  # (its generations are laid out so)
                     self.gens.regrid_unit = ev.regrid_unit
                 self.last_entered = ev

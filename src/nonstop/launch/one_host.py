@@ -23,7 +23,6 @@ from .. import inject, policy as policy_mod, protocol
 from ..agent import loopback
 from ..controller.phase import ENDING
 from ..observe import incidents
-from ..state import checkpoint
 from ..errors import UsageError
 
 
@@ -231,10 +230,6 @@ def run(cfg: RunConfig) -> int:
     agent = Agent(cfg.script, cfg.script_args, f"{loopback.HOST}:{port}", run_dir,
                   worker_env(run_dir, faults), output)
     agent.start_zygote()  # ranks are forked from it: it imports torch while the launcher goes on
-    if pol.state.checkpoint.dir:
-        # a checkpoint's manifest is finished here, with DCP's metadata: torch loads now, on a
-        # thread, not in the controller's loop at the first checkpoint (seconds, on a busy host)
-        checkpoint.warm_in_background()
     from ..agent.mail import StoreMail
 
     mail = StoreMail(wids=agent.recent_wids)

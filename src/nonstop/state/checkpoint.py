@@ -6,12 +6,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
+import functools
 import json
 import os
 import pickle
 import re
 import secrets
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Mapping
@@ -131,15 +133,14 @@ def _dcp_metadata(tmp: Path, parts: dict[int, dict]) -> dict | None:
     describes every shard as a chunk of its whole tensor, each read from its part's own file.
     The step's directory is then a plain DCP checkpoint: ``dcp.load`` into a freshly built
     sharded model (any mesh: DCP reshards) reads it without nonstop. Returns its file record."""
+    if not any(part.get("dtensors") for part in parts.values()):
+        return None  # (torch is not even loaded: a launcher finishes plain jobs' manifests)
     import dataclasses
 
     import torch
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
                                                        MetadataIndex, TensorStorageMetadata)
-
-    if not any(part.get("dtensors") for part in parts.values()):
-        return None
     tensors: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
     planner: dict[str, Any] = {}
@@ -195,8 +196,6 @@ def finalize(root: Path, step: int, parts: dict[int, dict], *, world: int, shard
         CorruptCheckpoint: A file of a part is missing or has the wrong size.
         ValueError: No parts, or ``extra`` overrides a reserved field.
     """
-    import torch
-
     root = Path(root)
     tmp = root / f".tmp-{step_dir_name(step)}"
     final = root / step_dir_name(step)
@@ -213,7 +212,7 @@ def finalize(root: Path, step: int, parts: dict[int, dict], *, world: int, shard
         if entry.name not in keep and (".partial-" in entry.name or ".old-" in entry.name):
             _remove(entry)
     manifest = {"format": FORMAT, "step": step, "world": world, "sharded": sharded,
-                "created": time.time(), "torch": str(torch.__version__),
+                "created": time.time(), "torch": _torch_version(),
                 "parts": {str(r): parts[r] for r in sorted(parts)}, **(extra or {})}
     dcp = _dcp_metadata(tmp, parts) if sharded else None
     if dcp is not None:
@@ -602,6 +601,23 @@ def _check(step_dir: Path, step: int, part_rank: int, part: dict, checksums: boo
             raise CorruptCheckpoint(f"{where}: unreadable ({_line(e)})") from e
         if digest != expected_hash:
             raise CorruptCheckpoint(f"{where}: checksum {digest}, expected {expected_hash}")
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_version() -> str:
+    """torch's version as ``torch.__version__`` says it, read from its installed metadata
+    (without loading torch: a launcher finishes the manifests of plain jobs without it)."""
+    import importlib.metadata
+
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return str(torch.__version__)
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        import torch
+
+        return str(torch.__version__)
 
 
 def _hash_file(path: Path, sync: bool = False) -> tuple[int, str]:

@@ -19,6 +19,7 @@ import subprocess
 import sys
 from typing import Callable
 
+from ..agent import zygote
 from ..protocol import keeper_messages as km
 from . import shm, wire
 from .slots import Holder, Slots
@@ -37,7 +38,7 @@ class DiskWrites:
         # parts to stage, with the slot leased for each (None: the holder's snapshot of its step)
         self.stage_queue: collections.deque[tuple[km.DiskPart, int | None]] = collections.deque()
         self.write_queue: collections.deque[Job] = collections.deque()
-        self.writer: subprocess.Popen | None = None
+        self.writer: subprocess.Popen | zygote.TemplatedProcess | None = None
         self.writer_sock: socket.socket | None = None
         self.writer_job: Job | None = None
         # holder -> the staged copy of its newest part that failed to be written
@@ -141,9 +142,18 @@ class DiskWrites:
         if self.writer is not None and self.writer.poll() is None:
             return
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.writer = subprocess.Popen(
-            [sys.executable, "-m", "nonstop.state.writer", str(theirs.fileno()), str(os.getpid())],
-            pass_fds=[theirs.fileno()], start_new_session=True, stdin=subprocess.DEVNULL)
+        # forked by a zygote template where the environment names one (torch and DCP imported
+        # already: the first part is written at once), else a process of its own that imports them
+        self.writer, refused = zygote.writer_from_template(theirs.fileno(), dict(os.environ),
+                                                           sys.stderr.fileno())
+        if refused:
+            print("\n".join(refused) + ("\nstarting a checkpoint writer" if self.writer is None
+                                        else ""), file=sys.stderr, flush=True)
+        if self.writer is None:
+            self.writer = subprocess.Popen(
+                [sys.executable, "-m", "nonstop.state.writer", str(theirs.fileno()),
+                 str(os.getpid())],
+                pass_fds=[theirs.fileno()], start_new_session=True, stdin=subprocess.DEVNULL)
         theirs.close()
         self.writer_sock = mine
         self.sel.register(mine, selectors.EVENT_READ, "writer")

@@ -23,18 +23,17 @@ reaches the subscribers through its ``emit``.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import itertools
 import logging
 import os
 import selectors
-import signal
 import socket
 import sys
 import threading
 import time
 from typing import Any
 
+from ..pids import die_with
 from ..protocol import keeper_messages as km
 from . import shm, wire
 from .disk import DiskWrites
@@ -336,16 +335,6 @@ class Keeper:
             return None
         offset = shm.Slot(h.fds[i]).flip_bit(info)
         return km.Corrupted(step=info.step, offset=offset), []
-
-
-def die_with(parent: int) -> None:
-    """Ask the kernel to end this process when its parent ends (the node's agent)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,9 +16,9 @@ import socket
 import sys
 import traceback
 from pathlib import Path
+from ..pids import die_with
 from ..protocol import keeper_messages as km
 from . import checkpoint, packing, shm, wire
-from .keeper import die_with
 
 _TRACEBACK_CHARS = 16_000  # the keeper's messages must stay well under wire.MAX_MESSAGE
 
