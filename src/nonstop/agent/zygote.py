@@ -146,6 +146,9 @@ def template_main(path: str) -> None:
     from ..runtime.bootstrap import die_with_parent
 
     die_with_parent()
+    # what a run gives its ranks unless set (launch.one_host.worker_env): a template started
+    # from a plain shell has the runs' environment
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     _START_ENV.update(os.environ)  # (importing torch sets some: TORCHINDUCTOR_CACHE_DIR)
     _STAMP["code"] = _our_code()
     _preload(PRELOAD)
