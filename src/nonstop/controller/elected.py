@@ -198,11 +198,12 @@ class Leader:
                 return 2
             limit = cfg.nnodes_max + cfg.spare_nodes  # hosts that registered at once, beyond it
             for rec in hosts[limit:]:  # (before any could see the job full) are turned away
-                self._joining.add((rec.host_id, rec.incarnation))
+                key = (rec.host_id, rec.incarnation)
+                self._joining.add(key)
                 _, ch = channels.pop(rec.host_id, (None, None))
                 if ch is not None:
                     ch.close()
-                threading.Thread(target=self._turn_away, args=(rec,), daemon=True).start()
+                threading.Thread(target=self._turn_away, args=(key, rec), daemon=True).start()
             hosts = hosts[:limit]
             placed = dict(enumerate(hosts))
             lost: set[int] = set()
@@ -607,13 +608,16 @@ class Leader:
                 continue
             self._joining.add(key)
             if room <= 0:  # it registered before it could see the job was full
-                threading.Thread(target=self._turn_away, args=(rec,), daemon=True).start()
+                threading.Thread(target=self._turn_away, args=(key, rec), daemon=True).start()
                 continue
             room -= 1
             threading.Thread(target=self._connect_new, args=(key, rec, cluster), daemon=True,
                              name="nonstop-join").start()
 
-    def _turn_away(self, rec: keys.HostRecord) -> None:
+    def _turn_away(self, key: tuple[str, str], rec: keys.HostRecord) -> None:
+        """Tell a host that registered into a full job to end (exit 2). Not reached (its agent
+        slow to listen, on a loaded machine): tried again at the next look at the hosts, else it
+        waited for the job to take it until its join timeout."""
         from ..net import channel
 
         why = (f"job '{self.cfg.job_id}' already has {self.cfg.nnodes_max + self.cfg.spare_nodes} "
@@ -625,9 +629,10 @@ class Leader:
             ch.send(m.encode(m.End(epoch=self.epoch, code=2, why=why)))
             time.sleep(0.2)
             ch.close()
-        except Exception as exc:  # noqa: BLE001 - it may be gone already
-            print(f"nonstop: could not turn host {rec.host_id} away: {exc}", file=sys.stderr,
-                  flush=True)
+        except Exception as exc:  # noqa: BLE001 - it may be gone already, or not listening yet
+            print(f"nonstop: could not turn host {rec.host_id} away (tried again): {exc}",
+                  file=sys.stderr, flush=True)
+            self._joining.discard(key)
 
     def _connect_new(self, key: tuple[str, str], rec: keys.HostRecord, cluster: Any) -> None:
         from ..net import channel
