@@ -19,8 +19,13 @@ ARGS = ("--steps", "40", "--sleep-ms", "10")
 
 
 def _status(pid: int) -> dict[str, str]:
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+    """The process's /proc status fields (none for a process that is gone)."""
+    out: dict[str, str] = {}
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return out
+    for line in text.splitlines():
         key, _, value = line.partition(":")
         out[key] = value.strip()
     return out
@@ -43,10 +48,12 @@ def test_ranks_are_the_zygotes_children_in_sessions_of_their_own_and_die_with_th
     launcher by the session's template (``NONSTOP_ZYGOTE_TEMPLATE``), its parent, in the
     launcher's namespaces, and watches the launcher through their socket; ``refused``: the
     launcher's environment differs from every template's in what torch reads at import, so it
-    starts its own zygote and says why."""
+    starts its own zygote and says why. The node's checkpoint writer alike: forked by the
+    template (DCP imported: the first checkpoint is written at once) in the keeper's
+    namespaces, or the keeper's own child; either way it ends with the keeper."""
     from conftest import TEMPLATE
 
-    from nonstop.agent.zygote import TEMPLATE_ENV
+    from nonstop.agent.zygote import TEMPLATE_ENV, WRITER_NAME
 
     if origin == "own":
         monkeypatch.delenv(TEMPLATE_ENV, raising=False)
@@ -55,10 +62,10 @@ def test_ranks_are_the_zygotes_children_in_sessions_of_their_own_and_die_with_th
     if origin == "refused":
         monkeypatch.setenv("OMP_NUM_THREADS", "2")
     run_dir = tmp_path / "run"
-    proc = start(run_dir, "--nproc=2", "--spares=1", str(TRAIN), "--steps", "100000",
-                 "--sleep-ms", "20")
+    proc = start(run_dir, "--nproc=2", "--spares=1", f"--checkpoint-dir={tmp_path / 'ck'}",
+                 "--checkpoint-every=5", str(TRAIN), "--steps", "100000", "--sleep-ms", "20")
     try:
-        wait_for_event(run_dir, lambda e: e["type"] == "rank_first_step", timeout=90)
+        wait_for_event(run_dir, lambda e: e["type"] == "checkpoint", timeout=90)
         spawned = [e["pid"] for e in _events(run_dir) if e["type"] == "spawn"]
         zygote = {int(_status(p)["PPid"]) for p in spawned}
         assert len(zygote) == 1 and zygote != {proc.pid}, zygote
@@ -68,56 +75,27 @@ def test_ranks_are_the_zygotes_children_in_sessions_of_their_own_and_die_with_th
         for ns in ("net", "mnt"):
             assert os.readlink(f"/proc/{zpid}/ns/{ns}") == os.readlink(f"/proc/{proc.pid}/ns/{ns}")
         log = (run_dir / "logs" / "zygote.log").read_text()
+        keeper_log = (run_dir / "logs" / "keeper-n0.log").read_text()
         if origin == "refused":  # every template said why
             assert log.count("the environment read at import differs: OMP_NUM_THREADS") == 2, log
+            assert keeper_log.count("the environment read at import differs") == 2, keeper_log
         else:
-            assert "zygote template" not in log, log
-        assert all(os.getsid(p) == p for p in spawned)  # each its own session: signalled alone
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher dies without a word
-        assert _gone(spawned + [zpid]), [p for p in spawned + [zpid] if Path(f"/proc/{p}").exists()]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=30)
-
-
-@pytest.mark.parametrize("origin", ["template", "refused"])
-def test_a_keepers_checkpoint_writer_comes_from_the_template_and_leaves_with_the_keeper(
-        tmp_path, monkeypatch, origin):
-    """``template``: the node's checkpoint writer is forked by the session's template (torch and
-    DCP imported: the first checkpoint is written at once), in the keeper's namespaces, and
-    leaves when the keeper is gone (their socket closed), though the template is its parent;
-    ``refused``: the keeper's environment differs from the templates' in what torch reads at
-    import, so it starts its own writer and says why."""
-    from conftest import TEMPLATE
-
-    from nonstop.agent.zygote import TEMPLATE_ENV, WRITER_NAME
-
-    if TEMPLATE_ENV not in os.environ:
-        pytest.skip("no zygote template in this session (NONSTOP_TEST_TEMPLATE=0)")
-    if origin == "refused":
-        monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    run_dir = tmp_path / "run"
-    proc = start(run_dir, "--nproc=2", f"--checkpoint-dir={tmp_path / 'ck'}",
-                 "--checkpoint-every=5", str(TRAIN), "--steps", "100000", "--sleep-ms", "20")
-    try:
-        wait_for_event(run_dir, lambda e: e["type"] == "checkpoint", timeout=90)
+            assert "zygote template" not in log + keeper_log, log + keeper_log
         (keepers,) = [e for e in _events(run_dir) if e["type"] == "keepers"]
         keeper = keepers["nodes"]["0"]["pid"]
         if origin == "template":
             (writer,) = [int(p) for p in os.listdir("/proc") if p.isdigit()
                          and _status(int(p)).get("Name") == WRITER_NAME
-                         and int(_status(int(p))["PPid"]) in TEMPLATE.values()
+                         and int(_status(int(p)).get("PPid", 0)) in TEMPLATE.values()
                          and os.readlink(f"/proc/{p}/ns/net") ==
                          os.readlink(f"/proc/{keeper}/ns/net")]
-            assert "zygote template" not in (run_dir / "logs" / "keeper-n0.log").read_text()
         else:
             (writer,) = [int(p) for p in os.listdir("/proc") if p.isdigit()
                          and int(_status(int(p)).get("PPid", 0)) == keeper]
-            log = (run_dir / "logs" / "keeper-n0.log").read_text()
-            assert log.count("the environment read at import differs: OMP_NUM_THREADS") == 2, log
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher dies, its keeper with it
-        assert _gone([keeper, writer]), [p for p in (keeper, writer) if Path(f"/proc/{p}").exists()]
+        assert all(os.getsid(p) == p for p in spawned)  # each its own session: signalled alone
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher dies without a word
+        ours = spawned + [zpid, keeper, writer]
+        assert _gone(ours), [p for p in ours if Path(f"/proc/{p}").exists()]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
