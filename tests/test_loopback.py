@@ -45,12 +45,9 @@ def descendants(pid: int) -> set[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
+            ppid = _ppid(int(entry))
+            if ppid is not None:
+                children.setdefault(ppid, []).append(int(entry))
     out, todo = set(), [pid]
     while todo:
         p = todo.pop()
@@ -112,6 +109,7 @@ def test_every_listener_of_a_job_is_on_loopback(tmp_path):
 
 
 def _ppid(pid: int) -> int | None:
+    """The process's parent (None: it is gone)."""
     try:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     except OSError:

@@ -518,19 +518,15 @@ def ask_template(path: str, role: str, sock_fd: int, env: dict[str, str], log_fd
     return answer.pid
 
 
-class TemplatedProcess:
-    """A process a template forked for this one (a keeper's checkpoint writer), in the shape of
-    ``subprocess.Popen`` as far as its owner uses it. Its parent is the template, which reaps
-    it: it has ended once it is in its exit, a zombie or gone."""
+class NotOurChild:
+    """A process this one did not fork, in the shape of ``subprocess.Popen`` as far as its
+    owner uses it: ``poll`` says how it ended (subclasses), the rest follows from it."""
 
-    def __init__(self, pid: int):
-        self.pid = pid
-        self.returncode: int | None = None
+    pid: int
+    returncode: int | None
 
     def poll(self) -> int | None:
-        if self.returncode is None and dying(self.pid):
-            self.returncode = -signal.SIGKILL  # how it ended is the template's to know
-        return self.returncode
+        raise NotImplementedError
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -542,12 +538,29 @@ class TemplatedProcess:
             time.sleep(0.01)
         return self.returncode  # type: ignore[return-value]
 
-    def kill(self) -> None:
+    def send_signal(self, sig: int) -> None:
         if self.returncode is None:
             try:
-                os.kill(self.pid, signal.SIGKILL)
+                os.kill(self.pid, sig)
             except ProcessLookupError:
                 pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class TemplatedProcess(NotOurChild):
+    """A process a template forked for this one (a keeper's checkpoint writer). Its parent is
+    the template, which reaps it: it has ended once it is in its exit, a zombie or gone."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and dying(self.pid):
+            self.returncode = -signal.SIGKILL  # how it ended is the template's to know
+        return self.returncode
 
 
 def writer_from_template(sock_fd: int, env: dict[str, str], log_fd: int
@@ -681,8 +694,9 @@ class Zygote:
         self._log.close()
 
 
-class ForkedProcess:
-    """What the agent keeps of a forked child, in the shape of ``subprocess.Popen``."""
+class ForkedProcess(NotOurChild):
+    """What the agent keeps of a child its zygote forked (the zygote reaps it and says how it
+    ended)."""
 
     def __init__(self, zygote: Zygote, pid: int, stdout: Any):
         self.zygote, self.pid, self.stdout = zygote, pid, stdout
@@ -697,26 +711,6 @@ class ForkedProcess:
             elif self.zygote.broken is not None and not pid_alive(self.pid):
                 self.returncode = -signal.SIGKILL  # it died with the zygote: how is not known
         return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                import subprocess
-
-                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
-            time.sleep(0.01)
-        return self.returncode  # type: ignore[return-value]
-
-    def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 if __name__ == "__main__":
