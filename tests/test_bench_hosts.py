@@ -46,7 +46,8 @@ def test_bench_hosts_rank_crash_smoke(tmp_path):
         assert None not in order and order == sorted(order) and order[0] > 0, phases
     across = start["startup_s"]
     assert across["registered"] > 0 and across["elected"] <= across["in_office"] + 0.5, across
-    # the CPU the job had used at its first step: two hosts' processes against one host's
-    assert across["cpu_s"] > res["startup_one_host_s"]["cpu_s"] > 0.5, (across, res)
+    # the CPU the job had used at its first step: two hosts' processes against one host's (not
+    # a fixed floor: zygotes forked from a template, and their ranks, are not the job's children)
+    assert across["cpu_s"] > res["startup_one_host_s"]["cpu_s"] > 0, (across, res)
     assert res["targets"]["startup_across_hosts_minus_one_host_s"] == round(
         across["first_step"] - res["startup_one_host_s"]["first_step"], 3)
