@@ -487,15 +487,31 @@ def templates(env: Any) -> list[str]:
     return [p for p in env.get(TEMPLATE_ENV, "").split(os.pathsep) if p]
 
 
-def ask_template(path: str, role: str, sock_fd: int, env: dict[str, str], log_fd: int) -> int:
+def from_templates(role: str, sock_fd: int, env: dict[str, str], log_fd: int
+                   ) -> tuple[int | None, list[str]]:
     """A zygote (``role`` "zygote") or a checkpoint writer ("writer") forked for this process by
-    the template listening at ``path``, serving it on ``sock_fd`` (this process keeps the other
-    end), in this process's namespaces, ``env`` and directory, writing to ``log_fd``: its pid.
-    OSError says why the template would not (or did not answer)."""
-    ns = [os.open(f"/proc/self/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC) for kind in ("net", "mnt")]
+    the first template ``env`` names that serves it: its pid (None: none did), and why the
+    others (or all) did not. It serves this process on ``sock_fd`` (this process keeps the other
+    end), in this process's namespaces, ``env`` and directory, writing to ``log_fd``."""
+    refused: list[str] = []
+    paths = templates(env)
+    if not paths:
+        return None, refused
     req = zm.TemplateRequest(role=role, pid=os.getpid(), env=dict(env),  # type: ignore[arg-type]
                              cwd=os.getcwd(), python=_python(), nonstop=_nonstop_dir(),
                              code=_our_code())
+    for path in paths:
+        try:
+            return _ask_template(path, req, sock_fd, log_fd), refused
+        except OSError as exc:
+            refused.append(f"zygote template {path}: {exc}")
+    return None, refused
+
+
+def _ask_template(path: str, req: zm.TemplateRequest, sock_fd: int, log_fd: int) -> int:
+    """What the template at ``path`` forked for ``req``: its pid. OSError says why it would not
+    (or did not answer)."""
+    ns = [os.open(f"/proc/self/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC) for kind in ("net", "mnt")]
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as c:
             c.settimeout(TEMPLATE_S)
@@ -563,19 +579,6 @@ class TemplatedProcess(NotOurChild):
         return self.returncode
 
 
-def writer_from_template(sock_fd: int, env: dict[str, str], log_fd: int
-                         ) -> tuple[TemplatedProcess | None, list[str]]:
-    """A checkpoint writer forked by the first template ``env`` names that serves this process,
-    and why the others (or all) did not."""
-    refused = []
-    for template in templates(env):
-        try:
-            return TemplatedProcess(ask_template(template, "writer", sock_fd, env, log_fd)), refused
-        except OSError as exc:
-            refused.append(f"zygote template {template}: {exc}")
-    return None, refused
-
-
 class Zygote:
     """The agent's handle on its zygote: start it, fork children, hear how they end."""
 
@@ -586,15 +589,9 @@ class Zygote:
         env = dict(env, **{"NONSTOP_LAUNCHER_PID": str(os.getpid())})
         self._log = open(log_path, "ab", buffering=0)
         self.proc: subprocess.Popen | None = None  # the zygote, when this agent started it
-        self.templated: int | None = None  # the zygote's pid, when a template forked it
-        refused = []
-        for template in templates(env):
-            try:
-                self.templated = ask_template(template, "zygote", theirs.fileno(), env,
-                                              self._log.fileno())
-                break
-            except OSError as exc:
-                refused.append(f"zygote template {template}: {exc}")
+        # the zygote's pid, when a template forked it
+        self.templated, refused = from_templates("zygote", theirs.fileno(), env,
+                                                 self._log.fileno())
         if self.templated is None:
             if refused:
                 self._log.write(("\n".join(refused) + "\nstarting a zygote\n").encode())

@@ -144,12 +144,14 @@ class DiskWrites:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # forked by a zygote template where the environment names one (torch and DCP imported
         # already: the first part is written at once), else a process of its own that imports them
-        self.writer, refused = zygote.writer_from_template(theirs.fileno(), dict(os.environ),
-                                                           sys.stderr.fileno())
+        pid, refused = zygote.from_templates("writer", theirs.fileno(), dict(os.environ),
+                                             sys.stderr.fileno())
         if refused:
-            print("\n".join(refused) + ("\nstarting a checkpoint writer" if self.writer is None
-                                        else ""), file=sys.stderr, flush=True)
-        if self.writer is None:
+            print("\n".join(refused) + ("\nstarting a checkpoint writer" if pid is None else ""),
+                  file=sys.stderr, flush=True)
+        if pid is not None:
+            self.writer = zygote.TemplatedProcess(pid)
+        else:
             self.writer = subprocess.Popen(
                 [sys.executable, "-m", "nonstop.state.writer", str(theirs.fileno()),
                  str(os.getpid())],
