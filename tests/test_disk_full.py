@@ -356,10 +356,12 @@ def test_on_failure_fail_gives_up_with_the_cause(small_fs, tmp_path):
         + re.escape("(state.checkpoint.on_failure: fail)"), r.stderr.strip().splitlines()[-1])
     # a retry, then the give-up; a newer step's checkpoint may supersede one waiting for its retry
     # (2 attempts in a row count across steps): then more say "retrying" first; one already
-    # queued when it gave up fails too, "given up" as well
+    # queued when it gave up fails too, "given up" as well; a part of a step (or of an older
+    # step), already settled, says nothing new ("reported")
     outcomes = [e["outcome"] for e in r.of("checkpoint_failed")]
     first = outcomes.index("given up") if "given up" in outcomes else 0
-    assert first >= 1 and set(outcomes[:first]) == {"retrying"}, outcomes
-    assert set(outcomes[first:]) == {"given up"}, outcomes
+    assert first >= 1 and outcomes[0] == "retrying", outcomes
+    assert set(outcomes[:first]) <= {"retrying", "reported"}, outcomes
+    assert set(outcomes[first:]) <= {"given up", "reported"}, outcomes
     assert r.summary["diagnosis"].startswith("checkpoints cannot be written: Read-only")
     assert r.of("emergency_checkpoint")[0]["skipped"] == "checkpoints cannot be written"
