@@ -196,6 +196,8 @@ def test_a_host_that_registers_into_a_full_job_is_turned_away(tmp_path, etcd):
                     os.killpg(p.pid, 9)
                 out, err = p.communicate(timeout=30)
                 said.append(f"== r{i} (exit {p.returncode})\n{(out + err)[-1500:]}")
+                for log in sorted((tmp_path / f"r{i}").rglob("controller.log")):
+                    said.append(f"-- {log.relative_to(tmp_path)}\n{log.read_text()[-3000:]}")
             pytest.fail(f"{len(gone)} host(s) ended, not the one turned away:\n" + "\n".join(said))
         out, err = gone[0].communicate(timeout=60)
         assert gone[0].returncode == 2 and "Traceback" not in out + err, out + err
@@ -205,6 +207,40 @@ def test_a_host_that_registers_into_a_full_job_is_turned_away(tmp_path, etcd):
         assert all("etcd" in x for x in lines[:-1]), err
     finally:
         end(*procs)
+
+
+def test_a_host_obeys_an_order_whose_controller_closed_before_its_answer(tmp_path, etcd):
+    """A controller turning a host away says hello and its end, and closes the channel: a host
+    whose loop reads them only then (stopped here; a loaded machine, or a host still importing
+    torch) cannot send its answer to the hello, yet it must still end as told - not wait,
+    silent, for the rest of the job."""
+    from nonstop.net.channel import connect
+    from nonstop.protocol import messages as m
+    from nonstop.protocol.hosts import HostRecord
+
+    c = launch(tmp_path, "c", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint",
+               etcd.url, "--rdzv-id", "late")
+    store = Etcd(parse_endpoints(etcd.url), "late")
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline and not store.get_prefix("hosts/"):
+            time.sleep(0.05)
+        (_, raw, *_), = store.get_prefix("hosts/")
+        rec = HostRecord.loads(raw)
+        ch = connect(rec.addr, rec.ctl_port, SECRET.encode(), timeout_s=10)
+        os.kill(c.pid, signal.SIGSTOP)
+        try:
+            ch.send(m.encode(m.Hello(epoch=1 << 40)))
+            ch.send(m.encode(m.End(epoch=1 << 40, code=2, why="turned away by the test")))
+            ch.close()
+        finally:
+            os.kill(c.pid, signal.SIGCONT)
+        out, err = c.communicate(timeout=30)
+    finally:
+        store.close()
+        end(c)
+    assert c.returncode == 2, out + err
+    assert [x for x in err.splitlines() if x.strip()][-1] == "nonstop: error: turned away by the test"
 
 
 def test_a_host_slow_to_answer_at_the_start_is_waited_for(tmp_path, etcd):

@@ -59,7 +59,10 @@ class HostAgent:
         self.cfg, self.secret, self.faults = cfg, secret, faults
         self.run_dir = cfg.run_dir
         self.epoch = 0  # the newest controller epoch seen: older ones are fenced off
-        self.ctl: Any = None  # the channel of the controller in office
+        self.ctl: Any = None  # the channel of the controller in office (None: it broke)
+        # the channel whose hello was the newest: its orders are obeyed even once it broke (a
+        # controller may send its orders and close before this host's answer to its hello)
+        self.office_ch: Any = None
         self.agent: Agent | None = None
         self.health: Any = None  # this host's health checks (False: none configured)
         self.keepers: HostKeepers | None = None  # its node memory's connections
@@ -445,7 +448,7 @@ class HostAgent:
         self.agent.signal(CONTROLLER_WID, signal.SIGKILL)
         if self.ctl is not None:
             self.ctl.close()
-            self.ctl = None
+        self.ctl = self.office_ch = None
         self.meta.clear()
         self._unsent_exits.clear()
         self.history, self._delivered = [], 0
@@ -494,7 +497,7 @@ class HostAgent:
             if isinstance(order, m.Hello):
                 self._hello(ch, order.epoch)
                 continue
-            if ch is not self.ctl:
+            if ch is not self.office_ch:
                 continue  # not the controller in office
             self._command(order)
 
@@ -510,7 +513,7 @@ class HostAgent:
         new = epoch != self.epoch
         if new:  # said with its first order (a host it turns away hears only of its end)
             self._office_news = (epoch, ch.peer[0] if ch.peer else "?")
-        self.epoch, self.ctl = epoch, ch
+        self.epoch, self.ctl, self.office_ch = epoch, ch, ch
         self._preempt_told = False  # (a new controller hears of a preemption again)
         workers = [_worker(p, self.meta.get(p.wid, {}))
                    for p in self.agent.procs.values() if p.wid != CONTROLLER_WID]

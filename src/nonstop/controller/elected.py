@@ -28,6 +28,7 @@ from .journal import Journal
 
 HOSTS_EVERY_S = 0.2  # how often etcd is asked whether the host list changed while the job runs
 HOSTS_FULL_S = 2.0  # ...and how often it is read whole all the same
+TURN_AWAY_S = 30.0  # a host turned away is given this long to end before its channel is closed
 HEARD_S = 1.0  # a host whose agent spoke this recently is alive, whatever its lease says
 # a host whose lease lapsed (etcd paused or restarted) registers again at its next refresh
 # (a third of the TTL): it is waited for one TTL and this long before it is given up
@@ -623,16 +624,26 @@ class Leader:
         why = (f"job '{self.cfg.job_id}' already has {self.cfg.nnodes_max + self.cfg.spare_nodes} "
                f"host(s), the most it takes (--nnodes {self.cfg.nnodes_max} + --spare-nodes "
                f"{self.cfg.spare_nodes})")
+        ch = None
         try:
             ch = channel.connect(rec.addr, rec.ctl_port, self.secret, timeout_s=5.0)
             ch.send(m.encode(m.Hello(epoch=self.epoch)))
             ch.send(m.encode(m.End(epoch=self.epoch, code=2, why=why)))
-            time.sleep(0.2)
-            ch.close()
         except Exception as exc:  # noqa: BLE001 - it may be gone already, or not listening yet
             print(f"nonstop: could not turn host {rec.host_id} away (tried again): {exc}",
                   file=sys.stderr, flush=True)
+            if ch is not None:
+                ch.close()
             self._joining.discard(key)
+            return
+        try:  # the channel is held until the host ends (it closes), for a while at most
+            deadline = time.monotonic() + TURN_AWAY_S
+            while (left := deadline - time.monotonic()) > 0:
+                ch.recv(timeout=left)  # its answer to the hello, then its end
+        except Exception:  # noqa: BLE001 - closed: it ended (or it went); else it was told
+            pass
+        finally:
+            ch.close()
 
     def _connect_new(self, key: tuple[str, str], rec: keys.HostRecord, cluster: Any) -> None:
         from ..net import channel
