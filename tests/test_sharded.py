@@ -77,14 +77,23 @@ def test_a_rank_of_an_fsdp_and_tensor_parallel_job_is_replaced_with_nothing_lost
     """A 2-D mesh (dp_shard, tp) = (2, 2): rank 3, whose tensor-parallel peer is rank 2 and whose
     data-parallel peer is rank 1, is killed. A warm spare builds the same TP + FSDP2 structure at
     its coordinates, alone, and receives its part from its node's memory (a snapshot every
-    step) while the others keep theirs; nothing lost, the gathered weights bitwise."""
-    run, out = train(tmp_path, "--spares=1", "--snapshot-every=1", "--inject=crash:rank=3,step=7",
-                     args=ARGS_2D, world=4, script=TWO_D)
+    step) while the others keep theirs; nothing lost, the gathered weights bitwise.
+
+    While it waited, the spare made the DTensor sharding decisions the ranks recorded in their
+    first steps (the steps here last 0.2 s: it looks every 0.2 s), on meshes of its own that the
+    job's DTensors then carry: the weights say they work."""
+    run, out = train(tmp_path, "--spares=1", "--snapshot-every=1", "--inject=crash:rank=3,step=9",
+                     args=ARGS_2D + ("--sleep-ms", "200"), world=4, script=TWO_D)
     assert [d["level"] for d in run.of("decision")] == ["rank replacement"]
     held = rank_wids(run)
     assert len(held[3]) == 2 and all(len(held[r]) == 1 for r in (0, 1, 2))
     (inc,) = run.summary["incident_list"]
     assert inc["steps_lost"] == 0
+    (first,) = [g for g in run.of("generation") if g["gen"] == 0]
+    (spare,) = held[3] - {first["ranks"]["3"]}
+    warmed = [e for e in run.of("rank_prewarmed") if e["wid"] == spare]
+    assert warmed and warmed[0]["decided"] > 0 and not any(e["refused"] for e in warmed), warmed
+    assert warmed[0]["records"] >= 1 and warmed[0]["t"] < run.of("decision")[0]["t"]
     assert bitwise_equal(out, reference(4, *ARGS_2D, script=TWO_D))
 
 

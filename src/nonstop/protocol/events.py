@@ -101,6 +101,18 @@ class Ready(RankEvent):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Prewarmed(RankEvent):
+    """A warm spare of a mesh job made DTensor's sharding decisions its host's ranks recorded
+    (runtime/propagation.py): its first step as a rank finds them made."""
+
+    type: ClassVar[str] = "prewarmed"
+    records: int  # records read so far (one per rank of the first generation on this host)
+    decided: int  # decisions made ahead, in all
+    took_s: float  # how long this look took
+    refused: list[str]  # records refused since the last look, and why
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Wrapped(RankEvent):
     """The script reached ``nonstop.wrap`` (once in the process's life)."""
 

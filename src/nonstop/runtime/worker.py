@@ -11,7 +11,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import nonstop.inject as inject
 import nonstop.protocol as protocol
@@ -20,6 +20,7 @@ from ..protocol import events, rank_policy
 _RUNTIME: "WorkerRuntime | None" = None
 RELEASE_RETRY_S = 5.0  # a group kept busy is tried again after this, doubling each time
 RELEASE_RETRY_BUDGET_S = 0.05  # ...for this long (a step's pause, at most)
+IDLE_S = 0.2  # a spare waiting for a rank looks for new sharding decisions to make this often
 
 _DIST_ERROR_MARKERS = ("gloo", "nccl", "connection", "socket", "timed out", "timeout",
                        "process group", "processgroup", "store", "peer")
@@ -79,6 +80,10 @@ class WorkerRuntime:
         self.registered = False  # whether the wrapped function registered a nonstop.State
         self.said_not_kept = False  # a State nothing keeps was made (and the controller told)
         self.job_mesh: Any = None  # a sharded job's lasting mesh (mesh.JobMesh), once declared
+        # DTensor's sharding decisions (runtime/propagation.py): a first generation's rank
+        # records those it makes first; a warm spare makes its host's ranks' ahead
+        self.recorder: Any = None
+        self.warmth: Any = None
         # the script was taken for a plain one (no nonstop import found in it or its modules):
         # its assignment went to the script itself, so a nonstop.wrap it reaches has none
         self.entered_plain = False
@@ -140,15 +145,20 @@ class WorkerRuntime:
                 self._adopt_claims(msg.claimed)
         return msg
 
-    def wait_message(self) -> protocol.Mail:
-        """Block until the controller sends the next message (the launcher kills us if it dies)."""
+    def wait_message(self, idle: Callable[[], None] | None = None) -> protocol.Mail:
+        """Block until the controller sends the next message (the launcher kills us if it dies).
+        ``idle``: called about every ``IDLE_S`` while none comes."""
+        wait = datetime.timedelta(seconds=IDLE_S) if idle is not None else \
+            datetime.timedelta(hours=1)
         while True:
             key = protocol.mailbox_key(self.worker_id, self._seq)
             try:
-                self.store.wait([key], datetime.timedelta(hours=1))
+                self.store.wait([key], wait)
             except Exception as exc:  # noqa: BLE001
                 if "timeout" not in str(exc).lower():
                     self.reconnect(exc)
+                elif idle is not None:
+                    idle()
                 continue
             msg = self.poll_message()
             if msg is not None:
@@ -162,13 +172,43 @@ class WorkerRuntime:
         time.sleep(0.05)
 
     def next_assignment(self) -> protocol.Mail:
-        """The assignment to enter next: an unconsumed one, else the next message."""
+        """The assignment to enter next: an unconsumed one, else the next message. A warm
+        spare of a mesh job makes its host's ranks' sharding decisions meanwhile."""
         if self.assignment is not None and not self.assignment_consumed:
             newer = self.poll_message()
             if newer is None or isinstance(newer, protocol.Assign):
                 return self.assignment
             return newer
-        return self.wait_message()
+        if self.warmth is None and self.job_mesh is not None and not self.ever_entered:
+            from . import propagation
+
+            if propagation.supported():
+                self.warmth = propagation.Warmth()
+        return self.wait_message(self._prewarm if self.warmth is not None and
+                                 not self.ever_entered else None)
+
+    def _prewarm(self) -> None:
+        """While a spare waits: the records published since it last looked, decided."""
+        t0 = time.monotonic()
+        refused = len(self.warmth.refused)
+        mail = protocol.mailbox_key(self.worker_id, self._seq)
+        made = self.warmth.take(self.store, lambda: bool(self.store.check([mail])))
+        if made or len(self.warmth.refused) > refused:
+            self.emit(events.Prewarmed(records=self.warmth.taken, decided=self.warmth.decided,
+                                       took_s=round(time.monotonic() - t0, 4),
+                                       refused=self.warmth.refused[refused:]))
+
+    def before_build(self, rank: int, gen: int) -> None:
+        """This process is about to run the mesh's build function (once in its life): a spare
+        that made decisions ahead sees their meshes from ``rank``; a rank of the first
+        generation records the decisions it makes first."""
+        if self.warmth is not None and self.warmth.decided:
+            self.warmth.adopt(rank)
+        elif gen == 0:
+            from . import propagation
+
+            if propagation.supported():
+                self.recorder = propagation.Recorder()
 
     def release_closed_groups(self, budget_s: float | None = None) -> None:
         """Destroy the groups of earlier generations: called once a later one has run a step,
@@ -267,6 +307,13 @@ class WorkerRuntime:
     def after_step(self, state: Any, rank: int, world: int, gen: int, step_s: float,
                    first: bool) -> float:
         """A step completed: take a snapshot if one is due. Returns the seconds it took."""
+        if self.recorder is not None:
+            try:
+                if self.recorder.stepped(self.store):
+                    self.recorder = None
+            except Exception:  # noqa: BLE001 - only a spare's warm-up is lost
+                self.recorder.stop()
+                self.recorder = None
         snaps = self.snapshots
         if snaps is None or not self.registered:
             return 0.0

@@ -351,6 +351,7 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
                                                   aborted=lambda: group.aborted,
                                                   abandoned=group.abandoned))
             if rt.job_mesh.state is None:  # the script shards its model: once per process
+                rt.before_build(rank, gen)
                 phase = "build"
                 with mesh_mod.building():
                     built = _built(rt.job_mesh.spec.build(rt.job_mesh.device_mesh))

@@ -1,0 +1,382 @@
+"""DTensor's sharding decisions, made ahead by a warm spare.
+
+A DTensor operation first decides how its output is sharded (DTensor's sharding propagation); the
+decision is cached, so a rank pays for it once per kind of operation, in its first step. A
+replacement is a new process: its first step makes every decision again - for Adam on a small 2-D
+model, 55 strategy expansions, most of its first step - while every peer waits for it.
+
+The decisions depend on the operation, the global shapes, dtypes and placements, and on the mesh
+as a layout (its ranks, dimension names), never on which rank asks. So the job's ranks record the
+operations they met the first time (``Recorder``: the first steps of the first generation), each
+publishes them once in its host's store, and a warm spare on the host makes those decisions while
+it waits (``Warmth``), on meshes equal to the job's. Once it takes a rank, its first step finds
+them made.
+
+What stands in the way, and how it is met (torch 2.13):
+- DTensor's native (C++) cache keys a decision by the identity of the specs it was asked for;
+  only its Python cache keys it by value. A spare that warmed its Python cache asks that cache
+  whenever the native one misses (``_ask_python_cache``).
+- A decision holds the mesh it was made on, and the DTensors it makes carry it. The spare's meshes
+  are made from the recorded layouts with the job's group names (``nonstop:<dim>``, the lasting
+  groups every generation registers), so their collectives go to the generation's groups; the
+  rank each is seen from is set when the spare takes its rank (``Warmth.adopt``).
+- Specs cache their hash, which depends on the process (string hashing): dropped on the way in.
+
+A record is a pickle read by an unpickler that makes only DTensor's spec types, torch's sizes and
+dtypes, and the operations by name; anything else refuses the record. A record of another torch
+version is refused whole. Any failure here only costs the warm-up: a decision not made ahead is
+made in the step, as without it.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections import deque
+from typing import Any, Callable
+
+RECORD_STEPS = 2  # steps of the first generation whose new decisions a rank records
+MAX_RECORD_BYTES = 16 << 20  # a record above this is not published (a spare would take too long)
+CALLED_OFF_EVERY = 4  # a spare making decisions looks whether it was given a rank this often
+COUNT_KEY = "propagation/n"  # records published on this host's store so far
+
+
+def record_key(n: int) -> str:
+    return f"propagation/{n}"
+
+
+SLOW_PATH = "_propagate_op_sharding_dispatch_slow_path"  # where DTensor's native cache misses go
+OURS = "nonstop:"  # the prefix of the lasting groups' names (runtime/mesh.py)
+# what a record may make (module -> names): DTensor's spec types, and torch's own values
+_ALLOWED = {
+    "torch.distributed.tensor._dtensor_spec": {"DTensorSpec", "TensorMeta", "ShardOrderEntry"},
+    "torch.distributed.tensor._op_schema": {"OpSchema", "RuntimeSchemaInfo"},
+    "torch.distributed.tensor.placement_types": {"Shard", "Replicate", "Partial",
+                                                 "_StridedShard", "MaskPartial"},
+    "torch.distributed.tensor._ops._embedding_ops": {"MaskPartial"},
+    "torch.distributed.device_mesh": set(),
+    "torch": {"Size"},
+    "builtins": {"slice", "complex", "frozenset", "set"},
+}
+
+
+class BadRecord(ValueError):
+    """A record that is not what a rank publishes (another torch, or not a record at all)."""
+
+
+def supported() -> bool:
+    """Whether this torch has what the warm-up reaches into (else nothing is recorded or
+    warmed: the job runs as without it)."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._op_schema import OpSchema
+
+        disp = DTensor._op_dispatcher
+        return (callable(getattr(disp, "_propagate_op_sharding_dispatch_slow_path", None))
+                and hasattr(disp.sharding_propagator.propagate_op_sharding, "cache_info")
+                and hasattr(OpSchema, "_recompute_comparison_key")
+                and hasattr(DeviceMesh, "_compute_coordinate_on_dim"))
+    except Exception:  # noqa: BLE001 - another torch: no warm-up
+        return False
+
+
+class _NotOurs(Exception):
+    """An operation on a mesh that is not the job's (the script's own): not recorded."""
+
+
+def _dumps(schema: Any) -> bytes:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            if isinstance(obj, DeviceMesh):
+                names = tuple(getattr(obj, "_dim_group_names", ()) or ())
+                if not names or not all(n.startswith(OURS) for n in names):
+                    raise _NotOurs()
+                axes = tuple((tuple(a.shape), tuple(a.stride)) for a in obj._layout.axes)
+                return ("mesh", names, axes, tuple(obj._flatten_rank_map), obj.device_type,
+                        tuple(obj.mesh_dim_names or ()))
+            if isinstance(obj, torch._ops.OpOverload):
+                return ("op", obj._schema.name, obj._overloadname)
+            if isinstance(obj, torch.dtype):
+                return ("dtype", str(obj).removeprefix("torch."))
+            if isinstance(obj, torch.memory_format):
+                return ("format", str(obj).removeprefix("torch."))
+            return None
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(schema)
+    return buf.getvalue()
+
+
+class Recorder:
+    """In a rank of a mesh job's first generation: the operations whose sharding DTensor decided
+    for the first time (its native cache missed), from the mesh's forming until
+    ``RECORD_STEPS`` steps are done; then published once (``stepped``)."""
+
+    def __init__(self) -> None:
+        from torch.distributed.tensor import DTensor
+
+        self.schemas: list[Any] = []
+        self.steps = 0
+        self._disp = DTensor._op_dispatcher
+        original = self._disp._propagate_op_sharding_dispatch_slow_path
+        self._original = original
+        self._own = SLOW_PATH in vars(self._disp)  # a wrapper of ours was there already
+
+        def recording(op_call: Any, args: Any, kwargs: Any, op_info: Any, try_cache: bool) -> Any:
+            if op_info.schema is not None:
+                self.schemas.append(op_info.schema)
+            return original(op_call, args, kwargs, op_info, try_cache)
+
+        self._disp._propagate_op_sharding_dispatch_slow_path = recording
+
+    def stop(self) -> None:
+        """What was there before is put back."""
+        if self._own:
+            setattr(self._disp, SLOW_PATH, self._original)
+        else:
+            vars(self._disp).pop(SLOW_PATH, None)
+
+    def stepped(self, store: Any) -> bool:
+        """A step is done; after the last recorded one the record is published. True once
+        finished (the recorder can go)."""
+        self.steps += 1
+        if self.steps < RECORD_STEPS:
+            return False
+        self.stop()
+        record = self.dumps()
+        if record is not None:
+            n = store.add(COUNT_KEY, 1)
+            store.set(record_key(n - 1), record)
+        return True
+
+    def dumps(self) -> bytes | None:
+        """The record: torch's version and each recorded operation (those on the job's meshes
+        only), None when none is."""
+        import torch
+
+        parts = []
+        for schema in self.schemas:
+            try:
+                parts.append(_dumps(schema))
+            except _NotOurs:
+                continue
+            except Exception:  # noqa: BLE001 - one that cannot be written: made in the step
+                continue
+        if not parts:
+            return None
+        out = pickle.dumps((str(torch.__version__), parts), protocol=pickle.HIGHEST_PROTOCOL)
+        return out if len(out) <= MAX_RECORD_BYTES else None
+
+
+class Warmth:
+    """In a warm spare of a mesh job: the decisions of the records its host's ranks published,
+    made while it waits (``take``), and the meshes they were made on, set to the rank it takes
+    (``adopt``)."""
+
+    def __init__(self, rank_hint: int = 0):
+        self.meshes: dict[tuple, Any] = {}
+        self.taken = 0  # records read so far
+        self.decided = 0  # decisions made ahead
+        self.refused: list[str] = []  # why records were refused
+        self._rank_hint = rank_hint
+        self._made: set[Any] = set()
+        self._pending: deque[Any] = deque()  # operations read, not decided yet
+        self._asking = False
+
+    def take(self, store: Any, called_off: Callable[[], bool] = lambda: False) -> int:
+        """Read the records published since the last look and make their decisions, until
+        ``called_off()`` (a rank for this spare: it goes at once, the rest is left for later).
+        Returns how many were made now."""
+        try:
+            count = int(store.add(COUNT_KEY, 0))
+        except Exception:  # noqa: BLE001 - the store away for a moment: next time
+            return 0
+        while self.taken < count:
+            raw = store.get(record_key(self.taken))
+            self.taken += 1
+            try:
+                self._pending.extend(self.loads(raw))
+            except BadRecord as exc:
+                self.refused.append(str(exc))
+        made = self.decide(called_off)
+        if made and not self._asking:
+            _ask_python_cache()
+            self._asking = True
+        return made
+
+    def loads(self, raw: bytes) -> list[Any]:
+        """The operations of a record, on this spare's meshes. BadRecord if it is not one."""
+        import torch
+
+        try:
+            version, parts = _Unpickler(io.BytesIO(raw), self).load()
+        except BadRecord:
+            raise
+        except Exception as exc:  # noqa: BLE001 - truncated, or not a pickle
+            raise BadRecord(f"unreadable record ({type(exc).__name__}: {exc})") from None
+        if version != str(torch.__version__):
+            raise BadRecord(f"a record of torch {version}, not {torch.__version__}")
+        if not isinstance(parts, list) or not all(isinstance(p, bytes) for p in parts):
+            raise BadRecord("a record is a list of operations")
+        out = []
+        for part in parts:
+            try:
+                schema = _Unpickler(io.BytesIO(part), self).load()
+            except BadRecord:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                raise BadRecord(f"unreadable operation ({type(exc).__name__}: {exc})") from None
+            out.append(_rehash(schema))
+        return out
+
+    def decide(self, called_off: Callable[[], bool] = lambda: False) -> int:
+        """Make the pending operations' decisions into DTensor's (Python) cache, on this thread
+        (the cache is per thread: the one that trains), until ``called_off()`` (asked every
+        few). Those that fail are left to the step."""
+        from torch.distributed.tensor import DTensor
+
+        prop = DTensor._op_dispatcher.sharding_propagator
+        made = tried = 0
+        while self._pending:
+            schema = self._pending.popleft()
+            if schema in self._made:  # (the ranks of a host meet mostly the same ones)
+                continue
+            if tried % CALLED_OFF_EVERY == 0 and called_off():
+                self._pending.appendleft(schema)
+                break
+            tried += 1
+            self._made.add(schema)
+            try:
+                prop.propagate_op_sharding(schema)
+                made += 1
+            except Exception:  # noqa: BLE001 - made in the step, as without the warm-up
+                continue
+        self.decided += made
+        return made
+
+    def mesh(self, names: tuple, axes: tuple, ranks: tuple, device: str, dims: tuple) -> Any:
+        """The spare's mesh equal to a recorded one (made once)."""
+        key = (names, axes, ranks, device, dims)
+        mesh = self.meshes.get(key)
+        if mesh is None:
+            import torch
+            from torch.distributed._mesh_layout import _FlatLayout, _MeshLayout
+
+            layout = _MeshLayout([_FlatLayout(shape, stride) for shape, stride in axes])
+            mesh = _spare_mesh_type()(device, _layout=layout,
+                              _rank_map=torch.tensor(ranks, dtype=torch.int),
+                              mesh_dim_names=dims or None, _init_backend=False,
+                              _rank=self._rank_hint)
+            mesh._dim_group_names = list(names)
+            self.meshes[key] = mesh
+        return mesh
+
+    def adopt(self, rank: int) -> None:
+        """The spare took ``rank`` (its global rank in the generation): each mesh is seen from
+        it, as the job's meshes are."""
+        for mesh in self.meshes.values():
+            mesh._rank = rank
+            mesh._coordinate_on_dim = mesh._compute_coordinate_on_dim()
+
+
+_spare_mesh: Any = None
+
+
+def _spare_mesh_type() -> Any:
+    """A DeviceMesh that knows its rank without a process group (a spare has none yet): the
+    slice of the full mesh it shows is the one holding ``_rank`` (torch's asks the default
+    group). Equal to the job's mesh of the same layout, as torch compares meshes."""
+    global _spare_mesh
+    if _spare_mesh is None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        class SpareMesh(DeviceMesh):
+            _rank = 0  # (until __init__ sets the one given: it reads ``mesh`` before)
+
+            @property
+            def mesh(self) -> Any:
+                full = self._layout.remap_to_tensor(self._rank_map)
+                return self._get_mesh_tensor_from_full_mesh(full, self._rank)
+
+        _spare_mesh = SpareMesh
+    return _spare_mesh
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, f: Any, warmth: Warmth):
+        super().__init__(f)
+        self._warmth = warmth
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        raise BadRecord(f"a record may not make {module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        import torch
+
+        try:
+            kind = pid[0]
+            if kind == "mesh":
+                names, axes, ranks, device, dims = pid[1:]
+                if not all(isinstance(n, str) and n.startswith(OURS) for n in names):
+                    raise BadRecord("a record's mesh has groups that are not the job's")
+                return self._warmth.mesh(tuple(names), tuple(axes), tuple(ranks), str(device),
+                                         tuple(dims))
+            if kind == "op":
+                ns, _, op = str(pid[1]).partition("::")
+                packet = getattr(getattr(torch.ops, ns), op)
+                return getattr(packet, pid[2] or "default")
+            if kind in ("dtype", "format"):
+                value = getattr(torch, str(pid[1]))
+                want = torch.dtype if kind == "dtype" else torch.memory_format
+                if isinstance(value, want):
+                    return value
+        except BadRecord:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an operation this torch does not have
+            raise BadRecord(f"a record names what this torch has not: {pid!r} ({exc})") from None
+        raise BadRecord(f"a record holds an unknown reference {pid!r}")
+
+
+def _rehash(schema: Any) -> Any:
+    """A schema read from a record, its specs' cached hashes dropped (they were the recording
+    process's) and its comparison key made anew."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._op_schema import OpSchema
+
+    if not isinstance(schema, OpSchema):
+        raise BadRecord(f"a record holds a {type(schema).__name__}, not an operation")
+
+    def walk(value: Any) -> None:
+        if isinstance(value, DTensorSpec):
+            object.__setattr__(value, "_hash", None)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+
+    walk(schema.args_schema)
+    walk(schema.kwargs_schema)
+    schema._recompute_comparison_key()
+    return schema
+
+
+def _ask_python_cache() -> None:
+    """From now on in this process, a decision DTensor's native cache misses is looked up in
+    its Python cache (where the spare made them) before it is made anew."""
+    from torch.distributed.tensor import DTensor
+
+    disp = DTensor._op_dispatcher
+    original: Callable[..., Any] = disp._propagate_op_sharding_dispatch_slow_path
+
+    def asking(op_call: Any, args: Any, kwargs: Any, op_info: Any, try_cache: bool) -> Any:
+        return original(op_call, args, kwargs, op_info, True)
+
+    disp._propagate_op_sharding_dispatch_slow_path = asking
