@@ -288,8 +288,9 @@ _spare_mesh: Any = None
 
 def _spare_mesh_type() -> Any:
     """A DeviceMesh that knows its rank without a process group (a spare has none yet): the
-    slice of the full mesh it shows is the one holding ``_rank`` (torch's asks the default
-    group). Equal to the job's mesh of the same layout, as torch compares meshes."""
+    slice of the full mesh it shows is the one holding ``_rank`` until a default group exists
+    (torch's always asks the default group). Equal to the job's mesh of the same layout, as
+    torch compares meshes."""
     global _spare_mesh
     if _spare_mesh is None:
         from torch.distributed.device_mesh import DeviceMesh
@@ -299,8 +300,12 @@ def _spare_mesh_type() -> Any:
 
             @property
             def mesh(self) -> Any:
+                import torch.distributed as dist
+
+                # (within a generation, its rank there, as torch's meshes read it)
+                rank = dist.get_rank() if dist.is_initialized() else self._rank
                 full = self._layout.remap_to_tensor(self._rank_map)
-                return self._get_mesh_tensor_from_full_mesh(full, self._rank)
+                return self._get_mesh_tensor_from_full_mesh(full, rank)
 
         _spare_mesh = SpareMesh
     return _spare_mesh
