@@ -119,3 +119,25 @@ def test_an_operation_on_the_scripts_own_mesh_is_not_recorded():
     assert rec.dumps() is None
     rec.schemas = [ours]
     assert len(Warmth().loads(rec.dumps())) == 1
+
+
+def test_a_spare_reads_the_records_there_are_and_never_waits_for_one_not_written():
+    """The number of a record is taken before the record is written: a writer that died between
+    the two leaves a hole the spare skips (a spare blocked on it would miss its rank), and a
+    record written later is read at the next look. A real store, served here."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    assert store.add(propagation.COUNT_KEY, 1) == 1  # a writer took 0 and died
+    store.add(propagation.COUNT_KEY, 1)
+    store.set(propagation.record_key(1), _record(_schema(Warmth(), rows=40)))
+    spare = Warmth()
+    assert spare.take(store) == 1 and spare.read == {1}
+    store.add(propagation.COUNT_KEY, 1)
+    store.set(propagation.record_key(2), b"garbage")
+    assert spare.take(store) == 0 and spare.read == {1, 2}
+    assert len(spare.refused) == 1 and "unreadable record" in spare.refused[0]
+    assert spare.take(store) == 0  # nothing new: nothing read again

@@ -36,7 +36,7 @@ from collections import deque
 from typing import Any, Callable
 
 RECORD_STEPS = 2  # steps of the first generation whose new decisions a rank records
-MAX_RECORD_BYTES = 16 << 20  # a record above this is not published (a spare would take too long)
+MAX_RECORD_BYTES = 4 << 20  # a record above this is not published (a spare would take too long)
 CALLED_OFF_EVERY = 4  # a spare making decisions looks whether it was given a rank this often
 COUNT_KEY = "propagation/n"  # records published on this host's store so far
 
@@ -179,7 +179,7 @@ class Warmth:
 
     def __init__(self, rank_hint: int = 0):
         self.meshes: dict[tuple, Any] = {}
-        self.taken = 0  # records read so far
+        self.read: set[int] = set()  # the records read so far (their numbers)
         self.decided = 0  # decisions made ahead
         self.refused: list[str] = []  # why records were refused
         self._rank_hint = rank_hint
@@ -195,9 +195,13 @@ class Warmth:
             count = int(store.add(COUNT_KEY, 0))
         except Exception:  # noqa: BLE001 - the store away for a moment: next time
             return 0
-        while self.taken < count:
-            raw = store.get(record_key(self.taken))
-            self.taken += 1
+        for n in range(count):
+            # a number is taken before its record is written: one not there yet (or whose
+            # writer died between the two) is looked for again next time, never waited for
+            if n in self.read or not store.check([record_key(n)]):
+                continue
+            raw = store.get(record_key(n))
+            self.read.add(n)
             try:
                 self._pending.extend(self.loads(raw))
             except BadRecord as exc:

@@ -192,9 +192,12 @@ class WorkerRuntime:
         t0 = time.monotonic()
         refused = len(self.warmth.refused)
         mail = protocol.mailbox_key(self.worker_id, self._seq)
-        made = self.warmth.take(self.store, lambda: bool(self.store.check([mail])))
+        try:
+            made = self.warmth.take(self.store, lambda: bool(self.store.check([mail])))
+        except Exception:  # noqa: BLE001 - the store away: its wait says so; tried next time
+            return
         if made or len(self.warmth.refused) > refused:
-            self.emit(events.Prewarmed(records=self.warmth.taken, decided=self.warmth.decided,
+            self.emit(events.Prewarmed(records=len(self.warmth.read), decided=self.warmth.decided,
                                        took_s=round(time.monotonic() - t0, 4),
                                        refused=self.warmth.refused[refused:]))
 
