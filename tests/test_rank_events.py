@@ -75,6 +75,8 @@ SAMPLES: list[events.RankEvent] = [
     events.GroupKept(wid=1, t=6.0, gen=1, times=2),
     events.BitFlipped(wid=1, t=6.0, gen=2, rank=1, step=16, where="fc.weight[3] bit 7"),
     events.SdcMismatch(wid=1, t=6.0, gen=2, rank=0, step=20, suspects=[1], digests=[7, 8, 7]),
+    events.Prewarmed(wid=5, t=4.0, records=3, decided=83, took_s=0.33,
+                     refused=["a record of torch 1.0.0, not 2.13.0"]),
 ]
 WRONG = [["x"]]  # a value no field of any record holds (a list of lists of strings)
 
