@@ -46,7 +46,7 @@ def test_a_record_read_elsewhere_makes_the_decision_an_equal_operation_then_find
     object.__setattr__(original.args_schema[0], "_hash", 12345)  # another process's hash
     raw = _record(original)
 
-    spare = Warmth(rank_hint=0)
+    spare = Warmth()
     (read,) = spare.loads(raw)
     assert read == original and read is not original
     assert read.args_schema[0].mesh is not original.args_schema[0].mesh
@@ -72,7 +72,7 @@ def test_a_spare_stops_deciding_when_it_is_given_a_rank_and_goes_on_later():
 
 
 def test_the_spares_meshes_are_seen_from_the_rank_it_takes():
-    spare = Warmth(rank_hint=0)
+    spare = Warmth()
     root = spare.mesh(NAMES, AXES, (0, 1, 2, 3), "cpu", ("dp_shard", "tp"))
     tp = spare.mesh(NAMES[1:], AXES[1:], (0, 1, 2, 3), "cpu", ("tp",))  # a slice of it
     assert tuple(root.get_coordinate()) == (0, 0) and tp.mesh.tolist() == [0, 1]

@@ -54,7 +54,6 @@ _ALLOWED = {
     "torch.distributed.tensor.placement_types": {"Shard", "Replicate", "Partial",
                                                  "_StridedShard", "MaskPartial"},
     "torch.distributed.tensor._ops._embedding_ops": {"MaskPartial"},
-    "torch.distributed.device_mesh": set(),
     "torch": {"Size"},
     "builtins": {"slice", "complex", "frozenset", "set"},
 }
@@ -177,12 +176,11 @@ class Warmth:
     made while it waits (``take``), and the meshes they were made on, set to the rank it takes
     (``adopt``)."""
 
-    def __init__(self, rank_hint: int = 0):
+    def __init__(self) -> None:
         self.meshes: dict[tuple, Any] = {}
         self.read: set[int] = set()  # the records read so far (their numbers)
         self.decided = 0  # decisions made ahead
         self.refused: list[str] = []  # why records were refused
-        self._rank_hint = rank_hint
         self._made: set[Any] = set()
         self._pending: deque[Any] = deque()  # operations read, not decided yet
         self._asking = False
@@ -190,11 +188,9 @@ class Warmth:
     def take(self, store: Any, called_off: Callable[[], bool] = lambda: False) -> int:
         """Read the records published since the last look and make their decisions, until
         ``called_off()`` (a rank for this spare: it goes at once, the rest is left for later).
-        Returns how many were made now."""
-        try:
-            count = int(store.add(COUNT_KEY, 0))
-        except Exception:  # noqa: BLE001 - the store away for a moment: next time
-            return 0
+        Returns how many were made now. A store that fails raises (the caller looks again
+        later)."""
+        count = int(store.add(COUNT_KEY, 0))
         for n in range(count):
             # a number is taken before its record is written: one not there yet (or whose
             # writer died between the two) is looked for again next time, never waited for
@@ -274,7 +270,7 @@ class Warmth:
             mesh = _spare_mesh_type()(device, _layout=layout,
                               _rank_map=torch.tensor(ranks, dtype=torch.int),
                               mesh_dim_names=dims or None, _init_backend=False,
-                              _rank=self._rank_hint)
+                              _rank=0)  # (the rank it takes is set by ``adopt``)
             mesh._dim_group_names = list(names)
             self.meshes[key] = mesh
         return mesh
