@@ -31,7 +31,8 @@ SAMPLES: list[events.RankEvent] = [
     events.EnteredGeneration(
         wid=1, t=2.0, gen=2, rank=0, step=14, t_assigned=1.5, source="memory", holder=1,
         receivers=[0, 2], sources={"0": "memory", "1": "live"}, nbytes=4096, restore_s=0.01,
-        restore_phases={"offer": 0.001, "move": 0.009}, sharded=False, nccl=True, t_pg=1.7,
+        restore_phases={"offer": 0.001, "move": 0.009}, sharded=False, nccl=True,
+        agreement="reduction", t_pg=1.7,
         t_restored=1.9, fds=30, threads=12, rss_mb=512.5, skipped=[
             events.SkippedCopy(cause="sdc", source="live", rank=1, step=18,
                                why="its parameters differ from its replicas'",

@@ -26,25 +26,34 @@ def restores(run) -> list[tuple[int, dict]]:
     return [(r["step"], r["sources"]) for r in run.of("restore") if r["gen"] > 0]
 
 
-# -- 1. a hang (FSDP2) --------------------------------------------------------------------------
-def test_a_hung_fsdp2_rank_is_killed_and_replaced_with_nothing_lost(tmp_path, reference):
-    """Rank 1's main thread blocks at step 12; rank 0 waits in the step's all-gather (FSDP2
-    mid-step). After the hang timeout the job is aborted, the hung rank (which cannot leave) is
-    killed and replaced by a warm spare, which takes rank 1's shard from its node's memory (a
-    snapshot every step); rank 0, set back to rest, keeps its own shard and its process. No step
-    lost, weights bitwise."""
+# -- 1 and 2. a NaN step retried, a hang (FSDP2) -------------------------------------------------
+def test_an_fsdp2_job_redoes_a_nan_step_and_replaces_a_hung_rank_with_nothing_lost(tmp_path,
+                                                                                  reference):
+    """1. Rank 0's forward output turns NaN at step 5. No shard has a twin, so the ranks' verdict
+       rides in FSDP2's own gradient reduce-scatter (no commit all-reduced): rank 1, whose
+       gradients were finite, stops its step too, and both redo it in place.
+    2. Rank 1's main thread blocks at step 12; rank 0 waits in the step's all-gather (FSDP2
+       mid-step). After the hang timeout the job is aborted, the hung rank (which cannot leave)
+       is killed and replaced by a warm spare, which takes rank 1's shard from its node's memory
+       (a snapshot every step); rank 0, set back to rest, keeps its own shard and its process.
+    No step lost, weights bitwise."""
     run, out = train(tmp_path, "--spares=1", "--hang-timeout=3", "--snapshot-every=1",
-                     "--inject=hang:rank=1,step=12", args=ARGS, world=2, script=FSDP)
+                     "--inject=nan:rank=0,step=5;hang:rank=1,step=12", args=ARGS, world=2,
+                     script=FSDP)
+    assert {e["agreement"] for e in run.of("rank_entered")} == {"reduction"}
     kinds = [f["kind"] for f in run.of("fault")]
-    assert kinds[0] == "hang" and "teardown_timeout" in kinds, kinds
+    assert kinds[0] == "nan" and kinds[1] == "hang" and "teardown_timeout" in kinds, kinds
     (hang,) = run.of("hang_detected")
     assert "rank 1 in python" in hang["where"], hang["where"]
     assert [k["rank"] for k in run.of("kill")] == [1]
-    assert [d["level"] for d in run.of("decision")] == ["rank replacement"]
+    decisions = run.of("decision")
+    assert [d["level"] for d in decisions] == ["step retry", "rank replacement"]
+    assert decisions[0]["step"] == 5 and "rank(s) 0" in decisions[0]["reason"]
     held = rank_wids(run)
     assert len(held[1]) == 2 and len(held[0]) == 1
     assert restores(run) == [(12, {"0": "live", "1": "memory"})]
-    (inc,) = run.summary["incident_list"]
+    retry, inc = run.summary["incident_list"]
+    assert retry["levels"] == ["step retry"] and retry["steps_lost"] == 0
     assert inc["replaced"] == [1] and inc["steps_lost"] == 0
     assert bitwise_equal(out, reference(2, *ARGS, script=FSDP))
 
@@ -67,6 +76,7 @@ def test_an_hsdp_job_redoes_nan_steps_in_place_and_replaces_a_hung_rank_from_its
     run, out = train(tmp_path, "--spares=1", "--hang-timeout=3", "--snapshot-every=5",
                      "--inject=nan:rank=1,step=4;hang:rank=2,step=12;nan:rank=3,step=14",
                      args=ARGS, world=4, script=HSDP)
+    assert {e["agreement"] for e in run.of("rank_entered")} == {"commit"}  # twins: commits
     decisions = run.of("decision")
     assert [d["level"] for d in decisions] == ["step retry", "rank replacement", "step retry"]
     assert decisions[0]["step"] == 4 and "rank(s) 1" in decisions[0]["reason"]

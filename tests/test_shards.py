@@ -180,6 +180,7 @@ def test_a_failed_commit_takes_the_step_on_this_ranks_verdict_only_with_the_stat
     model, opt, state = _sharded_state()
     _train(model, opt)
     state.check_finite = True
+    state.twins = (0,)  # a shard with a twin (HSDP): what the kept copy is for
     seen: list[dict] = []
 
     def keep():
@@ -222,6 +223,35 @@ def test_a_failed_commit_takes_the_step_on_this_ranks_verdict_only_with_the_stat
     with pytest.raises(ValueError):
         _train(model, opt, steps=1)
     assert len(seen) == 1
+
+
+def test_with_no_twin_a_failed_commit_keeps_nothing_and_takes_no_step(world_of_one, monkeypatch):
+    """Plain FSDP2: no rank holds another's shard, so a restore goes back to a snapshot every
+    shard has, and a state kept before the step would serve nothing: the failure is raised,
+    nothing kept, the step not taken. With no NaN check, no commit is made at all."""
+    import torch.distributed as dist
+
+    model, opt, state = _sharded_state()
+    _train(model, opt)
+    assert state.twins is None
+    kept: list[int] = []
+    state._keep_before_step = lambda: kept.append(1) or True
+    state.check_finite = True
+    before = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    calls: list[int] = []
+
+    def commit_fails(tensor, *args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
+
+    monkeypatch.setattr(dist, "all_reduce", commit_fails)
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        _train(model, opt, steps=1)
+    assert all(torch.equal(v.to_local(), before[k]) for k, v in model.state_dict().items())
+    assert kept == [] and calls == [1]
+    state.check_finite = False
+    _train(model, opt, steps=1)
+    assert calls == [1] and kept == []
 
 
 def test_a_shards_offset_is_computed_once_per_mesh(world_of_one, monkeypatch):

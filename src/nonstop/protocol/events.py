@@ -156,6 +156,11 @@ class EnteredGeneration(RankEvent):
     # mesh with no replicated dimension that cannot change size at all
     regrid_unit: int | None = None
     nccl: bool | None = None
+    # how the ranks agree to take each step of a sharded state, whose gradients each rank sees
+    # a part of: "commit", one flag all-reduced after the gradient reductions; "reduction", the
+    # NaN verdict carried by FSDP2's own reduce-scatter (no twin: runtime/verdict.py); None:
+    # nothing to agree on (the gradients are every rank's, or no NaN check and no twin)
+    agreement: Literal["commit", "reduction"] | None = None
     t_pg: float | None = None  # its group formed
     t_restored: float | None = None
     fds: int | None = None  # its open files, threads and memory (leaks across generations)

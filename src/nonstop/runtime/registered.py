@@ -107,6 +107,8 @@ class State:
         self._last_output: Any = None
         self._prune: set[int] = set()  # optimizers to keep only this rank's shard of, at next step
         self._sharded_opts: dict[int, bool] = {}  # optimizer -> whether its parameters are DTensors
+        # FSDP2's reductions carry the NaN verdict (runtime/verdict.py); set by the runtime
+        self.verdict: Any = None
         # a staged snapshot's copy may still be reading the state on the GPU: what updates it in
         # place waits for it there first (``fence``; nothing waits on the host)
         self._fence: Callable[[], None] | None = None
@@ -151,17 +153,42 @@ class State:
         if sharded and self._on_commit is not None:
             self._on_commit()
         # a sharded job's ranks agree on every step before taking it (the commit: one flag,
-        # all-reduced after every gradient reduction), NaN check or not
-        if self.check_finite or (sharded and self._keep_before_step is not None):
-            finite = _grads_finite(optimizer, sharded, self._keep_before_step)
-            if self.check_finite and not finite:
+        # all-reduced after every gradient reduction), NaN check or not, where a shard has a
+        # twin: a survivor whose commit failed keeps the state before the step, so that the
+        # twins' copies meet at one step. With no twin, a snapshot is the only other copy: the
+        # commit serves the NaN verdict alone, which FSDP2's reductions carry where they can
+        keep = self._keep_before_step if sharded and self.twins is not None else None
+        if self.check_finite:
+            finite = None
+            if sharded and keep is None and self.verdict is not None:
+                finite = self.verdict.take()
+            if finite is None:
+                finite = _grads_finite(optimizer, sharded, keep)
+            if not finite:
                 raise NonFiniteGradients(self.step)
+        elif keep is not None:
+            _grads_finite(optimizer, sharded, keep)
         if id(optimizer) in self._prune:  # after a reshard: this rank's parameters only
             self._prune.discard(id(optimizer))
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     if p.grad is None:
                         optimizer.state.pop(p, None)
+
+    def agreement(self) -> str | None:
+        """How the ranks agree to take a step in this generation (see ``_before_optimizer_step``):
+        "commit", "reduction" or None (``EnteredGeneration.agreement``)."""
+        import torch
+
+        sharded = any(self._sharded_optimizer(o) for o in self._objects.values()
+                      if isinstance(o, torch.optim.Optimizer))
+        if not sharded:
+            return None
+        if self.twins is not None and self._keep_before_step is not None:
+            return "commit"
+        if not self.check_finite:
+            return None
+        return "reduction" if self.twins is None and self.verdict is not None else "commit"
 
     def _sharded_optimizer(self, optimizer: Any) -> bool:
         """Whether ``optimizer``'s parameters are this rank's own: DTensors, or any state built
@@ -196,6 +223,8 @@ class State:
         for obj in self._objects.values():
             if isinstance(obj, torch.optim.Optimizer):
                 obj.zero_grad(set_to_none=True)
+        if self.verdict is not None:
+            self.verdict.forget()
 
     # -- state ----------------------------------------------------------------------------------
     def objects(self) -> dict[str, Any]:

@@ -271,6 +271,10 @@ def _attach(rt: Any, tracked: State) -> None:
         tracked._on_commit = lambda: rt.injector.check("commit", rt.rank, tracked.step)
     if rt.node_memory is not None:
         tracked._keep_before_step = lambda: _keep_before_step(rt, tracked)
+    if tracked.check_finite and tracked.verdict is None:
+        from .verdict import install
+
+        tracked.verdict = install(tracked._objects)
 
 
 def _keep_before_step(rt: Any, tracked: State) -> bool:
@@ -389,6 +393,7 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
             sources={str(r): s for r, s in resumed.sources.items()}, skipped=resumed.skipped,
             nbytes=resumed.nbytes, restore_s=round(resumed.seconds, 6),
             restore_phases=resumed.phases, sharded=tracked.sharded, nccl=group.nccl,
+            agreement=tracked.agreement(),
             replica_group=rt.job_mesh.replica_group(tracked.twins)
             if rt.job_mesh is not None else None,
             regrid_unit=rt.job_mesh.regrid_unit(tracked.twins) if rt.job_mesh is not None else None,
@@ -441,6 +446,8 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
 
 def _context(rt: Any, tracked: State, msg: dict[str, Any], resumed: Any) -> Context:
     rt.monitor.in_steps = False  # a loop left by a failure may not have said so yet
+    if tracked.verdict is not None:
+        tracked.verdict.begin(msg.world)
     policy = rt.policy
     rules = None
     if policy.detect.loss_rules:
