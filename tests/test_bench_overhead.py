@@ -1,7 +1,11 @@
 """``nonstop bench overhead``'s arithmetic (pure): the paired figure is the median of each turn's
 runs against each other, so a machine drifting between turns does not move it."""
 
-from nonstop.bench.overhead import _paired, _pct, mean_step
+import os
+
+import pytest
+
+from nonstop.bench.overhead import _paired, _pct, mean_step, table
 
 
 def _runs(*steps):
@@ -22,3 +26,70 @@ def test_the_mean_step_skips_the_first_fifth():
     rows = [(s, 0.01 * s + (0.5 if s < 2 else 0.0), 0) for s in range(10)]
     assert abs(mean_step(rows) - 0.01) < 1e-9
     assert mean_step(rows[:5]) is None
+
+
+def test_a_run_of_one_system_prints_its_column_and_dashes_for_the_others():
+    """``--systems nonstop`` alone: no plain step to compare with, no KeyError at the table."""
+
+
+    row = table([{"step_ms": 25.0, "nonstop_s": 0.0412, "overhead_pct": None,
+                  "reproducible_overhead_pct": None}]).splitlines()[-1]
+    assert row.startswith("| 25 ms | - | 0.0412 | -% |"), row
+
+
+def _below(root: int) -> set[int]:
+    """Every process below ``root`` now (Linux: /proc)."""
+    import os
+
+    parent = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    parent[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    found, todo = set(), [root]
+    while todo:
+        p = todo.pop()
+        kids = {c for c, pp in parent.items() if pp == p}
+        todo += list(kids - found)
+        found |= kids
+    return found
+
+
+@pytest.mark.integration
+def test_a_bench_ended_by_sigterm_ends_its_running_job():
+    """SIGTERM to ``nonstop bench`` while its job runs: the bench exits 143 and takes the job
+    (the launcher, its ranks, its spare) with it - none is left running alone."""
+    import signal
+    import subprocess
+    import time
+
+    from conftest import nonstop_cmd
+
+    proc = subprocess.Popen(nonstop_cmd("bench", "overhead", "--systems", "nonstop", "--ranks",
+                                        "2", "--step-ms", "25", "--steps", "2000",
+                                        "--repeat", "1"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        below: set[int] = set()
+        while time.monotonic() < deadline and len(below) < 3:  # the launcher and its children
+            time.sleep(0.2)
+            below = _below(proc.pid)
+        assert len(below) >= 3, below
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+        for pid in below:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            assert state == "Z", f"process {pid} of the bench's job still runs"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)

@@ -288,6 +288,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminate_as_exit() -> None:
+    """SIGTERM raises SystemExit (143) in the main thread, so that the ``finally`` of each
+    running job ends it and its children (``bench.common.run_child``): by default the bench
+    died at once, its job left running alone."""
+    import signal
+
+    def leave(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -301,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import run_demo
 
             return run_demo(steps=args.steps, run_dir=args.run_dir)
+        if args.command in ("bench", "chaos"):  # a bench ended by SIGTERM ends its jobs first
+            _terminate_as_exit()
         if args.command == "bench" and args.parallel != "ddp" and args.scenario not in (
                 "crash", "overhead", "elastic"):
             raise UsageError(f"--parallel is for bench crash, elastic and overhead (not "

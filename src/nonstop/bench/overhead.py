@@ -94,9 +94,10 @@ def table(results: list[dict[str, Any]]) -> str:
              "snapshot, bytes |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['step_ms']:g} ms | {fmt(r['plain_s'])} | {fmt(r['nonstop_s'])} | "
-                     f"{fmt(r['overhead_pct'], 2)}% | {fmt(r.get('overhead_paired_pct'), 2)}% | "
-                     f"{fmt(r.get('reproducible_s'))} | "
+        # (a run of some of the systems, --systems: the others' columns are "-")
+        lines.append(f"| {r['step_ms']:g} ms | {fmt(r.get('plain_s'))} | "
+                     f"{fmt(r.get('nonstop_s'))} | {fmt(r['overhead_pct'], 2)}% | "
+                     f"{fmt(r.get('overhead_paired_pct'), 2)}% | {fmt(r.get('reproducible_s'))} | "
                      f"{fmt(r['reproducible_overhead_pct'], 2)}% | "
                      f"{fmt(r.get('nonstop_reproducible_s'))} | "
                      f"{r.get('snapshot_bytes_per_rank') or '-'} |")
