@@ -141,3 +141,43 @@ def test_a_spare_reads_the_records_there_are_and_never_waits_for_one_not_written
     assert spare.take(store) == 0 and spare.read == {1, 2}
     assert len(spare.refused) == 1 and "unreadable record" in spare.refused[0]
     assert spare.take(store) == 0  # nothing new: nothing read again
+
+
+def _scalar_op(warmth: Warmth, op, scalar, placement=Shard(0)) -> OpSchema:
+    mesh = warmth.mesh(NAMES, AXES, (0, 1, 2, 3), "cpu", ("dp_shard", "tp"))
+    meta = TensorMeta(torch.Size([8, 4]), (4, 1), torch.float32)
+    prop = DTensor._op_dispatcher.sharding_propagator  # the schema info a live operation has
+    info = prop.op_to_schema_info_for_single_dim_strategy.get(op) or prop.op_to_schema_info.get(op)
+    return OpSchema(op, (DTensorSpec(mesh, (placement, Replicate()), tensor_meta=meta), scalar),
+                    {}, schema_info=info)
+
+
+def test_a_pointwise_decision_with_a_float_holds_for_every_float():
+    """Adam divides by a bias correction that changes every step, and DTensor's cache keys the
+    float's value: a spare's decision made at the recorded step would never be found at the
+    step its rank resumes. A pointwise operation's rules never read a scalar's value, so the
+    decision is kept by its operands' specs alone - and it is the one DTensor makes for the new
+    float. Not for an int operand, an operation that is not pointwise, or a decision that moves
+    an operand (it carries the values it moves with)."""
+    from torch.distributed.tensor import Partial
+
+    aten = torch.ops.aten
+    spare = Warmth()
+    recorded, resumed = (_scalar_op(spare, aten.div.Tensor, v) for v in (0.0316, 0.2230))
+    assert recorded != resumed  # DTensor's own key: not found
+    assert propagation._valueless(recorded) == propagation._valueless(resumed)
+    assert propagation._valueless(_scalar_op(spare, aten.div.Tensor, 3)) is None
+    assert propagation._valueless(_scalar_op(spare, aten.div.Tensor, 3)) is None
+    mesh = spare.mesh(NAMES, AXES, (0, 1, 2, 3), "cpu", ("dp_shard", "tp"))
+    meta = TensorMeta(torch.Size([8, 4]), (4, 1), torch.float32)
+    view = OpSchema(aten.view.default, (DTensorSpec(mesh, (Shard(0), Replicate()),
+                                                    tensor_meta=meta), [32]), {})
+    assert propagation._valueless(view) is None  # not pointwise
+
+    moves = _scalar_op(spare, aten.add.Tensor, 1.5, placement=Partial())
+    spare._pending.extend([recorded, moves])
+    assert spare.decide() == 2
+    assert list(spare.valueless) == [propagation._valueless(resumed)]  # the add is not kept
+    kept = spare.valueless[propagation._valueless(resumed)]
+    fresh = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding_non_cached(resumed)
+    assert kept.output_spec == fresh.output_spec and not kept.needs_redistribute

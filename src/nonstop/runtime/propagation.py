@@ -184,6 +184,9 @@ class Warmth:
         self._made: set[Any] = set()
         self._pending: deque[Any] = deque()  # operations read, not decided yet
         self._asking = False
+        # pointwise decisions by their operands' specs alone, the floats' values aside: the
+        # step-dependent scalars of an optimizer (Adam's bias corrections) key DTensor's cache
+        self.valueless: dict[Any, Any] = {}
 
     def take(self, store: Any, called_off: Callable[[], bool] = lambda: False) -> int:
         """Read the records published since the last look and make their decisions, until
@@ -204,7 +207,7 @@ class Warmth:
                 self.refused.append(str(exc))
         made = self.decide(called_off)
         if made and not self._asking:
-            _ask_python_cache()
+            _ask_python_cache(self.valueless)
             self._asking = True
         return made
 
@@ -251,10 +254,13 @@ class Warmth:
             tried += 1
             self._made.add(schema)
             try:
-                prop.propagate_op_sharding(schema)
+                out = prop.propagate_op_sharding(schema)
                 made += 1
             except Exception:  # noqa: BLE001 - made in the step, as without the warm-up
                 continue
+            key = _valueless(schema)
+            if key is not None and not out.needs_redistribute:
+                self.valueless[key] = out
         self.decided += made
         return made
 
@@ -373,15 +379,48 @@ def _rehash(schema: Any) -> Any:
     return schema
 
 
-def _ask_python_cache() -> None:
+def _ask_python_cache(valueless: dict[Any, Any]) -> None:
     """From now on in this process, a decision DTensor's native cache misses is looked up in
-    its Python cache (where the spare made them) before it is made anew."""
+    its Python cache (where the spare made them) before it is made anew; a pointwise one with
+    float operands, by its operands' specs (``valueless``)."""
     from torch.distributed.tensor import DTensor
 
     disp = DTensor._op_dispatcher
     original: Callable[..., Any] = disp._propagate_op_sharding_dispatch_slow_path
 
     def asking(op_call: Any, args: Any, kwargs: Any, op_info: Any, try_cache: bool) -> Any:
+        if valueless and op_info.schema is not None:
+            key = _valueless(op_info.schema)
+            found = valueless.get(key) if key is not None else None
+            if found is not None:
+                return found
         return original(op_call, args, kwargs, op_info, True)
 
     disp._propagate_op_sharding_dispatch_slow_path = asking
+
+
+_POINTWISE: set[Any] = set()
+_FLOAT = 1.0  # what every float operand is taken to be in a valueless key
+
+
+def _valueless(schema: Any) -> Any:
+    """``schema`` with each float operand the same (a key), when its operation is one of
+    DTensor's pointwise ones and has one; else None. A pointwise operation's sharding rules
+    depend on which operands are tensors and which are scalars, never on a scalar's value
+    (torch/distributed/tensor/_ops/_pointwise_ops.py): its decision for one float holds for
+    every other - where it moves no operand (one that does carries the values it moves with)."""
+    import dataclasses
+
+    if not _POINTWISE:
+        from torch._ops import OpOverload
+        from torch.distributed.tensor._ops import _pointwise_ops
+
+        _POINTWISE.update(op for value in vars(_pointwise_ops).values()
+                          if isinstance(value, list) for op in value
+                          if isinstance(op, OpOverload))
+    if schema.op not in _POINTWISE or not any(type(a) is float for a in schema.args_schema):
+        return None
+    key = dataclasses.replace(schema, args_schema=tuple(
+        _FLOAT if type(a) is float else a for a in schema.args_schema))
+    key._recompute_comparison_key()
+    return key
