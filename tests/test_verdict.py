@@ -43,6 +43,8 @@ def test_every_rank_reaches_the_verdict_of_any_with_no_message_of_its_own(ranks)
         assert seen["before_any"] is None  # no reduction yet: the step would commit
         assert seen["finite"] is True and seen["same_grads"] is True
         assert seen["nan_on_rank_1"] is False and seen["own_grads_finite"] is False
+        # a second optimizer of the step: the same verdict; the next step, nothing reduced yet
+        assert seen["second_optimizer"] is False and seen["next_step_without_reductions"] is None
         assert seen["all_reduces"] == 0
 
 

@@ -34,20 +34,23 @@ calls = []
 real = dist.all_reduce
 dist.all_reduce = lambda *a, **k: calls.append(1) or real(*a, **k)
 seen = {}
+STEP = 7  # (the state's step counter: a second optimizer of a step gets the first one's verdict)
 
 model, opt = sharded()
 verdict = install({"model": model, "optimizer": opt})
 plain, plain_opt = sharded()  # the same model without it: the same gradients, bit for bit
 verdict.begin(2)
-seen["before_any"] = verdict.take()
+seen["before_any"] = verdict.take(STEP)
 model(x).sum().backward()
 plain(x).sum().backward()
-seen["finite"] = verdict.take()
+seen["finite"] = verdict.take(STEP)
 seen["same_grads"] = all(torch.equal(a.grad.to_local(), b.grad.to_local())
                          for a, b in zip(model.parameters(), plain.parameters()))
 opt.zero_grad()
 (model(x).sum() * (float("nan") if rank == 1 else 1.0)).backward()
-seen["nan_on_rank_1"] = verdict.take()
+seen["nan_on_rank_1"] = verdict.take(STEP)
+seen["second_optimizer"] = verdict.take(STEP)
+seen["next_step_without_reductions"] = verdict.take(STEP + 1)
 seen["own_grads_finite"] = all(bool(torch.isfinite(p.grad.to_local()).all())
                                for p in model.parameters())
 
@@ -55,14 +58,14 @@ hooked, hooked_opt = sharded(hook=True)
 v2 = install({"model": hooked, "optimizer": hooked_opt})
 v2.begin(2)
 (hooked(x).sum() * (float("nan") if rank == 0 else 1.0)).backward()
-seen["nan_in_last_unit_of_rank_0"] = v2.take()
+seen["nan_in_last_unit_of_rank_0"] = v2.take(STEP)
 seen["own_part_of_last_unit"] = [p.grad.to_local().numel() for p in hooked[2].parameters()]
 v2.begin(2)
 hooked(x).sum().backward()
-seen["forgotten_then_finite"] = v2.take()
+seen["forgotten_then_finite"] = v2.take(STEP)
 v2.begin(3)  # a reduction over fewer ranks than the world carries no verdict
 hooked(x).sum().backward()
-seen["group_not_the_world"] = v2.take()
+seen["group_not_the_world"] = v2.take(STEP)
 
 # structures it is not installed on
 hsdp = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))

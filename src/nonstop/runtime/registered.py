@@ -161,7 +161,7 @@ class State:
         if self.check_finite:
             finite = None
             if sharded and keep is None and self.verdict is not None:
-                finite = self.verdict.take()
+                finite = self.verdict.take(self.step)
             if finite is None:
                 finite = _grads_finite(optimizer, sharded, keep)
             if not finite:

@@ -40,6 +40,7 @@ class ReducedVerdict:
         self._flags: list[Any] = []  # per reduction: the sum of its output (0-dim)
         self._sizes: set[int] = set()  # the sizes of the groups they were reduced over
         self._world = 0
+        self._taken: tuple[int, bool] | None = None  # (step, verdict) of the step's first optimizer
 
     def begin(self, world: int) -> None:
         """A (re)entry into a generation of ``world`` ranks: what an earlier attempt of a step
@@ -50,20 +51,26 @@ class ReducedVerdict:
     def forget(self) -> None:
         self._flags.clear()
         self._sizes.clear()
+        self._taken = None
 
-    def take(self) -> bool | None:
+    def take(self, step: int) -> bool | None:
         """Whether every gradient reduced since the last step was finite on every rank; None
         when no reduction over every rank carried the verdict (the step must commit). The
-        same answer on every rank: they made the same reductions."""
+        same answer on every rank: they made the same reductions. A second optimizer of the
+        same ``step`` gets the first one's verdict."""
         import torch
 
         flags, sizes = self._flags, self._sizes
+        if not flags and self._taken is not None and self._taken[0] == step:
+            return self._taken[1]
         try:
             if not flags or sizes != {self._world}:
                 return None
-            return bool(torch.isfinite(torch.stack(flags)).all())
+            finite = bool(torch.isfinite(torch.stack(flags)).all())
         finally:
             self.forget()
+        self._taken = (step, finite)
+        return finite
 
     def note(self, output: Any, group: Any) -> None:
         self._flags.append(output.sum())  # finite exactly when every element is (see above)
