@@ -331,6 +331,17 @@ def reference(tmp_path_factory):
     return get
 
 
+def pytest_sessionstart(session):
+    """matplotlib builds its font cache at its first import on a machine, asking ``fc-list`` (a
+    process): built here, before any test, a fast-tier test that draws a timeline then reads it
+    and starts nothing - else whichever test imported matplotlib first failed the fast tier's
+    rule on a fresh machine, depending on the order the workers took the tests in."""
+    try:
+        import matplotlib.font_manager  # noqa: F401 - its import builds (or reads) the cache
+    except ImportError:
+        pass
+
+
 def pytest_collection_modifyitems(session, config, items):
     """The tests across test hosts first: the longest (30-90 s each), they start while there is
     still other work to share the two workers with, instead of one of them ending the run alone."""

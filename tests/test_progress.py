@@ -208,3 +208,25 @@ def test_a_ranks_first_steps_of_a_generation_are_timed_with_the_settling_allowan
     w.step, w.t_step = 11, 103.0
     fault, _ = sig.check_hang([w], gen=2, t_running=90.0, now=103.0 + 1.5)
     assert fault is not None
+
+
+def test_a_rank_waiting_for_a_peer_still_in_its_first_step_has_the_first_steps_allowance():
+    """After a restart, one new process took its first step at once and the other, on a loaded
+    machine, took 2 s: the first waited in its second step's collectives for it and was taken
+    for hung after the steady 1 s. Until every rank of the generation has stepped, a rank that
+    has is allowed the first step's time too; once all have, the usual timeouts apply."""
+    sig = Signals(policy.load(None))
+    for _ in range(10):
+        sig.hang.observe_step(0.05)
+    steady, first = sig.hang.steady_timeout(), sig.hang.first_step_timeout()
+    assert steady == 1.0 and first > 3.0
+    quick, slow = _rank(1, 0, t_step=100.0, first_gen=2), _rank(2, 1)
+    quick.step = quick.first_step = 11
+    fault, _ = sig.check_hang([quick, slow], gen=2, t_running=99.8, now=102.0)
+    assert fault is None  # the quick one waits for the slow one's first step
+    fault, _ = sig.check_hang([quick, slow], gen=2, t_running=99.8, now=99.8 + first + 0.1)
+    assert fault is not None and f"for {first:.2f} s" in fault.message
+    slow.first_gen, slow.t_step, slow.step, slow.first_step = 2, 102.0, 11, 11
+    quick.step, quick.t_step = 12, 102.1
+    fault, _ = sig.check_hang([quick, slow], gen=2, t_running=99.8, now=102.1 + steady + 0.2)
+    assert fault is not None  # all have stepped: the steady (settling) allowance again

@@ -67,12 +67,17 @@ class Signals:
         stalled, limit, last = [], 0.0, 0.0
         steady, first = self.hang.steady_timeout(), self.hang.first_step_timeout()  # (once)
         settling, settle_steps = self.hang.settling_timeout(), self.policy.detect.hang.settle_steps
+        # a rank still in its first step of the generation holds its peers' next step in its
+        # collectives: until every rank has stepped, they wait as long as it may take
+        waiting = any(w.first_gen != gen for w in ranks)
         for w in ranks:
             stepped = w.first_gen == gen
             timeout = steady if stepped else first
             if stepped and w.first_step is not None and \
                     (w.step or 0) - w.first_step + 1 < settle_steps:
                 timeout = settling  # its next step is among the generation's first few
+            if stepped and waiting:
+                timeout = max(timeout, first)
             # (a step before the generation ran here is no later than its start: a controller
             # that took over a training job judges each rank from then until its progress comes)
             since = max(w.t_step, t_running) if stepped else t_running
