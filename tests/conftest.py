@@ -12,6 +12,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -329,6 +330,26 @@ def reference(tmp_path_factory):
         return out
 
     return get
+
+
+def rank_processes(argv: Callable[[int], list[str]], ranks: int = 2,
+                   timeout: float = 60) -> list[tuple[str, str]]:
+    """One process per rank (``argv(rank)``), run to its end: each must exit 0. Their (stdout,
+    stderr), by rank; one still running when this returns (a failure) is killed by its pid."""
+    procs = [subprocess.Popen(argv(r), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(ranks)]
+    out = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            assert p.returncode == 0, stderr[-3000:]
+            out.append((stdout, stderr))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    return out
 
 
 def pytest_sessionstart(session):

@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 
 import re
-import subprocess
 import sys
 
 import torch.distributed as dist
 
-from conftest import ROOT
+from conftest import ROOT, rank_processes
 
 pytestmark = pytest.mark.integration  # starts processes
 
@@ -21,21 +20,8 @@ LASTING = ROOT / "tests" / "scripts" / "lasting_abort.py"
 
 def _run(mode: str, script=SCRIPT) -> list[str]:
     store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(store.port), mode],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
-    out = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=60)
-            assert p.returncode == 0, stderr[-2000:]
-            out.append(stdout + stderr)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    return out
+    return [stdout + stderr for stdout, stderr in rank_processes(
+        lambda r: [sys.executable, str(script), str(r), str(store.port), mode])]
 
 
 def _released(text: str, word: str = "released") -> tuple[float, int]:

@@ -80,10 +80,11 @@ def test_a_rank_of_an_fsdp_and_tensor_parallel_job_is_replaced_with_nothing_lost
     step) while the others keep theirs; nothing lost, the gathered weights bitwise.
 
     While it waited, the spare made the DTensor sharding decisions the ranks recorded in their
-    first steps (the steps here last 0.2 s: it looks every 0.2 s), on meshes of its own that the
-    job's DTensors then carry: the weights say they work."""
+    first steps (the steps here last 0.4 s, so that a loaded machine's spare has made them all
+    before the fault: it looks every 0.2 s), on meshes of its own that the job's DTensors then
+    carry: the weights say they work."""
     run, out = train(tmp_path, "--spares=1", "--snapshot-every=1", "--inject=crash:rank=3,step=9",
-                     args=ARGS_2D + ("--sleep-ms", "200"), world=4, script=TWO_D)
+                     args=ARGS_2D + ("--sleep-ms", "400"), world=4, script=TWO_D)
     assert [d["level"] for d in run.of("decision")] == ["rank replacement"]
     held = rank_wids(run)
     assert len(held[3]) == 2 and all(len(held[r]) == 1 for r in (0, 1, 2))

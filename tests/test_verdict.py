@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, rank_processes
 
 pytestmark = pytest.mark.integration  # starts processes
 
@@ -18,21 +17,8 @@ SCRIPT = ROOT / "tests" / "scripts" / "verdict_ranks.py"
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     store = tmp_path_factory.mktemp("verdict") / "store"
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(r), str(store)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
-    seen = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=120)
-            assert p.returncode == 0, stderr[-3000:]
-            seen.append(json.loads(stdout.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    return seen
+    return [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in rank_processes(
+        lambda r: [sys.executable, str(SCRIPT), str(r), str(store)], timeout=120)]
 
 
 def test_every_rank_reaches_the_verdict_of_any_with_no_message_of_its_own(ranks):
