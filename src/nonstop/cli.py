@@ -293,11 +293,13 @@ def _terminate_as_exit() -> None:
     running job ends it and its children (``bench.common.run_child``): by default the bench
     died at once, its job left running alone."""
     import signal
+    import threading
 
     def leave(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, leave)
+    if threading.current_thread() is threading.main_thread():  # (a handler is the main's)
+        signal.signal(signal.SIGTERM, leave)
 
 
 def main(argv: list[str] | None = None) -> int:
