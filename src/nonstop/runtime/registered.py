@@ -152,22 +152,14 @@ class State:
         sharded = self._sharded_optimizer(optimizer)
         if sharded and self._on_commit is not None:
             self._on_commit()
-        # a sharded job's ranks agree on every step before taking it (the commit: one flag,
-        # all-reduced after every gradient reduction), NaN check or not, where a shard has a
-        # twin: a survivor whose commit failed keeps the state before the step, so that the
-        # twins' copies meet at one step. With no twin, a snapshot is the only other copy: the
-        # commit serves the NaN verdict alone, which FSDP2's reductions carry where they can
+        # a sharded job's ranks agree on every step before taking it (``_agreement``)
+        how = self._agreement(sharded)
         keep = self._keep_before_step if sharded and self.twins is not None else None
-        if self.check_finite:
-            finite = None
-            if sharded and keep is None and self.verdict is not None:
-                finite = self.verdict.take(self.step)
-            if finite is None:
-                finite = _grads_finite(optimizer, sharded, keep)
-            if not finite:
-                raise NonFiniteGradients(self.step)
-        elif keep is not None:
-            _grads_finite(optimizer, sharded, keep)
+        finite = self.verdict.take(self.step) if how == "reduction" else None
+        if finite is None and (self.check_finite or how == "commit"):
+            finite = _grads_finite(optimizer, sharded, keep)  # (the commit, where sharded)
+        if self.check_finite and finite is False:
+            raise NonFiniteGradients(self.step)
         if id(optimizer) in self._prune:  # after a reshard: this rank's parameters only
             self._prune.discard(id(optimizer))
             for group in optimizer.param_groups:
@@ -176,12 +168,18 @@ class State:
                         optimizer.state.pop(p, None)
 
     def agreement(self) -> str | None:
-        """How the ranks agree to take a step in this generation (see ``_before_optimizer_step``):
-        "commit", "reduction" or None (``EnteredGeneration.agreement``)."""
+        """How the ranks agree to take a step in this generation (``EnteredGeneration``)."""
         import torch
 
-        sharded = any(self._sharded_optimizer(o) for o in self._objects.values()
-                      if isinstance(o, torch.optim.Optimizer))
+        return self._agreement(any(self._sharded_optimizer(o) for o in self._objects.values()
+                                   if isinstance(o, torch.optim.Optimizer)))
+
+    def _agreement(self, sharded: bool) -> str | None:
+        """"commit": one flag all-reduced after every gradient reduction - NaN check or not
+        where a shard has a twin (a survivor whose commit failed keeps the state before the
+        step, so that the twins' copies meet at one step); "reduction": the NaN verdict carried
+        by FSDP2's reductions (runtime/verdict.py) - with no twin, a snapshot is the only other
+        copy and the commit would serve the verdict alone; None: nothing to agree on."""
         if not sharded:
             return None
         if self.twins is not None and self._keep_before_step is not None:

@@ -28,6 +28,7 @@ reduction's own communication (the default, or one the script set) is wrapped, n
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 _EXACT = ("float32", "bfloat16")  # parameter dtypes a finite reduced float32 gradient stays finite in
@@ -84,7 +85,6 @@ def install(objects: dict[str, Any]) -> ReducedVerdict | None:
 
     try:
         from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
         from torch.distributed.fsdp._fully_shard._fsdp_common import (FSDPMeshInfo,
                                                                        HSDPMeshInfo)
     except ImportError:
@@ -113,7 +113,10 @@ def install(objects: dict[str, Any]) -> ReducedVerdict | None:
     if not params or any(id(p) not in owned for p in params):
         return None
     verdict = ReducedVerdict()
-    checking = _checking_class(ReduceScatter)
+    try:
+        checking = _checking_class()
+    except ImportError:  # a torch without FSDP2's communication interface: the step commits
+        return None
     for g in groups:
         if not isinstance(g._reduce_scatter_comm, checking):
             g._reduce_scatter_comm = checking(g._reduce_scatter_comm, verdict)
@@ -122,16 +125,13 @@ def install(objects: dict[str, Any]) -> ReducedVerdict | None:
     return verdict
 
 
-_CLASS: list[type] = []
-
-
-def _checking_class(base: type) -> type:
+@functools.cache
+def _checking_class() -> type:
     """The reduce-scatter that carries the verdict (a subclass of FSDP2's interface, made when
     first installed: torch's FSDP2 is not imported with nonstop)."""
-    if _CLASS:
-        return _CLASS[0]
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-    class CheckingReduceScatter(base):  # type: ignore[misc, valid-type]
+    class CheckingReduceScatter(ReduceScatter):
         """FSDP2's reduce-scatter of one unit, with a NaN anywhere spread to every rank's part
         (before) and each rank's part checked (after)."""
 
@@ -159,5 +159,4 @@ def _checking_class(base: type) -> type:
             self.verdict.note(output_tensor, group)
             return work
 
-    _CLASS.append(CheckingReduceScatter)
     return CheckingReduceScatter
