@@ -52,3 +52,28 @@ def test_an_incidents_headline_is_its_cause_and_no_library_source_path():
     book.fault(Fault("hang", message="no step completed for 1.00 s"), 10.0, 0, 50)
     book.fault(Fault("node_lost", node=1, message="its lease expired"), 12.0, 0, 50)
     assert book.open.faults[0].startswith("node 1: node_lost")  # the cause leads
+
+
+def test_an_incident_closed_before_the_first_step_says_its_steps_lost_once_a_step_shows_them():
+    """A crash before any step: the console said "steps lost: unknown" while the summary, which
+    learned later that the function iterates ctx.steps, said 0. It is said once it is known."""
+    said = []
+
+    class _Shown:
+        def info(self, text):
+            said.append(text)
+
+    book = Book(_Log(), _Shown())
+    book.fault(Fault("crash", rank=1, message="killed"), now=10.0, gen=0, max_step=0)
+    book.close(t_first=10.3, resume_step=0, steps_known=False, undecided=True)
+    assert "unknown" not in said[-1] and "counted at its first step" in said[-1]
+    book.steps_decided(True)
+    assert said[-1] == "incident 1: steps lost: 0"
+    assert book.closed[0].steps_lost == 0
+    book.steps_decided(True)  # said once
+    assert said[-1] == "incident 1: steps lost: 0" and len(said) == 3
+    # a run whose function turns out not to iterate ctx.steps: unknown, as it is
+    book.fault(Fault("crash", rank=1, message="killed"), now=20.0, gen=1, max_step=0)
+    book.close(t_first=20.3, resume_step=0, steps_known=False, undecided=True)
+    book.steps_decided(False)
+    assert said[-1] == "incident 2: steps lost: unknown"

@@ -100,6 +100,10 @@ def test_hang_is_killed_and_replaced(tmp_path, reference):
     assert [d["ranks"] for d in late] == [[1]] and late[0]["limit_s"] > 0
     (kill,) = run.of("kill")
     assert kill["rank"] == 1
+    # killed with its stacks dumped: on one host no host is away to give it up with
+    assert "did not leave generation" in run.stdout + run.stderr
+    assert "does not answer" not in run.stdout + run.stderr
+    assert "its stacks are in" in run.stdout + run.stderr
     # the survivors, blocked in a collective with the hung rank, left at once when aborted
     (abort,) = run.of("abort")
     survivors = [e for e in run.of("rank_left") if e["rank"] != 1]

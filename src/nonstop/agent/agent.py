@@ -205,6 +205,11 @@ class Agent:
         host are simulated; none has an agent of its own to vouch for it)."""
         return False
 
+    def host_away(self, node: int) -> bool:
+        """Whether the node's host is out of reach (cut off, lost): never here - the nodes of
+        one host are this process's own, so a rank that cannot be reached is the rank's fault."""
+        return False
+
     def lost_nodes(self) -> set[int]:
         """Nodes gone whole (a host whose agent is gone): none on one host."""
         return set()

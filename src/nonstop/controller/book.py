@@ -38,6 +38,9 @@ class IncidentBook:
         self.base = 0  # incidents of the controllers before this one (across hosts)
         self._injects: list[float] = []  # when recent injected faults fired
         self._regroup: dict[str, Any] | None = None  # a scale-out under way
+        # incidents closed before the run showed whether its steps can be counted (a fault
+        # before the first step): their steps lost are said once it has
+        self._unsaid: list[Incident] = []
 
     @property
     def count(self) -> int:
@@ -140,7 +143,11 @@ class IncidentBook:
                 how = sorted(set(rec["sources"].values()))
                 self.display.info(f"resumed at step {rec['step']} (from {', '.join(how)})")
 
-    def close(self, t_first: float, resume_step: int | None, steps_known: bool) -> None:
+    def close(self, t_first: float, resume_step: int | None, steps_known: bool,
+              undecided: bool = False) -> None:
+        """The open incident recovered. ``undecided``: the run has not yet shown whether its
+        steps can be counted - its steps lost are said when it has (``steps_decided``), not
+        called unknown now and 0 in the summary."""
         inc = self.open
         if inc is None:
             return
@@ -153,9 +160,22 @@ class IncidentBook:
         self.open = None
         self._injects.clear()
         self.log.write("incident", **inc.to_record())
-        self.display.info(f"incident {inc.id} recovered in {inc.mttr:.3f} s "
-                          f"({', '.join(inc.levels)}), steps lost: "
+        said = f"incident {inc.id} recovered in {inc.mttr:.3f} s ({', '.join(inc.levels)})"
+        if undecided:
+            self._unsaid.append(inc)
+            self.display.info(f"{said}; steps lost: counted at its first step")
+            return
+        self.display.info(f"{said}, steps lost: "
                           f"{'unknown' if inc.steps_lost is None else inc.steps_lost}")
+
+    def steps_decided(self, known: bool) -> None:
+        """The run has shown whether its steps can be counted: the steps lost of the incidents
+        closed before it did."""
+        unsaid, self._unsaid = self._unsaid, []
+        for inc in unsaid:
+            inc.steps_known = known
+            self.display.info(f"incident {inc.id}: steps lost: "
+                              f"{'unknown' if inc.steps_lost is None else inc.steps_lost}")
 
     def give_up(self) -> None:
         if self.open is None:

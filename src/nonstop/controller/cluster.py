@@ -287,6 +287,13 @@ class Cluster:
         link = self.links.get(node)
         return link is not None and not link.lost and not link.unreachable
 
+    def host_away(self, node: int) -> bool:
+        """Whether the node's host is out of reach: lost, unreachable, or silent for over a
+        second (then nothing sent to its ranks arrives, and no stack of theirs is dumped)."""
+        link = self.links.get(node)
+        return not self.host_up(node) or (
+            link is not None and link.heard is not None and time.monotonic() - link.heard > 1.0)
+
     def silent_hosts(self) -> dict[int, float]:
         """node -> seconds since its host's agent last sent anything (hosts it holds)."""
         now = time.monotonic()

@@ -446,9 +446,7 @@ class Controller:
         w = self.workers[c.wid]
         self.table.kill(w, c.why, dump=c.dump)
         if c.fault is not None:  # it overstayed the teardown
-            up = getattr(self.agent, "host_up", None)
-            silent = getattr(self.agent, "silent_hosts", dict)()
-            if up is not None and (not up(w.node) or silent.get(w.node, 0.0) > 1.0):
+            if self.agent.host_away(w.node):
                 # its host is away (cut off, lost): nothing reached it, no stack was dumped
                 self.display.info(f"rank {w.rank} did not leave generation {self.gen} within "
                                   f"{c.late_s:.2f} s: its host (node {w.node}) does not answer; "
@@ -764,7 +762,8 @@ class Controller:
         """The open incident is over: measured and closed; the machine hears it recovered."""
         if self.book.open is None:
             return []
-        self.book.close(t_first, resume_step, self.ledger.steps_known())
+        self.book.close(t_first, resume_step, self.ledger.steps_known(),
+                        undecided=self.ledger.steps_undecided())
         if resume_step is not None:
             self.resumed_at, self.resumed_gen = resume_step, self.gen
         self.gens.not_after = None  # resumed: what the ranks hold now is trusted again

@@ -73,6 +73,12 @@ class TrainingLedger:
         """Whether the steps a failure undid can be counted: only when the ranks iterate ctx.steps."""
         return self.managed and self.steps_seen and not self.stepless
 
+    def steps_undecided(self) -> bool:
+        """Whether the run has not yet shown if its steps can be counted: wrapped ranks that have
+        neither completed a step of ctx.steps nor said they run without it (a fault before the
+        first step)."""
+        return self.managed and not self.steps_seen and not self.stepless
+
     def steps_reached(self, max_step: int) -> int | None:
         """The newest step any rank completed; None where nonstop sees no steps."""
         return max_step if self.managed and not self.stepless else None

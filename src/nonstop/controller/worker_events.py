@@ -146,6 +146,7 @@ class RankReports:
             case events.FirstStep():
                 stepless = not ev.steps  # its marks are its steps (no ctx.steps)
                 self.ledger.first_step(stepless)
+                self._steps_learned()
                 self.watchers.signals.on_first_step(w, ev.t, stepless=stepless)
                 self._run.add(ev.type)
                 return [Reached(ev.step)]
@@ -196,8 +197,15 @@ class RankReports:
                     return [GiveUp(Decision(Level.FAIL, reason="loss rule", diagnosis=text))]
         return []
 
+    def _steps_learned(self) -> None:
+        """The run may have just shown whether its steps can be counted: the incidents closed
+        before it did say their steps lost."""
+        if not self.ledger.steps_undecided():
+            self.book.steps_decided(self.ledger.steps_known())
+
     def _on_done(self, ev: events.Done, job: JobView) -> list[Order]:
         self.ledger.done(ev)
+        self._steps_learned()
         self._sdc_report(ev.gen, ev.sdc)
         if ev.final_persist is not None:
             self.final_persist = max(self.final_persist or 0, ev.final_persist)
@@ -334,6 +342,7 @@ class RankReports:
 
     def _on_no_steps(self, ev: events.NoSteps, job: JobView) -> list[Order]:
         diagnosis, warning = self.ledger.no_steps(ev)
+        self._steps_learned()
         if diagnosis is not None and not job.over:
             return [GiveUp(Decision(Level.FAIL, reason="injected faults cannot fire",
                                     usage_error=True, diagnosis=diagnosis))]
