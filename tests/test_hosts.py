@@ -377,3 +377,34 @@ def test_a_plain_torchrun_script_across_hosts_is_restarted_whole(job, reference)
     saved = _saved(j, 2)
     assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", "600",
                                                                  script=PLAIN))
+
+
+def test_a_link_that_slows_in_the_middle_of_a_run_is_waited_for_not_taken_for_a_hang(job, reference):
+    """Steps of 20 ms tune the hang timeout to its floor (1 s); then one host's link drops to 128
+    kbit/s for a few seconds, and a step takes several seconds. The ranks' groups still deliver
+    bytes: a slow link, said once, and waited for - no rank is replaced (a restart cannot speed a
+    link), nothing is lost, the weights are the fault-free run's."""
+    j = job(2)
+    args = ["--steps", "250", "--hidden", "512", "--sleep-ms", "20"]
+    for i in range(2):
+        j.start(i, "--nnodes", "2", "--nproc-per-node", "1", script=str(TRAIN),
+                script_args=[*args, "--save", str(j.base / "final.pt")])
+    deadline = time.monotonic() + 90
+    while len(j.of("rank_first_step")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(2.0)  # steps enough for the timeout to be tuned to its floor
+    slowed = j.hosts[1]
+    slowed.throttle(128)
+    try:
+        deadline = time.monotonic() + 30
+        while not j.of("slow_step") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)
+    finally:
+        slowed.unthrottle()
+    codes = j.wait(120)
+    assert set(codes.values()) == {0}, "\n".join(j.output(i)[-3000:] for i in codes)
+    assert j.of("slow_step"), "the link never slowed a step past the timeout"
+    assert not j.of("hang_detected") and not j.of("incident") and not j.of("fault")
+    assert "not a hang" in j.output(0) + j.output(1)
+    assert bitwise_equal(j.base / "final.pt", reference(2, *args))

@@ -230,3 +230,56 @@ def test_a_rank_waiting_for_a_peer_still_in_its_first_step_has_the_first_steps_a
     quick.step, quick.t_step = 12, 102.1
     fault, _ = sig.check_hang([quick, slow], gen=2, t_running=99.8, now=102.1 + steady + 0.2)
     assert fault is not None  # all have stepped: the steady (settling) allowance again
+
+
+def test_a_step_past_its_timeout_whose_collectives_still_move_data_is_slow_not_hung():
+    """A link that slowed in the middle of a run: the ranks' steps outlast the tuned timeout,
+    but their groups still deliver bytes (their signs of life). They are slow, named once, and
+    judged from their last sign of life; a rank whose group moved nothing is hung."""
+    import dataclasses
+
+    from nonstop.controller.watchers import Watchers
+
+    class _Log:
+        def __init__(self):
+            self.records = []
+
+        def write(self, kind, **fields):
+            self.records.append((kind, fields))
+
+    class _Display:
+        def __init__(self):
+            self.lines = []
+
+        def info(self, text):
+            self.lines.append(text)
+
+    log, shown = _Log(), _Display()
+    watch = Watchers(policy.load(None), log, shown)
+    sig = watch.signals
+    steady = sig.hang.steady_timeout()
+    a, b = _rank(1, 0, t_step=50.0, first_gen=1), _rank(2, 1, t_step=50.0, first_gen=1)
+    for w in (a, b):
+        w.first_step = 1
+        w.step = 20  # settled
+    late = 50.0 + steady + 1.0
+    # both ranks' groups moved data half a second ago: slow, waited for
+    sig.on_progress(a, _life(1, late - 0.5), gen=1)
+    sig.on_progress(b, _life(1, late - 0.5), gen=1)
+    assert watch.steps([a, b], gen=1, t_running=0.0, now=late) == []
+    assert sig.slow == (1, {0: pytest.approx(late - 50.0), 1: pytest.approx(late - 50.0)})
+    (said,) = [f for k, f in log.records if k == "slow_step"]
+    assert said["ranks"] == [0, 1] and "not a hang" in shown.lines[-1]
+    # said once, however long it lasts
+    sig.on_progress(a, _life(1, late + 0.5), gen=1)
+    sig.on_progress(b, _life(1, late + 0.5), gen=1)
+    assert watch.steps([a, b], gen=1, t_running=0.0, now=late + 1.0) == []
+    assert len([k for k, _ in log.records if k == "slow_step"]) == 1
+    # rank 1's group stops moving: once its last sign of life is older than the timeout, hung
+    (cmd,) = watch.steps([a, b], gen=1, t_running=0.0, now=late + 0.5 + steady + 0.1)
+    assert cmd.action == "hang" and sig.last_progress == pytest.approx(late + 0.5)
+    # a sign of life from before the last step is no evidence: a hang as ever
+    c = dataclasses.replace(_rank(3, 2, t_step=80.0, first_gen=1), first_step=1, step=20)
+    sig.on_progress(c, _life(1, 79.0), gen=1)
+    fault, _ = sig.check_hang([c], gen=1, t_running=0.0, now=80.0 + steady + 0.1)
+    assert fault is not None and sig.slow == (1, {})

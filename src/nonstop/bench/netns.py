@@ -50,6 +50,7 @@ IFNAMSIZ = 15
 IP_TIMEOUT_S = 10.0
 REACH_TIMEOUT_S = 10.0
 KILL_TIMEOUT_S = 10.0
+ETCD_PORT = 2379  # the test hosts' etcd members listen here (each host has its own addresses)
 PROBE_PORT = 9  # discard: a refusal from it proves the path both ways without any server
 
 _TAG = re.compile(r"^[a-z]{1,4}$")
@@ -67,6 +68,15 @@ def _ip(*args: str, ns: str | None = None, check: bool = True, input: str | None
     """Run ``ip`` (in namespace ``ns`` when given); ``check`` raises with its stderr."""
     cmd = ["ip", *(["-n", ns] if ns else []), *args]
     r = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip() or f'exit {r.returncode}'}")
+    return r
+
+
+def _tc(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``tc`` (in namespace ``ns`` when given); ``check`` raises with its stderr."""
+    cmd = ["tc", *(["-n", ns] if ns else []), *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=IP_TIMEOUT_S)
     if check and r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip() or f'exit {r.returncode}'}")
     return r
@@ -318,6 +328,39 @@ class Host:
         # a link going down flushes its neighbours, the static ones too: write them again
         self._owner._neighbours(self.ns)
         _wait_reachable(self.addr, timeout_s)
+
+    def throttle(self, kbit: int) -> None:
+        """A slow data link: what the host sends and what it is sent, in packets of 1 KB or
+        more (bulk data: a collective's), held to ``kbit`` kilobits a second each way, with no
+        drop; smaller packets (acknowledgements, heartbeats, the control plane's frames) and
+        etcd's traffic pass at full speed, as on a cluster whose control traffic has a network, or a
+        class, of its own. Connections stay up and deliver, slowly. (A delay line, netem, is
+        not in every kernel: a rate with classes, htb, is.)"""
+        if kbit <= 0:
+            raise ValueError(f"kbit must be positive, not {kbit}")
+        for dev, ns in (("eth0", self.ns), (self.veth, None)):
+            _tc("qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "20",
+                "r2q", "1", ns=ns)
+            _tc("class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate",
+                "1gbit", ns=ns)
+            _tc("class", "add", "dev", dev, "parent", "1:", "classid", "1:20", "htb", "rate",
+                f"{kbit}kbit", "burst", "4kb", ns=ns)
+            _tc("qdisc", "add", "dev", dev, "parent", "1:20", "pfifo", "limit", "100000", ns=ns)
+            # an IPv4 packet's total length (bytes 2-3) under 1024: its top six bits clear
+            _tc("filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+                "u32", "match", "u16", "0", "0xfc00", "at", "2", "flowid", "1:10", ns=ns)
+            for end in ("sport", "dport"):  # etcd's, whatever their size
+                _tc("filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "2",
+                    "u32", "match", "ip", end, str(ETCD_PORT), "0xffff", "flowid", "1:10", ns=ns)
+
+    def unthrottle(self) -> None:
+        """The link at full speed again (idempotent)."""
+        for dev, ns in (("eth0", self.ns), (self.veth, None)):
+            r = _tc("qdisc", "del", "dev", dev, "root", ns=ns, check=False)
+            err = r.stderr.lower()
+            if r.returncode != 0 and not _gone(r) and "handle of zero" not in err \
+                    and "no such" not in err and "invalid handle" not in err:
+                raise RuntimeError(f"tc qdisc del dev {dev}: {r.stderr.strip()}")
 
     def pids(self) -> list[int]:
         """Every live process in the namespace (as ``ip netns pids``)."""

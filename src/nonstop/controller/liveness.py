@@ -24,6 +24,9 @@ class Signals:
         self._logged_timeout = 0.0
         self._life: dict[int, tuple[int, float]] = {}  # wid -> (gen, its last sign of life)
         self._stepless: set[int] = set()  # wids whose progress is marks, not ctx.steps steps
+        # ranks past their step's timeout whose collectives still move data (a slow link or
+        # step, not a hang), at the last check: (gen, rank -> seconds since its last step)
+        self.slow: tuple[int, dict[int, float]] = (-1, {})
 
     # -- observations ---------------------------------------------------------------------------
     def on_progress(self, w: Worker, rec: Progress, gen: int) -> None:
@@ -57,7 +60,10 @@ class Signals:
         A rank that has not completed a step in this generation, or whose function runs without
         ctx.steps, is also judged by its signs of life: its group moving data (collectives
         completing), a reported loss, an optimizer step. Heartbeats are not among them. With only
-        signs of life and no step, the first-step allowance applies from the last of them.
+        signs of life and no step, the first-step allowance applies from the last of them. A rank
+        whose step runs past its timeout while its group still moves data is slow, not hung (a
+        link that slowed: its peers' collectives still deliver bytes, where a hang's deliver
+        none): judged from its last sign of life, and named in ``slow``.
         ``last_progress`` says when the stalled ranks last made progress: the hang began after.
         ``silent`` (node -> seconds its host's agent has said nothing): a host silent as long as
         its ranks is named as such (cut off, or frozen whole), not each of its ranks."""
@@ -65,6 +71,7 @@ class Signals:
         if not ranks or any(w.paused for w in ranks):
             return None, {}
         stalled, limit, last = [], 0.0, 0.0
+        slow: dict[int, float] = {}
         steady, first = self.hang.steady_timeout(), self.hang.first_step_timeout()  # (once)
         settling, settle_steps = self.hang.settling_timeout(), self.policy.detect.hang.settle_steps
         # a rank still in its first step of the generation holds its peers' next step in its
@@ -82,12 +89,17 @@ class Signals:
             # that took over a training job judges each rank from then until its progress comes)
             since = max(w.t_step, t_running) if stepped else t_running
             life = self._life.get(w.wid)
-            if life is not None and life[0] == gen and (not stepped or w.wid in self._stepless):
-                since = max(since, life[1])
+            if life is not None and life[0] == gen and life[1] > since:
+                if stepped and w.wid not in self._stepless and now - since > timeout \
+                        and w.rank is not None:
+                    slow[w.rank] = now - since
+                since = life[1]
             if now - since > timeout:
                 stalled.append(w)
                 limit = max(limit, timeout)
                 last = max(last, since)
+        held = {w.rank for w in stalled}
+        self.slow = (gen, {r: t for r, t in slow.items() if r not in held})
         if not stalled:
             return None, {}
         self.last_limit = limit

@@ -35,6 +35,7 @@ class Watchers:
         self.logs = LogWatch(policy.detect.log_rules)
         self.health: Any = None  # the node health checks, once started
         self.signals = Signals(policy)  # hangs and stragglers, from the ranks' progress
+        self._slow_said: tuple[int, frozenset[int]] = (-1, frozenset())  # (gen, ranks) said slow
 
     def loss_rule_fired(self, ev: events.LossRuleFired) -> tuple[str, str]:
         """A loss rule a rank reported: logged and shown; (what to say, its action)."""
@@ -106,7 +107,29 @@ class Watchers:
                            frozen={str(rank_of[w]): why for w, why in culprits.items()},
                            where=fault.traceback, last_progress=self.signals.last_progress)
             return [Command("hang", fault, culprits=culprits, t_fault=self.signals.last_progress)]
+        self._say_slow()
         return [c for f in self.signals.check_stragglers(ranks, now) for c in self.straggler(f)]
+
+    def _say_slow(self) -> None:
+        """Ranks past their step's timeout whose collectives still move data: said once as they
+        become slow (a slow link or step is waited for: replacing a rank cannot speed a link)."""
+        gen, slow = self.signals.slow
+        said_gen, said = self._slow_said
+        if said_gen != gen or not slow:  # a new generation, or every rank stepped again
+            said = frozenset()
+        new = frozenset(slow) - said
+        self._slow_said = (gen, said | new)
+        if not new:
+            return
+        first = not said  # the console hears of an episode once; the event log of every rank
+        longest = max(slow.values())
+        self.log.write("slow_step", gen=gen, ranks=sorted(slow),
+                       step_s={str(r): round(t, 3) for r, t in sorted(slow.items())},
+                       timeout_s=round(self.signals.hang.steady_timeout(), 3))
+        if first:
+            self.display.info(f"rank(s) {', '.join(map(str, sorted(slow)))}: a step has run "
+                              f"{longest:.1f} s, past the hang timeout, but its collectives "
+                              "still move data - a slow link or step, not a hang: waited for")
 
     def straggler(self, fault: Fault) -> list[Command]:
         """A slow rank: reported; replaced if the policy says so."""

@@ -18,7 +18,7 @@ CONTROLLER = frozenset({
     "fault", "fault_ignored", "abort", "decision", "attempt_interrupted", "incident", "isolate",
     "hook", "inject_unfired",
     # detection
-    "hang_timeout", "hang_detected", "straggler", "loss_rule_fired", "log_rule", "health",
+    "hang_timeout", "hang_detected", "slow_step", "straggler", "loss_rule_fired", "log_rule", "health",
     "sdc_divergence",
     # elastic: scale-in and out, drains, preemption, requests
     "scale_in", "scale_out", "scale_out_done", "regroup", "drain_done", "drain_refused",

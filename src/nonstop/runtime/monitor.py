@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 PUBLISH_INTERVAL_S = 0.05  # progress is published at most this often...
 HEARTBEAT_S = 0.2  # ...and at least this often: a silent rank is frozen
 TRAFFIC_EVERY_S = 0.1  # the group's sockets are read at most this often
+# ...and, once a rank has stepped, only in a step that has run this long (and twice its last
+# step's time): a step that long may be a slow link, which its moving data tells from a hang
+LONG_STEP_S = 0.25
 _TORCH_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__import__("torch").__file__))) + \
     os.sep + "torch" + os.sep
 _RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -120,7 +123,8 @@ class Monitor:
         self._marks = 0  # report/progress() marks outside ctx.steps in _mark_gen
         self._t_mark: float | None = None  # monotonic time of the previous progress mark
         self._life: tuple[int, float] | None = None  # (gen, time) of the last sign of life
-        self._traffic: tuple[int, int] | None = None  # (gen, bytes) the group had moved
+        # (gen, bytes, when): what the group had moved at the last look
+        self._traffic: tuple[int, int, float] | None = None
         self._t_traffic = 0.0
         # the last step completed, where the agent reads it once this process is gone
         self._last_step = last_step.Writer(os.environ.get(last_step.ENV))
@@ -351,16 +355,25 @@ class Monitor:
         """A sign of life from the collectives themselves: the generation's group moved data
         since the last look (the kernel's counters of gloo's connections; a heartbeat or a store
         round trip never touches them; NCCL's traffic is not on them). Read only while it is
-        needed - before the generation's first step, or in a function without ctx.steps - since
-        a large group has a socket per peer."""
+        needed - before the generation's first step, in a function without ctx.steps, or in a
+        step that runs long (a link that slowed, or a hang: only the first moves data) - since a
+        large group has a socket per peer."""
         with self._lock:
             gen, group = self._gen, self._group
-        if gen is None or group is None or (self._stepped_gen == gen and not self.stepless):
+        if gen is None or group is None:
             return
+        since = 0.0  # the look before must be from this wait: a step's own traffic is no sign
+        if self._stepped_gen == gen and not self.stepless:
+            last_step = self._progress
+            if last_step is None or last_step["gen"] != gen:
+                return
+            since = last_step["t"]
+            if now - since < max(LONG_STEP_S, 2 * (last_step["step_s"] or 0.0)):
+                return
         moved = group.traffic()
         if moved is None:
             return
         last = self._traffic
-        self._traffic = (gen, moved)
-        if last is not None and last[0] == gen and moved != last[1]:
+        self._traffic = (gen, moved, now)
+        if last is not None and last[0] == gen and last[2] >= since and moved != last[1]:
             self._life = (gen, now)
