@@ -44,6 +44,8 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, words: str) -> None
     (["bench", "overhead", "--parallel", "fsdp", "--systems", "reproducible"],
      "systems plain, nonstop only (not reproducible)"),
     (["report", "/nonexistent/run"], "no run at /nonexistent/run"),
+    (["run", "--failure-domain", "rack-3", str(TRAIN)],
+     "--failure-domain labels one host of a job across hosts"),
 ])
 def test_bad_input(args, words):
     assert_one_line_error(nonstop(*args), words)

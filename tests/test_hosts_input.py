@@ -79,6 +79,8 @@ def end(*procs: subprocess.Popen) -> None:
      "NONSTOP_JOB_SECRET"),
     (["--nnodes", "2", "--rdzv-endpoint", "etcd://127.0.0.1:2379", "--rdzv-id", "j",
       "--node-addr", "198.18.255.77"], SECRET, "not an address of this host"),
+    (["--nnodes", "2", "--rdzv-endpoint", "etcd://127.0.0.1:2379", "--rdzv-id", "j",
+      "--failure-domain", "rack 3"], SECRET, "--failure-domain 'rack 3': a failure domain is"),
 ])
 def test_bad_rendezvous_flags(tmp_path, flags, secret, says):
     t0 = time.time()

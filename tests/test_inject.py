@@ -35,6 +35,21 @@ def test_bad_specs_are_clear_errors(spec, words):
         inject.parse(spec)
 
 
+def test_a_slowdown_for_some_steps_only():
+    (f,) = inject.parse("slow:rank=all,step=5,ms=300,steps=2")
+    assert f.steps == 2 and inject.from_env(inject.to_env([f])) == [f]
+    assert f.describe() == "slow:rank=all,step=5,ms=300,steps=2"
+    inj = inject.Injector([f], lambda i, f: True, lambda f, step, index=None: None)
+    assert [inj.forward(1, step)[0] for step in range(4, 9)] == [0, 0.3, 0.3, 0, 0]
+    (always,) = inject.parse("slow:rank=1,step=5,ms=300")  # without steps: to the end
+    inj = inject.Injector([always], lambda i, f: True, lambda f, step, index=None: None)
+    assert inj.forward(1, 500)[0] == 0.3
+    with pytest.raises(UsageError, match="steps must be >= 1"):
+        inject.parse("slow:rank=1,step=5,ms=300,steps=0")
+    with pytest.raises(UsageError, match="unknown key 'steps'"):
+        inject.parse("crash:rank=1,step=5,steps=2")
+
+
 def test_rank_outside_world_is_refused():
     with pytest.raises(UsageError, match="rank 4 does not exist"):
         inject.check_world(inject.parse("crash:rank=4,step=1"), 4)

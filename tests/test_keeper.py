@@ -113,7 +113,7 @@ def test_a_leased_slot_is_not_overwritten(keepers):
 def test_snapshots_reach_the_buddy_node_before_the_older_slot_is_reused(keepers):
     a, b = keepers(0), keepers(1)
     tcp_b = b.client.call(km.Ping())[0].tcp
-    a.client.call(km.Configure(replicate={own(0): tcp_b}))
+    a.client.call(km.Configure(replicate={own(0): [tcp_b]}))
     sd = {"w": torch.randn(200_000)}
     for step in range(1, 6):
         sd["w"].add_(1)
@@ -129,9 +129,60 @@ def test_snapshots_reach_the_buddy_node_before_the_older_slot_is_reused(keepers)
     assert a.listing()[own(0)].repl_error is None
 
 
+def test_snapshots_reach_every_buddy_and_each_says_what_its_replicas_cost(keepers):
+    """``replicas: 2``: each snapshot is on both buddies before the older slot is written
+    again, and each buddy reports the memory its replicas take (both slots)."""
+    a, b, c = keepers(0), keepers(1), keepers(2)
+    heard = wire.Client(b.name)
+    heard.call(km.Subscribe())
+    to = [m.client.call(km.Ping())[0].tcp for m in (b, c)]
+    a.client.call(km.Configure(replicate={own(0): to}))
+    sd = {"w": torch.randn(100_000)}
+    for step in range(1, 5):
+        sd["w"].add_(1)
+        info = snapshot(a, 0, sd, step)
+        if step > 1:  # this write waited for the previous snapshot to be on both buddies
+            assert step - 1 in b.steps(replica(0)) and step - 1 in c.steps(replica(0))
+    for m in (b, c):
+        wait_for(lambda: m.steps(replica(0)) == [4, 3])
+        with m.lease(replica(0), 4) as (rinfo, slot):
+            assert rinfo.checksum == info.checksum and slot.verify(rinfo)
+    wait_for(lambda: a.listing()[own(0)].replicated_step == 4)
+    entry = a.listing()[own(0)]
+    assert entry.buddies == to and entry.repl_error is None
+    heard.sock.settimeout(30)
+    held = km.decode_report(wire.recv(heard.sock)[0])
+    while not isinstance(held, km.ReplicasHeld) or held.bytes < 2 * info.total:
+        held = km.decode_report(wire.recv(heard.sock)[0])
+    assert held == km.ReplicasHeld(bytes=2 * info.total, holders=1)
+
+
+def test_a_buddy_cut_off_holds_up_neither_the_snapshots_nor_the_other_buddy(keepers):
+    """Across hosts (the job's secret): one buddy takes connections and never answers (a host
+    cut off without a reset). Writes wait for it 0.5 s once, then go on; the other buddy's
+    sender is its own, and takes every snapshot meanwhile."""
+    import socket
+
+    silent = socket.create_server(("127.0.0.1", 0))  # the kernel accepts; nobody answers
+    try:
+        a, c = keepers(0, secret=SECRET), keepers(2, secret=SECRET)
+        stuck = f"127.0.0.1:{silent.getsockname()[1]}"
+        a.client.call(km.Configure(replicate={own(0): [stuck, c.client.call(km.Ping())[0].tcp]}))
+        sd = {"w": torch.ones(1000)}
+        t0 = time.monotonic()
+        for step in range(1, 7):
+            snapshot(a, 0, sd, step)
+            wait_for(lambda: step in c.steps(replica(0)), timeout=5)
+        assert time.monotonic() - t0 < 5  # (a connect to the cut-off buddy waits 10 s)
+        assert f"{stuck}: the buddy did not take step" in a.listing()[own(0)].repl_error
+        assert a.listing()[own(0)].replicated_step is None  # the stuck one holds none
+    finally:
+        silent.close()
+
+
 def test_a_replica_without_the_jobs_token_is_refused(keepers):
     a, b = keepers(0, token="right"), keepers(1, token="other job")
-    a.client.call(km.Configure(replicate={own(0): b.client.call(km.Ping())[0].tcp}))
+    a.client.call(km.Configure(replicate={own(0): [b.client.call(km.Ping())[0].tcp]}))
     for step in (1, 2, 3):
         snapshot(a, 0, {"w": torch.ones(10)}, step)
     wait_for(lambda: a.listing()[own(0)].repl_error is not None)
@@ -148,7 +199,7 @@ def test_replicas_across_hosts_travel_over_the_authenticated_channel(keepers):
     tcp_b = b.client.call(km.Ping())[0].tcp
     host, _, port = tcp_b.rpartition(":")
     assert host == "127.0.0.1" and int(port) > 0  # "host:port" as before
-    a.client.call(km.Configure(replicate={own(0): tcp_b}))
+    a.client.call(km.Configure(replicate={own(0): [tcp_b]}))
     sd = {"w": torch.randn(300_000)}
     for step in (1, 2, 3):
         sd["w"].add_(1)
@@ -169,7 +220,7 @@ def test_a_replica_without_the_jobs_secret_is_refused_and_logged(keepers, tmp_pa
     other = keepers(0, secret="another-jobs-secret-0123456789abcdef")
     plain = keepers(2)  # no secret at all: the one-host token path
     for sender in (other, plain):
-        sender.client.call(km.Configure(replicate={own(0): tcp_b}))
+        sender.client.call(km.Configure(replicate={own(0): [tcp_b]}))
         snapshot(sender, 0, {"w": torch.ones(10)}, 1)
         wait_for(lambda: sender.listing()[own(0)].repl_error is not None)
     assert "refused" in other.listing()[own(0)].repl_error
@@ -198,7 +249,7 @@ def test_an_empty_job_secret_or_token_is_no_keeper(env, said):
 def test_a_replica_is_refused_rather_than_written_into_a_slot_leased_to_a_restore(keepers):
     a, b = keepers(0), keepers(1)
     b.client.call(km.Configure(free_within_s=0.3))
-    a.client.call(km.Configure(replicate={own(0): b.client.call(km.Ping())[0].tcp}))
+    a.client.call(km.Configure(replicate={own(0): [b.client.call(km.Ping())[0].tcp]}))
     sd = {"w": torch.zeros(50_000)}
     for step in (1, 2):
         sd["w"].fill_(step)
@@ -221,7 +272,7 @@ def test_a_replica_is_refused_rather_than_written_into_a_slot_leased_to_a_restor
 
 def test_a_dead_buddy_does_not_stop_snapshots(keepers):
     a = keepers(0)
-    a.client.call(km.Configure(replicate={own(0): "127.0.0.1:1"}))  # nothing listens
+    a.client.call(km.Configure(replicate={own(0): ["127.0.0.1:1"]}))  # nothing listens
     sd = {"w": torch.ones(10)}
     for step in range(1, 5):
         snapshot(a, 0, sd, step)

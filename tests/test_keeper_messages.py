@@ -37,7 +37,7 @@ WRITTEN = km.PartWritten(dir="rank-1", files={"__0_0.distcp": km.FileWritten(byt
                          info={"step": 40, "rank": 1, "world": 4, "sharded": True,
                                "source": "r1", "node": None, "reason": "periodic", "gen": 2})
 ENTRY = km.HolderEntry(slots=[INFO, None], replicated_step=39, repl_s=0.01, repl_error=None,
-                       buddy="10.0.0.2:4000")
+                       buddies=["10.0.0.2:4000", "10.0.0.3:4000"])
 
 REQUESTS: list[km.Request] = [
     km.Alloc(holder="r1", size=8192),
@@ -47,7 +47,8 @@ REQUESTS: list[km.Request] = [
     km.Lease(holder="r1"),
     km.Release(holder="r1", slot=1),
     km.ListHolders(),
-    km.Configure(replicate={"r0": "10.0.0.2:4000"}),
+    km.Configure(replicate={"r0": ["10.0.0.2:4000"], "r1": ["10.0.0.2:4000", "10.0.0.3:4000"],
+                            "r2": []}),
     km.Configure(free_within_s=0.3, writer=True),
     km.Persist(part=PART),
     km.Persist(part=km.DiskPart(holder="rep1", step=40, root="/ckpt", rank=1, world=4,
@@ -63,7 +64,7 @@ ANSWERS: list[tuple[type[km.Request], km.Answer]] = [
     (km.Lease, km.Leased(slot=0, info=INFO)),
     (km.Lease, km.Leased(slot=None, info=None)),
     (km.ListHolders, km.Listing(holders={"r1": ENTRY, "rep0": km.HolderEntry(
-        slots=[None, None], replicated_step=None, repl_s=None, repl_error="gone", buddy=None)},
+        slots=[None, None], replicated_step=None, repl_s=None, repl_error="gone", buddies=[])},
         node=1, tcp="10.0.0.1:4000")),
     (km.Configure, km.Configured(tcp="10.0.0.1:4000")),
     (km.Persist, km.Persisting(kept=True)),
@@ -86,6 +87,7 @@ REPORTS: list[km.Report] = [
                   traceback="Traceback ..."),
     km.PartFailed(job=PART, retryable=False, error="no snapshot of step 40 in r1"),
     km.RequestFailed(op="configure", error="keeper k is not connected"),
+    km.ReplicasHeld(bytes=1 << 20, holders=2),
 ]
 WRITER: list[km.WriterMessage] = [
     km.Write(job=PART, info=INFO),
@@ -159,8 +161,10 @@ def test_what_a_keeper_writes_a_part_as_reads_back():
     ({"op": "alloc", "holder": "r0", "size": 8, "later": 1}, "unknown field(s) ['later']"),
     ({"op": "commit", "holder": "r0", "slot": 0, "persist": {"root": "/x"}},
      "commit.persist: field 'holder' is missing"),
-    ({"op": "configure", "replicate": {"r0": 4000}, "free_within_s": None, "writer": False},
-     "configure.replicate['r0']: 4000 is not str"),
+    ({"op": "configure", "replicate": {"r0": [4000]}, "free_within_s": None, "writer": False},
+     "configure.replicate['r0'][0]: 4000 is not str"),
+    ({"op": "configure", "replicate": {"r0": "10.0.0.2:4000"}, "free_within_s": None,
+      "writer": False}, "configure.replicate['r0']"),
     ({"op": "persist", "part": {**km.encode(PART), "step": 4.5}, "again": False},
      "persist.part.step: 4.5 is not int"),
 ])

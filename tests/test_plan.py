@@ -231,9 +231,9 @@ def test_a_sharded_restore_lists_only_the_snapshots_of_its_own_world_size():
                         rank=0, gen=gen)
 
     listing = {"r0": HolderEntry(slots=[slot(10, 0), slot(12, 1)], replicated_step=None,
-                                 repl_s=None, repl_error=None, buddy=None),
+                                 repl_s=None, repl_error=None, buddies=[]),
                "r1": HolderEntry(slots=[slot(5, 7), None], replicated_step=None, repl_s=None,
-                                 repl_error=None, buddy=None)}
+                                 repl_error=None, buddies=[])}
     mine = _of_world(listing, {0: 4, 1: 2}, 2)
     assert [s.step if s else None for s in mine["r0"].slots] == [None, 12]
     assert [s.step if s else None for s in mine["r1"].slots] == [5, None]  # gen 7: unknown

@@ -248,6 +248,27 @@ def test_state_fields():
         "state:\n  snapshot:\n    enabled: false\n  checkpoint:\n    dir: ck\n")
 
 
+def test_snapshot_replicas_and_the_older_spelling():
+    def replicas(text):
+        return policy.load_text(f"state:\n  snapshot:\n{text}", SRC).state.snapshot.replicas
+
+    assert policy.Policy().state.snapshot.replicas == 1
+    assert replicas("    replicas: 2\n") == 2 and replicas("    replicas: 0\n") == 0
+    # replicate: false, the older spelling of replicas: 0, is read; true leaves replicas as it is
+    assert replicas("    replicate: false\n") == 0
+    assert replicas("    replicate: true\n") == 1 and replicas("    replicate: true\n    replicas: 3\n") == 3
+    shown = policy.show_text(policy.load_text("state:\n  snapshot:\n    replicate: false\n", SRC))
+    assert "replicate" not in shown and policy.load_text(shown, "shown").state.snapshot.replicas == 0
+    assert error_of("state:\n  snapshot:\n    replicas: 9\n") == (
+        f"{SRC} line 3: state.snapshot.replicas: Input should be less than or equal to 8 (got 9)")
+    assert "replicas" in error_of("state:\n  snapshot:\n    replicas: -1\n")
+    assert error_of("state:\n  snapshot:\n    replicate: false\n    replicas: 2\n") == (
+        f"{SRC} line 2: state.snapshot: replicate: false (the older spelling of replicas) "
+        "contradicts replicas: 2")
+    assert "must be true or false, got 'yes please'" in error_of(
+        "state:\n  snapshot:\n    replicate: yes please\n")
+
+
 # -- the command line -----------------------------------------------------------------------------------
 def nonstop(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "nonstop", *args], capture_output=True, text=True,

@@ -20,7 +20,7 @@ def inv(live=None, memory=None, disk=None, gen=0):
         slots = [SlotInfo(seq=i, step=s, meta_len=0, data_len=0, checksum=0, written_at=0.0,
                           rank=0, gen=gen) for i, s in enumerate(steps)]
         return HolderEntry(slots=[*slots, None], replicated_step=None, repl_s=None,
-                           repl_error=None, buddy=None)
+                           repl_error=None, buddies=[])
 
     return reshard.inventory_of(live, {k: entry(v) for k, v in (memory or {}).items()},
                                 disk or {})

@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "that reaches etcd)")
     run.add_argument("--node-id", metavar="NAME",
                      help="this host's name in the job (default: hostname-address)")
+    run.add_argument("--failure-domain", metavar="LABEL",
+                     help="this host's failure domain (a rack, a switch; default "
+                          "$NONSTOP_FAILURE_DOMAIN, else the host itself): no two copies of a "
+                          "snapshot in one where the labels allow")
     run.add_argument("--secret-file", metavar="FILE",
                      help="the job's shared secret (many hosts; else $NONSTOP_JOB_SECRET): every "
                           "channel between hosts is authenticated with it")
@@ -411,7 +415,8 @@ def _run(args: argparse.Namespace) -> int:
                     quiet=args.quiet, live=False if args.no_live else None,
                     nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
                     rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
-                    node_addr=args.node_addr, node_id=args.node_id, secret_file=args.secret_file,
+                    node_addr=args.node_addr, node_id=args.node_id,
+                    failure_domain=args.failure_domain, secret_file=args.secret_file,
                     etcd_cacert=args.etcd_cacert, etcd_cert=args.etcd_cert,
                     etcd_key=args.etcd_key, etcd_user=args.etcd_user,
                     metrics_port=args.metrics_port, metrics_addr=args.metrics_addr)
@@ -419,6 +424,9 @@ def _run(args: argparse.Namespace) -> int:
         from .launch.hosts import run_host
 
         return run_host(cfg)
+    if cfg.failure_domain is not None:
+        raise UsageError("--failure-domain labels one host of a job across hosts (with "
+                         "--rdzv-endpoint); on one host each of --nodes is its own domain")
     return run(cfg)
 
 

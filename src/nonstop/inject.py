@@ -29,10 +29,10 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "stop": ("the rank process is frozen with SIGSTOP", ()),
     "nan": ("the rank's forward output turns NaN at that step (its gradients, and so everyone's, "
             "are non-finite)", ()),
-    "slow": ("the rank's forward pass takes `ms` longer at every step from `step` on (a straggler)",
-             ("ms",)),
+    "slow": ("the rank's forward pass takes `ms` longer at every step from `step` on (a straggler),"
+             " for `steps` steps if given", ("ms", "steps")),
     "jitter": ("the forward pass takes a random extra time, `ms` on average, at every step from "
-               "`step` on (rank=all: every rank)", ("ms",)),
+               "`step` on (rank=all: every rank), for `steps` steps if given", ("ms", "steps")),
     "corrupt": ("a bit flips in the rank's memory snapshot taken at the end of that step (once its "
                 "replica is safe on the buddy node): the checksum must catch it", ()),
     "bitflip": ("a bit flips in one of the rank's parameters at the start of that step (silent "
@@ -74,6 +74,7 @@ class FaultSpec:
     times: int = 1  # how many times it fires in the whole job
     code: int = 1  # exit code for "exit"
     ms: int = 0  # delay for "slow" and "jitter"
+    steps: int = 0  # "slow" and "jitter" act at this many steps (0: every step to the end)
     gen: int = FIRST_RECOVERY  # for a recovery point: the generation it fires in
 
     def describe(self) -> str:
@@ -83,7 +84,7 @@ class FaultSpec:
             return f"{self.kind}:rank={rank},at={self.at}{gen}"
         extra = "" if self.at == "start" else f",at={self.at}"
         if self.kind in PERSISTENT:
-            extra += f",ms={self.ms}"
+            extra += f",ms={self.ms}" + (f",steps={self.steps}" if self.steps else "")
         return f"{self.kind}:rank={rank},step={self.step}{extra}"
 
     def applies(self, rank: int) -> bool:
@@ -135,7 +136,7 @@ def parse_one(text: str) -> FaultSpec:
                 raise UsageError(f"fault '{kind}': at={value!r} (expected one of {', '.join(POINTS)})")
             fields[key] = value
         else:
-            fields[key] = _int(kind, key, value, 1 if key == "times" else 0)
+            fields[key] = _int(kind, key, value, 1 if key in ("times", "steps") else 0)
     if kind in PERSISTENT:
         fields.setdefault("step", 0)
         if fields.get("ms", 0) < 1:
@@ -277,7 +278,7 @@ class Injector:
         """Faults acting in a forward pass: (seconds to sleep, whether to poison the output)."""
         delay, poison = 0.0, False
         for i, f in self._forward:
-            if not f.applies(rank) or step < f.step:
+            if not f.applies(rank) or step < f.step or (f.steps and step >= f.step + f.steps):
                 continue
             if f.kind == "nan":
                 if step == f.step and self._claim(i, f):

@@ -205,6 +205,12 @@ class Agent:
         host are simulated; none has an agent of its own to vouch for it)."""
         return False
 
+    @staticmethod
+    def failure_domain(node: int) -> str:
+        """The node's failure domain: on one host each node plays a machine of its own (its
+        memory killed is the node lost), so each is its own."""
+        return f"node {node}"
+
     def host_away(self, node: int) -> bool:
         """Whether the node's host is out of reach (cut off, lost): never here - the nodes of
         one host are this process's own, so a rank that cannot be reached is the rank's fault."""

@@ -118,7 +118,8 @@ class HostAgent:
         self.membership = Membership(
             self.etcd, keys.HostRecord(host_id=cfg.host_id, addr=cfg.addr,
                                        ctl_port=self.listener.port, rdzv_port=self.rdzv_port,
-                                       pid=os.getpid(), slots=cfg.nproc_per_node, incarnation=""),
+                                       pid=os.getpid(), slots=cfg.nproc_per_node, incarnation="",
+                                       domain=cfg.failure_domain),
             cfg.lease_ttl_s, outage_s=cfg.rules.hosts.store_outage_s,
             # the controller gives up at the tolerance and may first save the newest state (its
             # emergency checkpoint, through this host's keeper, up to its grace)

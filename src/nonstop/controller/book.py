@@ -127,12 +127,14 @@ class IncidentBook:
         inc.resume_step = step + 1 if decision.skip else step
         inc.step_before = max(inc.step_before, step)
 
-    def restored(self, gen: int, evs: list[events.EnteredGeneration | None], ledger: Any) -> None:
-        """Where every rank's state came from in generation ``gen`` (and a resumed job says so)."""
+    def restored(self, gen: int, evs: list[events.EnteredGeneration | None], ledger: Any,
+                 node_of: dict[int, int] | None = None) -> None:
+        """Where every rank's state came from in generation ``gen`` (a replica: on which node,
+        ``node_of`` the generation's), and a resumed job says so."""
         entered = [e for e in evs if e is not None and not e.plain]
         if not entered:
             return
-        rec = restore_record(entered)
+        rec = restore_record(entered, node_of)
         self.log.write("restore", gen=gen, **rec)
         for s in skipped_once(entered):
             whose = f"rank {s.rank}" if s.rank is not None else f"shard {s.shard}"

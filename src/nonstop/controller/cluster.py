@@ -287,6 +287,11 @@ class Cluster:
         link = self.links.get(node)
         return link is not None and not link.lost and not link.unreachable
 
+    def failure_domain(self, node: int) -> str:
+        """The failure domain its host registered with (``--failure-domain``; else the host)."""
+        link = self.links.get(node)
+        return link.rec.failure_domain if link is not None else f"node {node}"
+
     def host_away(self, node: int) -> bool:
         """Whether the node's host is out of reach: lost, unreachable, or silent for over a
         second (then nothing sent to its ranks arrives, and no stack of theirs is dumped)."""

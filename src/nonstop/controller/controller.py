@@ -307,7 +307,7 @@ class Controller:
                        abort_s=self.policy.timeouts.abort_s if self.reports.nccl else 0.0,
                        target_world=self.gens.target, ready_spares=self.gens.ready_spares(),
                        replica_groups=self.reports.replica_groups,
-                       regrid_unit=self.gens.regrid_unit)
+                       regrid_unit=self.gens.regrid_unit, replicas_on=self.memory.placed)
 
     def _step(self, ob: mc.Observation) -> None:
         """One observation through the machine, its commands carried out in order; what a
@@ -537,7 +537,8 @@ class Controller:
         self.job_account.formed(self._t_running)
         self.watchers.logs.start(self._t_running, self.plan.keys())
         if not ev.replay:
-            self.book.restored(self.gen, [x.entered_ev for x in ranks], self.ledger)
+            self.book.restored(self.gen, [x.entered_ev for x in ranks], self.ledger,
+                               {x.rank: x.node for x in ranks})
         inc = self.book.open
         if inc is None:
             return []
@@ -689,6 +690,7 @@ class Controller:
     def node_joined(self, node: int) -> None:
         """A new host: a spare node from now on, warm, ready to take over a failed host's ranks."""
         self.gens.node_joined(node)
+        self.memory.configure(self.gens.node_of(), self.state.usable_nodes(self.total_nodes))
         self._refill_spares()
 
     def node_lost(self, node: int, why: str) -> None:

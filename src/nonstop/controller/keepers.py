@@ -1,9 +1,10 @@
 """The controller's side of node memory: a keeper per node, where each keeper copies its ranks'
-snapshots (a buddy node), disk checkpoints made complete once all their parts are written, and
-emergency saves when the memory is about to be lost."""
+snapshots (``state.snapshot.replicas`` other nodes), disk checkpoints made complete once all
+their parts are written, and emergency saves when the memory is about to be lost."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import secrets
 import signal
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from ..decide.replicas import place as place_replicas
 from ..protocol import keeper_messages as km
 from ..state import checkpoint, wire
 from ..state.memory import own
@@ -55,7 +57,11 @@ class Keepers:
                  new_wid: Callable[[], int]):
         cfg = policy.state
         self.enabled = cfg.snapshot.enabled
-        self.replicate = cfg.snapshot.replicate
+        self.copies = cfg.snapshot.replicas  # each snapshot on this many other nodes
+        self.placed: dict[int, tuple[int, ...]] = {}  # node -> where its ranks' replicas go
+        self._short: str | None = None  # why the placement falls short, as last said
+        self.held: dict[int, int] = {}  # node -> bytes of other nodes' replicas in its memory
+        self._held_said: dict[int, int] = {}
         self.emergency_cfg = cfg.emergency
         self.agent, self.log, self.display = agent, log, display
         self._new_wid = new_wid
@@ -200,25 +206,32 @@ class Keepers:
             self.log.write("keeper_killed", node=node, pid=h.pid, reason=reason)
 
     def configure(self, node_of: dict[int, int], usable: list[int]) -> None:
-        """Tell each keeper where its ranks' snapshots go: the next usable node after its own
-        (another failure domain). With a single node there is none: snapshots survive a rank's
-        death, not the node's."""
+        """Tell each keeper where its ranks' snapshots go: ``copies`` other nodes, in failure
+        domains other than its own and each other's where the labels allow
+        (``decide/replicas.py``), placed again as nodes are lost or join. A placement that
+        falls short (too few nodes or domains) is said once, until it changes. With a single
+        node there is none: snapshots survive a rank's death, not the node's."""
         if not self.enabled:
             return
         live = [n for n in sorted(usable) if n in self.keepers and not self.keepers[n].lost]
-        targets: dict[int, dict[str, str]] = {n: {} for n in live}
-        buddies: dict[str, int] = {}
+        weights = collections.Counter(n for n in node_of.values() if n in live)
+        domains = {n: self.agent.failure_domain(n) for n in live}
+        placement = place_replicas(weights, domains, self.copies, self.placed)
+        self.placed = placement.targets
+        targets: dict[int, dict[str, list[str]]] = {n: {} for n in live}
+        buddies: dict[str, list[int]] = {}
         for rank, node in sorted(node_of.items()):
-            others = [n for n in live if n != node]
-            if not self.replicate or not others or node not in targets:
-                continue
-            after = [n for n in others if n > node]
-            buddy = (after or others)[0]
-            targets[node][own(rank)] = self.keepers[buddy].tcp or ""
-            buddies[str(rank)] = buddy
+            to = placement.targets.get(node, ())
+            if node in targets and to:
+                targets[node][own(rank)] = [self.keepers[t].tcp or "" for t in to]
+                buddies[str(rank)] = list(to)
         for node, replicate in targets.items():
             self._call(node, km.Configure(replicate=replicate), wait=False)
-        self.log.write("replication", buddies=buddies)
+        if placement.short != self._short and placement.short is not None:
+            self.display.warning(f"snapshot replicas: {placement.short}")
+        self._short = placement.short
+        self.log.write("replication", buddies=buddies, copies=self.copies,
+                       domains={str(n): d for n, d in domains.items()}, short=placement.short)
 
     def _call(self, node: int, request: km.Request, wait: bool = True) -> Any:
         """A request to a node's keeper: its answer (``request.answer``), or None (the keeper
@@ -241,6 +254,10 @@ class Keepers:
         for h in list(self.keepers.values()):
             for raw in h.link.events() if h.link is not None else ():
                 self._on_report(h.node, raw)
+        if self.held != self._held_said:  # (once per turn: a burst of new replicas, one event)
+            self._held_said = dict(self.held)
+            self.log.write("replica_memory", copies=self.copies,
+                           nodes={str(n): b for n, b in sorted(self.held.items())})
         self.disk.check_fatal()
 
     def _on_report(self, node: int, raw: Any) -> None:
@@ -260,7 +277,7 @@ class Keepers:
             case km.ReplicationFailed():
                 self.replicas["failures"] += 1
                 self.log.write("replication_failed", node=node, holder=report.holder,
-                               step=report.step, error=report.error)
+                               step=report.step, to=report.to, error=report.error)
             case km.ReplicationBehind():
                 self.log.write("replication_behind", node=node, holder=report.holder,
                                step=report.step, to=report.to, waited_s=report.waited_s)
@@ -270,6 +287,8 @@ class Keepers:
                 self.disk.part_done(report.job, report.part, node)
             case km.PartFailed():
                 self.disk.part_failed(node, report)
+            case km.ReplicasHeld():
+                self.held[node] = report.bytes
             case km.PeerRefused() | km.ReplicaRefused():
                 pass  # the listener logs a peer refused; a replica refused is the sender's failure
 
@@ -388,4 +407,6 @@ class Keepers:
         return {"checkpoints": len(done), "last_checkpoint": max(done) if done else None,
                 "checkpoint_dir": str(self.root) if self.root else None,
                 "checkpoint": self.disk.summary(),
-                "replicas": dict(self.replicas, seconds=round(self.replicas["seconds"], 3))}
+                "replicas": dict(self.replicas, seconds=round(self.replicas["seconds"], 3),
+                                 copies=self.copies,
+                                 held_bytes={str(n): b for n, b in sorted(self.held.items())})}

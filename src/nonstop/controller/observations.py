@@ -52,6 +52,9 @@ class Seen:
     replica_groups: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     # a mesh sharded along its first dimension: the ranks per index of it (-1: its size fixed)
     regrid_unit: int = 0
+    # node -> the nodes its ranks' snapshots are copied to (a lost node's ranks go to a spare
+    # node among them, where one is: their restore is local there)
+    replicas_on: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def target(self) -> int:

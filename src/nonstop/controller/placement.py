@@ -37,7 +37,8 @@ def free_slots(node_of: dict[int, int], slots: int, isolated: set[int],
 
 def place(decision: Decision, seen: Seen, isolated: set[int]) -> dict[int, int]:
     """The node each replaced rank goes to: its own node for a rank replacement, a spare node
-    for a node replacement, the healthy nodes in order for a job restart. ``isolated`` includes
+    for a node replacement (one that holds the node's replicas first), the healthy nodes in
+    order for a job restart. ``isolated`` includes
     the nodes the decision isolates."""
     node_of = seen.node_of
     if decision.level is Level.SCALE_IN:
@@ -45,9 +46,10 @@ def place(decision: Decision, seen: Seen, isolated: set[int]) -> dict[int, int]:
     if decision.level is Level.REPLACE_RANK:
         return {r: node_of[r] for r in decision.replace}
     if decision.level is Level.REPLACE_NODE:
-        # the ranks of a node given up go to a spare node, together; a rank that died on a
-        # healthy node meanwhile is replaced where it was
-        spares = iter(spare_nodes(node_of, seen.total_nodes, isolated))
+        # the ranks of a node given up go to a spare node, together - one that holds their
+        # replicas where there is one; a rank that died on a healthy node meanwhile is
+        # replaced where it was
+        spares = spare_nodes(node_of, seen.total_nodes, isolated)
         # no whole node left: places free on the healthy nodes, those with warm spares first
         free = free_slots(node_of, seen.slots, set(isolated) | set(decision.isolate),
                           leaving=decision.replace)
@@ -61,7 +63,10 @@ def place(decision: Decision, seen: Seen, isolated: set[int]) -> dict[int, int]:
                 out[r] = old
                 continue
             if old not in moved:
-                moved[old] = next(spares, None)
+                holding = [n for n in seen.replicas_on.get(old, ()) if n in spares]
+                moved[old] = (holding or spares or [None])[0]
+                if moved[old] is not None:
+                    spares.remove(moved[old])
             out[r] = moved[old] if moved[old] is not None else places.pop(0)
         return out
     healthy = [n for n in range(seen.total_nodes) if n not in isolated]

@@ -9,6 +9,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ from ..policy import Policy
 from ..protocol import hosts as keys
 
 ETCD_PASSWORD = "NONSTOP_ETCD_PASSWORD"
+FAILURE_DOMAIN = "NONSTOP_FAILURE_DOMAIN"  # a scheduler may say the host's rack here
+_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/=-]{0,127}")
 
 
 def _script_digest(script: str, args: list[str]) -> str:
@@ -72,6 +75,7 @@ class HostConfig:
     etcd_tls: dict[str, str | None] | None = None  # ca, cert, key (https)
     etcd_user: str | None = None  # its password: $NONSTOP_ETCD_PASSWORD
     managed: bool = True  # the script uses nonstop.wrap (else: restarted whole on any fault)
+    failure_domain: str = ""  # its rack, switch... (--failure-domain); "": the host itself
 
     @functools.cached_property
     def rules(self) -> Policy:
@@ -131,3 +135,17 @@ def etcd_access(endpoint: str, cacert: str | None, cert: str | None, key: str | 
 
 def _abs(path: str | None) -> str | None:
     return os.path.abspath(path) if path else None
+
+
+def failure_domain(flag: str | None, env: Any = os.environ) -> str:
+    """This host's failure domain: ``--failure-domain``, else ``$NONSTOP_FAILURE_DOMAIN``, else
+    "" (the host itself). A label is 1 to 128 letters, digits and ``. _ : / = -``, starting
+    with a letter or digit (a rack's name, a switch's, ``zone/rack``); else one line, exit 2."""
+    label, where = (flag, "--failure-domain") if flag is not None else (
+        env.get(FAILURE_DOMAIN), f"${FAILURE_DOMAIN}")
+    if label is None:
+        return ""
+    if not _LABEL.fullmatch(label):
+        raise UsageError(f"{where} {label!r}: a failure domain is 1 to 128 letters, digits and "
+                         "'._:/=-', starting with a letter or digit (e.g. rack-3)")
+    return label

@@ -13,7 +13,7 @@ from typing import Any
 from . import one_host as launcher
 from ..errors import UsageError
 from ..agent.host import HostAgent
-from .config import HostConfig, etcd_access
+from .config import HostConfig, etcd_access, failure_domain
 
 
 def _nnodes(text: str | None) -> tuple[int, int]:
@@ -73,6 +73,7 @@ def run_host(cfg: Any) -> int:
     if interface_of(addr) is None and not addr.startswith("127."):
         raise UsageError(f"--node-addr {addr} is not an address of this host")
     host_id = cfg.node_id or f"{socket.gethostname()}-{addr}"
+    domain = failure_domain(cfg.failure_domain)
     run_dir = launcher.make_run_dir(cfg.run_dir)
     digest = hashlib.sha256(json.dumps(pol.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
     hcfg = HostConfig(script=cfg.script, script_args=list(cfg.script_args), nnodes_min=n_min,
@@ -82,7 +83,8 @@ def run_host(cfg: Any) -> int:
                       policy_digest=digest, lease_ttl_s=pol.hosts.lease_ttl_s,
                       inject=list(cfg.inject), quiet=cfg.quiet, etcd_tls=tls,
                       etcd_user=cfg.etcd_user, managed=uses_nonstop,
-                      metrics_port=cfg.metrics_port, metrics_addr=cfg.metrics_addr)
+                      metrics_port=cfg.metrics_port, metrics_addr=cfg.metrics_addr,
+                      failure_domain=domain)
     # torch's store server warns of every client whose host name it cannot resolve: noise here
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     agent = HostAgent(hcfg, secret, faults)

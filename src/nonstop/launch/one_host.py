@@ -52,6 +52,7 @@ class RunConfig:
     rdzv_id: str | None = None
     node_addr: str | None = None  # this host's address (default: the one that reaches etcd)
     node_id: str | None = None
+    failure_domain: str | None = None  # its rack, switch... (default $NONSTOP_FAILURE_DOMAIN)
     secret_file: str | None = None
     etcd_cacert: str | None = None  # TLS to etcd (with https:// endpoints)
     etcd_cert: str | None = None

@@ -120,6 +120,9 @@ def print_summary(console: Console, summary: dict[str, Any]) -> None:
     checkpoints = (summary.get("state") or {}).get("checkpoint")
     if checkpoints:
         lines.append(format_checkpoints(checkpoints))
+    replicas = (summary.get("state") or {}).get("replicas")
+    if replicas and replicas.get("held_bytes"):
+        lines.append(format_replicas(replicas))
     if summary.get("sdc"):
         lines.append(sdc_text(summary["sdc"]))
     wall = f"wall: {summary['wall_s']:.1f} s"
@@ -214,6 +217,20 @@ def print_history(console: Console, attempts: list[dict[str, Any]]) -> None:
         else:
             end = f"no summary (its launcher was killed), reached at least step {steps}"
         console.print(Text(f"attempt {a['attempt']} ({started}): ", style="bold") + Text(end))
+
+
+def format_replicas(reps: dict[str, Any]) -> str:
+    """``replicas: 2 per snapshot, 12.5 MiB held per node at most (6.2 MiB a copy)``: the memory
+    the copies of other nodes' snapshots take, on the node that holds the most."""
+    held = reps["held_bytes"]
+    most = max(held.values())
+    copies = reps.get("copies") or 1
+    return (f"replicas: {copies} per snapshot, {_mib(most)} held per node at most "
+            f"({_mib(most / copies)} a copy)")
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 def format_checkpoints(ck: dict[str, Any]) -> str:

@@ -25,8 +25,8 @@ CONTROLLER = frozenset({
     "preempted", "request_refused",
     # state: node memory, replication, restores, checkpoints
     "keepers", "keeper_error", "keeper_killed", "keeper_restarted", "node_memory_lost",
-    "replication", "replication_behind", "replication_failed", "restore", "checkpoint",
-    "checkpoint_failed", "checkpoint_abandoned", "checkpoint_retention_failed",
+    "replication", "replication_behind", "replication_failed", "replica_memory", "restore",
+    "checkpoint", "checkpoint_failed", "checkpoint_abandoned", "checkpoint_retention_failed",
     "emergency_checkpoint",
     # across hosts
     "leader", "takeover", "node_joined", "node_lost", "stepped_down",

@@ -183,11 +183,16 @@ def skipped_once(entered: list[EnteredGeneration]) -> list[SkippedCopy]:
     return skipped
 
 
-def restore_record(entered: list[EnteredGeneration]) -> dict[str, Any]:
+def restore_record(entered: list[EnteredGeneration],
+                   node_of: dict[int, int] | None = None) -> dict[str, Any]:
     """A generation's restore from its ranks' "entered" reports: the step, where each rank's
-    state came from, the copies that were skipped (each once), the slowest rank's seconds and
-    the bytes moved."""
+    state came from - and, for a replica (``buddy``), the node whose memory held it (the
+    sender's, or the rank's own: ``node_of``, the generation's) -, the copies that were skipped
+    (each once), the slowest rank's seconds and the bytes moved."""
+    where = node_of or {}
+    held = {str(e.rank): where.get(e.rank if e.holder is None else e.holder)
+            for e in entered if e.source == "buddy"}
     return {"step": entered[0].step, "sources": {str(e.rank): e.source for e in entered},
-            "skipped": [plain(s) for s in skipped_once(entered)],
+            "buddy_nodes": held, "skipped": [plain(s) for s in skipped_once(entered)],
             "seconds": max(e.restore_s or 0.0 for e in entered),
             "bytes": sum(e.nbytes or 0 for e in entered)}

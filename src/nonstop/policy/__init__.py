@@ -201,13 +201,38 @@ class Rules(_Strict):
 
 
 # -- state ------------------------------------------------------------------------------------------
+MAX_REPLICAS = 8  # copies of each snapshot on other nodes: more is memory no failure model needs
+
+
 class Snapshot(_Strict):
     """Memory snapshots: each rank's registered state copied into its node's memory."""
 
     enabled: bool = True
     every_steps: Union[Literal["auto"], int] = "auto"
     max_overhead_pct: float = Field(1.0, gt=0, le=100)  # auto: snapshots and their digests under this
-    replicate: bool = True  # also copy each snapshot to a buddy node's memory
+    # each snapshot also copied to this many other nodes' memory, in failure domains other than
+    # its own node's and each other's where the hosts' labels allow (0: none)
+    replicas: int = Field(1, ge=0, le=MAX_REPLICAS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _replicate_is_replicas(cls, data: Any) -> Any:
+        """``replicate: false``, the older spelling of ``replicas: 0``, is still read (and
+        ``replicate: true`` is ``replicas`` as it is); it is not written back."""
+        if not isinstance(data, dict) or "replicate" not in data:
+            return data
+        data = dict(data)
+        old = data.pop("replicate")
+        if type(old) is not bool:
+            raise ValueError(f"replicate (the older spelling of replicas) must be true or "
+                             f"false, got {old!r}")
+        said = data.get("replicas")
+        if said is not None and (said == 0) == old:
+            raise ValueError(f"replicate: {str(old).lower()} (the older spelling of replicas) "
+                             f"contradicts replicas: {said}")
+        if not old:
+            data["replicas"] = 0
+        return data
 
     @field_validator("every_steps", mode="before")
     @classmethod

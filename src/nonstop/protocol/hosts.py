@@ -12,6 +12,8 @@ import dataclasses
 import json
 from typing import Any
 
+from .records import BadRecord, Reader
+
 JOB = "job"  # JobRecord: the settings every host must agree on (created by the first host)
 HOSTS = "hosts/"  # hosts/<host id> -> HostRecord, under the host agent's lease
 LEADER = "leader"  # the controller in office, under its lease; epoch = this key's create revision
@@ -56,6 +58,9 @@ class _Record:
         return cls(**{n: data[n] for n in names})
 
 
+_HOST_READER = Reader()
+
+
 @dataclasses.dataclass
 class HostRecord(_Record):
     """One host's agent, alive while its lease is."""
@@ -67,6 +72,23 @@ class HostRecord(_Record):
     pid: int
     slots: int  # ranks per host (--nproc-per-node)
     incarnation: str  # a new one each time the agent registers (after fencing itself)
+    # its failure domain (--failure-domain: a rack, a switch): no two copies of a snapshot in
+    # one where the labels allow. "" (a record of an older nonstop): the host itself
+    domain: str = ""
+
+    @classmethod
+    def loads(cls, raw: bytes | str) -> "HostRecord":
+        """The record, every field of its type; a record written before hosts had a failure
+        domain is read (its own host is its domain), one with a field unknown, missing or of
+        another type is refused (ValueError)."""
+        try:
+            return _HOST_READER.record(cls, json.loads(raw), "HostRecord", may_lack=("domain",))
+        except BadRecord as exc:
+            raise ValueError(f"not a HostRecord of this version of nonstop: {exc}") from None
+
+    @property
+    def failure_domain(self) -> str:
+        return self.domain or self.host_id
 
 
 

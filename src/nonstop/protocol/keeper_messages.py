@@ -60,13 +60,13 @@ class PartWritten:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HolderEntry:
     """One holder in a keeper's listing: its complete snapshots (None: a slot empty or being
-    written) and how its replication to the buddy node goes."""
+    written) and how its replication to the buddy nodes goes."""
 
     slots: list[SlotInfo | None]
-    replicated_step: int | None
+    replicated_step: int | None  # the newest step every buddy holds
     repl_s: float | None
-    repl_error: str | None
-    buddy: str | None  # "host:port" of the keeper its snapshots are copied to
+    repl_error: str | None  # why writes no longer wait for one buddy or more (behind, failed)
+    buddies: list[str]  # "host:port" of the keepers its snapshots are copied to
 
 
 # == requests, and their answers ===================================================================
@@ -213,13 +213,13 @@ class ListHolders(Request):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Configure(Request):
-    """Where each holder's snapshots are copied from now on (holder -> "host:port"), how long a
-    replica waits for a slot leased to a reader, whether the checkpoint writer runs: each None
-    (False) left as it is."""
+    """Where each holder's snapshots are copied from now on (holder -> the "host:port" of each
+    buddy's keeper), how long a replica waits for a slot leased to a reader, whether the
+    checkpoint writer runs: each None (False) left as it is."""
 
     op: ClassVar[str] = "configure"
     answer: ClassVar[type[Answer] | None] = Configured
-    replicate: dict[str, str] | None = None
+    replicate: dict[str, list[str]] | None = None
     free_within_s: float | None = None
     writer: bool = False
 
@@ -315,6 +315,16 @@ class ReplicationBehind(Report):
     step: int
     to: str | None
     waited_s: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplicasHeld(Report):
+    """What this node's memory holds of other nodes' snapshots (both slots of each replica),
+    said when it grew: the memory the replicas cost here."""
+
+    ev: ClassVar[str] = "replicas_held"
+    bytes: int
+    holders: int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,5 +1,5 @@
 """The node's memory: a small process that holds every snapshot slot of the node, so a snapshot
-outlives the rank that wrote it, and that copies snapshots to a buddy node and to disk, off the
+outlives the rank that wrote it, and that copies snapshots to buddy nodes and to disk, off the
 ranks' training path.
 
     python -m nonstop.state.keeper NAME --node N [--host HOST] [--writer]
@@ -9,9 +9,9 @@ and report is a record of ``protocol/keeper_messages.py``, and a request that is
 answered with an error (or logged, if it would not have been answered) and passed over. Each
 holder (``r3``: rank 3's own snapshots; ``rep3``: a replica of them from another node) has two
 slots; a write goes to the older one, and waits while a reader holds it or while the newer one
-has not reached the buddy yet, so own memory and the replica always share a step. The slots are
-memfds: only processes they are handed to can read them, and they are freed when the keeper and
-the ranks are gone - the keeper's death is the node's memory lost.
+has not reached every buddy yet, so own memory and the replicas always share a step. The slots
+are memfds: only processes they are handed to can read them, and they are freed when the keeper
+and the ranks are gone - the keeper's death is the node's memory lost.
 
 The slots and their lock are a ``slots.Slots``; the keeper owns the two parts that work on them
 besides its requests, each handed the slots and what else it uses: ``replicas.Replication`` (to
@@ -109,7 +109,6 @@ class Keeper:
                     self._drop(cid)
 
     def run(self) -> None:
-        threading.Thread(target=self.replication.sender, name="replicator", daemon=True).start()
         threading.Thread(target=self.disk.stager, name="stager", daemon=True).start()
         if self.want_writer:
             self.disk.start_writer()
@@ -275,8 +274,8 @@ class Keeper:
             out[name] = km.HolderEntry(
                 slots=[None if info is None or h.writing[i] is not None else info
                        for i, info in enumerate(h.infos())],
-                replicated_step=h.replicated_step, repl_s=h.repl_s, repl_error=h.repl_error,
-                buddy=self.replication.buddy(name))
+                replicated_step=self.replication.caught_up(h), repl_s=h.repl_s,
+                repl_error=self.replication.error(h), buddies=self.replication.targets(name))
         return out
 
     def _alloc(self, cid: int, request: km.Alloc) -> Out | None:
@@ -285,7 +284,7 @@ class Keeper:
         if not h.free(i):
             return None  # a reader (replication, a disk write, a restore) holds it
         if self.replication.holds_back(h, h.infos()[1 - i]):
-            return None  # the newer snapshot has not reached the buddy: keep the older one
+            return None  # the newer snapshot has not reached every buddy: keep the older one
         fd, fresh = h.ensure(i, request.size)
         h.writing[i] = cid
         seq = 1 + max((info.seq for info in h.infos() if info is not None), default=0)
@@ -324,8 +323,8 @@ class Keeper:
         return km.Configured(tcp=self.replication.tcp_addr), []
 
     def _corrupt(self, request: km.Corrupt) -> Out | None:
-        """Fault injection: a bit flips in the holder's newest snapshot, once its replica (if it
-        has a buddy) is safe on the other node."""
+        """Fault injection: a bit flips in the holder's newest snapshot, once its replicas (if it
+        has buddies) are safe on the other nodes."""
         h = self.slots.holders.get(request.holder)
         found = h.newest() if h is not None else None
         if found is None:

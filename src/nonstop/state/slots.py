@@ -27,12 +27,13 @@ class Holder:
         self.fds: list[int | None] = [None] * SLOTS
         self.writing: list[Any] = [None] * SLOTS  # who is writing the slot
         self.leases: list[collections.Counter] = [collections.Counter() for _ in range(SLOTS)]
-        self.replicated = -1  # seq of the newest snapshot the buddy node holds
-        self.replicated_step: int | None = None
-        self.repl_error: str | None = None  # replication failed: writes no longer wait for it
-        self.repl_s: float | None = None  # how long the last replication took (into memory in place)
+        self.sent: dict[str, tuple[int, int]] = {}  # buddy -> (seq, step) of the newest it holds
+        # buddies whose copy failed or fell behind, and why: writes no longer wait for them
+        # (until a copy reaches them again)
+        self.behind: dict[str, str] = {}
+        self.repl_s: float | None = None  # how long the last copy took (into memory in place)
         self.repl_first_s: float | None = None  # ...into new memory: an upper bound until then
-        self.repl_wait_since: float | None = None  # a write waits for the buddy since then
+        self.repl_wait_since: float | None = None  # a write waits for the buddies since then
 
     def infos(self) -> list[shm.SlotInfo | None]:
         return [shm.read_header(fd) if fd is not None else None for fd in self.fds]
