@@ -95,10 +95,91 @@ def test_a_host_killed_whole_moves_its_ranks_to_the_spare_host(job, reference):
     assert {rest["sources"][str(r)] for r in set(first) - set(on_victim)} <= {"live", "memory"}
     # the replicas went on after it: every rank's buddy is a host that is alive
     buddies = j.of("replication")[-1]["buddies"]
-    assert victim_node not in buddies.values() and len(buddies) == 4, buddies
+    assert all(victim_node not in to for to in buddies.values()) and len(buddies) == 4, buddies
     saved = _saved(j, 3)
     assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", str(SHARDED_STEPS),
                                                                  script=SHARDED))
+
+
+def test_a_host_and_its_buddy_killed_together_lose_nothing_with_two_replicas(job, reference):
+    """``replicas: 2``: a sharded job on two hosts of ranks and two spare hosts, each host its
+    own failure domain (named by the flag, by the environment, or the host itself). A host
+    and its buddy are killed in the same second, while every rank pauses in a step (its
+    snapshot is on both buddies by then): the host's ranks go to the spare host that holds
+    their other replica (or read it where it is), 0 steps lost, the weights bitwise the
+    fault-free run's. With one replica the same kill leaves no copy of the host's shards."""
+    j = job(4)
+    pol = j.base / "policy.yaml"
+    pol.write_text("state:\n  snapshot:\n    replicas: 2\n")
+    labels = [(["--failure-domain", "rack-a"], {}), ([], {"NONSTOP_FAILURE_DOMAIN": "rack-b"}),
+              (["--failure-domain", "rack-c"], {}), ([], {})]
+    # every rank pauses 1.5 s in steps 51 and 101 (and again if one is redone): the kill lands
+    # in the first pause the whole job is in place for
+    pauses = "slow:rank=all,step=51,ms=1500,steps=1;slow:rank=all,step=101,ms=1500,steps=1"
+    for i, (flags, env) in enumerate(labels):
+        j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "2",
+                "--snapshot-every", "1", "--policy", str(pol), "--hang-timeout", "30",
+                "--inject", pauses, *flags, script=str(SHARDED), env=env,
+                script_args=["--steps", str(SHARDED_STEPS), "--sleep-ms", "10",
+                             "--save", str(j.base / "final.pt")])
+    for pause in ("step 50 ", "step 100 "):
+        j.wait_output(pause, 120)
+        placed = j.of("replication")[-1]
+        if len(placed["domains"]) == 4:  # the spare hosts are in, their memory too
+            break
+    else:
+        raise AssertionError(f"the spare hosts did not join in time: {placed}")
+    t_seen = time.monotonic()
+    leader = int(j.of("leader")[0]["host"].removeprefix("host"))
+    host_of = _hosts_of_nodes(j)
+    spawns = {e["wid"]: e["node"] for e in j.of("spawn")}
+    first = {int(r): w for r, w in j.of("generation")[0]["ranks"].items()}
+    # a host of ranks and its buddy, neither the controller's host (that is another test)
+    pairs = [(v, b) for v in (1, 0) if host_of[v] != leader
+             for b in placed["buddies"][str(min(r for r, w in first.items() if spawns[w] == v))]
+             if host_of[b] != leader]
+    assert pairs, (placed, host_of, leader)
+    victim, buddy = pairs[0]
+    time.sleep(max(0.0, 0.3 - (time.monotonic() - t_seen)))  # the replicas of the paused step
+    j.kill_host(host_of[victim])
+    j.kill_host(host_of[buddy])
+    codes = j.wait(150)
+    alive = {i: c for i, c in codes.items() if i not in (host_of[victim], host_of[buddy])}
+    assert set(alive.values()) == {0}, "\n".join(j.output(i)[-3000:] for i in alive)
+    # (one replica: the same kill took both copies of a host's shards, and the job started
+    # over from step 0, 51 steps lost)
+    incidents = j.of("incident")
+    assert incidents and all(i["outcome"] == "recovered" for i in incidents), incidents
+    assert sum(i["steps_lost"] for i in incidents) == 0, incidents
+    # the lost ranks' state came from the replica that was left, named by the node it was on
+    last = j.of("generation")[-1]["ranks"]
+    lost = {r for r, w in first.items() if spawns[w] in (victim, buddy)}
+    rest = j.of("restore")[-1]
+    assert rest["gen"] == j.of("generation")[-1]["gen"]
+    assert {rest["sources"][str(r)] for r in lost} == {"buddy"}, rest
+    assert all(rest["buddy_nodes"][str(r)] not in (victim, buddy) for r in lost), rest
+    assert {spawns[w] for w in last.values()}.isdisjoint({victim, buddy})
+    # two copies of every rank's snapshots, each in a domain of its own: the labels as given
+    assert placed["copies"] == 2 and placed["short"] is None
+    assert sorted(placed["domains"].values()) == ["host3", "rack-a", "rack-b", "rack-c"]
+    assert all(len(set(n)) == 2 and spawns[first[int(r)]] not in n
+               for r, n in placed["buddies"].items()), placed
+    # what the replicas cost: each holding node said its bytes, and the summary has them
+    held = [e for e in j.of("replica_memory") if e["nodes"]]
+    assert held and all(b > 0 for b in held[0]["nodes"].values())
+    (end,) = j.of("run_end")
+    reps = end["state"]["replicas"]
+    assert reps["copies"] == 2 and reps["held_bytes"]
+    saved = _saved(j, 4)
+    assert len(saved) == 1 and bitwise_equal(saved[0], reference(4, "--steps", str(SHARDED_STEPS),
+                                                                 script=SHARDED))
+
+
+def _hosts_of_nodes(j: HostJob) -> dict[int, int]:
+    """node -> the test host it is, by the address its memory takes replicas at."""
+    addrs = [h.addr for h in j.hosts]
+    return {int(n): addrs.index(k["replicas_at"].rpartition(":")[0])
+            for e in j.of("keepers") for n, k in e["nodes"].items()}
 
 
 def _listeners(host) -> set[str]:

@@ -4,6 +4,7 @@ with every node's snapshots and its ``r`` replicas in ``r + 1`` distinct failure
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import re
@@ -130,6 +131,13 @@ def test_a_lost_nodes_ranks_go_to_a_spare_node_that_holds_their_replicas():
     # no spare node holds them: the first spare, as before
     s3 = mc.Seen(now=0.0, ranks=rs, total_nodes=4, slots=2, replicas_on={1: (0,)})
     assert mc.place(lost, s3, {1}) == {2: 2, 3: 2}
+    # the spare node that holds them has been silent (killed with node 1, its lease not yet
+    # expired): the other spare node, whose host is heard from; the replica is read on node 0
+    s4 = mc.Seen(now=0.0, ranks=rs, total_nodes=4, slots=2, replicas_on={1: (3, 0)},
+                 away=frozenset({3}))
+    assert mc.place(lost, s4, {1}) == {2: 2, 3: 2}
+    s5 = dataclasses.replace(s4, replicas_on={1: (2, 0)}, away=frozenset({2}))
+    assert mc.place(lost, s5, {1}) == {2: 3, 3: 3}
 
 
 # -- the hosts' labels ------------------------------------------------------------------------------

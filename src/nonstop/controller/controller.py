@@ -301,13 +301,17 @@ class Controller:
         # alone: the host is not lost (one that stopped answering may be the host cut off)
         lost = frozenset(n for n, h in self.memory.keepers.items() if h.lost and not h.killed
                          and not (h.exit_code is not None and self.agent.host_up(n)))
+        busy = {r.node for r in ranks_seen}
+        away = frozenset(n for n in range(self.gens.total_nodes)
+                         if n not in busy and self.agent.host_away(n))
         return mc.Seen(now=now, ranks=ranks_seen, managed=self.managed,
                        total_nodes=self.gens.total_nodes, slots=self.gens.slots, lost_memory=lost,
                        slowest_step_s=self.watchers.signals.hang.slowest_step(),
                        abort_s=self.policy.timeouts.abort_s if self.reports.nccl else 0.0,
                        target_world=self.gens.target, ready_spares=self.gens.ready_spares(),
                        replica_groups=self.reports.replica_groups,
-                       regrid_unit=self.gens.regrid_unit, replicas_on=self.memory.placed)
+                       regrid_unit=self.gens.regrid_unit, replicas_on=self.memory.placed,
+                       away=away)
 
     def _step(self, ob: mc.Observation) -> None:
         """One observation through the machine, its commands carried out in order; what a

@@ -193,6 +193,7 @@ class Keepers:
 
     def _lost(self, h: KeeperHandle, code: int | None) -> None:
         h.lost, h.lost_at, h.exit_code = True, time.time(), code
+        self.held.pop(h.node, None)  # the replicas it held are gone with it
         if h.link is not None:
             h.link.close()
         h.link = None
@@ -229,6 +230,9 @@ class Keepers:
             self._call(node, km.Configure(replicate=replicate), wait=False)
         if placement.short != self._short and placement.short is not None:
             self.display.warning(f"snapshot replicas: {placement.short}")
+        elif self._short is not None and placement.short is None:  # (hosts joined)
+            self.display.info(f"snapshot replicas: {self.copies} of each, in distinct failure "
+                              "domains, as asked")
         self._short = placement.short
         self.log.write("replication", buddies=buddies, copies=self.copies,
                        domains={str(n): d for n, d in domains.items()}, short=placement.short)

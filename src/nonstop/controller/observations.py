@@ -55,6 +55,9 @@ class Seen:
     # node -> the nodes its ranks' snapshots are copied to (a lost node's ranks go to a spare
     # node among them, where one is: their restore is local there)
     replicas_on: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    # nodes without ranks whose host has been silent for over a second, not yet known lost (a
+    # host killed with its neighbour, whose lease has not expired yet): spare nodes of last resort
+    away: frozenset[int] = frozenset()
 
     @property
     def target(self) -> int:

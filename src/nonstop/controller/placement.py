@@ -46,10 +46,11 @@ def place(decision: Decision, seen: Seen, isolated: set[int]) -> dict[int, int]:
     if decision.level is Level.REPLACE_RANK:
         return {r: node_of[r] for r in decision.replace}
     if decision.level is Level.REPLACE_NODE:
-        # the ranks of a node given up go to a spare node, together - one that holds their
-        # replicas where there is one; a rank that died on a healthy node meanwhile is
-        # replaced where it was
-        spares = spare_nodes(node_of, seen.total_nodes, isolated)
+        # the ranks of a node given up go to a spare node, together - one whose host is heard
+        # from and that holds their replicas where there is one; a rank that died on a healthy
+        # node meanwhile is replaced where it was
+        spares = sorted(spare_nodes(node_of, seen.total_nodes, isolated),
+                        key=lambda n: n in seen.away)
         # no whole node left: places free on the healthy nodes, those with warm spares first
         free = free_slots(node_of, seen.slots, set(isolated) | set(decision.isolate),
                           leaving=decision.replace)
@@ -63,7 +64,8 @@ def place(decision: Decision, seen: Seen, isolated: set[int]) -> dict[int, int]:
                 out[r] = old
                 continue
             if old not in moved:
-                holding = [n for n in seen.replicas_on.get(old, ()) if n in spares]
+                holding = [n for n in seen.replicas_on.get(old, ())
+                           if n in spares and n not in seen.away]
                 moved[old] = (holding or spares or [None])[0]
                 if moved[old] is not None:
                     spares.remove(moved[old])
