@@ -31,10 +31,13 @@ class SilentCorruption(BaseException):
     """Raised at a snapshot step when the replicas' parameters differ. A BaseException, like
     ``Regroup``, so that the script's ``except Exception`` lets it through."""
 
-    def __init__(self, step: int, suspects: list[int], digests: list[int]):
+    def __init__(self, step: int, suspects: list[int], digests: list[int],
+                 twins: tuple[int, ...] | None = None):
         super().__init__(f"the replicas' parameters differ at step {step}: rank(s) "
-                         f"{', '.join(map(str, suspects))} disagree with the others")
+                         f"{', '.join(map(str, suspects))} disagree with "
+                         + ("the others" if twins is None else "their twins"))
         self.step, self.suspects, self.digests = step, suspects, digests
+        self.twins = twins  # the part each rank holds (None: every rank the same)
 
 
 SHARDED = ("sharded parameters (FSDP2, tensor parallel, pipeline stages): each rank holds its own "
@@ -109,6 +112,36 @@ def _odd_twins(digests: list[int], twins: tuple[int, ...]) -> list[int]:
     return sorted(out)
 
 
+def gather_words(words: list[int], world: int) -> list[list[int]]:
+    """Every rank's ``words`` (64-bit integers, as many on every rank), in rank order: one
+    all-gather into one tensor. (``all_gather_single`` is the name torch 2.13 asks for; the one
+    before it, ``all_gather_into_tensor``, printed a FutureWarning in every rank's log. Both the
+    digest check and a mesh's check of its twins gather here.)"""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor(words, dtype=torch.int64)
+    every = torch.zeros(world * len(words), dtype=torch.int64)
+    gather = dist.all_gather_single if hasattr(dist, "all_gather_single") \
+        else dist.all_gather_into_tensor  # (torch before 2.13)
+    gather(every, mine)
+    flat, n = every.tolist(), len(words)
+    return [flat[r * n:(r + 1) * n] for r in range(world)]
+
+
+def check_cost(digest_s: list[float], gather_s: list[float | None], own_gather_s: float) -> float:
+    """What one check costs the job's steps: the slowest rank's digest, and the all-gather as
+    the last rank to reach it measured it (the shortest, ``gather_s``: each rank's time in the
+    previous check's gather; None where a rank has made none yet, and then this rank's own).
+    A rank that reached the gather early waited there for its peers still in their step - a
+    pipeline's last stage waits for the first stage's backward - and would have waited as long
+    at the next step's first collective without any check: taken for the check's cost, that
+    wait spaced a pipeline's snapshots (and its checks) out twice as far as an HSDP job's."""
+    known = [g for g in gather_s if g is not None]
+    gather = min(known) if len(known) == len(gather_s) and known else own_gather_s
+    return max(digest_s, default=0.0) + gather
+
+
 def _all_know() -> None:
     """The replicas differ: wait until every rank holds the digests before any acts on it. A
     rank's all-gather may return while a peer's is still reading what it sent; a rank that then
@@ -135,6 +168,7 @@ class Digests:
         self.report_only = policy.action == "report"
         self.max_share = policy.max_overhead_pct / 100
         self._costs: collections.deque[float] = collections.deque(maxlen=9)
+        self._gather_s: float | None = None  # this rank's time in the last check's all-gather
         self.checks = 0
         self.first_step: int | None = None
         self.last_step: int | None = None
@@ -171,21 +205,23 @@ class Digests:
             return 0.0
         self.uncompared = None
         classes = twins if own else None
-        import torch
-        import torch.distributed as dist
-
         t0 = time.perf_counter()
-        mine = torch.tensor([digest(modules)], dtype=torch.int64)
-        every = torch.zeros(world, dtype=torch.int64)
-        # (the name torch 2.13 asks for; all_gather_into_tensor warned in every rank's log)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(every, mine)
-        digests = every.tolist()
-        spent = time.perf_counter() - t0
-        self._costs.append(spent)
+        mine = digest(modules)
+        t1 = time.perf_counter()
+        # with the digest, what this rank's digest took and its previous gather (ns; -1: none)
+        every = gather_words([mine, round((t1 - t0) * 1e9),
+                              -1 if self._gather_s is None else round(self._gather_s * 1e9)],
+                             world)
+        t2 = time.perf_counter()
+        self._gather_s = t2 - t1
+        spent = t2 - t0
+        digests = [w[0] for w in every]
+        self._costs.append(check_cost([w[1] / 1e9 for w in every],
+                                      [None if w[2] < 0 else w[2] / 1e9 for w in every],
+                                      self._gather_s))
         suspects = odd_ones(digests) if classes is None else _odd_twins(digests, classes)
         if suspects:
-            found = SilentCorruption(step, suspects, digests)
+            found = SilentCorruption(step, suspects, digests, classes)
             _all_know()
             if not self.report_only:
                 raise found
@@ -205,9 +241,10 @@ class Digests:
         if self.last_step is not None and step <= self.last_step:
             self.certified, self.certified_t = step, time.time()
 
-    def interval(self, step_s: float | None) -> int:
-        """The fewest steps between checks that keeps them under their share of step time."""
-        cost = self.cost_s
+    def interval(self, step_s: float | None, cost_s: float | None = None) -> int:
+        """The fewest steps between checks that keeps them under their share of step time
+        (``cost_s``: one check's, agreed by every rank; else this rank's own)."""
+        cost = cost_s if cost_s is not None else self.cost_s
         if not self.enabled or not cost or not step_s:
             return 1
         return max(1, math.ceil(cost / (self.max_share * step_s)))
@@ -215,6 +252,7 @@ class Digests:
     def entered(self) -> None:
         """A generation begins: its checks are counted from here (the chain goes on)."""
         self.checks, self.first_step, self.last_step = 0, None, None
+        self._gather_s = None  # (another world, other peers: measured again)
 
     def stats(self) -> DigestChecks:
         return DigestChecks(checks=self.checks, first_step=self.first_step,
