@@ -65,20 +65,23 @@ def digest(modules: list[Any]) -> int:
 
     words = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     parts: list[Any] = []  # per tensor, in order: an int (hashed here) or a 0-d tensor (a sum)
-    for m in modules:
-        for p in m.parameters():
-            t = p.detach()
-            if hasattr(t, "to_local"):  # a DTensor (FSDP2, tensor parallel): this rank's shard
-                t = t.to_local()
-            word = words.get(t.element_size())
-            if word is None or t.numel() == 0:
-                continue
-            if t.device.type == "cpu" and t.is_contiguous():
-                # the sum of a 100M-element tensor in 64 bits ran at 0.6 GB/s: a restore of a
-                # 400 MB model waited 0.7 s for it (nonstop bench state)
-                parts.append(xxhash.xxh3_64_intdigest(memoryview(t.reshape(-1).view(torch.uint8).numpy())))
-            else:
-                parts.append(torch.sum(t.view(word), dtype=torch.int64))
+    with torch.no_grad():
+        for m in modules:
+            for p in m.parameters():
+                # a DTensor (FSDP2, tensor parallel): this rank's shard. Its local tensor taken
+                # first, with no autograd: a DTensor's detach() is dispatched as a DTensor op -
+                # 24 small FSDP2 parameters spent 15-22 ms there, 0.6-0.9 ms so (a loaded host)
+                t = p.to_local() if hasattr(p, "to_local") else p.detach()
+                word = words.get(t.element_size())
+                if word is None or t.numel() == 0:
+                    continue
+                if t.device.type == "cpu" and t.is_contiguous():
+                    # the sum of a 100M-element tensor in 64 bits ran at 0.6 GB/s: a restore of
+                    # a 400 MB model waited 0.7 s for it (nonstop bench state)
+                    parts.append(xxhash.xxh3_64_intdigest(
+                        memoryview(t.reshape(-1).view(torch.uint8).numpy())))
+                else:
+                    parts.append(torch.sum(t.view(word), dtype=torch.int64))
     if not parts:
         return 0
     sums = [x for x in parts if not isinstance(x, int)]
@@ -129,17 +132,21 @@ def gather_words(words: list[int], world: int) -> list[list[int]]:
     return [flat[r * n:(r + 1) * n] for r in range(world)]
 
 
-def check_cost(digest_s: list[float], gather_s: list[float | None], own_gather_s: float) -> float:
+def check_cost(digest_s: list[float], gather_s: list[float | None]) -> float | None:
     """What one check costs the job's steps: the slowest rank's digest, and the all-gather as
-    the last rank to reach it measured it (the shortest, ``gather_s``: each rank's time in the
-    previous check's gather; None where a rank has made none yet, and then this rank's own).
-    A rank that reached the gather early waited there for its peers still in their step - a
-    pipeline's last stage waits for the first stage's backward - and would have waited as long
-    at the next step's first collective without any check: taken for the check's cost, that
-    wait spaced a pipeline's snapshots (and its checks) out twice as far as an HSDP job's."""
-    known = [g for g in gather_s if g is not None]
-    gather = min(known) if len(known) == len(gather_s) and known else own_gather_s
-    return max(digest_s, default=0.0) + gather
+    the last rank to reach it measured it - the shortest of the ranks' times in the previous
+    check's gather (``gather_s``). A rank that reached the gather early waited there for a peer
+    still finishing its step (its optimizer step, its snapshot's copy, the host's other work),
+    and would have waited as long at the next collective without any check: on one loaded
+    host that wait was a median of 70-110 ms, in a pipeline and in HSDP alike, three times
+    the gather itself, and counted as the check's cost it spaced the snapshots out by as much.
+    None (not counted) where some rank made no gather yet: the first check of a generation,
+    whose gather holds every wait of the restore before it and whose digest a new process
+    makes first - counted, its cost set every rank's interval (the largest wins) far apart
+    after each replacement."""
+    if not gather_s or any(g is None for g in gather_s):
+        return None
+    return max(digest_s, default=0.0) + min(g for g in gather_s if g is not None)
 
 
 def _all_know() -> None:
@@ -216,9 +223,10 @@ class Digests:
         self._gather_s = t2 - t1
         spent = t2 - t0
         digests = [w[0] for w in every]
-        self._costs.append(check_cost([w[1] / 1e9 for w in every],
-                                      [None if w[2] < 0 else w[2] / 1e9 for w in every],
-                                      self._gather_s))
+        cost = check_cost([w[1] / 1e9 for w in every],
+                          [None if w[2] < 0 else w[2] / 1e9 for w in every])
+        if cost is not None:
+            self._costs.append(cost)
         suspects = odd_ones(digests) if classes is None else _odd_twins(digests, classes)
         if suspects:
             found = SilentCorruption(step, suspects, digests, classes)
