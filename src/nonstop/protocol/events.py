@@ -373,7 +373,7 @@ class BitFlipped(RankEvent):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SdcMismatch(RankEvent):
-    """The replicas' digests disagreed at a snapshot, and the policy only reports it."""
+    """The replicas' digests disagreed at a comparison, and the policy only reports it."""
 
     type: ClassVar[str] = "sdc_mismatch"
     gen: int

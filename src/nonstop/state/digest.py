@@ -1,11 +1,13 @@
-"""Silent data corruption: the data-parallel replicas' parameters compared before each snapshot.
+"""Silent data corruption: the data-parallel replicas' parameters compared at each snapshot, and
+between snapshots at an interval of their own.
 
 Each rank digests its parameters' bits: a tensor in host memory by xxh3 over its bytes (at memory
 speed: 400 MB in about 0.03 s here), one on a device by a sum of its bits as integers (a tensor
 viewed as words of its own width, summed in 64 bits, on the device: exact, so equal whatever the
 reduction order). Either way bitwise-equal parameters give equal digests on every rank, and a
-single flipped bit always changes it. The ranks gather
-their digests (one integer each) and find the odd ones out. Every agreeing check extends a chain
+single flipped bit always changes it. The ranks gather their digests (with each, what it took
+and the rank's time in the previous gather: the check's own cost) and find the odd ones out -
+in a sharded or pipelined job, each among its twins. Every agreeing check extends a chain
 (SHA-256 over the steps and digests), which the run's summary reports: a certificate that every
 snapshot step's weights agreed across replicas - and a difference, once it exists, persists to
 the next check, so no step in between can have disagreed unseen.
@@ -28,7 +30,7 @@ _MOD = 2**64  # a sum of 64-bit words wraps: every bit of it counts, the top one
 
 
 class SilentCorruption(BaseException):
-    """Raised at a snapshot step when the replicas' parameters differ. A BaseException, like
+    """Raised at a comparison when the replicas' parameters differ. A BaseException, like
     ``Regroup``, so that the script's ``except Exception`` lets it through."""
 
     def __init__(self, step: int, suspects: list[int], digests: list[int],

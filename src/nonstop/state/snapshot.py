@@ -233,9 +233,9 @@ class Snapshots:
         same on every rank: a comparison is a collective), as often as keeps them under
         ``detect.sdc.max_overhead_pct``; every snapshot is compared besides. Compared at the
         snapshots alone, a corruption was found only at the next one, an interval that follows
-        the copy's cost and differs from layout to layout: a flip 2 steps after a snapshot was
-        found 43 steps after it in a pipeline, 22 in HSDP, of the same model - while a check
-        costs a digest and an all-gather of three words."""
+        the copy's cost and differs from layout to layout: a flip at step 30 was found at step
+        53 in a pipeline, at 32 in HSDP, of the same model - while a check costs a digest and
+        an all-gather of three words."""
         if self.digests is not None and step_s > 0:
             self.check_every = self.digests.interval(step_s, sdc_s)
 
