@@ -4,9 +4,13 @@ offered for a restore."""
 
 from __future__ import annotations
 
+import json
+import sys
 import types
 
+import pytest
 import torch
+from conftest import ROOT, rank_processes
 
 from nonstop.protocol.rank_policy import RankSdc
 from nonstop.runtime.registered import State
@@ -108,3 +112,32 @@ def test_sharded_parameters_with_twins_are_compared_among_twins_only():
     assert _odd_twins([10, 20, 10, 21], (0, 1, 0, 1)) == [1, 3]
     # three replica groups: the odd one is found
     assert _odd_twins([10, 20, 10, 20, 10, 99], (0, 1, 0, 1, 0, 1)) == [5]
+
+
+def test_a_checks_cost_is_its_own_not_the_wait_for_a_late_peer():
+    """The cost that spaces snapshots out (and with them the checks) is the digest and the
+    all-gather as the last rank to reach it saw it; the early ranks' wait for a peer still in
+    its step is no cost of the check (it would wait as long at the next collective)."""
+    from nonstop.state.digest import check_cost
+
+    # rank 0 waited 0.3 s for rank 1 in the last gather; rank 1, the last, 2 ms
+    assert check_cost([0.001, 0.002], [0.3, 0.002]) == pytest.approx(0.004)
+    # a rank that made no gather yet (a generation's first check): not counted
+    assert check_cost([0.001, 0.002], [None, 0.002]) is None
+
+
+@pytest.mark.integration
+def test_a_late_rank_does_not_make_the_check_look_expensive(tmp_path):
+    """Two ranks over real gloo, rank 1 reaching each check 0.3 s after rank 0: rank 0 waits
+    that long in every gather, yet neither counts the wait as the check's cost (counted, a
+    pipeline's snapshots and checks were spaced out several times further than an HSDP job's).
+    The gather prints no FutureWarning (torch 2.13 renamed it), and a flipped bit is still
+    found."""
+    seen = [json.loads(out.strip().splitlines()[-1]) for out, _ in rank_processes(
+        lambda r: [sys.executable, str(ROOT / "tests" / "scripts" / "digest_ranks.py"), str(r),
+                   str(tmp_path / "store")], timeout=120)]
+    assert seen[0]["waited_s"] >= 0.25  # rank 0 did wait for rank 1 ...
+    for s in seen:
+        assert s["checks"] == 7 and s["cost_s"] < 0.1, s  # ... but the checks cost ms
+        assert s["found"] == [0, 1]
+        assert not [w for w in s["warnings"] if w.startswith("FutureWarning")], s["warnings"]

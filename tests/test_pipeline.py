@@ -92,19 +92,30 @@ def test_a_pipeline_without_a_spare_shrinks_by_a_data_parallel_group_and_grows_b
 def test_a_pipeline_redoes_a_nan_step_in_every_stage_and_finds_a_flipped_bit_by_its_twin(
         tmp_path, reference):
     """Two incidents in one run of (dp, pp) = (2, 2), snapshots every 4 steps:
-    1. the last stage's output turns NaN at step 3 on rank 1: the NaN reaches stage 0's
-       gradients too, but each stage checks only its own, so the verdict is all-reduced (the
-       step's commit): every stage of every group redoes the step in place, none steps alone;
+    1. the last stage's output turns NaN at step 3 on rank 1 (in the first of its 2
+       micro-batches: the second's output is finite): the NaN reaches stage 0's gradients too,
+       but each stage checks only its own, so the verdict is all-reduced (the step's commit):
+       every stage of every group redoes the step in place, none steps alone - and the
+       decision names rank 1, whose forward went non-finite (its last output alone said
+       "finite");
     2. a bit of rank 2's stage flips at step 6: compared with its twin (rank 0, the same stage
-       in the other data-parallel group) at the next check, the two differ, and the job goes
-       back to the last snapshot whose twins agreed.
-    The final weights bitwise those of the fault-free run."""
+       in the other data-parallel group) at the next check (8), the two differ: the pair is
+       suspect, and only the pair (the other stage's twins agree): both get new processes,
+       and the job goes back to the snapshot of 4, which the twins certified.
+    The final weights bitwise those of the fault-free run; no rank's log has a FutureWarning."""
     run, out = train(tmp_path, "--spares=1", "--snapshot-every=4",
                      "--inject=nan:rank=1,step=3;bitflip:rank=2,step=6", args=ARGS, world=4,
                      script=PP)
     decisions = run.of("decision")
     assert decisions[0]["level"] == "step retry" and decisions[0]["step"] == 3, decisions
+    assert "non-finite forward output on rank(s) 1)" in decisions[0]["reason"], decisions[0]
     sdc = [f for f in run.of("fault") if f["kind"] == "sdc"]
-    assert sdc and {f["rank"] for f in sdc} >= {0, 2}, sdc  # the pair of twins
-    assert run.summary["sdc"]["mismatches"] >= 1
+    assert {f["rank"] for f in sdc} == {0, 2}, sdc  # the pair of twins, no other rank
+    assert [(d["level"], sorted(d["replace"])) for d in decisions[1:]] == [
+        ("rank replacement", [0, 2])], decisions
+    assert [(f["step"], f["suspects"]) for f in run.summary["sdc"]["found"]] == [(8, [0, 2])]
+    sdc_inc = run.summary["incident_list"][-1]
+    assert sdc_inc["resume_step"] == 4 and sdc_inc["steps_lost"] == 4  # one interval
+    logs = [p.read_text(errors="replace") for p in (run.run_dir / "logs").glob("worker-*.log")]
+    assert logs and not [x for x in logs if "FutureWarning" in x]
     assert bitwise_equal(out, reference(4, *ARGS, script=PP))

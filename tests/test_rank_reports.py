@@ -72,10 +72,10 @@ class FakeMemory:
     sharded = None
 
 
-def make(incident=False, phase=Phase.RUNNING):
+def make(incident=False, phase=Phase.RUNNING, plan=PLAN):
     rec, agent = Recorder(), FakeAgent()
     table = WorkerTable(agent, None, rec, "script")
-    for rank, wid in PLAN.items():
+    for rank, wid in plan.items():
         w = table.new(spare=False, node=0 if rank < 2 else 1)
         table.workers[wid] = table.workers.pop(w.wid)
         table.workers[wid].wid, table.workers[wid].rank = wid, rank
@@ -86,7 +86,7 @@ def make(incident=False, phase=Phase.RUNNING):
         watchers=Watchers(Policy(), rec, rec), progress=ProgressLog(None), agent=agent,
         log=rec, display=rec)
     inc = book.begin(1.0, GEN - 1, 10) if incident else None
-    job = JobNow(state=mc.JobState(phase=phase, gen=GEN), plan=MappingProxyType(PLAN),
+    job = JobNow(state=mc.JobState(phase=phase, gen=GEN), plan=MappingProxyType(plan),
                  managed=True, max_step=10, total_nodes=2, incident=inc)
     return r, job, table, rec, agent
 
@@ -199,6 +199,36 @@ def test_silent_corruption_found_at_a_restore_is_told_by_its_cause_not_its_text(
     sdc = events.SkippedCopy(cause="sdc", source="live", rank=1, step=10, why="differs")
     assert r.on_event(entered(1, skipped=[sdc]), job) == []  # one replica: a corruption
     assert r.sdc.found and any(k == "warning" and "rank(s) [1]" in str(v) for k, v in rec.lines)
+
+
+def test_a_sharded_jobs_mismatch_faults_only_the_ranks_at_odds_with_their_twins():
+    """HSDP 2 x 2 (or a pipeline of 2 data-parallel groups x 2 stages): digests [A, B, A, C],
+    ranks 0 and 2 holding one part and agreeing, ranks 1 and 3 the other and differing. The pair
+    is suspect, not ranks 0 and 2; judged across the world (no ``twins``), all four were."""
+    plan = {0: 100, 1: 101, 2: 102, 3: 103}
+    for twins, faulted in (([0, 1, 0, 1], [1, 3]), (None, [0, 1, 2, 3])):
+        r, job, *_ = make(plan=plan)
+        ev = events.LeftGeneration(wid=100, t=6.0, gen=GEN, rank=0, step=32, dirty=False,
+                                   reason="sdc", t_caught=6.0, sdc_step=32, suspects=[1, 3],
+                                   digests=[10, 21, 10, 20], twins=twins)
+        orders = r.on_event(ev, job)
+        assert [o.fault.rank for o in orders if isinstance(o, reports.Faulted)] == faulted
+        assert r.gens.not_after == 31  # every rank back to a snapshot before the mismatch
+
+
+def test_a_mismatch_found_at_a_restore_is_judged_within_each_twin_group():
+    """At a restore each odd copy carries the digests of its own twin group (the ranks holding
+    its part, at its step): HSDP 3 x 2 with rank 1's live shard odd among shard 1's, and rank
+    2's among shard 0's - each group judged on its own, both a corruption, none a divergence
+    (the copies' digests side by side look like camps of agreeing twins)."""
+    r, job, _, rec, _ = make(phase=Phase.RENDEZVOUS)
+    odd = [events.SkippedCopy(cause="sdc", source="live", rank=1, step=12, why="differs",
+                              digests={"1": 21, "3": 20, "5": 20}),
+           events.SkippedCopy(cause="sdc", source="live", rank=2, step=12, why="differs",
+                              digests={"0": 10, "2": 11, "4": 10})]
+    assert r.on_event(entered(0, skipped=odd), job) == []  # no divergence: nothing to stop
+    assert [(f["suspects"], f["verdict"]) for f in r.sdc.found] == [([1, 2], "corruption")]
+    assert r.sdc_judge.pending == (12, (1, 2))
 
 
 def test_injected_faults_that_cannot_fire_give_up_as_a_usage_error():

@@ -93,3 +93,67 @@ def test_the_same_rank_again_with_other_values_is_its_failing_device():
 def test_agreeing_digests_are_nothing_to_judge():
     with pytest.raises(ValueError):
         Judge().judge(5, {0: 1, 1: 1})
+
+
+# -- sharded and pipelined jobs: each twin group on its own --------------------------------------
+HSDP_3x2 = {0: 0, 1: 1, 2: 0, 3: 1, 4: 0, 5: 1}  # rank -> its shard (or stage): 3 replica groups
+HSDP_2x2 = {0: 0, 1: 1, 2: 0, 3: 1}
+
+
+def test_each_twin_group_is_judged_on_its_own():
+    # HSDP 3 x 2, a bit flipped in rank 1: shard 0's twins agree, shard 1's are 2 to 1
+    digests = {0: 10, 1: 21, 2: 10, 3: 20, 4: 10, 5: 20}
+    assert suspects_of(digests, HSDP_3x2) == (1,)
+    v = Judge().judge(32, digests, twins=HSDP_3x2, redo_gen=1)
+    assert v.kind == CORRUPTION and v.suspects == (1,), v.diagnosis
+    assert v.groups == ((3, 5), (1,)) and "rank 1" in v.diagnosis
+    # judged as one population, the agreeing twin groups looked like camps: a divergence
+    assert Judge().judge(32, digests).kind == DIVERGENCE
+
+
+def test_two_replicas_of_a_part_are_both_suspect_and_no_other_rank():
+    # HSDP 2 x 2 (or a pipeline of 2 data-parallel groups x 2 stages): [A, B, A, C]
+    digests = {0: 10, 1: 21, 2: 10, 3: 20}
+    assert suspects_of(digests, HSDP_2x2) == (1, 3)
+    assert suspects_of(digests) == (0, 1, 2, 3)  # (the whole world: every rank)
+    v = Judge().judge(32, digests, twins=HSDP_2x2, redo_gen=1)
+    assert v.kind == CORRUPTION and v.suspects == (1, 3)
+    assert "differ from the other replica" in v.diagnosis
+
+
+def test_a_twin_group_that_splits_into_camps_diverges():
+    # 4 replica groups x 2 shards: shard 1's twins split 2 to 2 (two replica groups with a
+    # learning rate of their own), shard 0's too
+    twins = {r: r % 2 for r in range(8)}
+    digests = {0: 1, 2: 1, 4: 2, 6: 2, 1: 3, 3: 3, 5: 4, 7: 4}
+    v = Judge().judge(20, digests, twins=twins)
+    assert v.kind == DIVERGENCE and v.suspects == ()
+    assert "split into groups" in v.diagnosis and "holding the same part" in v.diagnosis
+    # one twin group split, the other agreeing: as much a divergence
+    digests = {0: 1, 2: 1, 4: 1, 6: 1, 1: 3, 3: 3, 5: 4, 7: 4}
+    assert Judge().judge(20, digests, twins=twins).kind == DIVERGENCE
+
+
+def test_twins_that_come_out_the_same_again_after_the_rollback_diverge():
+    j = Judge()
+    digests = {0: 10, 1: 21, 2: 10, 3: 20, 4: 10, 5: 20}
+    assert j.judge(32, digests, twins=HSDP_3x2, redo_gen=1).kind == CORRUPTION
+    # redone, step 32 comes out with the very same digests (another part's too: only the
+    # group at odds is compared with what it held before)
+    again = {**digests, 0: 11, 2: 11, 4: 11}
+    v = j.judge(32, again, twins=HSDP_3x2, redo_gen=2)
+    assert v.kind == DIVERGENCE and "very parameters it had before" in v.diagnosis
+
+
+def test_the_same_twin_again_with_other_values_is_its_failing_device_another_one_diverges():
+    j = Judge()
+    j.judge(32, {0: 10, 1: 21, 2: 10, 3: 20, 4: 10, 5: 20}, twins=HSDP_3x2, redo_gen=1)
+    v = j.judge(32, {0: 10, 1: 22, 2: 10, 3: 20, 4: 10, 5: 20}, twins=HSDP_3x2, redo_gen=2)
+    assert v.kind == CORRUPTION and v.suspects == (1,)
+    v = j.judge(40, {0: 30, 1: 40, 2: 31, 3: 40, 4: 30, 5: 40}, twins=HSDP_3x2, redo_gen=3)
+    assert v.kind == DIVERGENCE  # rank 2 now, before any comparison agreed
+
+
+def test_twin_groups_that_all_agree_are_nothing_to_judge():
+    with pytest.raises(ValueError):
+        Judge().judge(5, {0: 1, 1: 2, 2: 1, 3: 2}, twins=HSDP_2x2)

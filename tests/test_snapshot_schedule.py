@@ -12,6 +12,11 @@ from nonstop.state.snapshot import Snapshots
 
 class _State:
     sharded = False
+    twins = None
+    meshed = False
+
+    def modules(self):
+        return []
 
     def __init__(self):
         self.step = 0
@@ -75,8 +80,8 @@ FIXED = RankState(RankSnapshot(enabled=True, every_steps=5, max_overhead_pct=5.0
 class _Taking(Snapshots):
     """Snapshots whose ``take`` only notes the step (no memory, no digest)."""
 
-    def __init__(self, cfg=FIXED, memory=None):
-        super().__init__(cfg, memory)
+    def __init__(self, cfg=FIXED, memory=None, sdc=None):
+        super().__init__(cfg, memory, sdc)
         self.took = []
 
     def take(self, state, rank, world, gen, injector=None, final=False):
@@ -151,3 +156,23 @@ def test_the_interval_is_agreed_from_steady_costs_only():
     assert snaps.cost_s == 0.5 and snaps.schedule()["cost_s"] is None
     snaps._costs.append(0.002)
     assert snaps.schedule()["cost_s"] == 0.002
+
+
+def test_the_replicas_are_compared_between_snapshots_at_their_own_interval():
+    """A corruption is found at the next comparison, not at the next snapshot: the comparisons
+    (a digest and an all-gather of three words) have an interval of their own, kept under
+    ``detect.sdc.max_overhead_pct`` of the agreed step time, and every snapshot is compared
+    besides. Before the costs are agreed, only the snapshots are."""
+    sdc = RankSdc(enabled=True, action="replace", max_overhead_pct=0.5)
+    snaps = _Taking(dataclasses.replace(
+        FIXED, snapshot=dataclasses.replace(FIXED.snapshot, every_steps=10)), sdc=sdc)
+    compared = []
+    snaps.digests.check = lambda modules, step, *_: compared.append(step) or 0.0
+    snaps.digests._costs.append(0.0001)  # 0.1 ms a check, 10 ms steps: 0.5% is every 2 steps
+    assert _run(snaps, 0, 30) == [10, 20, 30]
+    assert compared == [10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30]
+    # a new generation: the interval from what every rank brought (the same on each)
+    snaps.adopt([{"every": 10, "step_s": 0.01, "sdc_s": 0.0002}] * 2, 30, from_disk=False)
+    assert snaps.check_every == 4
+    snaps.adopt([{"every": 10}, {}], 30, from_disk=False)  # no costs known yet: snapshots only
+    assert snaps.check_every is None

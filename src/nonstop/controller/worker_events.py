@@ -279,36 +279,44 @@ class RankReports:
 
     def _on_sdc(self, ev: events.LeftGeneration, job: JobView) -> list[Order]:
         """The replicas' parameters differ (every rank found the same, at a snapshot step). A
-        corruption: the ranks that differ are at fault, and no rank may resume from state newer
-        than the last snapshot, which was compared and agreed. A divergence (the replicas split
-        into groups, or differ again after a rollback): the job stops with a diagnosis - no rank
-        or node is at fault."""
+        corruption: the ranks that differ from their twins are at fault, and no rank may resume
+        from state newer than the last snapshot, which was compared and agreed. A divergence
+        (the twins split into groups, or differ again after a rollback): the job stops with a
+        diagnosis - no rank or node is at fault."""
         if ev.sdc_step is None:
             return []
         step, suspects = ev.sdc_step, list(ev.suspects or [])
         digests = dict(enumerate(ev.digests or []))
+        twins = dict(enumerate(ev.twins)) if ev.twins is not None else None
         if not self.sdc.mismatch(job.gen, step, suspects):
             return []
-        verdict, orders = self._judge_sdc(step, digests, suspects, job.gen + 1, job)
+        verdict, orders = self._judge_sdc(step, digests, suspects, job.gen + 1, job, twins)
         if verdict is None:
             return orders
         self.gens.not_after = step - 1
         return [Faulted(Fault("sdc", rank=r, message=(
-            f"its parameters differ from its replicas' at step {step} (digests "
-            f"{ev.digests}): every rank resumes from the last snapshot that agreed")))
+            f"its parameters differ from its {'twins' if twins else 'replicas'}' at step {step} "
+            f"(digests {ev.digests}): every rank resumes from the last snapshot that agreed")))
             for r in verdict.suspects]
 
     def _on_sdc_at_restore(self, ev: events.EnteredGeneration, odd: list[events.SkippedCopy],
                            job: JobView) -> list[Order]:
         """Live states of one step differed when a generation formed (each rank reports the same
-        finding): every rank was restored from a snapshot that agreed - or the replicas diverge."""
+        finding): every rank was restored from a snapshot that agreed - or the replicas diverge.
+        Each odd copy carries the digests of its twin group (the ranks holding its part, at its
+        step): judged group by group."""
         first = odd[0]
         step = first.step if first.step is not None else (ev.step or 0)
         ranks = [s.rank for s in odd if s.rank is not None]
         if not self.sdc.mismatch(ev.gen, step, ranks):
             return []
-        digests = {int(r): d for r, d in (first.digests or {}).items()}
-        verdict, orders = self._judge_sdc(step, digests, ranks, ev.gen, job)
+        digests: dict[int, int] = {}
+        twins: dict[int, int] = {}
+        for part, s in enumerate(odd):
+            for r, d in (s.digests or {}).items():
+                if int(r) not in digests:
+                    digests[int(r)], twins[int(r)] = d, part
+        verdict, orders = self._judge_sdc(step, digests, ranks, ev.gen, job, twins)
         if verdict is not None:
             self.display.warning(f"rank(s) {ranks}: live parameters differed from their replicas' "
                                  f"at step {step}: every rank restored from a snapshot that agreed")
@@ -322,13 +330,17 @@ class RankReports:
             self.sdc_judge.agreed(gen)
 
     def _judge_sdc(self, step: int, digests: dict[int, int], suspects: list[int],
-                   redo_gen: int, job: JobView) -> tuple[Any, list[Order]]:
+                   redo_gen: int, job: JobView, twins: dict[int, int] | None = None
+                   ) -> tuple[Any, list[Order]]:
         """A corruption's verdict (None: a divergence, and the order to stop the job for it).
-        ``redo_gen``: the first generation that redoes the steps after its rollback."""
-        if len(set(digests.values())) < 2:  # not said: each suspect alone, the others agreeing
+        ``redo_gen``: the first generation that redoes the steps after its rollback; ``twins``:
+        the part each rank holds (each twin group judged on its own)."""
+        if not any(len(set(p.values())) > 1 for p in sdc_verdicts.twin_groups(digests, twins)):
+            # not said: each suspect alone, the others agreeing
             world = max(len(job.plan), max(suspects, default=0) + 1)
             digests = {r: (r + 1 if r in suspects else 0) for r in range(world)}
-        verdict = self.sdc_judge.judge(step, digests, self.gens.node_of(), redo_gen)
+            twins = None
+        verdict = self.sdc_judge.judge(step, digests, self.gens.node_of(), redo_gen, twins)
         self.sdc.found[-1]["verdict"] = verdict.kind
         if verdict.kind == sdc_verdicts.CORRUPTION:
             return verdict, []

@@ -7,14 +7,22 @@ replica, at one moment (a corruption: its rank is repaired, the steps since the 
 whose replicas agreed are redone) - or the replicas do not compute the same thing at all: the
 ranks (or hosts) run different code, arguments or data (a divergence). The second is no fault of
 any rank or node: replacing ranks or isolating nodes cannot cure it, and a rollback only replays
-it. So it is told apart, and the job stops with a diagnosis:
+it. So it is told apart, and the job stops with a diagnosis.
 
-- **one replica differs, once**: a corruption. A strict majority agrees and every other rank is
-  alone in its digest; with two replicas (or no majority, each rank alone) which one is right
-  cannot be told, and each is suspect.
-- **replicas split into groups**: two ranks or more agree with each other on parameters other
-  than the largest group's (a 2-2 split; two replicas of five with a learning rate of their
-  own): a bit flip does not make two replicas agree on the same wrong value. A divergence.
+Only ranks that hold the same state are compared: twins (``twins``: the part each rank holds; in
+a sharded or pipelined job, the ranks at the same shard or stage of each replica group). Ranks
+at different parts always hold different parameters: judged as one population, a job whose
+twins all agree would look like camps of replicas agreeing among themselves. So each twin group
+is judged on its own:
+
+- **one replica differs, once**: a corruption. In each twin group that disagrees, a strict
+  majority agrees and every other rank is alone in its digest; with two replicas (or no
+  majority, each rank alone) which one is right cannot be told, and each is suspect. The ranks
+  of the groups that agree are not.
+- **replicas split into groups**: in one twin group, two ranks or more agree with each other on
+  parameters other than the largest group's (a 2-2 split; two replicas of five with a learning
+  rate of their own): a bit flip does not make two replicas agree on the same wrong value. A
+  divergence.
 - **they disagree again after a rollback**: the job rolled back for a corruption, and before any
   comparison agreed again the replicas differ again - with the very digests found before at that
   step (the redone steps came out the same way: after a rollback the step where the mismatch was
@@ -26,7 +34,7 @@ it. So it is told apart, and the job stops with a diagnosis:
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from typing import Iterable, Mapping
 
 CORRUPTION = "corruption"
 DIVERGENCE = "divergence"
@@ -37,7 +45,8 @@ class Verdict:
     kind: str  # CORRUPTION or DIVERGENCE
     step: int
     suspects: tuple[int, ...]  # a corruption's ranks to repair (none for a divergence)
-    groups: tuple[tuple[int, ...], ...]  # the ranks that agree with each other, largest first
+    # the ranks that agree with each other, largest first: in the twin groups that disagree
+    groups: tuple[tuple[int, ...], ...]
     diagnosis: str  # one line (a divergence's: what the job ends with)
 
 
@@ -49,14 +58,32 @@ def groups(digests: dict[int, int]) -> tuple[tuple[int, ...], ...]:
     return tuple(sorted((tuple(g) for g in by.values()), key=lambda g: (-len(g), g[0])))
 
 
-def suspects_of(digests: dict[int, int]) -> tuple[int, ...]:
-    """The ranks outside the strict majority; with none (two replicas, a tie), every rank."""
-    split = groups(digests)
-    if len(split) < 2:
-        return ()
-    if len(split[0]) * 2 > len(digests):
-        return tuple(sorted(r for g in split[1:] for r in g))
-    return tuple(sorted(digests))
+def twin_groups(digests: dict[int, int], twins: Mapping[int, int] | None = None
+                ) -> list[dict[int, int]]:
+    """The digests of each twin group (the ranks holding the same part, ``twins[rank]``; every
+    rank one part without ``twins``), in the order of their lowest rank."""
+    if twins is None:
+        return [dict(digests)] if digests else []
+    by: dict[int, dict[int, int]] = {}
+    for rank in sorted(digests):
+        by.setdefault(twins.get(rank, -1 - rank), {})[rank] = digests[rank]
+    return list(by.values())
+
+
+def suspects_of(digests: dict[int, int], twins: Mapping[int, int] | None = None
+                ) -> tuple[int, ...]:
+    """In each twin group, the ranks outside its strict majority; with none (two replicas, a
+    tie), every rank of that group. The ranks of a group that agrees are never suspect."""
+    out: list[int] = []
+    for part in twin_groups(digests, twins):
+        split = groups(part)
+        if len(split) < 2:
+            continue
+        if len(split[0]) * 2 > len(part):
+            out += [r for g in split[1:] for r in g]
+        else:
+            out += list(part)
+    return tuple(sorted(out))
 
 
 def _ranks(rs: Iterable[int]) -> str:
@@ -81,22 +108,29 @@ class Judge:
             self.pending = self.redo_gen = None
 
     def judge(self, step: int, digests: dict[int, int], node_of: dict[int, int] | None = None,
-              redo_gen: int | None = None) -> Verdict:
-        """A mismatch found at ``step`` among the ranks compared (rank -> digest; at least two
-        distinct). ``node_of`` (rank -> node or host) names where each group runs;
-        ``redo_gen``: the first generation that redoes the steps after the rollback."""
-        split = groups(digests)
-        if len(split) < 2:
+              redo_gen: int | None = None, twins: Mapping[int, int] | None = None) -> Verdict:
+        """A mismatch found at ``step`` among the ranks compared (rank -> digest; two distinct
+        within some twin group). ``node_of`` (rank -> node or host) names where each group
+        runs; ``redo_gen``: the first generation that redoes the steps after the rollback;
+        ``twins`` (rank -> the part it holds): each twin group is judged on its own (None:
+        every rank holds the same state)."""
+        odd = [p for p in twin_groups(digests, twins) if len(set(p.values())) > 1]
+        if not odd:
             raise ValueError(f"the digests at step {step} agree: nothing to judge")
-        suspects = suspects_of(digests)
+        compared = {r: d for p in odd for r, d in p.items()}  # the groups at odds, only
+        split = tuple(sorted((g for p in odd for g in groups(p)), key=lambda g: (-len(g), g[0])))
+        suspects = suspects_of(compared, twins)
         where = _where(split, node_of)
         said = "; ".join(f"{_ranks(g)}{where.get(g, '')} agree with each other" if len(g) > 1
                          else f"{_ranks(g)}{where.get(g, '')} alone" for g in split)
-        replayed = any(_same(before, digests) for before in self.found.get(step, ()))
-        systematic = sum(1 for g in split if len(g) >= 2) >= 2
+        if twins is not None and len(set(twins.values())) > 1:
+            said += (" - among the ranks holding the same part"
+                     if len(odd) == 1 else " - each among the ranks holding the same part")
+        replayed = any(_same(before, compared) for before in self.found.get(step, ()))
+        systematic = any(sum(1 for g in groups(p) if len(g) >= 2) >= 2 for p in odd)
         pending = self.pending
         again = pending is not None and not (len(suspects) == 1 and suspects == pending[1])
-        self.found.setdefault(step, []).append(dict(digests))
+        self.found.setdefault(step, []).append(compared)
         if systematic or replayed or again:
             if replayed:
                 why = (f"redone after a rollback, step {step} came out with the very parameters "
@@ -114,7 +148,7 @@ class Judge:
                 "not, another version of the script or of a library on some hosts). No rank or "
                 "node is at fault: none was isolated for it"))
         self.pending, self.redo_gen = (step, suspects), redo_gen
-        other = "the other replica" if len(digests) == 2 else "their replicas"
+        other = "the other replica" if all(len(p) == 2 for p in odd) else "their replicas"
         return Verdict(CORRUPTION, step, suspects, split,
                        f"{_ranks(suspects)}: parameters differ from {other} at step {step}")
 

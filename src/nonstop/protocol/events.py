@@ -48,7 +48,9 @@ class SkippedCopy:
     offered_by: int | None = None  # the rank that offered the copy
     shard: int | None = None  # a reshard's: the old shard, and the rank that held it
     holder: int | None = None
-    digests: dict[str, int] | None = None  # sdc: every compared rank's digest
+    # sdc: the digest of every rank compared with this one (its twins: the ranks that hold the
+    # same part, at the same step)
+    digests: dict[str, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -204,6 +206,10 @@ class LeftGeneration(RankEvent):
     sdc_step: int | None = None  # sdc: where the replicas' parameters differed...
     suspects: list[int] | None = None  # ...which ranks differ from the others
     digests: list[int] | None = None  # ...every rank's digest
+    # ...the part each rank holds (a sharded or pipelined job's shard or stage): digests are
+    # compared, and judged, among the ranks of one part only (its twins); None: every rank holds
+    # the same state
+    twins: list[int] | None = None
     cuda: CudaFault | None = None
     sdc: DigestChecks | None = None
 
@@ -329,6 +335,9 @@ class SnapshotInterval(RankEvent):
     staged: bool
     write_s: float | None
     skipped: int  # snapshots not taken: the one before was still being written
+    # steps between the replicas' comparisons (detect.sdc) where no snapshot is due (None:
+    # compared at snapshots only)
+    check_every: int | None = None
     slot_bytes: int | None = None  # what one snapshot of rank 0 takes in its node's memory
 
 
@@ -364,7 +373,7 @@ class BitFlipped(RankEvent):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SdcMismatch(RankEvent):
-    """The replicas' digests disagreed at a snapshot, and the policy only reports it."""
+    """The replicas' digests disagreed at a comparison, and the policy only reports it."""
 
     type: ClassVar[str] = "sdc_mismatch"
     gen: int

@@ -112,7 +112,7 @@ class Context:
                     import torch
 
                     torch.manual_seed(step_seed(reseed, step, self.rank))
-                state.compute_s = 0.0
+                state.begin_step()
                 t0 = time.monotonic()
                 yield step
                 if rt is not None and rt.monitor.void_step():

@@ -105,6 +105,12 @@ class State:
         self._t_forward = 0.0
         self._poison = False
         self._last_output: Any = None
+        # whether this step's earlier forward outputs (micro-batches, accumulation) were all
+        # finite: a 0-d flag per device, folded as each next output comes, never read until a
+        # step goes bad (no host sync) - the last output alone said "finite" for a pipeline stage
+        # whose first micro-batch had turned NaN
+        self._finite_before: dict[Any, Any] = {}
+        self._fresh = True  # the next forward is its step's first: start over
         self._prune: set[int] = set()  # optimizers to keep only this rank's shard of, at next step
         self._sharded_opts: dict[int, bool] = {}  # optimizer -> whether its parameters are DTensors
         # FSDP2's reductions carry the NaN verdict (runtime/verdict.py); set by the runtime
@@ -123,23 +129,43 @@ class State:
 
     def _after_forward(self, module: Any, args: Any, output: Any) -> Any:
         self.compute_s += time.perf_counter() - self._t_forward
-        if self._poison:
+        poisoned = self._poison
+        if poisoned:
             self._poison = False
             output = _poisoned(output)
-            self._last_output = _detached(output)
-            return output
+        if self._fresh:
+            self._fresh, self._finite_before = False, {}
+        elif self._last_output is not None:  # another forward of the same step: one pass over
+            self._fold(self._last_output)  # the one before, on its device (none with one forward)
         self._last_output = _detached(output)  # a view, no copy: checked only if a step goes bad
-        return None
+        return output if poisoned else None
 
-    def forward_finite(self) -> bool | None:
-        """Whether this rank's last forward output was finite (None: unknown). Costs a pass over
-        the output, so it is only asked when gradients turned out non-finite."""
+    def _fold(self, out: Any) -> None:
         import torch
 
-        out = self._last_output
-        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+        if isinstance(out, torch.Tensor) and out.is_floating_point():
+            ok = torch.isfinite(out).all()
+            before = self._finite_before.get(out.device)
+            self._finite_before[out.device] = ok if before is None else before & ok
+
+    def begin_step(self) -> None:
+        """A step begins (``ctx.steps``): its forward time and outputs are counted afresh - one
+        redone after a failed generation too."""
+        self.compute_s = 0.0
+        self._fresh = True
+
+    def forward_finite(self) -> bool | None:
+        """Whether every forward output of this rank's step was finite (None: unknown): each
+        micro-batch's, not only the last. Costs a pass over the last output, so it is only
+        asked when gradients turned out non-finite; the step's outputs are then forgotten (it
+        is redone, or the generation ends)."""
+        if self._last_output is not None:
+            self._fold(self._last_output)
+        flags = list(self._finite_before.values())
+        self._last_output, self._finite_before, self._fresh = None, {}, True
+        if not flags:
             return None
-        return bool(torch.isfinite(out).all())
+        return all(bool(f) for f in flags)
 
     def fence(self) -> None:
         """Before the state is changed in place: a snapshot's copy from the GPU under way has
@@ -211,6 +237,7 @@ class State:
 
     def _optimizer_stepped(self, *_: Any) -> None:
         self.dirty = True
+        self._fresh = True  # the next forward is the next step's (with ctx.steps or without)
         if self._on_optimizer_step is not None:
             self._on_optimizer_step()
 

@@ -433,7 +433,8 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
         if reason in ("exception", "cuda_oom", "internal"):
             detail["traceback"] = _user_traceback(exc)[-20000:]
         if isinstance(exc, SilentCorruption):
-            detail.update(sdc_step=exc.step, suspects=exc.suspects, digests=exc.digests)
+            detail.update(sdc_step=exc.step, suspects=exc.suspects, digests=exc.digests,
+                          twins=None if exc.twins is None else list(exc.twins))
         if cuda is not None:
             detail["cuda"] = cuda
         if rt.snapshots is not None and rt.snapshots.digests is not None:

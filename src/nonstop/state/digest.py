@@ -1,11 +1,13 @@
-"""Silent data corruption: the data-parallel replicas' parameters compared before each snapshot.
+"""Silent data corruption: the data-parallel replicas' parameters compared at each snapshot, and
+between snapshots at an interval of their own.
 
 Each rank digests its parameters' bits: a tensor in host memory by xxh3 over its bytes (at memory
 speed: 400 MB in about 0.03 s here), one on a device by a sum of its bits as integers (a tensor
 viewed as words of its own width, summed in 64 bits, on the device: exact, so equal whatever the
 reduction order). Either way bitwise-equal parameters give equal digests on every rank, and a
-single flipped bit always changes it. The ranks gather
-their digests (one integer each) and find the odd ones out. Every agreeing check extends a chain
+single flipped bit always changes it. The ranks gather their digests (with each, what it took
+and the rank's time in the previous gather: the check's own cost) and find the odd ones out -
+in a sharded or pipelined job, each among its twins. Every agreeing check extends a chain
 (SHA-256 over the steps and digests), which the run's summary reports: a certificate that every
 snapshot step's weights agreed across replicas - and a difference, once it exists, persists to
 the next check, so no step in between can have disagreed unseen.
@@ -28,13 +30,16 @@ _MOD = 2**64  # a sum of 64-bit words wraps: every bit of it counts, the top one
 
 
 class SilentCorruption(BaseException):
-    """Raised at a snapshot step when the replicas' parameters differ. A BaseException, like
+    """Raised at a comparison when the replicas' parameters differ. A BaseException, like
     ``Regroup``, so that the script's ``except Exception`` lets it through."""
 
-    def __init__(self, step: int, suspects: list[int], digests: list[int]):
+    def __init__(self, step: int, suspects: list[int], digests: list[int],
+                 twins: tuple[int, ...] | None = None):
         super().__init__(f"the replicas' parameters differ at step {step}: rank(s) "
-                         f"{', '.join(map(str, suspects))} disagree with the others")
+                         f"{', '.join(map(str, suspects))} disagree with "
+                         + ("the others" if twins is None else "their twins"))
         self.step, self.suspects, self.digests = step, suspects, digests
+        self.twins = twins  # the part each rank holds (None: every rank the same)
 
 
 SHARDED = ("sharded parameters (FSDP2, tensor parallel, pipeline stages): each rank holds its own "
@@ -62,20 +67,23 @@ def digest(modules: list[Any]) -> int:
 
     words = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     parts: list[Any] = []  # per tensor, in order: an int (hashed here) or a 0-d tensor (a sum)
-    for m in modules:
-        for p in m.parameters():
-            t = p.detach()
-            if hasattr(t, "to_local"):  # a DTensor (FSDP2, tensor parallel): this rank's shard
-                t = t.to_local()
-            word = words.get(t.element_size())
-            if word is None or t.numel() == 0:
-                continue
-            if t.device.type == "cpu" and t.is_contiguous():
-                # the sum of a 100M-element tensor in 64 bits ran at 0.6 GB/s: a restore of a
-                # 400 MB model waited 0.7 s for it (nonstop bench state)
-                parts.append(xxhash.xxh3_64_intdigest(memoryview(t.reshape(-1).view(torch.uint8).numpy())))
-            else:
-                parts.append(torch.sum(t.view(word), dtype=torch.int64))
+    with torch.no_grad():
+        for m in modules:
+            for p in m.parameters():
+                # a DTensor (FSDP2, tensor parallel): this rank's shard. Its local tensor taken
+                # first, with no autograd: a DTensor's detach() is dispatched as a DTensor op -
+                # 24 small FSDP2 parameters spent 15-22 ms there, 0.6-0.9 ms so (a loaded host)
+                t = p.to_local() if hasattr(p, "to_local") else p.detach()
+                word = words.get(t.element_size())
+                if word is None or t.numel() == 0:
+                    continue
+                if t.device.type == "cpu" and t.is_contiguous():
+                    # the sum of a 100M-element tensor in 64 bits ran at 0.6 GB/s: a restore of
+                    # a 400 MB model waited 0.7 s for it (nonstop bench state)
+                    parts.append(xxhash.xxh3_64_intdigest(
+                        memoryview(t.reshape(-1).view(torch.uint8).numpy())))
+                else:
+                    parts.append(torch.sum(t.view(word), dtype=torch.int64))
     if not parts:
         return 0
     sums = [x for x in parts if not isinstance(x, int)]
@@ -109,6 +117,40 @@ def _odd_twins(digests: list[int], twins: tuple[int, ...]) -> list[int]:
     return sorted(out)
 
 
+def gather_words(words: list[int], world: int) -> list[list[int]]:
+    """Every rank's ``words`` (64-bit integers, as many on every rank), in rank order: one
+    all-gather into one tensor. (``all_gather_single`` is the name torch 2.13 asks for; the one
+    before it, ``all_gather_into_tensor``, printed a FutureWarning in every rank's log. Both the
+    digest check and a mesh's check of its twins gather here.)"""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor(words, dtype=torch.int64)
+    every = torch.zeros(world * len(words), dtype=torch.int64)
+    gather = dist.all_gather_single if hasattr(dist, "all_gather_single") \
+        else dist.all_gather_into_tensor  # (torch before 2.13)
+    gather(every, mine)
+    flat, n = every.tolist(), len(words)
+    return [flat[r * n:(r + 1) * n] for r in range(world)]
+
+
+def check_cost(digest_s: list[float], gather_s: list[float | None]) -> float | None:
+    """What one check costs the job's steps: the slowest rank's digest, and the all-gather as
+    the last rank to reach it measured it - the shortest of the ranks' times in the previous
+    check's gather (``gather_s``). A rank that reached the gather early waited there for a peer
+    still finishing its step (its optimizer step, its snapshot's copy, the host's other work),
+    and would have waited as long at the next collective without any check: on one loaded
+    host that wait was a median of 70-110 ms, in a pipeline and in HSDP alike, three times
+    the gather itself, and counted as the check's cost it spaced the snapshots out by as much.
+    None (not counted) where some rank made no gather yet: the first check of a generation,
+    whose gather holds every wait of the restore before it and whose digest a new process
+    makes first - counted, its cost set every rank's interval (the largest wins) far apart
+    after each replacement."""
+    if not gather_s or any(g is None for g in gather_s):
+        return None
+    return max(digest_s, default=0.0) + min(g for g in gather_s if g is not None)
+
+
 def _all_know() -> None:
     """The replicas differ: wait until every rank holds the digests before any acts on it. A
     rank's all-gather may return while a peer's is still reading what it sent; a rank that then
@@ -135,6 +177,7 @@ class Digests:
         self.report_only = policy.action == "report"
         self.max_share = policy.max_overhead_pct / 100
         self._costs: collections.deque[float] = collections.deque(maxlen=9)
+        self._gather_s: float | None = None  # this rank's time in the last check's all-gather
         self.checks = 0
         self.first_step: int | None = None
         self.last_step: int | None = None
@@ -171,21 +214,24 @@ class Digests:
             return 0.0
         self.uncompared = None
         classes = twins if own else None
-        import torch
-        import torch.distributed as dist
-
         t0 = time.perf_counter()
-        mine = torch.tensor([digest(modules)], dtype=torch.int64)
-        every = torch.zeros(world, dtype=torch.int64)
-        # (the name torch 2.13 asks for; all_gather_into_tensor warned in every rank's log)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(every, mine)
-        digests = every.tolist()
-        spent = time.perf_counter() - t0
-        self._costs.append(spent)
+        mine = digest(modules)
+        t1 = time.perf_counter()
+        # with the digest, what this rank's digest took and its previous gather (ns; -1: none)
+        every = gather_words([mine, round((t1 - t0) * 1e9),
+                              -1 if self._gather_s is None else round(self._gather_s * 1e9)],
+                             world)
+        t2 = time.perf_counter()
+        self._gather_s = t2 - t1
+        spent = t2 - t0
+        digests = [w[0] for w in every]
+        cost = check_cost([w[1] / 1e9 for w in every],
+                          [None if w[2] < 0 else w[2] / 1e9 for w in every])
+        if cost is not None:
+            self._costs.append(cost)
         suspects = odd_ones(digests) if classes is None else _odd_twins(digests, classes)
         if suspects:
-            found = SilentCorruption(step, suspects, digests)
+            found = SilentCorruption(step, suspects, digests, classes)
             _all_know()
             if not self.report_only:
                 raise found
@@ -205,9 +251,10 @@ class Digests:
         if self.last_step is not None and step <= self.last_step:
             self.certified, self.certified_t = step, time.time()
 
-    def interval(self, step_s: float | None) -> int:
-        """The fewest steps between checks that keeps them under their share of step time."""
-        cost = self.cost_s
+    def interval(self, step_s: float | None, cost_s: float | None = None) -> int:
+        """The fewest steps between checks that keeps them under their share of step time
+        (``cost_s``: one check's, agreed by every rank; else this rank's own)."""
+        cost = cost_s if cost_s is not None else self.cost_s
         if not self.enabled or not cost or not step_s:
             return 1
         return max(1, math.ceil(cost / (self.max_share * step_s)))
@@ -215,6 +262,7 @@ class Digests:
     def entered(self) -> None:
         """A generation begins: its checks are counted from here (the chain goes on)."""
         self.checks, self.first_step, self.last_step = 0, None, None
+        self._gather_s = None  # (another world, other peers: measured again)
 
     def stats(self) -> DigestChecks:
         return DigestChecks(checks=self.checks, first_step=self.first_step,

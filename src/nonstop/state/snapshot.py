@@ -86,6 +86,10 @@ class Snapshots:
         self.entry_step = 0
         self.anchor = 0  # the step of the last snapshot due (every rank's alike): the next is K on
         self.recheck: int | None = None  # a step to compare (and snapshot) whatever the interval
+        # steps between the replicas' comparisons (``detect.sdc``) when no snapshot is due, from
+        # the agreed costs (every rank alike: a comparison is a collective); None: compared at
+        # snapshots only, until the costs are agreed
+        self.check_every: int | None = None
         self.last_step: int | None = None  # newest step this process snapshotted
         self.taken = 0
         self.spent_s = 0.0
@@ -158,12 +162,15 @@ class Snapshots:
         was - or, its memory lost meanwhile, to step 0. None held (a memory lost, a new one
         empty) and past step 0: the first step of the generation takes one."""
         known = [s for s in schedules if s]
+        self.check_every = None  # (from what every rank brought, or at snapshots only)
         if known:
             self.every = max(int(s["every"]) for s in known)
             self.last_persist = max(int(s.get("last_persist") or 0) for s in known)
+            costs = [max((s.get(k) or 0.0) for s in known)
+                     for k in ("cost_s", "step_s", "repl_s", "sdc_s", "write_s")]
             if self.auto:
-                self.every = self._interval(*(max((s.get(k) or 0.0) for s in known) for k in
-                                              ("cost_s", "step_s", "repl_s", "sdc_s", "write_s")))
+                self.every = self._interval(*costs)
+            self._space_checks(costs[1], costs[3])
         if from_disk:
             self.last_persist = max(self.last_persist, step)
         self.entry_step = self.anchor = step
@@ -197,10 +204,10 @@ class Snapshots:
 
     def _agree(self, rank: int, world: int) -> tuple[bool, bool]:
         """Every rank at the same step: agree on the interval from the largest costs seen (with
-        ``auto``), and on whether some rank's memory no longer holds its newest snapshot (its
+        ``auto``; the comparisons' too), and on whether some rank's memory no longer holds its newest snapshot (its
         keeper died and came back empty, a write failed): then every rank takes one now, rather
         than up to an interval later - until then a corruption found would have nothing certified
-        to roll back to. Returns (whether the interval changed, whether to snapshot now)."""
+        to roll back to. Returns (whether an interval changed, whether to snapshot now)."""
         import torch
         import torch.distributed as dist
 
@@ -217,7 +224,20 @@ class Snapshots:
         if self.auto:
             every = self._interval(*costs)
             changed, self.every = every != self.every, every
-        return changed, lost_any > 0
+        check_every = self.check_every
+        self._space_checks(costs[1], costs[3])
+        return changed or self.check_every != check_every, lost_any > 0
+
+    def _space_checks(self, step_s: float, sdc_s: float) -> None:
+        """The comparisons' own interval, from the agreed step time and comparison cost (the
+        same on every rank: a comparison is a collective), as often as keeps them under
+        ``detect.sdc.max_overhead_pct``; every snapshot is compared besides. Compared at the
+        snapshots alone, a corruption was found only at the next one, an interval that follows
+        the copy's cost and differs from layout to layout: a flip at step 30 was found at step
+        53 in a pipeline, at 32 in HSDP, of the same model - while a check costs a digest and
+        an all-gather of three words."""
+        if self.digests is not None and step_s > 0:
+            self.check_every = self.digests.interval(step_s, sdc_s)
 
     def _memory_lost(self, rank: int) -> bool:
         """Whether this rank's node memory lost (or never got) its newest snapshot."""
@@ -247,6 +267,9 @@ class Snapshots:
         due = step - self.anchor >= self.every or self._disk_due(step) or step == self.recheck
         if due:
             spent += self._checked_take(state, rank, world, gen, injector)
+        elif self.digests is not None and self.check_every is not None \
+                and step % self.check_every == 0:  # (the same steps on every rank)
+            spent += self.digests.check(state.modules(), step, world, state.twins, state.meshed)
         changed = False  # agreed after the snapshot: its cost is then known
         if step - self.entry_step in TUNE_AFTER or step % RETUNE_EVERY == 0:
             changed, lost = self._agree(rank, world)
@@ -402,7 +425,8 @@ class Snapshots:
                 "repl_s": self.repl_s, "last": self.last_step, "taken": self.taken,
                 "spent_s": round(self.spent_s, 6), "error": self.error,
                 "staged": self._staging is not None, "write_s": self.write_s,
-                "skipped": self.skipped, "slot_bytes": self.slot_bytes}
+                "skipped": self.skipped, "slot_bytes": self.slot_bytes,
+                "check_every": self.check_every}
 
     # -- staged snapshots (state on a GPU) ------------------------------------------------------
     def _stages(self, tensors: list[Any]) -> tuple[bool, Any]:
