@@ -80,3 +80,23 @@ def test_a_host_that_met_a_newer_controller_deposes_this_one(host):
     with pytest.raises(Deposed, match="refused a command"):
         for _ in range(50):
             cluster.poll(0.05)
+
+
+def test_once_training_is_complete_the_jobs_end_goes_out_without_a_lease(host, capsys):
+    """etcd gone for good as the ranks finish: what waited, then the ranks' completion and the
+    job's end go out, in order - no successor could decide otherwise - and nothing claims the
+    lease was confirmed."""
+    cluster, agent = host
+    cluster.in_office = lambda: False
+    cluster.tell(0, m.Abort(gen=3, wids=[1]))
+    cluster.poll(0.05)
+    assert _received(agent) == []
+    cluster.completed = lambda: True
+    cluster.poll(0.05)
+    cluster.tell(0, m.End(code=0))
+    got = _received(agent)
+    assert [type(x) for x in got] == [m.Abort, m.End] and got[0].gen == 3
+    err = capsys.readouterr().err
+    assert "the job is ending: 1 order(s) that waited go out" in err
+    assert "lease is confirmed" not in err
+

@@ -94,7 +94,11 @@ class Cluster:
         self.health = RemoteHealth()  # each host's agent runs its own checks
         self._readers = Readers(self._deliver, self._reconnect, self._stop)
         self.in_office: Callable[[], bool] = lambda: True  # provably still the controller
-        self.giving_up = False  # the job ends (etcd away too long): its orders go out anyway
+        # orders that go out without a confirmed lease, since no successor could decide
+        # otherwise: once training is complete for every rank (a successor finds the ranks done
+        # and ends the job the same way), and the job's end after etcd was away too long
+        self.completed: Callable[[], bool] = lambda: False
+        self.giving_up = False
         self._held_orders: list[tuple[int, m.Order]] = []
 
     # == hosts ==================================================================================
@@ -178,8 +182,12 @@ class Cluster:
                 return node
         return None
 
+    def _unleashed(self) -> bool:
+        """Whether orders go out without a confirmed lease: the job is ending."""
+        return self.giving_up or self.completed()
+
     def _to(self, node: int, order: m.Order) -> None:
-        if not (self.giving_up or self.in_office()):
+        if not (self._unleashed() or self.in_office()):
             # it cannot prove its lease still holds (its host was frozen, etcd is away): a
             # successor may be in office, so nothing goes out until the lease is confirmed
             if not self._held_orders:
@@ -336,10 +344,12 @@ class Cluster:
             self._on_message(node, msg)
         if self.on_tick is not None:
             self.on_tick()
-        if self._held_orders and (self.giving_up or self.in_office()):
+        if self._held_orders and (self._unleashed() or self.in_office()):
             held, self._held_orders = self._held_orders, []
-            print(f"nonstop: the controller's lease is confirmed: {len(held)} order(s) that "
-                  "waited go out", file=sys.stderr, flush=True)
+            why = ("the job is ending" if self._unleashed() else
+                   "the controller's lease is confirmed")
+            print(f"nonstop: {why}: {len(held)} order(s) that waited go out", file=sys.stderr,
+                  flush=True)
             for node, order in held:
                 self._to(node, order)
         exited, self._exited = self._exited, []
