@@ -100,3 +100,20 @@ def test_once_training_is_complete_the_jobs_end_goes_out_without_a_lease(host, c
     assert "the job is ending: 1 order(s) that waited go out" in err
     assert "lease is confirmed" not in err
 
+
+def test_a_host_that_answers_as_another_incarnation_is_not_taken_for_the_old_one(host):
+    """The host fenced itself and registered again before our hello reached it: its answer is
+    the new incarnation's. Nothing of it is adopted for the old one, and nothing meant for the
+    old one reaches it: the old one is given up, the new one joins as a new host."""
+    cluster, agent = host
+    agent.send(m.encode(m.State(host="h0", incarnation="b", workers=[
+        m.HostWorker(wid=4, pid=1, alive=False, code=-9)])))
+    for _ in range(20):
+        cluster.poll(0.05)
+        if cluster.links[0].moved_on:
+            break
+    link = cluster.links[0]
+    assert link.moved_on and link.state is None and not cluster.host_up(0)
+    assert 4 not in cluster.procs
+    cluster.tell(0, m.Abort(gen=3, wids=[1]))
+    assert _received(agent) == []

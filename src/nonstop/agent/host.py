@@ -111,7 +111,13 @@ class HostAgent:
             raise UsageError(f"etcd at {_endpoints(cfg.endpoints)} refused us: {exc}") from None
         # the host is counted as soon as it can be (before torch is imported, which takes a
         # second or more): a host that joins a full job learns it from the others at once
-        self.listener = listener.Listener(cfg.addr, self.secret, on_refused=self._refused)
+        # A controller that takes nothing from this host for a lease's TTL is cut off (its lease
+        # lapses) or stalled: a send to it must not hold up this host's loop longer (with the
+        # default 30 s a cut controller's channel, its buffers full, kept this host from
+        # answering its successor's hello, and from fencing itself). The channel closes; a
+        # live controller connects again and is told what it missed.
+        self.listener = listener.Listener(cfg.addr, self.secret, on_refused=self._refused,
+                                          stall_timeout_s=cfg.lease_ttl_s + 1.0)
         rdzv_sock = bound_socket(cfg.addr)
         self.rdzv_port = rdzv_sock.getsockname()[1]
         emergency = cfg.rules.state.emergency

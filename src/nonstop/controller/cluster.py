@@ -57,6 +57,9 @@ class HostLink:
     heard: float | None = None  # time.monotonic() of its newest frame
     stopped: set[int] = dataclasses.field(default_factory=set)
     state: m.State | None = None  # its answer to our hello
+    # its host answered as another incarnation (it fenced itself and joined again): this one is
+    # gone for good, and nothing meant for it may reach the new one (given up at once)
+    moved_on: bool = False
 
 
 class Cluster:
@@ -131,7 +134,7 @@ class Cluster:
         """The channel to a host broke: the agent may be fine (our link was not), so it is
         connected again, in a thread of its own, until it is or the host is lost."""
         def run() -> None:
-            while not self._stop.is_set() and not link.lost:
+            while not self._stop.is_set() and not link.lost and not link.moved_on:
                 time.sleep(RECONNECT_S)
                 try:
                     self._connect(link, timeout_s=2.0)
@@ -196,7 +199,7 @@ class Cluster:
             self._held_orders.append((node, order))
             return
         link = self.links.get(node)
-        if link is None or link.lost or link.ch is None:
+        if link is None or link.lost or link.moved_on or link.ch is None:
             return
         try:
             link.ch.send(m.encode(dataclasses.replace(order, epoch=self.epoch)))
@@ -293,7 +296,7 @@ class Cluster:
         """Whether the node's host is in the job and its agent reachable: then its ranks and its
         memory dying together is not the host lost (its lease says when that is)."""
         link = self.links.get(node)
-        return link is not None and not link.lost and not link.unreachable
+        return link is not None and not link.lost and not link.unreachable and not link.moved_on
 
     def failure_domain(self, node: int) -> str:
         """The failure domain its host registered with (``--failure-domain``; else the host)."""
@@ -362,7 +365,14 @@ class Cluster:
             msg()
             return
         link = self.links.get(node)
-        if link is None or link.lost:
+        if link is None or link.lost or link.moved_on:
+            return
+        if isinstance(msg, m.State) and msg.incarnation != link.rec.incarnation:
+            # its host fenced itself and offers itself again: what it runs now is not this
+            # incarnation's, and it joins as a new host once this one is given up
+            link.moved_on = True
+            if link.ch is not None:
+                link.ch.close()
             return
         if msg.now is not None:
             link.offset = time.time() - msg.now
@@ -514,7 +524,7 @@ class Cluster:
         """Ask one host and wait for its answer (None: no answer in time, or none to come: the
         host cannot be connected to)."""
         link = self.links.get(node)
-        if link is None or link.lost or link.unreachable:
+        if link is None or link.lost or link.unreachable or link.moved_on:
             return None
         self._req += 1
         rid = self._req

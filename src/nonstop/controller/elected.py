@@ -22,7 +22,7 @@ from typing import Any
 from ..protocol import hosts as keys
 from ..protocol import messages as m
 from .phase import Phase
-from ..decide import takeover
+from ..decide import places, takeover
 from ..launch.config import HostConfig
 from .journal import Journal
 
@@ -185,7 +185,8 @@ class Leader:
         self.journal = Journal(etcd, self.epoch)
         self._pending: keys.JournalRecord | None = None  # the journal to write next
         self._worker: threading.Thread | None = None
-        self._joining: set[tuple[str, str]] = set()
+        self._joining: set[tuple[str, str]] = set()  # hosts being joined or turned away
+        self._connecting: set[tuple[str, str]] = set()  # ...being joined: their places taken
         self.controller: Any = None
         self._status: str | None = None  # the newest status record, to put in etcd
         self._vanished: dict[int, float] = {}  # node -> since when its record is gone from etcd
@@ -594,12 +595,19 @@ class Leader:
         (the host, registering again, checks the same key) - and only then here."""
         now = time.monotonic()
         grace = self.cfg.lease_ttl_s + REGISTER_AGAIN_S
+        held = [(link.rec.host_id, link.rec.incarnation) for link in cluster.links.values()
+                if not link.lost]
+        # a host that registered again as a new incarnation, or answers as one, has left its
+        # older incarnation behind for good: no grace for that one (decide/places.py)
+        renewed = set(places.superseded(held, alive))
         for node, link in list(cluster.links.items()):
-            if link.lost or (link.rec.host_id, link.rec.incarnation) in alive:
+            key = (link.rec.host_id, link.rec.incarnation)
+            if link.lost or key in alive:
                 self._vanished.pop(node, None)
                 continue
             since = self._vanished.setdefault(node, now)
-            if link.heard is not None and now - link.heard < HEARD_S and now - since < grace:
+            if link.heard is not None and now - link.heard < HEARD_S and now - since < grace \
+                    and key not in renewed and not link.moved_on:
                 continue  # it speaks: its lease lapsed, it registers again
             if self._give_up(link.rec.host_id, link.rec.incarnation):
                 self._vanished.pop(node, None)
@@ -632,18 +640,19 @@ class Leader:
         """Hosts that joined are connected (in the background) and become spare nodes (those
         whose record went are judged by ``_give_up_vanished``)."""
         known = {(link.rec.host_id, link.rec.incarnation) for link in cluster.links.values()}
-        room = self.cfg.nnodes_max + self.cfg.spare_nodes - \
-            sum(1 for link in cluster.links.values() if not link.lost)
-        for key, rec in alive.items():
-            if key in known or key in self._joining:
-                continue
+        held = [(link.rec.host_id, link.rec.incarnation) for link in cluster.links.values()
+                if not link.lost]
+        new = [key for key in alive if key not in known and key not in self._joining]
+        admission = places.admit(self.cfg.nnodes_max + self.cfg.spare_nodes,
+                                 held + sorted(self._connecting), new)
+        for key in admission.turn_away:  # it registered before it could see the job was full
             self._joining.add(key)
-            if room <= 0:  # it registered before it could see the job was full
-                threading.Thread(target=self._turn_away, args=(key, rec), daemon=True).start()
-                continue
-            room -= 1
-            threading.Thread(target=self._connect_new, args=(key, rec, cluster), daemon=True,
-                             name="nonstop-join").start()
+            threading.Thread(target=self._turn_away, args=(key, alive[key]), daemon=True).start()
+        for key in admission.join:  # (one that waits for its older incarnation's place: later)
+            self._joining.add(key)
+            self._connecting.add(key)
+            threading.Thread(target=self._connect_new, args=(key, alive[key], cluster),
+                             daemon=True, name="nonstop-join").start()
 
     def _turn_away(self, key: tuple[str, str], rec: keys.HostRecord) -> None:
         """Tell a host that registered into a full job to end (exit 2). Not reached (its agent
@@ -683,10 +692,16 @@ class Leader:
         except Exception as exc:  # noqa: BLE001 - tried again at the next look
             print(f"nonstop: host {rec.host_id} joined but cannot be reached yet: {exc}",
                   file=sys.stderr, flush=True)
-            self._joining.discard(key)
+
+            def failed() -> None:  # tried again at the next look
+                self._connecting.discard(key)
+                self._joining.discard(key)
+
+            cluster.call(failed)
             return
 
         def joined() -> None:
+            self._connecting.discard(key)
             self._joining.discard(key)
             # a node never used: not one the job holds, lost or isolated (after a takeover the
             # lost ones are in no link: the new host was given a lost node's number, isolated)
