@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import TRAIN, bitwise_equal
 
+from nonstop.store.etcd import Etcd, StoreError
 from nonstop.store.etcd_server import EtcdCluster
 
 pytestmark = pytest.mark.integration
@@ -90,6 +91,12 @@ def test_etcd_whose_disk_fills_ends_a_finished_job_with_its_final_save(tmp_path,
             time.sleep(0.05)
         before = len(out.read_bytes())  # (a loaded machine may delay a lease before)
         _fill(small_fs)
+        with Etcd([("127.0.0.1", etcd.members[0].client_port)], "filler", timeout_s=1.0) as e:
+            for i in range(4):  # a write of its own to commit: etcd meets the full disk now
+                try:
+                    e.put(f"x{i}", b"\0" * 65536)
+                except StoreError:
+                    break
         deadline = time.monotonic() + 30  # etcd stops at its next commit to the full disk
         while etcd.members[0].running:
             assert time.monotonic() < deadline, "etcd did not stop on its full disk"
