@@ -23,7 +23,9 @@ from nonstop.store.etcd_server import EtcdCluster
 pytestmark = pytest.mark.integration
 
 SECRET = "store-failure-secret-0123456789abcdef"
-STEPS = 200
+# the job of tests/test_recovery.py (its reference serves here too: the sleep changes no number),
+# slowed so that training outlives etcd by seconds
+WORLD, STEPS, SLEEP_MS = 3, 40, 300
 
 
 @pytest.fixture
@@ -79,14 +81,14 @@ def test_etcd_whose_disk_fills_ends_a_finished_job_with_its_final_save(tmp_path,
     saved = tmp_path / "final.pt"
     cmd = [sys.executable, "-m", "nonstop", "run", "--no-live", "--node-addr", "127.0.0.1",
            "--node-id", "h0", f"--run-dir={run_dir}", "--rdzv-endpoint", etcd.url,
-           "--rdzv-id", "full-disk", "--nnodes", "1", "--nproc-per-node", "2", str(TRAIN),
-           "--steps", str(STEPS), "--sleep-ms", "40", "--save", str(saved)]
+           "--rdzv-id", "full-disk", "--nnodes", "1", "--nproc-per-node", str(WORLD), str(TRAIN),
+           "--steps", str(STEPS), "--sleep-ms", str(SLEEP_MS), "--save", str(saved)]
     with open(out, "wb") as fh:
         proc = subprocess.Popen(cmd, env=dict(os.environ, NONSTOP_JOB_SECRET=SECRET),
                                 stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while _step(out.read_text(errors="replace")) < 20:
+        while _step(out.read_text(errors="replace")) < 3:
             assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
             time.sleep(0.05)
         before = len(out.read_bytes())  # (a loaded machine may delay a lease before)
@@ -114,7 +116,8 @@ def test_etcd_whose_disk_fills_ends_a_finished_job_with_its_final_save(tmp_path,
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     (done,) = [e for e in events if e["type"] == "training_complete"]
     assert done["t"] > t_stopped, "training completed before etcd stopped: nothing was tested"
-    assert saved.exists() and bitwise_equal(saved, reference(2, "--steps", str(STEPS)))
+    assert saved.exists() and bitwise_equal(saved, reference(WORLD, "--steps", str(STEPS),
+                                                             "--sleep-ms", str(SLEEP_MS)))
     endpoint = etcd.members[0].endpoint
     after = out.read_bytes()[before:].decode(errors="replace")
     said = [x for x in after.splitlines() if endpoint in x and not x.startswith("nonstop summary")]

@@ -127,9 +127,10 @@ class NotRejoined(Exception):
 def judge(error: str | None, codes: dict[int, int | None], saved: list[Path],
           outside: list[int], ref_code: int | None, reference: Path) -> tuple[bool, bool]:
     """(completed, the weights match): the job completed when nothing went wrong in the harness,
-    one final save exists and every host still in the job ended with 0 - a host that could not
-    rejoin (``outside``: its slot; turned away, exit 2, or left waiting) is a finding of its
-    own, not a failed job. The weights are compared whenever the job saved them."""
+    one final save exists and every host still in the job ended with 0 - a host that was not
+    (``outside``: its slot; one that could not rejoin, turned away or left waiting, or a new
+    machine started after the job had ended) is a finding of its own, not a failed job. The
+    weights are compared whenever the job saved them."""
     completed = error is None and bool(codes) and len(saved) == 1 and \
         all(c == 0 for i, c in codes.items() if i not in outside)
     match = len(saved) == 1 and ref_code == 0 and common.params_equal(reference, saved[0])
@@ -415,6 +416,7 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
     events: list[dict[str, Any]] = []
     outside: list[int] = []  # slots whose host could not rejoin the job
     rejoin_failed: list[dict[str, Any]] = []
+    late_hosts: list[str] = []  # started after the job had ended (a fault fired near its end)
     left_in_hosts: list[int] = []
     zombies: list[int] = []
     names: dict[int, str] = {}
@@ -464,6 +466,11 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
                     "host": j.names.get(i, f"host{i}"), "exit_code": codes.get(i),
                     "why": "turned away: the job was full" if "the most it takes" in text
                     else "not taken in before the job ended"})
+            # a lost host's new machine that started as the job ended was refused for that
+            late = [i for i, c in codes.items() if c == 2 and i not in outside
+                    and "has already ended" in j.output(i)]
+            late_hosts = [j.names.get(i, f"host{i}") for i in late]
+            outside += late
             if error is None:  # what the job left behind (after an error the hosts are ended)
                 left_in_hosts = sorted({p for i in range(slots) for p in j.hosts[i].pids()})
             zombies = h.zombie_joined()
@@ -512,7 +519,7 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
     return {
         "scenario": "chaos", "seed": seed, "faults": faults, "hosts": hosts,
         "ranks_per_host": per_host, "completed": completed, "params_match_reference": match,
-        "rejoin_failed": rejoin_failed,
+        "rejoin_failed": rejoin_failed, "late_hosts": late_hosts,
         "incidents_closed": sum(1 for i in incidents if i.get("outcome") == "recovered"),
         "incidents": len(incidents), "summary_incidents": last.get("incidents"),
         "incidents_with_phases": sum(1 for i in incidents if i.get("phases_s")),
