@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from nonstop.bench.chaos_hosts import FIRST, HOST_KINDS, KILLS_HOST, RANK_KINDS, gap, schedule
+from nonstop.bench.chaos_hosts import (FIRST, HOST_KINDS, KILLS_HOST, RANK_KINDS, gap, judge,
+                                       schedule)
 
 
 def test_the_schedule_is_the_seeds_and_gives_every_kind_before_a_repeat():
@@ -38,6 +39,24 @@ def test_the_schedule_is_the_seeds_and_gives_every_kind_before_a_repeat():
     assert set(KILLS_HOST) <= set(HOST_KINDS)
 
 
+def test_a_host_that_could_not_rejoin_is_told_from_a_failed_job(tmp_path):
+    """The soak's verdict: a job that finished with the fault-free weights is completed even
+    when a host could not rejoin (turned away: exit 2) - that is a finding of its own - and the
+    weights are compared whether or not the job completed."""
+    import torch
+
+    ref, same, other = tmp_path / "ref.pt", tmp_path / "same.pt", tmp_path / "other.pt"
+    torch.save({"w": torch.arange(4.0)}, ref)
+    torch.save({"w": torch.arange(4.0)}, same)
+    torch.save({"w": torch.arange(4.0) + 1}, other)
+    codes = {0: 0, 1: 2, 2: 0}  # slot 1: its healed host turned away
+    assert judge(None, codes, [same], [1], 0, ref) == (True, True)
+    assert judge(None, codes, [same], [], 0, ref) == (False, True)  # a host that failed
+    assert judge(None, {0: 0, 1: 0, 2: 1}, [same], [1], 0, ref) == (False, True)
+    assert judge("TimeoutError: ...", codes, [other], [1], 0, ref) == (False, False)
+    assert judge(None, {0: 0, 1: 0, 2: 0}, [], [], 0, ref) == (False, False)  # nothing saved
+
+
 @pytest.mark.integration
 def test_faults_of_the_outside_world_leave_the_weights_and_nothing_behind(test_hosts, tmp_path):
     # seed 25: the launcher of the controller's own host killed (a takeover, its ranks moved to
@@ -50,6 +69,7 @@ def test_faults_of_the_outside_world_leave_the_weights_and_nothing_behind(test_h
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert out.returncode == 0, out.stderr[-4000:]
     assert result["completed"] and result["params_match_reference"], result
+    assert result["rejoin_failed"] == [], result
     assert result["orphans"] == 0 and result["shm_left"] == [] and result["zombies_joined"] == []
     assert {k: v["fired"] for k, v in result["by_kind"].items()} == dict.fromkeys(kinds.split(","), 1)
     assert result["hosts_restarted"] == 1 and result["takeovers"] >= 1, result

@@ -80,3 +80,40 @@ def test_a_host_that_met_a_newer_controller_deposes_this_one(host):
     with pytest.raises(Deposed, match="refused a command"):
         for _ in range(50):
             cluster.poll(0.05)
+
+
+def test_once_training_is_complete_the_jobs_end_goes_out_without_a_lease(host, capsys):
+    """etcd gone for good as the ranks finish: what waited, then the ranks' completion and the
+    job's end go out, in order - no successor could decide otherwise - and nothing claims the
+    lease was confirmed."""
+    cluster, agent = host
+    cluster.in_office = lambda: False
+    cluster.tell(0, m.Abort(gen=3, wids=[1]))
+    cluster.poll(0.05)
+    assert _received(agent) == []
+    cluster.completed = lambda: True
+    cluster.poll(0.05)
+    cluster.tell(0, m.End(code=0))
+    got = _received(agent)
+    assert [type(x) for x in got] == [m.Abort, m.End] and got[0].gen == 3
+    err = capsys.readouterr().err
+    assert "the job is ending: 1 order(s) that waited go out" in err
+    assert "lease is confirmed" not in err
+
+
+def test_a_host_that_answers_as_another_incarnation_is_not_taken_for_the_old_one(host):
+    """The host fenced itself and registered again before our hello reached it: its answer is
+    the new incarnation's. Nothing of it is adopted for the old one, and nothing meant for the
+    old one reaches it: the old one is given up, the new one joins as a new host."""
+    cluster, agent = host
+    agent.send(m.encode(m.State(host="h0", incarnation="b", workers=[
+        m.HostWorker(wid=4, pid=1, alive=False, code=-9)])))
+    for _ in range(20):
+        cluster.poll(0.05)
+        if cluster.links[0].moved_on:
+            break
+    link = cluster.links[0]
+    assert link.moved_on and link.state is None and not cluster.host_up(0)
+    assert 4 not in cluster.procs
+    cluster.tell(0, m.Abort(gen=3, wids=[1]))
+    assert _received(agent) == []

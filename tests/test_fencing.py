@@ -29,6 +29,7 @@ class FakeLease:
         self.on_lost: Callable[[], None] | None = None
         self.on_doubt: Callable[[bool], None] | None = None
         self.kept = self.stopped = self.revoked = False
+        self.failure: str | None = None  # why its refreshes fail (the real lease's)
 
     def keepalive(self, on_lost: Callable[[], None] | None = None,
                   on_doubt: Callable[[bool], None] | None = None) -> None:

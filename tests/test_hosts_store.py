@@ -7,6 +7,7 @@ acts on nothing. Each run ends with the fault-free weights."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -14,7 +15,7 @@ from conftest import TRAIN, bitwise_equal
 
 from nonstop.bench import netns
 from nonstop.bench.hostjob import HostJob
-from nonstop.bench.hosts import _wait_etcd
+from nonstop.bench.hosts import _etcd, _wait_etcd
 from nonstop.protocol import hosts as keys
 
 pytestmark = pytest.mark.integration
@@ -172,3 +173,84 @@ def test_the_controllers_host_frozen_and_woken_steps_down_and_orders_nothing(job
     # frozen, fenced itself and its controller with it
     assert "fenced (the job gave this host up" in out
     assert not [e for e in j.of("decision") if e["t"] < leaders[1]["t"]]
+
+
+def _lease_of(j: HostJob, key: str) -> int:
+    """The lease a key of the job is held under in etcd."""
+    import base64
+    import json
+    import urllib.request
+
+    raw = base64.b64encode(f"/nonstop/{j.job_id}/{key}".encode()).decode()
+    req = urllib.request.Request(f"{j.etcd.members[0].client_url}/v3/kv/range",
+                                 data=json.dumps({"key": raw}).encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=5) as r:
+        (kv,) = json.loads(r.read())["kvs"]
+    return int(kv["lease"])
+
+
+def test_the_controllers_host_cut_off_and_healed_rejoins_as_a_spare(job, reference):
+    """The controller's host cut off; it fences itself. A standby takes office while that
+    host's old record is still in etcd, so it holds the old incarnation as a host of the job and
+    says hello to it - and the host, healed, registers again as a new incarnation and answers
+    that hello as the new one. The old incarnation is given up at once and the new one joins as a
+    spare host (before, it was turned away: 'already has 3 host(s)'): the job has its spare
+    again, and ends with the fault-free weights. The order is pinned from outside: the cut
+    host's leases kept alive in etcd (as when their last refreshes reached etcd just before the
+    cut) until it fenced itself, then the controller's revoked; the host healed but kept from
+    etcd (a blackhole route) until the new controller has said hello to it."""
+    j = job(3)
+    _start(j, 3, "--spare-nodes", "1", sleep_ms=40)
+    _until_step(j, 30, 120)
+    name = j.of("leader")[0]["host"]
+    victim = int(name.removeprefix("host"))
+    with _etcd(j) as etcd:
+        old = keys.HostRecord.loads(etcd.get(keys.host_key(name))[0]).incarnation
+    leader_lease = _lease_of(j, keys.LEADER)
+    leases = {_lease_of(j, keys.host_key(name)): threading.Event(),
+              leader_lease: threading.Event()}
+
+    def keep_alive() -> None:
+        with _etcd(j) as etcd:
+            while not all(done.is_set() for done in leases.values()):
+                for lease, done in leases.items():
+                    if not done.is_set():
+                        try:
+                            etcd.keepalive_once(lease, time.monotonic() + 1.0)
+                        except Exception:  # noqa: BLE001 - asked again
+                            pass
+                time.sleep(0.3)
+
+    keeper = threading.Thread(target=keep_alive, daemon=True)
+    keeper.start()
+    host = j.hosts[victim]
+    route = ["ip", "route", "add", "blackhole", f"{j.etcd_hosts[0].addr}/32"]
+    try:
+        host.cut()
+        j.wait_output("fenced (it reaches neither etcd nor any other host)", 60, hosts=[victim])
+        host.run(route, timeout=10, check=True)
+        host.heal()
+        leases[leader_lease].set()
+        with _etcd(j) as etcd:
+            epoch = etcd.leader(keys.LEADER)[1]
+            etcd.revoke_lease(leader_lease)  # (its controller was ended with the fence)
+            deadline = time.monotonic() + 60
+            while (etcd.leader(keys.LEADER) or ("", epoch))[1] == epoch:  # a standby in office
+                assert time.monotonic() < deadline, "no controller took office"
+                time.sleep(0.02)
+        time.sleep(1.5)  # it has read the job's hosts and said hello to the healed one
+    finally:
+        for done in leases.values():
+            done.set()
+        keeper.join(10)
+        host.run(["ip", "route", "del", *route[3:]], timeout=10)
+        host.heal()
+    _wait_etcd(j, "the healed host taken in by the new controller", lambda etcd: any(
+        h.host == name and h.incarnation != old
+        for h in keys.JournalRecord.loads(etcd.get(keys.JOURNAL)[0]).nodes.values()), 60)
+    _finished(j, 3, reference)
+    out = j.output(victim)
+    assert "the most it takes" not in out and out.count("fenced") == 1, out[-3000:]
+    second = j.of("leader")[1]
+    assert name in second["hosts"] and second["takeover"], second
+    assert [e for e in j.events() if e["type"] == "node_joined" and e["t"] > second["t"]]

@@ -34,6 +34,8 @@ class EtcdSilent:
     """etcd has not refreshed this host's lease for a whole TTL: the judgement begins (said once
     per silence)."""
 
+    failure: str | None = None  # what the lease's refreshes met (``host:port: cause``)
+
 
 @dataclasses.dataclass(frozen=True)
 class Rejoined:
@@ -128,7 +130,7 @@ class Membership:
         self.peers: list[Peer] = []  # the other hosts' agents, as last read
         self.peer_names: dict[str, str] = {}  # address -> host id, as etcd lists the hosts
         self.doubt_since: float | None = None  # etcd unreachable since (clock)
-        self._silent = False  # a silence began that poll has not told yet
+        self._silent: EtcdSilent | None = None  # a silence began that poll has not told yet
         self._lost = threading.Event()  # etcd says the lease expired
         self._round = 0  # a fence starts a new round: a thread of an older one is ignored
         self._rejoiner: threading.Thread | None = None  # registering again after a lapse
@@ -183,6 +185,9 @@ class Membership:
         """The agent ends: its record goes now (or with its lease, etcd gone)."""
         if self.lease is None:
             return
+        if self.doubt_since is not None:  # etcd out of reach: not waited for again
+            self.lease.stop()
+            return
         try:
             self.lease.revoke()
         except Exception:  # noqa: BLE001 - etcd gone: the lease expires by itself
@@ -194,9 +199,9 @@ class Membership:
         whether this host holds ranks now (a host that holds none has nothing to lose by a
         fence)."""
         out: list[Verdict] = []
-        if self._silent:
-            self._silent = False
-            out.append(EtcdSilent())
+        silent, self._silent = self._silent, None
+        if silent is not None:
+            out.append(silent)
         given_up, self._given_up = self._given_up, None
         verdict: Verdict | None = None
         if given_up is not None and given_up == self.incarnation:
@@ -220,7 +225,7 @@ class Membership:
         self._round += 1
         self._lost.clear()
         self.doubt_since = None
-        self._silent = False
+        self._silent = None
         self._probed = None
         self._rejoiner, self._rejoined = None, None
 
@@ -235,7 +240,8 @@ class Membership:
         host alone, the job has given this host up: which one is told by the peers."""
         self.doubt_since = self._clock() if doubt else None
         if doubt:
-            self._silent = True
+            lease = self.lease
+            self._silent = EtcdSilent(lease.failure if lease is not None else None)
         self._wake()
 
     # == a lease lapsed ========================================================================

@@ -111,7 +111,13 @@ class HostAgent:
             raise UsageError(f"etcd at {_endpoints(cfg.endpoints)} refused us: {exc}") from None
         # the host is counted as soon as it can be (before torch is imported, which takes a
         # second or more): a host that joins a full job learns it from the others at once
-        self.listener = listener.Listener(cfg.addr, self.secret, on_refused=self._refused)
+        # A controller that takes nothing from this host for a lease's TTL is cut off (its lease
+        # lapses) or stalled: a send to it must not hold up this host's loop longer (with the
+        # default 30 s a cut controller's channel, its buffers full, kept this host from
+        # answering its successor's hello, and from fencing itself). The channel closes; a
+        # live controller connects again and is told what it missed.
+        self.listener = listener.Listener(cfg.addr, self.secret, on_refused=self._refused,
+                                          stall_timeout_s=cfg.lease_ttl_s + 1.0)
         rdzv_sock = bound_socket(cfg.addr)
         self.rdzv_port = rdzv_sock.getsockname()[1]
         emergency = cfg.rules.state.emergency
@@ -419,10 +425,14 @@ class HostAgent:
         """What the host's membership in etcd says happened, done."""
         host = self.cfg.host_id
         match verdict:
-            case EtcdSilent():
-                print(f"nonstop: host {host} cannot reach etcd at "
-                      f"{_endpoints(self.cfg.endpoints)} (lease not refreshed for "
-                      f"{self.cfg.lease_ttl_s} s)", file=sys.stderr, flush=True)
+            case EtcdSilent(failure=failure):
+                # the controller in office says it for the job, on its host's console: said
+                # once there
+                if not self._office_here():
+                    print(f"nonstop: host {host} cannot reach etcd "
+                          f"({failure or 'no answer from ' + _endpoints(self.cfg.endpoints)}; "
+                          f"its lease not refreshed for {self.cfg.lease_ttl_s} s)",
+                          file=sys.stderr, flush=True)
             case Rejoined():
                 print(f"nonstop: host {host}: its lease in etcd had lapsed (etcd paused or "
                       "restarted?); registered again: its ranks train on", file=sys.stderr,
@@ -438,6 +448,11 @@ class HostAgent:
             case JobEnded(code=code):
                 self.agent.end_all(0.0)
                 self.code = code
+
+    def _office_here(self) -> bool:
+        """Whether the controller in office runs on this host (its lines are this console's)."""
+        ch = self.office_ch
+        return ch is not None and bool(ch.peer) and ch.peer[0] == self.cfg.addr
 
     def _fence(self, why: str) -> None:
         """The job has moved on without this host (it gave it up, or it is cut off). Its

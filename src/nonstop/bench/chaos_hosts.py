@@ -115,6 +115,28 @@ def schedule(seed: int, faults: int, world: int, slots: int,
     return out
 
 
+class NotRejoined(Exception):
+    """A host of the job was not back in it (a lost one as a new host) before the job ended or
+    within the wait: the harness fires no more faults and lets the job finish."""
+
+    def __init__(self, hosts: list[str], why: str):
+        super().__init__(f"host(s) {', '.join(hosts) or '?'} not back in the job: {why}")
+        self.hosts = hosts
+
+
+def judge(error: str | None, codes: dict[int, int | None], saved: list[Path],
+          outside: list[int], ref_code: int | None, reference: Path) -> tuple[bool, bool]:
+    """(completed, the weights match): the job completed when nothing went wrong in the harness,
+    one final save exists and every host still in the job ended with 0 - a host that was not
+    (``outside``: its slot; one that could not rejoin, turned away or left waiting, or a new
+    machine started after the job had ended) is a finding of its own, not a failed job. The
+    weights are compared whenever the job saved them."""
+    completed = error is None and bool(codes) and len(saved) == 1 and \
+        all(c == 0 for i, c in codes.items() if i not in outside)
+    match = len(saved) == 1 and ref_code == 0 and common.params_equal(reference, saved[0])
+    return completed, match
+
+
 class Harness:
     """One job across test hosts and the faults of the outside world thrown at it."""
 
@@ -172,8 +194,28 @@ class Harness:
         raise TimeoutError(f"{what} not within {timeout_s:g} s")
 
     def settled(self) -> None:
-        """Every host of the job back (a lost one as a new host) and taken in by the controller."""
-        self.wait("every host in the job", lambda: self.hosts_in_job() == self.slots)
+        """Every host of the job back (a lost one as a new host) and taken in by the controller;
+        ``NotRejoined`` otherwise."""
+        try:
+            self.wait("every host in the job", lambda: self.hosts_in_job() == self.slots)
+        except (RuntimeError, TimeoutError) as exc:
+            raise NotRejoined([self.j.names.get(i, f"host{i}") for i in self.outside()],
+                              str(exc)) from None
+
+    def outside(self) -> list[int]:
+        """The slots whose newest host is not in the job (as the journal says)."""
+        from ..protocol import hosts as keys
+        from .hosts import _etcd
+
+        try:
+            with _etcd(self.j) as etcd:
+                raw, _ = etcd.get(keys.JOURNAL)
+            journal = keys.JournalRecord.loads(raw) if raw is not None else None
+        except Exception:  # noqa: BLE001 - etcd gone: none is known to be in
+            journal = None
+        inside = set() if journal is None else \
+            {h.host for n, h in journal.nodes.items() if n not in journal.isolated}
+        return [i for i in range(self.slots) if self.j.names.get(i, f"host{i}") not in inside]
 
     def events(self, kind: str) -> list[dict[str, Any]]:
         return self.j.of(kind)
@@ -372,6 +414,9 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
     shm_before = _shm()
     t0, error, codes, wall = time.time(), None, {}, 0.0
     events: list[dict[str, Any]] = []
+    outside: list[int] = []  # slots whose host could not rejoin the job
+    rejoin_failed: list[dict[str, Any]] = []
+    late_hosts: list[str] = []  # started after the job had ended (a fault fired near its end)
     left_in_hosts: list[int] = []
     zombies: list[int] = []
     names: dict[int, str] = {}
@@ -395,6 +440,12 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
                     slow.touch()  # the job slows while the hosts come back: it must not end first
                     try:
                         h.settled()
+                    except NotRejoined as exc:  # the job goes on (or ended) without it
+                        outside = h.outside()
+                        if not outside:  # every host is in, as the journal says: not this
+                            raise
+                        say(f"chaos: {exc}: no more faults")
+                        break
                     finally:
                         slow.unlink(missing_ok=True)
                     f["fired_step"] = h.step()
@@ -409,6 +460,17 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
                 say(f"chaos: {error}\n{traceback.format_exc()}")
             wall = time.time() - t0
             events = j.events()
+            for i in outside:
+                text = j.output(i)
+                rejoin_failed.append({
+                    "host": j.names.get(i, f"host{i}"), "exit_code": codes.get(i),
+                    "why": "turned away: the job was full" if "the most it takes" in text
+                    else "not taken in before the job ended"})
+            # a lost host's new machine that started as the job ended was refused for that
+            late = [i for i, c in codes.items() if c == 2 and i not in outside
+                    and "has already ended" in j.output(i)]
+            late_hosts = [j.names.get(i, f"host{i}") for i in late]
+            outside += late
             if error is None:  # what the job left behind (after an error the hosts are ended)
                 left_in_hosts = sorted({p for i in range(slots) for p in j.hosts[i].pids()})
             zombies = h.zombie_joined()
@@ -446,9 +508,7 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
             levels[lvl] = levels.get(lvl, 0) + 1
     saved = sorted((base / "job").glob("final-*.pt"))
     final_codes = {names.get(i, f"host{i}"): c for i, c in codes.items()}
-    completed = error is None and bool(codes) and all(c == 0 for c in codes.values()) \
-        and len(saved) == 1
-    match = completed and ref_code == 0 and common.params_equal(base / "reference.pt", saved[0])
+    completed, match = judge(error, codes, saved, outside, ref_code, base / "reference.pt")
     # a host that differs must be refused, never let in (nor blamed on the hardware)
     let_in = [f.get("victim") for f in plan if f["kind"] == "mismatched_host" and "t_abs" in f
               and not f.get("refused")]
@@ -459,6 +519,7 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
     return {
         "scenario": "chaos", "seed": seed, "faults": faults, "hosts": hosts,
         "ranks_per_host": per_host, "completed": completed, "params_match_reference": match,
+        "rejoin_failed": rejoin_failed, "late_hosts": late_hosts,
         "incidents_closed": sum(1 for i in incidents if i.get("outcome") == "recovered"),
         "incidents": len(incidents), "summary_incidents": last.get("incidents"),
         "incidents_with_phases": sum(1 for i in incidents if i.get("phases_s")),
@@ -476,7 +537,8 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
 
 def keep_or_clean(result: dict[str, Any], base: Path, keep: bool, say: Callable[[str], None]) -> bool:
     ok = result["completed"] and result["params_match_reference"] and not result["orphans"] \
-        and not result["zombies_joined"] and not result.get("mismatched_let_in")
+        and not result["zombies_joined"] and not result.get("mismatched_let_in") \
+        and not result["rejoin_failed"]
     if ok and not keep:
         shutil.rmtree(base, ignore_errors=True)
     elif not ok:
@@ -486,7 +548,9 @@ def keep_or_clean(result: dict[str, Any], base: Path, keep: bool, say: Callable[
 
 def describe(result: dict[str, Any]) -> str:
     return (f"chaos across hosts: completed {result['completed']}, weights match "
-            f"{result['params_match_reference']}, incidents {result['incidents_closed']}/"
+            f"{result['params_match_reference']}, hosts that could not rejoin "
+            f"{[f['host'] + ' (' + f['why'] + ')' for f in result['rejoin_failed']] or 'none'}, "
+            f"incidents {result['incidents_closed']}/"
             f"{result['incidents']} closed, takeovers {result['takeovers']}, hosts restarted "
             f"{result['hosts_restarted']}, orphans {result['orphans']}, zombies joined "
             f"{result['zombies_joined']}, mismatched hosts let in "

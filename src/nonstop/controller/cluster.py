@@ -57,6 +57,9 @@ class HostLink:
     heard: float | None = None  # time.monotonic() of its newest frame
     stopped: set[int] = dataclasses.field(default_factory=set)
     state: m.State | None = None  # its answer to our hello
+    # its host answered as another incarnation (it fenced itself and joined again): this one is
+    # gone for good, and nothing meant for it may reach the new one (given up at once)
+    moved_on: bool = False
 
 
 class Cluster:
@@ -94,7 +97,11 @@ class Cluster:
         self.health = RemoteHealth()  # each host's agent runs its own checks
         self._readers = Readers(self._deliver, self._reconnect, self._stop)
         self.in_office: Callable[[], bool] = lambda: True  # provably still the controller
-        self.giving_up = False  # the job ends (etcd away too long): its orders go out anyway
+        # orders that go out without a confirmed lease, since no successor could decide
+        # otherwise: once training is complete for every rank (a successor finds the ranks done
+        # and ends the job the same way), and the job's end after etcd was away too long
+        self.completed: Callable[[], bool] = lambda: False
+        self.giving_up = False
         self._held_orders: list[tuple[int, m.Order]] = []
 
     # == hosts ==================================================================================
@@ -127,7 +134,7 @@ class Cluster:
         """The channel to a host broke: the agent may be fine (our link was not), so it is
         connected again, in a thread of its own, until it is or the host is lost."""
         def run() -> None:
-            while not self._stop.is_set() and not link.lost:
+            while not self._stop.is_set() and not link.lost and not link.moved_on:
                 time.sleep(RECONNECT_S)
                 try:
                     self._connect(link, timeout_s=2.0)
@@ -178,8 +185,12 @@ class Cluster:
                 return node
         return None
 
+    def _unleashed(self) -> bool:
+        """Whether orders go out without a confirmed lease: the job is ending."""
+        return self.giving_up or self.completed()
+
     def _to(self, node: int, order: m.Order) -> None:
-        if not (self.giving_up or self.in_office()):
+        if not (self._unleashed() or self.in_office()):
             # it cannot prove its lease still holds (its host was frozen, etcd is away): a
             # successor may be in office, so nothing goes out until the lease is confirmed
             if not self._held_orders:
@@ -188,7 +199,7 @@ class Cluster:
             self._held_orders.append((node, order))
             return
         link = self.links.get(node)
-        if link is None or link.lost or link.ch is None:
+        if link is None or link.lost or link.moved_on or link.ch is None:
             return
         try:
             link.ch.send(m.encode(dataclasses.replace(order, epoch=self.epoch)))
@@ -285,7 +296,7 @@ class Cluster:
         """Whether the node's host is in the job and its agent reachable: then its ranks and its
         memory dying together is not the host lost (its lease says when that is)."""
         link = self.links.get(node)
-        return link is not None and not link.lost and not link.unreachable
+        return link is not None and not link.lost and not link.unreachable and not link.moved_on
 
     def failure_domain(self, node: int) -> str:
         """The failure domain its host registered with (``--failure-domain``; else the host)."""
@@ -336,10 +347,12 @@ class Cluster:
             self._on_message(node, msg)
         if self.on_tick is not None:
             self.on_tick()
-        if self._held_orders and (self.giving_up or self.in_office()):
+        if self._held_orders and (self._unleashed() or self.in_office()):
             held, self._held_orders = self._held_orders, []
-            print(f"nonstop: the controller's lease is confirmed: {len(held)} order(s) that "
-                  "waited go out", file=sys.stderr, flush=True)
+            why = ("the job is ending" if self._unleashed() else
+                   "the controller's lease is confirmed")
+            print(f"nonstop: {why}: {len(held)} order(s) that waited go out", file=sys.stderr,
+                  flush=True)
             for node, order in held:
                 self._to(node, order)
         exited, self._exited = self._exited, []
@@ -352,7 +365,14 @@ class Cluster:
             msg()
             return
         link = self.links.get(node)
-        if link is None or link.lost:
+        if link is None or link.lost or link.moved_on:
+            return
+        if isinstance(msg, m.State) and msg.incarnation != link.rec.incarnation:
+            # its host fenced itself and offers itself again: what it runs now is not this
+            # incarnation's, and it joins as a new host once this one is given up
+            link.moved_on = True
+            if link.ch is not None:
+                link.ch.close()
             return
         if msg.now is not None:
             link.offset = time.time() - msg.now
@@ -504,7 +524,7 @@ class Cluster:
         """Ask one host and wait for its answer (None: no answer in time, or none to come: the
         host cannot be connected to)."""
         link = self.links.get(node)
-        if link is None or link.lost or link.unreachable:
+        if link is None or link.lost or link.unreachable or link.moved_on:
             return None
         self._req += 1
         rid = self._req

@@ -22,7 +22,7 @@ from typing import Any
 from ..protocol import hosts as keys
 from ..protocol import messages as m
 from .phase import Phase
-from ..decide import takeover
+from ..decide import places, takeover
 from ..launch.config import HostConfig
 from .journal import Journal
 
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     office_imports.start()
     etcd = cfg.etcd()
     stop = threading.Event()
-    office = Office()
+    office = Office(",".join(f"{h}:{p}" for h, p in cfg.endpoints))
 
     def lost() -> None:
         step_down(f"the controller on {cfg.host_id} lost its lease in etcd")
@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(0)
     office_imports.join()
     office.confirm = lambda: _still_leader(etcd, lead.epoch)
+    office.lease = lead.lease
     code = Leader(cfg, secret, etcd, lead, office).run()
     sys.stdout.flush()
     os._exit(0 if code is not None else 1)
@@ -110,22 +111,46 @@ def step_down(why: str) -> None:
 class Office:
     """Whether etcd is reachable for the controller in office. Out of reach, the ranks train on;
     the controller's orders wait (``Cluster.in_office``: its lease is not confirmed) and go out
-    once it is, after it checked that it is still the one in office."""
+    once it is, after it checked that it is still the one in office. Each outage is said once,
+    naming etcd and what its client met, and the job's summary says how long etcd was away and
+    whether it was back at the end (``record``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, endpoints: str) -> None:
+        self.endpoints = endpoints
         self.down_since: float | None = None
         self.confirm: Any = None
+        self.lease: Any = None  # the leader key's lease (store.etcd_lease.Lease), once elected
+        self.failure: str | None = None  # what the newest outage looked like to the client
+        self.outages = 0
+        self._down_s = 0.0  # the outages that are over, in all
 
     def doubt(self, doubt: bool) -> None:
         if doubt:
             self.down_since = time.monotonic()
-            print("nonstop: etcd is out of reach: training goes on; the controller waits for it",
+            self.outages += 1
+            failure = self.lease.failure if self.lease is not None else None
+            self.failure = failure or f"no answer from {self.endpoints}"
+            print(f"nonstop: etcd out of reach ({self.failure}): training goes on without it",
                   file=sys.stderr, flush=True)
             return
+        if self.down_since is not None:
+            self._down_s += time.monotonic() - self.down_since
         self.down_since = None
         if self.confirm is not None and not self.confirm():
             step_down("another controller took office while etcd was out of reach")
         print("nonstop: etcd is back: the control plane resumes", file=sys.stderr, flush=True)
+
+    def record(self) -> dict[str, Any] | None:
+        """etcd's outages while this controller was in office, for the job's summary (None:
+        there was none)."""
+        if not self.outages:
+            return None
+        since = self.down_since  # (cleared by the lease's thread at any moment: read once)
+        now = time.monotonic()
+        return {"store": "etcd", "endpoints": self.endpoints, "error": self.failure,
+                "outages": self.outages,
+                "out_of_reach_s": round(self._down_s + (now - since if since else 0.0), 3),
+                "back": since is None}
 
 
 def _still_leader(etcd: Any, epoch: int) -> bool:
@@ -160,7 +185,8 @@ class Leader:
         self.journal = Journal(etcd, self.epoch)
         self._pending: keys.JournalRecord | None = None  # the journal to write next
         self._worker: threading.Thread | None = None
-        self._joining: set[tuple[str, str]] = set()
+        self._joining: set[tuple[str, str]] = set()  # hosts being joined or turned away
+        self._connecting: set[tuple[str, str]] = set()  # ...being joined: their places taken
         self.controller: Any = None
         self._status: str | None = None  # the newest status record, to put in etcd
         self._vanished: dict[int, float] = {}  # node -> since when its record is gone from etcd
@@ -265,6 +291,7 @@ class Leader:
                          f"{nodes} host(s) + {total - nodes} spare host(s)")
         cluster.on_node_lost = lambda n: controller.node_lost(n, "its lease in etcd expired")
         cluster.in_office = lambda: self.lead.alive
+        cluster.completed = lambda: controller.outcome.completed
         cluster.on_tick = lambda: self._tick(controller, cluster)
         from .keepers import KeeperStartError
 
@@ -294,6 +321,7 @@ class Leader:
                 controller.agent.end_all(0.0)
             except Exception:  # noqa: BLE001
                 pass
+        controller.outcome.store = self.office.record()
         report(controller, log, self.run_dir, code, display)
         # the other hosts hear of the end first: recording it in etcd may wait out etcd's
         # timeouts (etcd away is one way a job ends), and a host told nothing ends only at its
@@ -480,7 +508,8 @@ class Leader:
         try:
             self.guarded({keys.DONE: json.dumps({"code": code, "diagnosis": diagnosis})})
         except Exception as exc:  # noqa: BLE001 - deposed or etcd gone: the hosts end anyway
-            print(f"nonstop: could not record the job's end in etcd: {exc}", file=sys.stderr)
+            if self.office.down_since is None:  # (else said already, and in the summary)
+                print(f"nonstop: could not record the job's end in etcd: {exc}", file=sys.stderr)
         if diagnosis and code == 2:
             print(f"nonstop: error: {diagnosis}", file=sys.stderr, flush=True)
 
@@ -493,7 +522,9 @@ class Leader:
                                             daemon=True, name="nonstop-store")
             self._worker.start()
         down = self.office.down_since
-        if down is not None:
+        # once training is complete the job's end needs no etcd (it goes out without a lease,
+        # bounded by timeouts.finish_s): giving up then would end the ranks in their final save
+        if down is not None and not controller.outcome.completed:
             outage = controller.policy.hosts.store_outage_s
             if time.monotonic() - down > outage and controller.outcome.exit_code is None:
                 cluster.giving_up = True  # no lease to prove: the job ends all the same
@@ -564,12 +595,19 @@ class Leader:
         (the host, registering again, checks the same key) - and only then here."""
         now = time.monotonic()
         grace = self.cfg.lease_ttl_s + REGISTER_AGAIN_S
+        held = [(link.rec.host_id, link.rec.incarnation) for link in cluster.links.values()
+                if not link.lost]
+        # a host that registered again as a new incarnation, or answers as one, has left its
+        # older incarnation behind for good: no grace for that one (decide/places.py)
+        renewed = set(places.superseded(held, alive))
         for node, link in list(cluster.links.items()):
-            if link.lost or (link.rec.host_id, link.rec.incarnation) in alive:
+            key = (link.rec.host_id, link.rec.incarnation)
+            if link.lost or key in alive:
                 self._vanished.pop(node, None)
                 continue
             since = self._vanished.setdefault(node, now)
-            if link.heard is not None and now - link.heard < HEARD_S and now - since < grace:
+            if link.heard is not None and now - link.heard < HEARD_S and now - since < grace \
+                    and key not in renewed and not link.moved_on:
                 continue  # it speaks: its lease lapsed, it registers again
             if self._give_up(link.rec.host_id, link.rec.incarnation):
                 self._vanished.pop(node, None)
@@ -602,18 +640,19 @@ class Leader:
         """Hosts that joined are connected (in the background) and become spare nodes (those
         whose record went are judged by ``_give_up_vanished``)."""
         known = {(link.rec.host_id, link.rec.incarnation) for link in cluster.links.values()}
-        room = self.cfg.nnodes_max + self.cfg.spare_nodes - \
-            sum(1 for link in cluster.links.values() if not link.lost)
-        for key, rec in alive.items():
-            if key in known or key in self._joining:
-                continue
+        held = [(link.rec.host_id, link.rec.incarnation) for link in cluster.links.values()
+                if not link.lost]
+        new = [key for key in alive if key not in known and key not in self._joining]
+        admission = places.admit(self.cfg.nnodes_max + self.cfg.spare_nodes,
+                                 held + sorted(self._connecting), new)
+        for key in admission.turn_away:  # it registered before it could see the job was full
             self._joining.add(key)
-            if room <= 0:  # it registered before it could see the job was full
-                threading.Thread(target=self._turn_away, args=(key, rec), daemon=True).start()
-                continue
-            room -= 1
-            threading.Thread(target=self._connect_new, args=(key, rec, cluster), daemon=True,
-                             name="nonstop-join").start()
+            threading.Thread(target=self._turn_away, args=(key, alive[key]), daemon=True).start()
+        for key in admission.join:  # (one that waits for its older incarnation's place: later)
+            self._joining.add(key)
+            self._connecting.add(key)
+            threading.Thread(target=self._connect_new, args=(key, alive[key], cluster),
+                             daemon=True, name="nonstop-join").start()
 
     def _turn_away(self, key: tuple[str, str], rec: keys.HostRecord) -> None:
         """Tell a host that registered into a full job to end (exit 2). Not reached (its agent
@@ -653,10 +692,16 @@ class Leader:
         except Exception as exc:  # noqa: BLE001 - tried again at the next look
             print(f"nonstop: host {rec.host_id} joined but cannot be reached yet: {exc}",
                   file=sys.stderr, flush=True)
-            self._joining.discard(key)
+
+            def failed() -> None:  # tried again at the next look
+                self._connecting.discard(key)
+                self._joining.discard(key)
+
+            cluster.call(failed)
             return
 
         def joined() -> None:
+            self._connecting.discard(key)
             self._joining.discard(key)
             # a node never used: not one the job holds, lost or isolated (after a takeover the
             # lost ones are in no link: the new host was given a lost node's number, isolated)

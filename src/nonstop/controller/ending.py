@@ -25,11 +25,16 @@ class Outcome:
         self.traceback: str | None = None
         self.usage_error = False
         self.t_train_end: float | None = None
+        self.completed = False  # training completed for every rank: the job only ends now
+        # across hosts: etcd's outages while the controller was in office (its Office.record),
+        # for the summary
+        self.store: dict[str, Any] | None = None
         self._failing = False  # the job is being given up (its state saved meanwhile)
 
     def finish(self, gen: int, step: int, ranks: list[Worker], managed: bool,
                unfired: list[str]) -> None:
         """Training completed: the ranks return from their function, the spares leave."""
+        self.completed = True
         self.log.write("training_complete", gen=gen, step=step)
         for f in unfired:
             self.log.write("inject_unfired", fault=f, step=step)

@@ -349,6 +349,8 @@ def report(controller: Any, log: Any, run_dir: Path, code: int, display: Any) ->
     summary["diagnosis"] = controller.outcome.diagnosis
     summary["state"] = dict(controller.memory.summary(), snapshot=controller.reports.snap_stats)
     summary["sdc"] = controller.sdc.summary()
+    if controller.outcome.store is not None:  # across hosts: etcd was out of reach
+        summary["store"] = controller.outcome.store
     earlier = controller.book.base  # across hosts: incidents of the controllers before this one
     if earlier:
         summary["incidents"] = earlier + len(records)  # (a record each, when the journal held them)

@@ -125,6 +125,8 @@ def print_summary(console: Console, summary: dict[str, Any]) -> None:
         lines.append(format_replicas(replicas))
     if summary.get("sdc"):
         lines.append(sdc_text(summary["sdc"]))
+    if summary.get("store"):
+        lines.append(store_text(summary["store"]))
     wall = f"wall: {summary['wall_s']:.1f} s"
     if (summary.get("finish_s") or 0) >= 1:  # waiting at the end (for checkpoints, ranks)
         wall += f" ({summary['finish_s']:.1f} s after training)"
@@ -151,6 +153,13 @@ def account_text(cats: dict[str, Any]) -> str:
             part += " (" + ", ".join(f"{p} {v:.3f}" for p, v in rec.items() if v >= 0.0005) + ")"
         parts.append(part)
     return ", ".join(parts) or "-"
+
+
+def store_text(store: dict[str, Any]) -> str:
+    """etcd's outages in the summary: how long, and whether it was back at the end."""
+    times = f"{store['outages']} times, " if store["outages"] > 1 else ""
+    away = f"store: etcd out of reach ({times}{store['out_of_reach_s']:.1f} s"
+    return away + ("), back" if store["back"] else f"; {store['error']}), not back at the end")
 
 
 def sdc_text(sdc: dict[str, Any]) -> str:

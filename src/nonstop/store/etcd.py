@@ -198,7 +198,7 @@ class Etcd:
                 return out
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise StoreUnavailable(self._unavailable(last))
+                raise StoreUnavailable(self._unavailable(last), last)
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, 0.25)
 
@@ -449,7 +449,7 @@ class Etcd:
             if stop is not None and stop.is_set():
                 return []
             if now >= unwatched_until or (now >= deadline and not ever_live and not live_for_s):
-                raise StoreUnavailable(self._unavailable(last))
+                raise StoreUnavailable(self._unavailable(last), last)
             if now >= deadline and ever_live:
                 return []  # the watch broke near the end; the caller asks again from `rev`
             remaining = (unwatched_until if live_for_s and not ever_live

@@ -13,6 +13,10 @@ class StoreError(Exception):
 class StoreUnavailable(StoreError):
     """No endpoint answered within the deadline; the message names them and the last error."""
 
+    def __init__(self, message: str, last: str = ""):
+        super().__init__(message)
+        self.last = last  # the last error met, as ``host:port: cause`` ("" when none was)
+
 
 class Fenced(StoreError):
     """A guarded write found its guard changed: whoever wrote it is no longer the leader."""

@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Callable, Protocol
 
-from .etcd_errors import StoreError
+from .etcd_errors import StoreError, StoreUnavailable
 
 log = logging.getLogger("nonstop.store.etcd")
 
@@ -44,6 +44,9 @@ class Lease:
         self._on_doubt: Callable[[bool], None] | None = None
         self._doubt = False
         self._lost_lock = threading.Lock()
+        # why the newest refresh failed (``host:port: cause``, or etcd's refusal); None once one
+        # succeeds: what a holder says when it cannot reach etcd
+        self.failure: str | None = None
 
     def __repr__(self) -> str:
         return f"Lease({self.id:x}, ttl={self.ttl_s}s, alive={self.alive})"
@@ -109,12 +112,14 @@ class Lease:
                 ttl = self._etcd.keepalive_once(self.id, limit)
             except StoreError as e:  # unavailable, or refused: try again until it expires
                 log.debug("lease %x: refresh failed: %s", self.id, e)
+                self.failure = e.last if isinstance(e, StoreUnavailable) and e.last else str(e)
                 self._stop.wait(0.05)
                 continue
             if ttl <= 0:
                 self._declare_lost("etcd says it expired")
                 return
             self._last_ok = sent
+            self.failure = None
             if self._doubt:
                 self._doubt = False
                 self._call_doubt(False)
