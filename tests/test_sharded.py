@@ -125,6 +125,30 @@ def test_a_tensor_parallel_rank_of_a_3d_job_receives_its_part_live_from_its_twin
 
 
 @pytest.mark.integration
+def test_a_tensor_parallel_part_whose_twin_freezes_in_its_recovery_loses_no_step(tmp_path,
+                                                                                 reference):
+    """HSDP x TP, (dp_replicate, dp_shard, tp) = (2, 1, 2), a snapshot every 5 steps: rank 0 is
+    killed at step 8, and its twin (rank 2: the same tensor-parallel part in the other replica
+    group) freezes (SIGSTOP) once the next generation's restore has agreed what to move, before
+    rank 0's replacement got its part. The frozen rank is killed and replaced in turn. Its part
+    at step 8 was in no live process; before, the job went back to the snapshot of step 5. Rank
+    2 kept step 8 in its node's memory as it left the first failed generation (a departure
+    snapshot): its replacement reads it there, rank 0's receives it from that one, and the job
+    resumes at 8: nothing lost, the weights bitwise those of the fault-free run."""
+    run, out = train(tmp_path, "--spares=1", "--snapshot-every=5",
+                     "--inject=crash:rank=0,step=8;stop:rank=2,at=restore,gen=1", args=ARGS_2D,
+                     world=4, script=THREE_D)
+    assert [f["kind"] for f in run.of("fault") if f["rank"] == 2 and f["gen"] == 1] == ["hang"]
+    left = {(e["gen"], e["rank"]): e.get("departure") for e in run.of("rank_left")}
+    assert left[(0, 2)] == 8, left
+    restores = {r["gen"]: r for r in run.of("restore")}
+    assert restores[2]["step"] == 8 and restores[2]["sources"]["2"] == "memory", restores[2]
+    (inc,) = run.summary["incident_list"]
+    assert len(inc["faults"]) == 2 and inc["steps_lost"] == 0, inc
+    assert bitwise_equal(out, reference(4, *ARGS_2D, script=THREE_D))
+
+
+@pytest.mark.integration
 def test_an_fsdp2_job_without_a_spare_rolls_back_to_its_shards_last_common_snapshot(
         tmp_path, reference):
     """Rank 0 is killed and no spare waits: a new process takes rank 0; every rank resumes from

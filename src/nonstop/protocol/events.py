@@ -206,6 +206,8 @@ class LeftGeneration(RankEvent):
     digests: list[int] | None = None  # ...every rank's digest
     cuda: CudaFault | None = None
     sdc: DigestChecks | None = None
+    # the step it keeps in its node's memory as it leaves (a departure snapshot), if any
+    departure: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
