@@ -79,7 +79,7 @@ def _offer(state: Any, rank: int, has_state: bool, where: Where) -> tuple[Offer,
             if where.not_after is not None:
                 # a corruption is rolled back to a snapshot whose replicas agreed: never to one
                 # taken as a rank left, which no comparison saw
-                listing = _checked(listing)
+                listing = without_departures(listing)
             memory = tuple(where.memory.steps(mem.own(rank), listing))
             for name in listing:
                 if name.startswith("rep"):
@@ -133,7 +133,7 @@ def _departures(listing: dict[str, Any]) -> dict[int, tuple[int, ...]]:
     return {r: tuple(sorted(steps)) for r, steps in out.items()}
 
 
-def _checked(listing: dict[str, Any]) -> dict[str, Any]:
+def without_departures(listing: dict[str, Any]) -> dict[str, Any]:
     """A node memory's listing without its departure snapshots."""
     return {name: dataclasses.replace(entry, slots=[
         None if s is None or s.departure else s for s in entry.slots]) if entry else entry

@@ -49,9 +49,9 @@ class Holder:
     def older(self) -> int:
         """The slot a new snapshot goes to: the invalid one, else a departure snapshot's, else
         the one with the older seq. A departure snapshot (``SlotInfo.departure``) thus never
-        takes the place of the newest periodic one, whose replicas were compared: after two
-        recoveries in a row, the older rule left two departures and no snapshot a corruption
-        could be rolled back to."""
+        takes the place of the newest periodic one, whose replicas were compared: by the older
+        rule alone, a second departure in a row would, and leave no snapshot a corruption could
+        be rolled back to."""
         infos = self.infos()
         return min(range(SLOTS), key=lambda i: (
             infos[i] is not None, infos[i] is not None and not infos[i].departure,  # type: ignore[union-attr]

@@ -109,8 +109,6 @@ class Snapshots:
         # a copy that may have read such a step is dropped; see GenerationGroup.may_commit)
         self.may_commit: Any = None
         self.slot_bytes: int | None = None  # one snapshot of this rank in its node's memory
-        self.departed = 0  # departure snapshots committed (``depart``)
-        self.departure_s: float | None = None  # the last one's copy, in its thread
 
     @property
     def cost_s(self) -> float | None:
@@ -385,7 +383,6 @@ class Snapshots:
     def _depart(self, job: _Job, lay: Any) -> None:
         """The departure snapshot's thread: the live tensors into the node's memory, committed
         unless given up meanwhile (``settle``: the restore then goes on without it)."""
-        t0 = time.perf_counter()
         memory = slot = None
         try:
             memory = self._writer_memory()
@@ -404,8 +401,6 @@ class Snapshots:
                 memory.commit(holder, slot_i)
                 with self._lock:
                     self.last_step = job.step
-                    self.departed += 1
-                    self.departure_s = time.perf_counter() - t0
         except Exception as exc:  # noqa: BLE001 - the recovery goes on without it: said
             with self._lock:
                 self.error = f"departure snapshot of step {job.step}: {type(exc).__name__}: {exc}"
