@@ -127,10 +127,15 @@ def test_a_stage_whose_twin_is_lost_in_its_recovery_loses_no_step(tmp_path, refe
        sent again.
 
     Nothing lost; every stage's weights bitwise those of the fault-free run."""
+    from conftest import policy_file
+
     faults = ("crash:rank=0,step=8;crash:rank=2,at=restore,gen=1;"
               "crash:rank=1,step=11;exception:rank=1,at=restored,gen=3")
+    # a survivor gets 3 s to leave a failed generation (a loaded machine may not schedule it
+    # within the default): killed at the deadline, it would be replaced too
+    pol = policy_file(tmp_path, "recover:\n  timeouts:\n    teardown_s: 3\n")
     run, out = train(tmp_path, "--spares=1", "--snapshot-every=5", f"--inject={faults}",
-                     args=ARGS, world=4, script=PP)
+                     f"--policy={pol}", args=ARGS, world=4, script=PP)
     assert {e["fault"] for e in run.of("rank_inject")} == set(faults.split(";"))
     left = {(e["gen"], e["rank"]): e.get("departure") for e in run.of("rank_left")}
     assert left[(0, 2)] == 8, left  # rank 0's twin, as it left the first failed generation

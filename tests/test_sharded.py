@@ -135,7 +135,12 @@ def test_a_tensor_parallel_part_whose_twin_freezes_in_its_recovery_loses_no_step
     2 kept step 8 in its node's memory as it left the first failed generation (a departure
     snapshot): its replacement reads it there, rank 0's receives it from that one, and the job
     resumes at 8: nothing lost, the weights bitwise those of the fault-free run."""
-    run, out = train(tmp_path, "--spares=1", "--snapshot-every=5",
+    from conftest import policy_file
+
+    # a survivor gets 3 s to leave a failed generation (a loaded machine may not schedule it
+    # within the default): killed at the deadline, it would be replaced too
+    pol = policy_file(tmp_path, "recover:\n  timeouts:\n    teardown_s: 3\n")
+    run, out = train(tmp_path, "--spares=1", "--snapshot-every=5", f"--policy={pol}",
                      "--inject=crash:rank=0,step=8;stop:rank=2,at=restore,gen=1", args=ARGS_2D,
                      world=4, script=THREE_D)
     assert [f["kind"] for f in run.of("fault") if f["rank"] == 2 and f["gen"] == 1] == ["hang"]

@@ -377,8 +377,9 @@ class WorkerRuntime:
         more (data parallel over three ranks, three replica groups) outlives a second fault in
         a live process: no copy is made."""
         snaps = self.snapshots
-        if snaps is None or not self.registered or not (has_state or self.holds_state) or \
-                state.dirty or state.step <= 0 or state.step == snaps.last_step:
+        held = has_state or self.ever_entered or self.holds_state  # not a spare's built state
+        if snaps is None or not self.registered or not held or state.dirty or state.step <= 0 \
+                or state.step == snaps.last_step:
             return None
         if not state.sharded:
             holders = world
