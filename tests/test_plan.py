@@ -238,3 +238,63 @@ def test_a_sharded_restore_lists_only_the_snapshots_of_its_own_world_size():
     assert [s.step if s else None for s in mine["r0"].slots] == [None, 12]
     assert [s.step if s else None for s in mine["r1"].slots] == [5, None]  # gen 7: unknown
     assert [s.step for s in listing["r0"].slots] == [10, 12]  # the listing itself unchanged
+
+
+# -- departure snapshots: a step kept in node memory as a rank left a failed generation ---------
+def test_a_lost_twins_departure_snapshot_is_the_step_and_a_corruption_never_goes_back_to_it():
+    """(dp, pp) = (2, 2): stage 0 is held by ranks 0 and 2. Rank 0 was lost, then rank 2 during
+    the recovery; both are new processes. Rank 2 had kept step 8 in its node's memory as it left
+    (a departure snapshot): the plan resumes at 8, rank 2 from its memory, rank 0 from rank 2's
+    copy. Whatever a corruption rolls back to, and what the next snapshot is counted from
+    (``held``), is a periodic snapshot: step 5."""
+    from nonstop.state.restore import checked, held
+
+    twins = (0, 1, 0, 1)
+    offers = [Offer(memory=(5,)), Offer(live=8, memory=(5,)),
+              Offer(memory=(8, 5), unchecked={2: (8,)}), Offer(live=8, memory=(5,))]
+    p = plan(offers, sharded=True, twins=twins)
+    assert p.step == 8 and sources(p) == [("live", 2), ("live", None), ("memory", None),
+                                          ("live", None)]
+    assert held(offers, sharded=True, cap=8, twins=twins) == 5
+    assert [o.memory for o in checked(offers)] == [(5,), (5,), (5,), (5,)]
+    # a neighbour's or a replica's departure snapshot, by the rank whose state it is
+    near = Offer(neighbours={2: (8, 5), 3: (8,)}, replicas={2: (8,)}, unchecked={2: (8,)})
+    assert near.checked(0) == Offer(neighbours={2: (5,), 3: (8,)}, replicas={2: ()})
+    assert Offer.from_wire(offers[2].to_wire()) == offers[2]
+
+
+def test_a_node_memorys_departure_snapshots_are_named_and_left_out_after_a_corruption():
+    from nonstop.protocol.keeper_messages import HolderEntry
+    from nonstop.state.restore import _departures, without_departures
+    from nonstop.state.shm import SlotInfo
+
+    def slot(step, departure=False):
+        return SlotInfo(seq=step, step=step, meta_len=1, data_len=1, checksum=0, written_at=0.0,
+                        rank=0, gen=0, departure=departure)
+
+    def entry(*slots):
+        return HolderEntry(slots=list(slots), replicated_step=None, repl_s=None, repl_error=None,
+                           buddy=None)
+
+    listing = {"r0": entry(slot(10), slot(12, True)), "rep3": entry(slot(12, True), None),
+               "r1": entry(slot(10), slot(5))}
+    assert _departures(listing) == {0: (12,), 3: (12,)}
+    kept = without_departures(listing)
+    assert [s.step if s else None for s in kept["r0"].slots] == [10, None]
+    assert [s.step if s else None for s in kept["rep3"].slots] == [None, None]
+    assert kept["r1"] == listing["r1"]
+
+
+def test_a_rank_whose_copy_arrived_holds_the_plans_step_in_the_next_attempt():
+    """A plan's attempt failed for one rank (its copy was bad): every other rank that received
+    or read its state holds the plan's step from then on - offered as it was before, a rank
+    brought to step 9 and given an older plan's "live" would keep step 9's tensors."""
+    from nonstop.state.restore import _holding
+
+    offers = [Offer(live=9), Offer(live=7), Offer(memory=(9,)), Offer(memory=(9,))]
+    p = plan(offers, sharded=False)
+    assert p.step == 9 and sources(p) == [("live", None), ("live", 0), ("memory", None),
+                                          ("memory", None)]
+    failed = [{"rank": 3, "source": "memory", "offered_by": 3, "step": 9, "why": "checksum"}]
+    after = _holding(_without(offers, failed), p, failed)
+    assert [o.live for o in after] == [9, 9, 9, None] and after[3].memory == ()

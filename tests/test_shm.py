@@ -98,3 +98,40 @@ def test_a_slot_too_small_is_refused():
     slot = new_slot(shm.HEADER + 64)
     with pytest.raises(ValueError):
         write(slot, {"x": torch.ones(1000)}, step=1, seq=1)
+
+
+def test_a_departure_snapshot_says_so_and_never_takes_the_newest_periodic_ones_slot():
+    """A departure snapshot (taken as its rank left a failed generation, never compared with its
+    replicas) is marked in its header. A holder's next snapshot goes to the invalid slot, else
+    to a departure snapshot's, else to the older: after two recoveries in a row the periodic
+    snapshot - the step a corruption goes back to - is still there."""
+    from nonstop.state.slots import Holder
+
+    h = Holder("r0")
+    for i in range(2):
+        h.fds[i] = shm.create(f"test{i}", 1 << 16)
+
+    def put(step: int, departure: bool) -> int:
+        i = h.older()
+        slot = shm.Slot(h.fds[i])
+        seq = 1 + max((x.seq for x in h.infos() if x is not None), default=0)
+        lay = packing.layout({"w": torch.full((3,), float(step))}, {"step": step})
+        info = shm.write_tensors(slot, lay.meta, lay.tensors, lay.specs, lay.nbytes, step, 0, 0,
+                                 seq, departure=departure)
+        assert slot.info() == info and info.departure is departure
+        return i
+
+    def steps() -> list:
+        return [(x.step, x.departure) if x else None for x in h.infos()]
+
+    try:
+        assert put(5, False) == 0 and put(10, False) == 1
+        assert put(12, True) == 0  # the older periodic one
+        assert steps() == [(12, True), (10, False)]
+        assert put(13, True) == 0  # again: the departure's slot, not the periodic of 10
+        assert steps() == [(13, True), (10, False)]
+        assert put(15, False) == 0  # a periodic one takes the departure's slot first
+        assert steps() == [(15, False), (10, False)]
+    finally:
+        for fd in h.fds:
+            os.close(fd)

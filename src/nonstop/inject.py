@@ -2,7 +2,8 @@
 
 A spec is ``kind:key=value,...``; several are joined by ``;`` or given as repeated flags, e.g.
 ``crash:rank=2,step=50;hang:rank=1,step=80``. Each fault fires once per job unless ``times`` says more.
-A fault can also fire inside a recovery (``at=assigned|promoted|rendezvous|restore|first_step|teardown``),
+A fault can also fire inside a recovery
+(``at=assigned|promoted|rendezvous|restore|restored|first_step|teardown``),
 keyed by the generation instead of the step: a second fault while the first is being recovered.
 """
 
@@ -50,8 +51,11 @@ STEP_POINTS = ("start", "optimizer", "snapshot", "commit")
 #: points inside a recovery, keyed by generation: the new rank process holds its assignment
 #: (replace; promoted: only a process that takes a place in a running job, a warm spare or a new
 #: process, never a survivor), is forming the group (rendezvous), is receiving state (restore),
-#: runs the first step of the generation (first_step), or is leaving a failed generation (teardown)
-PHASE_POINTS = ("assigned", "promoted", "rendezvous", "restore", "first_step", "teardown")
+#: holds the state it received, before the ranks confirm the restore (restored: a rank whose
+#: state moved), runs the first step of the generation (first_step), or is leaving a failed
+#: generation (teardown)
+PHASE_POINTS = ("assigned", "promoted", "rendezvous", "restore", "restored", "first_step",
+                "teardown")
 POINTS = STEP_POINTS + PHASE_POINTS
 PHASE_KINDS = ("crash", "exit", "exception", "hang", "stop", "node_crash")
 FIRST_RECOVERY = -1  # gen not given: the first generation after a failure (any, for teardown)

@@ -212,6 +212,8 @@ class LeftGeneration(RankEvent):
     twins: list[int] | None = None
     cuda: CudaFault | None = None
     sdc: DigestChecks | None = None
+    # the step it keeps in its node's memory as it leaves (a departure snapshot), if any
+    departure: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -67,6 +67,9 @@ class WorkerRuntime:
         self.assignment_consumed = False  # whether a generation was entered with it
         self.entries = 0  # times this process entered the training function
         self.ever_entered = False
+        # its state was brought to a step by a restore that a second fault then cut short: it
+        # holds that step, clean, though it never entered a generation (a replacement)
+        self.holds_state = False
         self.rank = 0  # the rank of the newest assignment
         self.held: tuple[int, int] | None = None  # (rank, world) of the last generation entered
         self.last_loss: Any = None  # the last loss reported by the training function
@@ -240,8 +243,12 @@ class WorkerRuntime:
         from ..state.restore import NoConsistentState, Where, restore
 
         snaps = self.snapshots if self.registered else None
-        if snaps is not None:  # a staged snapshot still in flight is committed (or given up)
+        waited: float | None = None
+        if snaps is not None:  # a snapshot still in flight is committed (or given up)
+            t0 = time.monotonic()
+            departing = snaps.departing()
             snaps.settle()
+            waited = time.monotonic() - t0 if departing else None
         root = snaps.root if snaps is not None else None
         schedule = snaps.schedule() if snaps is not None else None
         agreed = lambda: self.injector.in_recovery("restore", rank, gen)  # noqa: E731
@@ -291,14 +298,21 @@ class WorkerRuntime:
                                       prefer=old_world, agreed=agreed,
                                       load=regrid.load_boxes if regridded else None)
         else:
+            def loaded(step: int) -> None:
+                self.holds_state = True  # (should a second fault cut the restore short)
+                self.injector.in_recovery("restored", rank, gen)
+
             try:
-                resumed = restore(state, rank, world, has_state, where, schedule, agreed=agreed)
+                resumed = restore(state, rank, world, has_state, where, schedule, agreed=agreed,
+                                  loaded=loaded)
             except NoConsistentState:  # (alike on every rank: the same offers)
                 resumed = from_twins() if state.meshed else None
                 if resumed is None:
                     raise
             resharded = "old_world" in resumed.agreed  # read from another size
         self.held = (rank, world)
+        if waited is not None:  # the restore waited this long for a departure snapshot
+            resumed.phases["departure"] = round(waited, 6)
         if snaps is not None:
             snaps.adopt(resumed.agreed["schedules"], resumed.step, resumed.agreed["disk"])
             if resharded or (state.sharded and resumed.step == 0 and snaps.last_step != 0):
@@ -353,6 +367,40 @@ class WorkerRuntime:
             shards.settle(state)
         snaps.take(state, rank, world, gen)
         snaps.settle()
+
+    def departure(self, state: Any, rank: int, world: int, has_state: bool) -> int | None:
+        """The step this rank keeps in its node's memory as it leaves a failed generation (a
+        departure snapshot), or None. Only a clean state newer than its last snapshot, of a part
+        that at most one other rank of that world holds: lose that one (the fault being
+        recovered from), and this process is the last copy of the step - a second fault during
+        the recovery then went back to the last periodic snapshot. A part held three times or
+        more (data parallel over three ranks, three replica groups) outlives a second fault in
+        a live process: no copy is made."""
+        snaps = self.snapshots
+        held = has_state or self.ever_entered or self.holds_state  # not a spare's built state
+        if snaps is None or not self.registered or not held or state.dirty or state.step <= 0 \
+                or state.step == snaps.last_step:
+            return None
+        if not state.sharded:
+            holders = world
+        elif state.twins is not None and 0 <= rank < len(state.twins):
+            holders = state.twins.count(state.twins[rank])
+        else:
+            holders = 1  # (no twin: the step is lost with this process alone)
+        return state.step if holders <= 2 else None
+
+    def depart(self, state: Any, rank: int, world: int, gen: int) -> None:
+        """Start the departure snapshot ``departure`` chose (its thread writes it while the rank
+        waits for its next assignment)."""
+        from ..state import shards
+
+        if state.meshed:  # FSDP2 left mid-step: at rest first, its sharded parameters in place
+            shards.settle(state)
+        try:
+            self.snapshots.depart(state, rank, world, gen)
+        except Exception as exc:  # noqa: BLE001 - only the second fault's cover is lost
+            self.snapshots.error = (f"departure snapshot of step {state.step}: "
+                                    f"{type(exc).__name__}: {exc}")
 
     def steps_done(self, state: Any, rank: int, world: int, gen: int) -> None:
         """The training loop ended: the last step goes to disk if checkpoints are on."""

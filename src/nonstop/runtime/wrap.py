@@ -183,7 +183,7 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
         if not rt.ever_entered and not msg.initial:  # a spare (or new process) taking a place
             rt.injector.in_recovery("promoted", rank, gen)
         t_assigned = time.time()
-        has_state = rt.ever_entered or msg.initial
+        has_state = rt.ever_entered or msg.initial or rt.holds_state
         if state is None:  # nothing registered: nothing to agree on, every entry starts over
             tracked.step, tracked.dirty, has_state = 0, False, True
         group = GenerationGroup(*rt.group_store(msg), gen, rank, world, backend,
@@ -224,10 +224,15 @@ def _run_managed(rt: Any, fn: Callable[..., Any], state: State | None, backend: 
             rt.monitor.end()
             t_destroy = group.close()
             rt.closed_groups.append(group)
+            departure = rt.departure(tracked, rank, world, has_state) \
+                if outcome.detail["reason"] != "sdc" else None  # (the state a check refused)
             rt.emit(events.LeftGeneration(gen=gen, rank=rank, step=tracked.step,
                                           dirty=tracked.dirty, destroy_s=t_destroy,
                                           collected=group.collected,
-                                          sockets_shut=group.sockets_shut, **outcome.detail))
+                                          sockets_shut=group.sockets_shut, departure=departure,
+                                          **outcome.detail))
+            if departure is not None:  # once left: the copy is off the teardown's path
+                rt.depart(tracked, rank, world, gen)
             continue
         result = outcome
         rt.monitor.returned()

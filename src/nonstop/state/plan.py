@@ -35,19 +35,38 @@ class Offer:
     # steps of other ranks' own snapshots in its node's memory (ranks of its node; a lost one's
     # replacement may run on another node): rank r -> steps
     neighbours: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    # of the snapshots above, those taken as a rank left a failed generation (departure
+    # snapshots: never compared with their replicas), by the rank whose state they hold
+    unchecked: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
         return {"live": self.live, "memory": list(self.memory),
                 "replicas": {str(k): list(v) for k, v in self.replicas.items()},
                 "neighbours": {str(k): list(v) for k, v in self.neighbours.items()},
-                "disk": list(self.disk), "kept": self.kept}
+                "disk": list(self.disk), "kept": self.kept,
+                "unchecked": {str(k): list(v) for k, v in self.unchecked.items()}}
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "Offer":
         return cls(d.get("live"), tuple(d.get("memory", ())),
                    {int(k): tuple(v) for k, v in d.get("replicas", {}).items()},
                    tuple(d.get("disk", ())), d.get("kept"),
-                   {int(k): tuple(v) for k, v in d.get("neighbours", {}).items()})
+                   {int(k): tuple(v) for k, v in d.get("neighbours", {}).items()},
+                   {int(k): tuple(v) for k, v in d.get("unchecked", {}).items()})
+
+    def checked(self, rank: int) -> "Offer":
+        """This offer (rank ``rank``'s) without its departure snapshots."""
+        if not self.unchecked:
+            return self
+        out = self.unchecked
+
+        def keep(of: int, steps: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(s for s in steps if s not in out.get(of, ()))
+
+        return dataclasses.replace(
+            self, memory=keep(rank, self.memory), unchecked={},
+            replicas={r: keep(r, v) for r, v in self.replicas.items()},
+            neighbours={r: keep(r, v) for r, v in self.neighbours.items()})
 
 
 @dataclasses.dataclass(frozen=True)

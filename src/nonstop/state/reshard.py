@@ -27,7 +27,7 @@ from . import memory as mem
 from . import packing, staging
 from .plan import NoConsistentState
 from ..protocol.events import SkippedCopy
-from .restore import RestoreResult, _all_gather_json, _Bad, said, verified
+from .restore import RestoreResult, _all_gather_json, _Bad, said, verified, without_departures
 
 MAX_ATTEMPTS = 4
 _SOURCES = ("live", "memory", "buddy", "disk")  # cheapest first
@@ -124,6 +124,8 @@ def reshard(state: Any, rank: int, world: int, worlds: dict[int, int],
             listing = where.memory.listing()
         except (OSError, ConnectionError):
             where.memory.reset()
+    if listing is not None and where.not_after is not None:  # back from a corruption: only to
+        listing = without_departures(listing)  # a snapshot whose replicas were compared
     gathered = _all_gather_json({"inv": inventory_of(live, listing, _disk_parts(where.checkpoint_root)),
                                  "schedule": schedule or {}}, world)
     inventories = [g["inv"] for g in gathered]

@@ -70,17 +70,23 @@ def _offer(state: Any, rank: int, has_state: bool, where: Where) -> tuple[Offer,
     replicas: dict[int, tuple[int, ...]] = {}
     neighbours: dict[int, tuple[int, ...]] = {}
     problems: dict[str, Any] = {}
+    unchecked: dict[int, tuple[int, ...]] = {}
     if where.memory is not None:
         try:
             listing = where.memory.listing()
             if where.sharded and where.world and where.worlds:  # this world's copies only
                 listing = _of_world(listing, where.worlds, where.world)
+            if where.not_after is not None:
+                # a corruption is rolled back to a snapshot whose replicas agreed: never to one
+                # taken as a rank left, which no comparison saw
+                listing = without_departures(listing)
             memory = tuple(where.memory.steps(mem.own(rank), listing))
             for name in listing:
                 if name.startswith("rep"):
                     replicas[int(name[3:])] = tuple(where.memory.steps(name, listing))
                 elif name.startswith("r") and name[1:].isdigit() and name != mem.own(rank):
                     neighbours[int(name[1:])] = tuple(where.memory.steps(name, listing))
+            unchecked = _departures(listing)
         except (OSError, ConnectionError) as exc:  # the node's memory is gone: offer none of it
             where.memory.reset()
             problems["memory"] = f"{type(exc).__name__}: {exc}"
@@ -107,7 +113,36 @@ def _offer(state: Any, rank: int, has_state: bool, where: Where) -> tuple[Offer,
         neighbours = {r: tuple(x for x in held if x <= cap) for r, held in neighbours.items()}
         disk = [x for x in disk if x <= cap]
         kept_step = kept_step if kept_step is not None and kept_step <= cap else None
-    return Offer(live, memory, replicas, tuple(disk), kept_step, neighbours), problems
+    return Offer(live, memory, replicas, tuple(disk), kept_step, neighbours, unchecked), problems
+
+
+def _holder_rank(name: str) -> int | None:
+    """The rank whose state a holder of node memory keeps (``r3``, ``rep3``), if it is one."""
+    digits = name[3:] if name.startswith("rep") else name[1:] if name.startswith("r") else ""
+    return int(digits) if digits.isdigit() else None
+
+
+def _departures(listing: dict[str, Any]) -> dict[int, tuple[int, ...]]:
+    """The departure snapshots of a listing (``SlotInfo.departure``): rank -> their steps."""
+    out: dict[int, set[int]] = {}
+    for name, entry in listing.items():
+        r = _holder_rank(name)
+        for info in (entry.slots if entry else ()):
+            if info is not None and info.departure and r is not None:
+                out.setdefault(r, set()).add(info.step)
+    return {r: tuple(sorted(steps)) for r, steps in out.items()}
+
+
+def without_departures(listing: dict[str, Any]) -> dict[str, Any]:
+    """A node memory's listing without its departure snapshots."""
+    return {name: dataclasses.replace(entry, slots=[
+        None if s is None or s.departure else s for s in entry.slots]) if entry else entry
+        for name, entry in listing.items()}
+
+
+def checked(offers: list[Offer]) -> list[Offer]:
+    """The offers without the departure snapshots: those whose replicas were compared alone."""
+    return [o.checked(r) for r, o in enumerate(offers)]
 
 
 def _of_world(listing: dict[str, Any], worlds: dict[int, int], world: int) -> dict[str, Any]:
@@ -165,7 +200,8 @@ def held(offers: list[Offer], sharded: bool, cap: int,
     """The newest step (at most ``cap``) every rank can be restored to from snapshots alone -
     its node's memory, a peer's, a buddy's replica - with no live state: what a corruption
     found from here on rolls back to at worst. None: no snapshot reaches every rank."""
-    copies = [dataclasses.replace(o, live=None, disk=()) for o in offers]  # (kept: certified)
+    # (kept: certified; a departure snapshot is not, and a corruption never goes back to it)
+    copies = [dataclasses.replace(o, live=None, disk=()) for o in checked(offers)]
     try:
         p = planning.plan(copies, sharded, twins)
     except NoConsistentState:
@@ -175,12 +211,16 @@ def held(offers: list[Offer], sharded: bool, cap: int,
 
 def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
             schedule: dict[str, Any] | None = None,
-            agreed: Callable[[], None] | None = None) -> RestoreResult:
+            agreed: Callable[[], None] | None = None,
+            loaded: Callable[[int], None] | None = None) -> RestoreResult:
     """Collective over the default group: every rank ends holding the state of one step.
 
     ``schedule`` (this rank's snapshot schedule) is shared with the offers; the result's
     ``agreed`` holds what every rank received, so all can adopt the same. ``agreed`` (a fault
-    injection point) is called once the offers are known, before any state moves."""
+    injection point) is called once the offers are known, before any state moves. ``loaded``
+    is called with the step once this rank's state was brought to it from a copy, before the
+    ranks confirm: a restore cut short after that (a second fault) leaves the rank holding that
+    step, clean, to offer to the next attempt."""
     t0 = time.monotonic()
     offer, problems = _offer(state, rank, has_state, where)
     t_offer = time.monotonic()
@@ -202,6 +242,8 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
     before = offers
     offers, odd = _agreeing(offers, [g.get("digest") for g in gathered],
                             where.twins if where.sharded else None)
+    if odd:  # the departure snapshots are copies of the live states found to differ
+        offers = checked(offers)
     withheld_any = any(g.get("withheld") for g in gathered) or any(
         a.live is not None and b.live is None for a, b in zip(before, offers))
     if withheld_any and not any(o.live is not None or o.memory or o.disk or o.kept is not None
@@ -229,6 +271,10 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
             raise NoConsistentState("every copy of the trained state was refused: "
                                     f"{said(skipped)}")
         nbytes, failure = _execute(p, offers, state, rank, where)
+        if failure is None and _moved(p.actions[rank]):
+            state.step, state.dirty = p.step, False
+            if loaded is not None:
+                loaded(p.step)
         t_moved = time.monotonic()
         statuses = _all_gather_json(failure, world)
         failed = [f for f in statuses if f is not None]
@@ -237,7 +283,7 @@ def restore(state: Any, rank: int, world: int, has_state: bool, where: Where,
         skipped.extend(SkippedCopy(cause="bad_copy", source=f["source"], rank=f["rank"],
                                    step=f["step"], why=f["why"], offered_by=f["offered_by"])
                        for f in failed)
-        offers = _without(offers, failed)
+        offers = _holding(_without(offers, failed), p, failed)
     else:
         raise NoConsistentState(f"no good source after {MAX_ATTEMPTS} attempts; failed: "
                                 f"{said(skipped)}")
@@ -310,6 +356,20 @@ def _all_gather_json(obj: Any, world: int) -> list[Any]:
     whole = [torch.empty(max(lengths), dtype=torch.uint8) for _ in range(world)]
     dist.all_gather(whole, padded)
     return [json.loads(t[:n].numpy().tobytes()) for t, n in zip(whole, lengths)]
+
+
+def _moved(action: planning.Action) -> bool:
+    """Whether a plan's action brings a copy into its rank's state (it is not live in place)."""
+    return not (action.source == "live" and action.holder is None)
+
+
+def _holding(offers: list[Offer], p: planning.Plan, failed: list[dict[str, Any]]) -> list[Offer]:
+    """The offers for the next attempt at a plan: a rank whose copy arrived holds the plan's
+    step live now (it was loaded), whatever it held before - offered as it was, a rank brought
+    to a newer step and then given an older plan's "live" would keep the newer one's tensors."""
+    bad = {f["rank"] for f in failed}
+    return [dataclasses.replace(o, live=p.step) if _moved(a) and a.rank not in bad else o
+            for o, a in zip(offers, p.actions)]
 
 
 def _without(offers: list[Offer], failed: list[dict[str, Any]]) -> list[Offer]:
@@ -467,6 +527,7 @@ def load_into(state: Any, sd: dict[str, Any]) -> None:
 def _load(state: Any, sd: dict[str, Any], where: Where | None = None) -> None:
     """Load ``sd`` into the live state: what goes to a GPU through pinned bounce buffers first
     (``staging.to_device``); given ``where``, ``sd`` views a leased slot (``_private``)."""
+    state.dirty = True  # half loaded, it is a copy of nothing until its step is set
     sd = staging.to_device(state, sd)
     if where is not None:
         sd = _private(sd, state, where)

@@ -16,11 +16,11 @@ from typing import Any, Iterable
 
 import xxhash
 
-MAGIC = b"NSSNAP02"
+MAGIC = b"NSSNAP03"
 HEADER = 4096  # the header has a page of its own: the data after it stays aligned
 DATA_ALIGN = 64
-# magic, seq, step, meta_len, data_len, checksum, written_at, rank, valid, gen
-_FMT = "<8sQQQQQdiiq"
+# magic, seq, step, meta_len, data_len, checksum, written_at, rank, valid, gen, departure
+_FMT = "<8sQQQQQdiiqi"
 _HEADER_LEN = struct.calcsize(_FMT)
 _VALID = struct.calcsize("<8sQQQQQdi")  # offset of the valid flag: set last, cleared first
 CHUNK = 4 << 20  # copy and hash in chunks that stay in the cache between the two
@@ -38,6 +38,10 @@ class SlotInfo:
     written_at: float
     rank: int
     gen: int
+    # taken as its rank left a failed generation (``Snapshots.depart``), not after a step's
+    # check: its replicas were never compared (``detect.sdc``), so a corruption is never rolled
+    # back to it, and a new snapshot takes its slot before a periodic one's
+    departure: bool = False
 
     @property
     def total(self) -> int:
@@ -56,16 +60,18 @@ def parse_header(raw: bytes) -> SlotInfo | None:
     """The header's contents if it marks a complete snapshot, else None."""
     if len(raw) < _HEADER_LEN:
         return None
-    magic, seq, step, meta_len, data_len, checksum, written_at, rank, valid, gen = \
+    magic, seq, step, meta_len, data_len, checksum, written_at, rank, valid, gen, departure = \
         struct.unpack_from(_FMT, raw)
     if magic != MAGIC or valid != 1:
         return None
-    return SlotInfo(seq, step, meta_len, data_len, checksum, written_at, rank, gen)
+    return SlotInfo(seq, step, meta_len, data_len, checksum, written_at, rank, gen,
+                    bool(departure))
 
 
 def pack_header(info: SlotInfo, valid: bool) -> bytes:
     return struct.pack(_FMT, MAGIC, info.seq, info.step, info.meta_len, info.data_len,
-                       info.checksum, info.written_at, info.rank, int(valid), info.gen)
+                       info.checksum, info.written_at, info.rank, int(valid), info.gen,
+                       int(info.departure))
 
 
 def read_header(fd: int) -> SlotInfo | None:
@@ -173,10 +179,11 @@ def checksum(buf: memoryview, info: SlotInfo) -> int:
 
 def write_tensors(slot: Slot, meta: bytes, tensors: Iterable[Any], specs: list[tuple],
                   data_len: int, step: int, rank: int, gen: int, seq: int,
-                  midway: Any = None) -> SlotInfo:
+                  midway: Any = None, departure: bool = False) -> SlotInfo:
     """Copy a packed state (``transfer.layout``) into the slot and commit it. Each chunk is hashed
     right after it is copied, while it is still in the cache: the checksum costs little more
-    than the copy. ``midway`` is called once, half-way through (fault injection)."""
+    than the copy. ``midway`` is called once, half-way through (fault injection);
+    ``departure``: the header says so (``SlotInfo.departure``)."""
     import torch
 
     h = slot.begin(meta, data_len)
@@ -205,6 +212,7 @@ def write_tensors(slot: Slot, meta: bytes, tensors: Iterable[Any], specs: list[t
     if data_len > pos:
         view[pos:data_len].zero_()
         h.update(raw[base + pos:base + data_len])
-    info = SlotInfo(seq, step, len(meta), data_len, h.intdigest(), time.time(), rank, gen)
+    info = SlotInfo(seq, step, len(meta), data_len, h.intdigest(), time.time(), rank, gen,
+                    departure)
     slot.commit(info)
     return info

@@ -48,9 +48,15 @@ class Holder:
             del self.leases[i][who]
 
     def older(self) -> int:
-        """The slot a new snapshot goes to: the invalid one, else the one with the older seq."""
-        seqs = [i.seq if i is not None else -1 for i in self.infos()]
-        return min(range(SLOTS), key=lambda i: (seqs[i], i))
+        """The slot a new snapshot goes to: the invalid one, else a departure snapshot's, else
+        the one with the older seq. A departure snapshot (``SlotInfo.departure``) thus never
+        takes the place of the newest periodic one, whose replicas were compared: by the older
+        rule alone, a second departure in a row would, and leave no snapshot a corruption could
+        be rolled back to."""
+        infos = self.infos()
+        return min(range(SLOTS), key=lambda i: (
+            infos[i] is not None, infos[i] is not None and not infos[i].departure,  # type: ignore[union-attr]
+            infos[i].seq if infos[i] is not None else -1, i))  # type: ignore[union-attr]
 
     def newest(self, step: int | None = None) -> tuple[int, shm.SlotInfo] | None:
         found = [(info.seq, i, info) for i, info in enumerate(self.infos())

@@ -58,6 +58,7 @@ class _Job:
         self.certified = False  # its step's replicas agreed (the check before it)
         self.lock = threading.Lock()  # the commit against a drop: one or the other
         self.dropped = False
+        self.departure = False  # a departure snapshot (``Snapshots.depart``), not a staged one
         self.thread: threading.Thread | None = None
 
 
@@ -372,6 +373,68 @@ class Snapshots:
             self.error = f"{self.error}; no copy kept in the process: {type(exc).__name__}: {exc}"
             return
         self.digests.certified, self.digests.certified_t = step, time.time()
+
+    # -- a departure snapshot ---------------------------------------------------------------------
+    def depart(self, state: Any, rank: int, world: int, gen: int) -> int | None:
+        """This rank left a failed generation cleanly, at a step its node's memory does not
+        hold: a thread writes that step there (a departure snapshot, ``SlotInfo.departure``)
+        while the rank waits for its next generation, whose restore waits for it (``settle``,
+        in ``schedule``) before the offers are made and before anything loads into the state.
+        Where the rank's live state was the only copy of its part left (a pipeline stage's or
+        an HSDP shard's twin, after the other twin was lost), a second fault during the
+        recovery now finds that step in node memory, not only the last periodic snapshot.
+        State on a GPU is not kept so: its copy would wait behind the aborted generation's
+        work. Returns the step, or None when no snapshot is taken."""
+        step = state.step
+        if not self.enabled or self.memory is None or step == self.last_step:
+            return None
+        lay = packing.layout(state.state_dict(), {"step": step, "rank": rank, "world": world,
+                                                  "sharded": bool(getattr(state, "sharded",
+                                                                          False)),
+                                                  "gen": gen})
+        if self._stages(lay.tensors)[0]:
+            return None
+        self.settle()  # one in flight at a time
+        job = _Job(step, lay.meta, lay.nbytes, None, rank, gen, None, None)
+        job.departure = True
+        self._job = job
+        job.thread = threading.Thread(target=self._depart, args=(job, lay), daemon=True,
+                                      name="nonstop-departure")
+        job.thread.start()
+        return step
+
+    def _depart(self, job: _Job, lay: Any) -> None:
+        """The departure snapshot's thread: the live tensors into the node's memory, committed
+        unless given up meanwhile (``settle``: the restore then goes on without it)."""
+        memory = slot = None
+        try:
+            memory = self._writer_memory()
+            holder = mem.own(job.rank)
+            if job.step in memory.steps(holder):  # restored from it, and left before a step
+                return
+            slot_i, seq, slot, _ = memory.alloc(holder, shm.data_offset(len(lay.meta))
+                                                + lay.nbytes)
+            shm.write_tensors(slot, lay.meta, lay.tensors, lay.specs, lay.nbytes, job.step,
+                              job.rank, job.gen, seq, departure=True)
+            with job.lock:
+                if job.dropped:
+                    slot.invalidate()
+                    memory.reset()
+                    return
+                memory.commit(holder, slot_i)
+                with self._lock:
+                    self.last_step = job.step
+        except Exception as exc:  # noqa: BLE001 - the recovery goes on without it: said
+            with self._lock:
+                self.error = f"departure snapshot of step {job.step}: {type(exc).__name__}: {exc}"
+            if memory is not None:
+                memory.reset()
+
+    def departing(self) -> bool:
+        """Whether a departure snapshot is still being written."""
+        job = self._job
+        return job is not None and job.departure and job.thread is not None and \
+            job.thread.is_alive()
 
     def _disk_due(self, step: int) -> bool:
         """A disk checkpoint is due: the step gets a snapshot even between snapshot steps (every
