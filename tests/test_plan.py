@@ -274,7 +274,7 @@ def test_a_node_memorys_departure_snapshots_are_named_and_left_out_after_a_corru
 
     def entry(*slots):
         return HolderEntry(slots=list(slots), replicated_step=None, repl_s=None, repl_error=None,
-                           buddy=None)
+                           buddies=[])
 
     listing = {"r0": entry(slot(10), slot(12, True)), "rep3": entry(slot(12, True), None),
                "r1": entry(slot(10), slot(5))}
