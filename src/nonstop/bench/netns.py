@@ -362,6 +362,22 @@ class Host:
                     and "no such" not in err and "invalid handle" not in err:
                 raise RuntimeError(f"tc qdisc del dev {dev}: {r.stderr.strip()}")
 
+    def deafen(self) -> None:
+        """A one-way cut: every packet arriving from the network is dropped (an iptables rule in
+        the host's namespace); what the host sends still leaves, and its own processes still
+        hear each other (loopback). Its peers' connects time out, its orders still arrive. The
+        rule lives in the namespace: ``hear`` lifts it, and it goes with the namespace."""
+        if shutil.which("iptables") is None:
+            raise RuntimeError("a one-way cut needs the `iptables` command")
+        subprocess.run([*self.prefix, "iptables", "-w", "-I", "INPUT", "-i", "eth0", "-j", "DROP"],
+                       check=True, capture_output=True, timeout=IP_TIMEOUT_S)
+
+    def hear(self) -> None:
+        """The one-way cut lifted (``deafen``); no error if there was none."""
+        while subprocess.run([*self.prefix, "iptables", "-w", "-D", "INPUT", "-i", "eth0", "-j",
+                              "DROP"], capture_output=True, timeout=IP_TIMEOUT_S).returncode == 0:
+            pass
+
     def pids(self) -> list[int]:
         """Every live process in the namespace (as ``ip netns pids``)."""
         return _ns_pids(self.ns)
