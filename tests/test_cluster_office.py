@@ -1,11 +1,13 @@
 """A controller that cannot prove its lease still holds acts on nothing: its orders to the hosts
 wait until the lease is confirmed (then they go out, in order), except the end of the job after
-the store's outage tolerance; a host refusing its epoch makes it step down, never crash. Real
-authenticated channels on loopback, no process."""
+the store's outage tolerance; a host refusing its epoch makes it step down, never crash; a
+controller that hears no other host and not etcd either is deaf (its silence is no host's).
+Real authenticated channels on loopback, no process."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -117,3 +119,38 @@ def test_a_host_that_answers_as_another_incarnation_is_not_taken_for_the_old_one
     assert 4 not in cluster.procs
     cluster.tell(0, m.Abort(gen=3, wids=[1]))
     assert _received(agent) == []
+
+
+def test_a_controller_that_hears_no_host_and_not_etcd_is_deaf(host):
+    """Every other host silent at once proves nothing against them while etcd has not answered
+    a request sent since the last of them spoke: the controller's own ears may have failed (its
+    host's incoming traffic lost). etcd answering since, or any host speaking, ends it."""
+    cluster, agent = host
+    cluster.own_host = "elsewhere"
+    before = time.monotonic()
+    assert not cluster.deaf()  # never heard: nothing to judge
+    agent.send(m.encode(m.Progress(recs={})))
+    deadline = time.monotonic() + 5
+    while cluster.links[0].heard is None and time.monotonic() < deadline:
+        cluster.poll(0.02)
+    store = {"heard": before}  # etcd's newest answered request was sent before that frame
+    cluster.store_heard = lambda: store["heard"]
+    assert not cluster.deaf()  # silent for less than the hosts' reporting allows
+    time.sleep(0.5)  # every host silent past it (each reports every 0.1 s)
+    assert cluster.deaf()
+    store["heard"] = time.monotonic()  # etcd answered since: the silence is the hosts' own
+    assert not cluster.deaf()
+    store["heard"] = before
+    # its own host's agent speaks over loopback, which a host whose incoming traffic is lost
+    # still carries: no proof that the controller hears the job
+    cluster.own_host = "h0"
+    agent.send(m.encode(m.Progress(recs={})))
+    cluster.poll(0.3)
+    assert cluster.deaf()
+    cluster.own_host = "elsewhere"
+    agent.send(m.encode(m.Progress(recs={})))  # another host speaks again
+    deadline = time.monotonic() + 5
+    while cluster.deaf() and time.monotonic() < deadline:
+        cluster.poll(0.02)
+    assert not cluster.deaf()
+

@@ -193,8 +193,51 @@ def test_a_warm_process_gets_join_s_and_a_stopped_one_is_a_hang():
     assert cmds[1].phase == "rendezvous" and cmds[2].fault.kind == "hang"
     assert "frozen" in cmds[2].fault.message
     stuck = ranks(1, {2: {"entered": 0, "own_code_s": T.join_s + 1, "loc": "x.py:3"}})
-    _, cmds = mc.step(s, mc.Tick(seen(t0 + 0.1, stuck)), P)
-    assert "x.py:3" in cmds[0].why
+    _, cmds = mc.step(s, mc.Tick(seen(t0 + T.join_s + 0.1, stuck)), P)
+    assert "x.py:3" in cmds[0].why and f"stuck for {T.join_s + 0.1:.1f} s" in cmds[0].why
+
+
+def test_time_in_its_own_code_before_the_generation_is_not_time_stuck_forming_it():
+    """A survivor that waited in the old generation's collective (a paused host's ranks held
+    it, while the controller taking over was away) comes to join the new generation from that
+    place of its code: its time there before the generation was published is not held against
+    it. Only join_s after the publication is it stuck."""
+    s, *_ = crash(running(), 5.0)
+    t0 = s.t_gen
+    waited = ranks(1, {r: {"entered": 0, "own_code_s": 5.8 + T.join_s, "loc": "train.py:36"}
+                       for r in (0, 2, 3)})
+    _, cmds = mc.step(s, mc.Tick(seen(t0 + 0.5, waited)), P)
+    assert cmds == []
+    _, cmds = mc.step(s, mc.Tick(seen(t0 + T.join_s - 0.01, waited)), P)
+    assert cmds == []
+
+
+def test_the_time_the_controller_could_not_hear_is_not_counted_against_the_ranks():
+    """Every host silent at once and etcd too: the controller judged nothing (Cluster.deaf).
+    Heard again after 3 s, the survivors' teardown deadline, the generation's join_s and the
+    level's deadline have moved on by those 3 s: a survivor is killed only once it overstays
+    the teardown by the time the controller could hear it."""
+    rs = ranks(0, {1: {"dead": True}})
+    s, _ = mc.step(running(), mc.Faulted(seen(20.0, rs), Fault("crash", rank=1, code=-9)), P)
+    due = s.deadline
+    s2, cmds = mc.step(s, mc.Heard(seen(20.1, rs), 3.0), P)
+    assert cmds == [] and s2.deadline == due + 3.0 and s2.t_abort == s.t_abort + 3.0
+    _, cmds = mc.step(s2, mc.Tick(seen(due + 0.5, rs)), P)
+    assert cmds == []
+    _, cmds = mc.step(s2, mc.Tick(seen(due + 3.01, rs)), P)
+    assert [c.wid for c in cmds if isinstance(c, mc.Kill)] == [100, 102, 103]
+    s, *_ = crash(running(), 5.0)  # a generation forming, its level under way
+    s2, _ = mc.step(s, mc.Heard(seen(6.0, ranks(1)), 3.0), P)
+    assert s2.t_gen == s.t_gen + 3.0 and s2.level_deadline == s.level_deadline + 3.0
+    assert s2.deadline == s.deadline + 3.0
+    late = ranks(1, {2: {"joining": 0, "entered": 0, "warm": True}})
+    _, cmds = mc.step(s2, mc.Tick(seen(s.t_gen + T.join_s + 0.5, late)), P)
+    assert cmds == []  # (it would be killed had the controller's deafness counted)
+    _, cmds = mc.step(s, mc.Tick(seen(s.t_gen + T.join_s + 0.5, late)), P)
+    assert [c.wid for c in cmds if isinstance(c, mc.Kill)] == [102]
+    steady = running()  # nothing to move on: no deadline
+    s2, _ = mc.step(steady, mc.Heard(seen(30.0, ranks(0)), 3.0), P)
+    assert s2.deadline == float("inf") and s2.level_deadline is None
 
 
 def test_a_fault_in_a_recovery_interrupts_that_attempt_in_its_phase():

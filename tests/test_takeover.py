@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from nonstop.decide.takeover import Seen, adopt, faults
-from nonstop.protocol.hosts import JournalRecord, NodeHost
+from nonstop.decide.takeover import Seen, adopt, faults, newest_step
+from nonstop.protocol.hosts import JournalRecord, LastWord, NodeHost
 
 
 def J(gen: int) -> JournalRecord:
@@ -128,3 +128,21 @@ def test_the_journal_round_trips_and_a_malformed_one_is_refused():
             JournalRecord.loads(json.dumps(broken))
     with pytest.raises(ValueError):
         JournalRecord.loads("{not json")
+
+
+def test_an_incident_found_at_a_takeover_counts_from_the_newest_step_any_rank_reached():
+    """The journal is written at generations: a job whose every rank went with its controller
+    (restarted from a snapshot of step 10 at step ~102) lost ~92 steps, not none. The
+    predecessor's last status record (twice a second) says where the ranks had come to."""
+    journal = JournalRecord(gen=0, plan={0: 0, 1: 1}, max_step=4)
+    last = LastWord.loads(json.dumps({"t": 1000.5, "gen": 0, "step": 102, "phase": "running",
+                                      "ranks": []}))
+    assert last == LastWord(t=1000.5, step=102)
+    assert newest_step(journal, last) == 102
+    assert newest_step(journal, None) == 4  # no status in etcd: the journal's
+    assert newest_step(None, last) == 102
+    assert newest_step(JournalRecord(max_step=150), LastWord(t=1.0, step=120)) == 150
+    for bad in ('{"t": 1.0}', '{"step": 3}', '{"t": "x", "step": 3}', '{"t": 1.0, "step": true}',
+                '{"t": 1.0, "step": -1}', "[]", "not json"):
+        with pytest.raises(ValueError):
+            LastWord.loads(bad)

@@ -220,6 +220,11 @@ class Agent:
         """Nodes gone whole (a host whose agent is gone): none on one host."""
         return set()
 
+    def deaf(self) -> bool:
+        """Whether the controller cannot prove it hears the job: on one host it always does (its
+        ranks' reports never cross a network)."""
+        return False
+
     def _start(self, wid: int, cmd: list[str], env: dict[str, str], log_name: str,
                spare: bool) -> Proc:
         popen = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

@@ -26,6 +26,9 @@ from .readers import Readers
 
 RECONNECT_S = 0.2
 HOST_LOST_CODE = -int(signal.SIGKILL)  # what a lost host's processes are reported to exit with
+# every other host silent this long (at the least), and etcd silent too: the controller may be
+# the one that cannot hear (``deaf``); the hang check's frozen ranks are judged after 0.5 s
+SILENT_ALL_S = 0.4
 
 
 @dataclasses.dataclass
@@ -102,6 +105,9 @@ class Cluster:
         # and ends the job the same way), and the job's end after etcd was away too long
         self.completed: Callable[[], bool] = lambda: False
         self.giving_up = False
+        # time.monotonic() when the newest request to etcd that was answered was sent
+        self.store_heard: Callable[[], float] = time.monotonic
+        self._heard_other: float | None = None  # time.monotonic() of another host's newest frame
         self._held_orders: list[tuple[int, m.Order]] = []
 
     # == hosts ==================================================================================
@@ -150,6 +156,8 @@ class Cluster:
     def _deliver(self, link: HostLink, msg: dict[str, Any]) -> None:
         """A frame from a host (in the readers' thread)."""
         link.heard = time.monotonic()
+        if link.rec.host_id != self.own_host:
+            self._heard_other = link.heard
         try:
             report = m.decode(msg)
         except m.BadMessage as exc:  # an agent with the secret but another nonstop
@@ -315,6 +323,17 @@ class Cluster:
         now = time.monotonic()
         return {n: now - link.heard for n, link in self.links.items()
                 if not link.lost and link.heard is not None}
+
+    def deaf(self) -> bool:
+        """Whether this controller cannot prove that it hears: every other host of the job has
+        been silent for a while (each speaks at least every ``progress_every``) and etcd has not
+        answered a request sent since the last of them spoke. The fault may then be its own
+        ears (its host's incoming traffic lost), so the silence is evidence against no host."""
+        last = self._heard_other
+        if last is None:
+            return False
+        quiet = max(SILENT_ALL_S, 2 * keys.progress_every(len(self.links)))
+        return time.monotonic() - last > quiet and self.store_heard() < last
 
     def lost_nodes(self) -> set[int]:
         return {n for n, link in self.links.items() if link.lost}

@@ -81,6 +81,8 @@ class Controller:
         self._next_scan = 0.0  # when the whole job is looked at again (_check)
         self._t_running = 0.0  # when the current generation formed on every rank
         self._t_retry = 0.0  # when its ranks were last told to redo a step
+        self._t_heard = 0.0  # when the controller last heard the job again (``_unheard``)
+        self._unheard_since: float | None = None  # it cannot prove it hears the job, since
         self.progress = ProgressLog(run_dir)  # the ranks' steps as they completed
         self.job_account = JobAccount(self.progress)  # the whole job's time, counted
         self.exits = ProcessExits(self.workers, self.memory, self.gens, self.progress, log, display)
@@ -650,10 +652,11 @@ class Controller:
 
     # == taking over a running job (across hosts) ===============================================
     def adopt(self, adoption: Any, seen: list[Any], journal: keys.JournalRecord | None,
-              lost: set[int], t_fault: float | None = None) -> None:
+              lost: set[int], last: keys.LastWord | None = None) -> None:
         """Continue a job another controller ran: its generation, plan and processes as the hosts
-        report them, its budgets from the journal. A job that trains goes on untouched; one
-        caught mid-recovery (or missing a rank) recovers from here."""
+        report them, its budgets from the journal, the newest step from its last status
+        (``last``). A job that trains goes on untouched; one caught mid-recovery (or missing a
+        rank) recovers from here."""
         from ..decide import takeover
 
         j = journal or keys.JournalRecord()
@@ -666,7 +669,9 @@ class Controller:
         self.book.base = j.incidents  # incidents keep their numbers
         if j.job is not None:
             self.job_account.adopt(j.job)
-        self.max_step = j.max_step
+        # what an incident opened here counts its lost steps from (not the journal's step alone:
+        # it is written at generations, and a job whose every rank went would lose none)
+        self.max_step = takeover.newest_step(journal, last)
         now = time.time()
         # in rendezvous until the replayed events show every rank in
         self.state = mc.JobState(
@@ -682,6 +687,7 @@ class Controller:
             self._training_complete(now)
             return
         # the predecessor's last word (its status) bounds when the fault began: not before it
+        t_fault = last.t if last is not None else None
         since = t_fault if t_fault is not None and now - 60.0 < t_fault < now else None
         for f in takeover.faults(adoption, lost, self.gens.node_of()):
             self._fault(f, t_fault=since)
@@ -728,6 +734,8 @@ class Controller:
         if self.phase is Phase.FINISHING:
             self._step(mc.Settled(self._seen(now), self.memory.settled(self.reports.final_persist)))
             return
+        if self._unheard(now):
+            return
         # The whole job is looked at (its deadlines, its ranks' hangs) at most every
         # SCAN_PER_RANK_S a rank: 2 ranks at every turn, 16,384 every 0.16 s (each look is
         # about 10 ms then). The end of a teardown is acted on at once.
@@ -742,12 +750,34 @@ class Controller:
             self._step(mc.Tick(self._seen(now)))
         if self.outcome.exit_code is None and self.phase is Phase.RUNNING and self.managed \
                 and self.state.retry_deadline is None:
-            # a redone step (a step retry) gets the first step's allowance from the retry on
+            # a redone step (a step retry) gets the first step's allowance from the retry on;
+            # no step is awaited from before the controller last heard the job again
             silent = getattr(self.agent, "silent_hosts", None)  # (across hosts only)
             self._act((self.watchers.steps(self._ranks(), self.gen,
-                                           max(self._t_running, self._t_retry), now,
+                                           max(self._t_running, self._t_retry, self._t_heard), now,
                                            silent() if silent is not None else None)
                        if scan else []) + self.watchers.tick(now))
+
+    def _unheard(self, now: float) -> bool:
+        """Whether the controller cannot prove it hears the job now (across hosts: every other
+        host silent at once, and etcd too - its own host's incoming traffic may be what failed).
+        Then a silence is evidence against nobody: no deadline, no hang is judged. Heard again,
+        the time it could not is not counted against the ranks: the deadlines move on by it, and
+        each rank's next step is awaited a whole timeout from then."""
+        if self.agent.deaf():
+            if self._unheard_since is None:
+                self._unheard_since = now
+                self.log.write("unheard", gen=self.gen, phase=self.phase)
+                self.display.info("the controller hears no host and not etcd: it judges "
+                                  "nothing until it hears again")
+            return True
+        if self._unheard_since is not None:
+            gap, self._unheard_since = now - self._unheard_since, None
+            self._t_heard = now
+            self.log.write("heard", gen=self.gen, unheard_s=round(gap, 3))
+            self.display.info(f"the controller hears again (after {gap:.1f} s)")
+            self._step(mc.Heard(self._seen(now), gap))
+        return False
 
     # == log lines, the end of training, recovery ===============================================
     def on_output(self, wid: int, line: str) -> None:

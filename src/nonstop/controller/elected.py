@@ -33,6 +33,11 @@ HEARD_S = 1.0  # a host whose agent spoke this recently is alive, whatever its l
 # a host whose lease lapsed (etcd paused or restarted) registers again at its next refresh
 # (a third of the TTL): it is waited for one TTL and this long before it is given up
 REGISTER_AGAIN_S = 2.0
+# a live agent completes the channel's handshake in milliseconds: one that has not within this
+# is paused, hung or cut off (its kernel may still accept the connection)
+ANSWER_S = 0.5
+CONNECT_S = 1.0  # ...and a host still registered in etcd gets this long at a takeover
+PARALLEL = 64  # hosts asked side by side
 
 
 def _die_with_parent() -> None:
@@ -161,17 +166,31 @@ def _still_leader(etcd: Any, epoch: int) -> bool:
     return found is not None and found[1] == epoch
 
 
-def _answers(addr: str | None, port: int | None) -> bool:
-    """Whether a host's agent accepts a connection (closed at once, before any handshake)."""
-    import socket
+def _answers(addr: str | None, port: int | None, secret: bytes) -> bool:
+    """Whether a host's agent itself answers: it completes the channel's handshake (proving it
+    holds the job's secret) within ``ANSWER_S``. A bare connect proves nothing - the kernel of a
+    paused host still accepts one. The channel is closed at once, before any hello."""
+    from ..net import channel
 
     if not addr or not port:
         return False
     try:
-        with socket.create_connection((addr, int(port)), timeout=0.5):
-            return True
-    except OSError:
+        ch = channel.connect(addr, int(port), secret, timeout_s=ANSWER_S)
+    except Exception:  # noqa: BLE001 - refused, silent, or not a nonstop agent of this job
         return False
+    ch.close()
+    return True
+
+
+def _at_once(fn: Any, items: list[Any]) -> list[Any]:
+    """``fn`` of every item, run side by side (each call bounds its own wait): a takeover waits
+    for the slowest host once, not for each in turn."""
+    if not items:
+        return []
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(PARALLEL, len(items))) as pool:
+        return list(pool.map(fn, items))
 
 
 class Leader:
@@ -242,6 +261,8 @@ class Leader:
         log.write("leader", epoch=self.epoch, host=cfg.host_id, pid=os.getpid(),
                   takeover=journal is not None,
                   hosts={h.host_id: h.addr for _, h in sorted(placed.items())})
+        if journal is not None:  # (a new job's hosts answered already: ``_reachable``)
+            channels = self._connect(list(placed.values()))
         controller: Controller | None = None
 
         def output(wid: int, line: str) -> None:
@@ -253,8 +274,10 @@ class Leader:
         cluster.own_host = cfg.host_id
         for node, rec in sorted(placed.items()):
             try:
-                cluster.add_host(node, rec, timeout_s=5.0,
-                                 ch=channels.get(rec.host_id, (None, None))[1])
+                ch = channels.get(rec.host_id, (None, None))[1]
+                if ch is None:
+                    raise ConnectionError(f"its agent did not answer within {CONNECT_S:g} s")
+                cluster.add_host(node, rec, ch=ch)
             except Exception as exc:  # noqa: BLE001 - alive in etcd, out of reach: lost for us
                 print(f"nonstop: host {rec.host_id} cannot be reached: {exc}", file=sys.stderr,
                       flush=True)
@@ -285,13 +308,14 @@ class Leader:
                          + ("; every rank had finished" if adoption.over else
                             "" if adoption.steady else
                             f"; rank(s) {adoption.missing} to recover"))
-            controller.adopt(adoption, seen, journal, lost, t_fault=self._last_seen_alive())
+            controller.adopt(adoption, seen, journal, lost, last=self._last_word())
         else:
             display.info(f"controller on {cfg.host_id} (epoch {self.epoch}): {world} rank(s) on "
                          f"{nodes} host(s) + {total - nodes} spare host(s)")
         cluster.on_node_lost = lambda n: controller.node_lost(n, "its lease in etcd expired")
         cluster.in_office = lambda: self.lead.alive
         cluster.completed = lambda: controller.outcome.completed
+        cluster.store_heard = lambda: self.lead.lease.last_refresh
         cluster.on_tick = lambda: self._tick(controller, cluster)
         from .keepers import KeeperStartError
 
@@ -353,14 +377,15 @@ class Leader:
         served.attach(controller, log, display)
         return served
 
-    def _last_seen_alive(self) -> float | None:
-        """When the predecessor last wrote the job's status (twice a second while in office):
-        what it lost (a host, its own) went after that, so an incident the takeover opens is
-        timed from there, not from the takeover. On that controller's clock (hosts' clocks
-        agree to NTP's precision; the predecessor's host may be gone, no offset to it known)."""
+    def _last_word(self) -> keys.LastWord | None:
+        """The predecessor's last status record (written twice a second while in office): what
+        it lost (a host, its own) went after its time, so an incident the takeover opens is
+        timed from there, not from the takeover, and its step is the newest any rank had
+        completed. The time is on that controller's clock (hosts' clocks agree to NTP's
+        precision; the predecessor's host may be gone, no offset to it known)."""
         try:
             raw, _ = self.etcd.get(keys.STATUS)
-            return float(json.loads(raw)["t"]) if raw is not None else None
+            return keys.LastWord.loads(raw) if raw is not None else None
         except Exception:  # noqa: BLE001 - no status (etcd away, another version): the takeover
             return None
 
@@ -407,6 +432,22 @@ class Leader:
             except Exception:  # noqa: BLE001 - etcd away for a moment: the same list
                 pass
 
+    def _connect(self, hosts: list[keys.HostRecord]) -> dict[str, Any]:
+        """At a takeover, a channel to each host registered in etcd, all opened side by side
+        within ``CONNECT_S``: host id -> (its incarnation, the channel). One that does not
+        answer in time (paused: its record outlives it by up to a lease) is not waited for."""
+        from ..net import channel
+
+        def open_one(rec: keys.HostRecord) -> Any:
+            try:
+                return channel.connect(rec.addr, rec.ctl_port, self.secret, timeout_s=CONNECT_S)
+            except Exception:  # noqa: BLE001 - given up as an unreachable host
+                return None
+
+        opened = _at_once(open_one, hosts)
+        return {rec.host_id: (rec.incarnation, ch) for rec, ch in zip(hosts, opened)
+                if ch is not None}
+
     def _registered_hosts(self, nodes: dict[int, keys.NodeHost]
                           ) -> dict[tuple[str, str], keys.HostRecord]:
         """The hosts registered in etcd. A host of ``nodes`` (the journal's) that is not, but
@@ -419,8 +460,9 @@ class Leader:
             for _, raw, _, _ in self.etcd.get_prefix(keys.HOSTS):
                 rec = keys.HostRecord.loads(raw)
                 alive[(rec.host_id, rec.incarnation)] = rec
-            waiting = [h for h in nodes.values() if (h.host, h.incarnation) not in alive
-                       and _answers(h.addr, h.port)]
+            absent = [h for h in nodes.values() if (h.host, h.incarnation) not in alive]
+            answers = _at_once(lambda h: _answers(h.addr, h.port, self.secret), absent)
+            waiting = [h for h, yes in zip(absent, answers) if yes]
             if not waiting or time.monotonic() > deadline:
                 return alive
             time.sleep(0.2)

@@ -37,7 +37,7 @@ from .commands import (  # noqa: F401 - the machine's commands, named as mc.<Com
 from .observations import (  # noqa: F401 - what it observes, named as mc.<Observation>
     RankSeen, Seen, Tick, Start, Faulted, Entered,
     RetryAsked, Isolate, Drain, Recovered, Completed, Settled,
-    Over, Observation)
+    Over, Heard, Observation)
 
 
 # == the state ====================================================================================
@@ -108,6 +108,8 @@ def step(s: JobState, ob: Observation, policy: Any) -> tuple[JobState, list[Comm
         return _settle(s, ob.seen, ob.settled)
     if isinstance(ob, Over):
         return _with(s, phase=Phase.OVER, deadline=math.inf), []
+    if isinstance(ob, Heard):
+        return unheard(s, ob.unheard_s), []
     raise TypeError(f"not an observation: {ob!r}")
 
 
@@ -222,6 +224,18 @@ def _tick(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]
         return (_with(s, phase=Phase.TEARING_DOWN, deadline=deadline, t_abort=seen.now,
                       probed=False, regroup=True, forced=False), [Regroup(s.gen)])
     return s, cmds
+
+
+def unheard(s: JobState, seconds: float) -> JobState:
+    """The controller could not hear the job for ``seconds`` (every host silent at once, and
+    etcd too: its own ears may have failed, not the ranks); it judged nothing meanwhile, and
+    that time is not counted against the ranks: the phase's times and deadlines move on by it."""
+    def later(t: float | None) -> float | None:
+        return t + seconds if t is not None and math.isfinite(t) else t
+
+    return _with(s, deadline=later(s.deadline), t_gen=s.t_gen + seconds,
+                 t_abort=s.t_abort + seconds, level_deadline=later(s.level_deadline),
+                 retry_deadline=later(s.retry_deadline))
 
 
 def idle(s: JobState, now: float, policy: Any) -> bool:
@@ -400,11 +414,16 @@ def _check_rendezvous(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, l
     code: the others wait on them in the group's set-up, which nothing else ends before the
     rendezvous timeout); ranks that did not join in time."""
     t = policy.timeouts
+    # time in its own code before the generation was published is not time stuck forming it:
+    # a survivor that waited in the old generation's collective (while a controller taking over
+    # was away) is still at that place of its code when it comes to join
+    since_gen = seen.now - s.t_gen
     stuck = [r for r in seen.ranks if not r.dead and r.joining >= s.gen and r.entered < s.gen
-             and (r.stopped or r.own_code_s > t.join_s)]
+             and (r.stopped or min(r.own_code_s, since_gen) > t.join_s)]
     if stuck:
         whys = {r.wid: "frozen (the process is stopped)" if r.stopped else
-                f"stuck for {r.own_code_s:.1f} s at {r.loc or '?'}" for r in stuck}
+                f"stuck for {min(r.own_code_s, since_gen):.1f} s at {r.loc or '?'}"
+                for r in stuck}
         cmds: list[Command] = [Kill(r.wid, f"hung while forming generation {s.gen}: {whys[r.wid]}",
                                     dump=True) for r in stuck]
         f = Fault("hang", rank=stuck[0].rank, message="; ".join(

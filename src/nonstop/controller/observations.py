@@ -144,5 +144,13 @@ class Over:
     """The exit code is known."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Heard:
+    """The controller hears the job again after ``unheard_s`` seconds in which it could not
+    prove it did (``Cluster.deaf``), and judged nothing."""
+    seen: Seen
+    unheard_s: float
+
+
 Observation = Union[Tick, Start, Faulted, Entered, RetryAsked, Isolate, Recovered, Completed,
-                    Settled, Over, Drain]
+                    Settled, Over, Drain, Heard]

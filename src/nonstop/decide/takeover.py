@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..protocol.hosts import JournalRecord
+from ..protocol.hosts import JournalRecord, LastWord
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,3 +107,13 @@ def faults(adoption: Adoption, lost: set[int], node_of: dict[int, int]) -> list[
         out.append(Fault("takeover", message=(
             f"generation {adoption.gen} was forming when the controller changed")))
     return out
+
+
+def newest_step(journal: JournalRecord | None, last: LastWord | None) -> int:
+    """The newest step any rank had completed when the controller before this one left office:
+    what an incident found at the takeover counts its lost steps from (a rank that survived it
+    and reports a newer step moves it on). The journal holds the step of its last write (it is
+    written at generations, not at steps); the predecessor's last status record, twice a second,
+    a newer one. Neither known: the journal's default, 0."""
+    return max(journal.max_step if journal is not None else 0,
+               last.step if last is not None else 0)

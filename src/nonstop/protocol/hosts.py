@@ -226,6 +226,34 @@ class JournalRecord:
                    job=job)
 
 
+@dataclasses.dataclass(frozen=True)
+class LastWord:
+    """What a controller taking office reads of its predecessor's last status record (etcd
+    ``status``, written twice a second while it was in office; the rest of it is for ``nonstop
+    status``): when it was written, on the predecessor's clock, and the newest step any rank had
+    completed then - what a takeover's incident counts its lost steps from, the journal being
+    written only at generations."""
+
+    t: float
+    step: int
+
+    @classmethod
+    def loads(cls, raw: bytes | str) -> "LastWord":
+        """Refused (ValueError) without a time and a step of the right types."""
+        try:
+            data = json.loads(raw)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"status: not JSON: {exc}") from None
+        if not isinstance(data, dict) or "t" not in data or "step" not in data:
+            raise ValueError("status: no time or step")
+        t, step = data["t"], data["step"]
+        if isinstance(t, bool) or not isinstance(t, (int, float)):
+            raise ValueError(f"status: t is not a time: {t!r}")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"status: step is not a step: {step!r}")
+        return cls(t=float(t), step=step)
+
+
 #: Environment variables that change a job's numbers (reduction orders, math libraries' choices,
 #: hash seeds): every host must set the same ones to the same values, or its ranks compute other
 #: numbers than its peers' and a rank it takes over ends elsewhere.
