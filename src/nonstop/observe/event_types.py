@@ -29,7 +29,7 @@ CONTROLLER = frozenset({
     "checkpoint", "checkpoint_failed", "checkpoint_abandoned", "checkpoint_retention_failed",
     "emergency_checkpoint",
     # across hosts
-    "leader", "takeover", "node_joined", "node_lost", "stepped_down",
+    "leader", "takeover", "node_joined", "node_lost", "stepped_down", "unheard", "heard",
 })
 
 # what a rank reports that the controller writes to the log, as ``rank_<kind>``
