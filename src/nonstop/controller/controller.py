@@ -50,6 +50,10 @@ TICK_IDLE_S = 0.05  # ...while it trains
 # (a rank stuck in its code while its group forms) is judged over seconds.
 PROGRESS_SLOWER_IN_RECOVERY = 3
 SCAN_PER_RANK_S = 10e-6  # the whole job is looked at no more often than this, a rank (_check)
+# the loop did not look at the job this long (a slow call, its process paused, a starved
+# machine): what it read since is stale, and that time is not counted against the ranks (the
+# steady hang timeout's floor)
+STALL_S = 1.0
 
 
 class Controller:
@@ -83,6 +87,7 @@ class Controller:
         self._t_retry = 0.0  # when its ranks were last told to redo a step
         self._t_heard = 0.0  # when the controller last heard the job again (``_unheard``)
         self._unheard_since: float | None = None  # it cannot prove it hears the job, since
+        self._last_check = 0.0  # when the loop last looked at the job (_unheard)
         self.progress = ProgressLog(run_dir)  # the ranks' steps as they completed
         self.job_account = JobAccount(self.progress)  # the whole job's time, counted
         self.exits = ProcessExits(self.workers, self.memory, self.gens, self.progress, log, display)
@@ -763,7 +768,9 @@ class Controller:
         host silent at once, and etcd too - its own host's incoming traffic may be what failed).
         Then a silence is evidence against nobody: no deadline, no hang is judged. Heard again,
         the time it could not is not counted against the ranks: the deadlines move on by it, and
-        each rank's next step is awaited a whole timeout from then."""
+        each rank's next step is awaited a whole timeout from then. The same for a time this
+        loop did not look at all (held up by a slow call, its process paused: ``STALL_S``)."""
+        last, self._last_check = self._last_check, now
         if self.agent.deaf():
             if self._unheard_since is None:
                 self._unheard_since = now
@@ -773,11 +780,16 @@ class Controller:
             return True
         if self._unheard_since is not None:
             gap, self._unheard_since = now - self._unheard_since, None
-            self._t_heard = now
-            self.log.write("heard", gen=self.gen, unheard_s=round(gap, 3))
+            self._heard(now, gap, "deaf")
             self.display.info(f"the controller hears again (after {gap:.1f} s)")
-            self._step(mc.Heard(self._seen(now), gap))
+        elif last and now - last > STALL_S:
+            self._heard(now, now - last, "held up")
         return False
+
+    def _heard(self, now: float, gap: float, why: str) -> None:
+        self._t_heard = now
+        self.log.write("heard", gen=self.gen, unheard_s=round(gap, 3), why=why)
+        self._step(mc.Heard(self._seen(now), gap))
 
     # == log lines, the end of training, recovery ===============================================
     def on_output(self, wid: int, line: str) -> None:

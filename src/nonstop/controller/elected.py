@@ -209,6 +209,7 @@ class Leader:
         self.controller: Any = None
         self._status: str | None = None  # the newest status record, to put in etcd
         self._vanished: dict[int, float] = {}  # node -> since when its record is gone from etcd
+        self._joins: list[Any] = []  # hosts that joined, taken in once no recovery is under way
 
     def guarded(self, puts: dict[str, str]) -> None:
         self.etcd.guarded(keys.LEADER, self.epoch, puts=puts)
@@ -584,6 +585,12 @@ class Leader:
         if cluster.own_release is not None and self._written_gen >= controller.gen \
                 and self._pending is None:
             cluster.release_own()
+        # a host taken in starts its memory, which the controller waits for (seconds on a busy
+        # machine): not in the middle of a recovery - a host fenced by it comes back as a spare
+        # while it is still under way
+        if self._joins and controller.incident is None and \
+                controller.phase is not Phase.TEARING_DOWN:
+            self._joins.pop(0)()
 
     def _store_loop(self, cluster: Any) -> None:
         """etcd's side of the controller, in its own thread: the journal written (only while
@@ -753,7 +760,7 @@ class Leader:
             cluster.add_host(node, rec, ch=ch)
             self.controller.node_joined(node)
 
-        cluster.call(joined)
+        cluster.call(lambda: self._joins.append(joined))
 
 
 if __name__ == "__main__":
