@@ -216,18 +216,21 @@ def test_the_time_the_controller_could_not_hear_is_not_counted_against_the_ranks
     """Every host silent at once and etcd too: the controller judged nothing (Cluster.deaf).
     Heard again after 3 s, the survivors' teardown deadline, the generation's join_s and the
     level's deadline have moved on by those 3 s: a survivor is killed only once it overstays
-    the teardown by the time the controller could hear it."""
+    the teardown by the time the controller could hear it. What began in the middle of those
+    3 s moves on to the moment it heard again, not past it."""
     rs = ranks(0, {1: {"dead": True}})
     s, _ = mc.step(running(), mc.Faulted(seen(20.0, rs), Fault("crash", rank=1, code=-9)), P)
     due = s.deadline
-    s2, cmds = mc.step(s, mc.Heard(seen(20.1, rs), 3.0), P)
+    s2, cmds = mc.step(s, mc.Heard(seen(23.5, rs), 3.0), P)  # unheard from 20.5 to 23.5
     assert cmds == [] and s2.deadline == due + 3.0 and s2.t_abort == s.t_abort + 3.0
-    _, cmds = mc.step(s2, mc.Tick(seen(due + 0.5, rs)), P)
+    _, cmds = mc.step(s2, mc.Tick(seen(due + 2.9, rs)), P)
     assert cmds == []
     _, cmds = mc.step(s2, mc.Tick(seen(due + 3.01, rs)), P)
     assert [c.wid for c in cmds if isinstance(c, mc.Kill)] == [100, 102, 103]
+    s3, _ = mc.step(s, mc.Heard(seen(20.1, rs), 3.0), P)  # the abort came 0.1 s before it heard
+    assert s3.deadline == due + 0.1 and s3.t_abort == s.t_abort + 0.1
     s, *_ = crash(running(), 5.0)  # a generation forming, its level under way
-    s2, _ = mc.step(s, mc.Heard(seen(6.0, ranks(1)), 3.0), P)
+    s2, _ = mc.step(s, mc.Heard(seen(s.t_gen + 4.0, ranks(1)), 3.0), P)
     assert s2.t_gen == s.t_gen + 3.0 and s2.level_deadline == s.level_deadline + 3.0
     assert s2.deadline == s.deadline + 3.0
     late = ranks(1, {2: {"joining": 0, "entered": 0, "warm": True}})

@@ -109,7 +109,7 @@ def step(s: JobState, ob: Observation, policy: Any) -> tuple[JobState, list[Comm
     if isinstance(ob, Over):
         return _with(s, phase=Phase.OVER, deadline=math.inf), []
     if isinstance(ob, Heard):
-        return unheard(s, ob.unheard_s), []
+        return unheard(s, ob.unheard_s, ob.seen.now), []
     raise TypeError(f"not an observation: {ob!r}")
 
 
@@ -226,16 +226,23 @@ def _tick(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]
     return s, cmds
 
 
-def unheard(s: JobState, seconds: float) -> JobState:
-    """The controller could not hear the job for ``seconds`` (every host silent at once, and
-    etcd too: its own ears may have failed, not the ranks); it judged nothing meanwhile, and
-    that time is not counted against the ranks: the phase's times and deadlines move on by it."""
-    def later(t: float | None) -> float | None:
-        return t + seconds if t is not None and math.isfinite(t) else t
+def unheard(s: JobState, seconds: float, now: float) -> JobState:
+    """The controller could not hear the job for the ``seconds`` up to ``now`` (every host
+    silent at once, and etcd too: its own ears may have failed, not the ranks'; or its loop held
+    up); it judged nothing meanwhile, and that time is not counted against the ranks: the
+    phase's times and deadlines move on by it - by as much of it as came after they began (a
+    generation published in the middle of it moves on to now, not past it)."""
+    def moved(t: float) -> float:
+        return min(seconds, max(0.0, now - t))
 
-    return _with(s, deadline=later(s.deadline), t_gen=s.t_gen + seconds,
-                 t_abort=s.t_abort + seconds, level_deadline=later(s.level_deadline),
-                 retry_deadline=later(s.retry_deadline))
+    def later(t: float | None, by: float) -> float | None:
+        return t + by if t is not None and math.isfinite(t) else t
+
+    gen_by, abort_by = moved(s.t_gen), moved(s.t_abort)
+    phase_by = abort_by if s.phase is Phase.TEARING_DOWN else gen_by
+    return _with(s, deadline=later(s.deadline, phase_by), t_gen=s.t_gen + gen_by,
+                 t_abort=s.t_abort + abort_by, level_deadline=later(s.level_deadline, gen_by),
+                 retry_deadline=later(s.retry_deadline, seconds))
 
 
 def idle(s: JobState, now: float, policy: Any) -> bool:
