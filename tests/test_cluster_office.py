@@ -154,3 +154,36 @@ def test_a_controller_that_hears_no_host_and_not_etcd_is_deaf(host):
         cluster.poll(0.02)
     assert not cluster.deaf()
 
+
+
+def test_a_takeover_asks_the_agent_for_its_handshake_not_the_kernel_for_a_connect():
+    """A paused host's kernel still accepts a connection (its listening socket's backlog): a
+    takeover waited 4 s more for such a host. Only the channel's authenticated handshake proves
+    an agent is there, and it is given ``ANSWER_S`` to complete it."""
+    import socket
+
+    from nonstop.controller.elected import ANSWER_S, _answers
+
+    secret = new_secret().encode()
+    with Listener(HOST, secret) as lst, socket.socket() as paused:
+        stop = threading.Event()
+
+        def serve() -> None:  # an agent's accept loop: it completes handshakes
+            while not stop.is_set():
+                ch = lst.accept(0.1)
+                if ch is not None:
+                    ch.close()
+
+        t = threading.Thread(target=serve)
+        t.start()
+        try:
+            assert _answers(HOST, lst.port, secret)
+            paused.bind((HOST, 0))
+            paused.listen()  # accepted by the kernel, never answered: a stopped process
+            t0 = time.monotonic()
+            assert not _answers(HOST, paused.getsockname()[1], secret)
+            assert time.monotonic() - t0 < ANSWER_S + 0.5
+            assert not _answers(HOST, lst.port, new_secret().encode())  # another job's secret
+        finally:
+            stop.set()
+            t.join(5)
