@@ -41,10 +41,15 @@ def job(tmp_path):
 
 
 def _train(j: HostJob, i: int) -> None:
-    # 0.15 s steps: the job trains through both faults and the hosts' coming back as spares
-    j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", script=str(TRAIN),
-            script_args=["--steps", str(STEPS), "--sleep-ms", "150",
-                         "--save", str(j.base / "final.pt")])
+    # 0.15 s steps: the job trains through both faults and the hosts' coming back as spares.
+    # No node memory: a replaced rank takes its state from a live peer (DDP) all the same, and a
+    # host that joins (the spare, a fenced host back) starts none - its start holds the
+    # controller's loop up for seconds on a busy machine while the job trains on
+    pol = j.base / "policy.yaml"
+    pol.write_text("state:\n  snapshot:\n    enabled: false\n")
+    j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", "--policy",
+            str(pol), script=str(TRAIN), script_args=["--steps", str(STEPS), "--sleep-ms", "150",
+                                                      "--save", str(j.base / "final.pt")])
 
 
 def _wait(what: str, pred, timeout: float) -> None:
