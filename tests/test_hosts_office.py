@@ -10,7 +10,6 @@ the fault-free weights and no step lost."""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 
 import pytest
@@ -26,8 +25,6 @@ pytestmark = pytest.mark.integration
 ok, why = netns.available()
 if not ok:
     pytest.skip(f"test hosts unavailable: {why}", allow_module_level=True)
-if shutil.which("iptables") is None:
-    pytest.skip("a one-way cut needs the `iptables` command", allow_module_level=True)
 
 STEPS = 300  # the reference of tests/test_hosts.py: one fault-free run serves every file
 LEASE_S = 2  # hosts.lease_ttl_s, the policy's default

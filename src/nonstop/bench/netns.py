@@ -363,20 +363,19 @@ class Host:
                 raise RuntimeError(f"tc qdisc del dev {dev}: {r.stderr.strip()}")
 
     def deafen(self) -> None:
-        """A one-way cut: every packet arriving from the network is dropped (an iptables rule in
-        the host's namespace); what the host sends still leaves, and its own processes still
-        hear each other (loopback). Its peers' connects time out, its orders still arrive. The
-        rule lives in the namespace: ``hear`` lifts it, and it goes with the namespace."""
-        if shutil.which("iptables") is None:
-            raise RuntimeError("a one-way cut needs the `iptables` command")
-        subprocess.run([*self.prefix, "iptables", "-w", "-I", "INPUT", "-i", "eth0", "-j", "DROP"],
-                       check=True, capture_output=True, timeout=IP_TIMEOUT_S)
+        """A one-way cut: every packet the network sends the host is dropped (a queue of length
+        zero on the bridge's end of its link, ``tc``: no firewall needed); what the host sends
+        still leaves, and its own processes still hear each other (loopback). Its peers'
+        connects time out, its orders still arrive. ``hear`` lifts it; it goes with the link."""
+        _tc("qdisc", "replace", "dev", self.veth, "root", "pfifo", "limit", "0")
 
     def hear(self) -> None:
         """The one-way cut lifted (``deafen``); no error if there was none."""
-        while subprocess.run([*self.prefix, "iptables", "-w", "-D", "INPUT", "-i", "eth0", "-j",
-                              "DROP"], capture_output=True, timeout=IP_TIMEOUT_S).returncode == 0:
-            pass
+        r = _tc("qdisc", "del", "dev", self.veth, "root", check=False)
+        err = r.stderr.lower()
+        if r.returncode != 0 and not _gone(r) and "handle of zero" not in err \
+                and "no such" not in err and "invalid handle" not in err:
+            raise RuntimeError(f"tc qdisc del dev {self.veth}: {r.stderr.strip()}")
 
     def pids(self) -> list[int]:
         """Every live process in the namespace (as ``ip netns pids``)."""
