@@ -51,6 +51,9 @@ def _chaos_args(p: argparse.ArgumentParser) -> None:
                    help="chaos: warm spares (default 2; --hosts: 1 per host)")
     p.add_argument("--kinds", metavar="LIST",
                    help="chaos --hosts: comma-separated fault kinds to draw from (default: all)")
+    p.add_argument("--etcd-members", type=int, default=1, metavar="N",
+                   help="chaos --hosts: etcd members, each on a test host of its own (default 1; "
+                        "3: one member lost or its disk full leaves a quorum)")
     p.add_argument("--snapshot-every", dest="chaos_snapshot_every", metavar="N|auto",
                    help="chaos (one host): steps between memory snapshots (default 4: every "
                         "snapshot fault fires; auto: the policy's own interval)")

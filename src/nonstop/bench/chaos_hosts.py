@@ -50,6 +50,11 @@ SETTLE_TIMEOUT_S = 120.0  # the hosts back after a fault
 RUN_TIMEOUT_S = 1800.0
 ETCD_DOWN_S = 3.0
 ETCD_PAUSE_S = 5.0  # etcd frozen (SIGSTOP) this long: every lease has expired when it wakes
+DEAF_S = 8.0  # the controller's host hears nothing this long (what it sends still leaves)
+CONTROLLER_PAUSE_S = 10.0  # every process of the controller's host frozen this long
+SLOW_LINK_S = 4.0  # a host's data link this slow this long: its steps outlast the hang timeout
+SLOW_KBIT = 16
+ETCD_DISK_MB = 72  # each etcd member's data on a file system this small (its WAL takes 61 MiB)
 DISK_MB = 16  # the checkpoint file system (tmpfs): filled by disk_full
 CKPT_EVERY = 10
 
@@ -62,16 +67,25 @@ RANK_KINDS: dict[str, str] = {
 }
 #: faults of the outside world, thrown by this harness
 HOST_KINDS = ("host_kill", "partition", "controller_kill", "launcher_kill", "etcd_restart",
-              "keeper_kill", "stop_cont", "disk_full", "preempt", "etcd_pause", "mismatched_host")
-KILLS_HOST = ("host_kill", "partition", "launcher_kill", "preempt")  # the host goes
+              "keeper_kill", "stop_cont", "disk_full", "preempt", "etcd_pause", "mismatched_host",
+              "controller_deaf", "controller_pause", "slow_link", "buddy_pair", "etcd_disk_full")
+KILLS_HOST = ("host_kill", "partition", "launcher_kill", "preempt", "buddy_pair")  # the host goes
+#: two hosts lost at once: only where each rank's snapshots have two replicas and two spare
+#: hosts can take the lost hosts' ranks (``spare_hosts``)
+NEEDS_TWO_SPARES = ("buddy_pair",)
 ONCE = chaos.ONCE
 POLICY = chaos.POLICY + """    node_replacement: {budget: 1000000}
     scale_in: {budget: 1000000}
 """
 
 
+def spare_hosts(only: list[str] | None) -> int:
+    """Spare hosts the soak runs with: two when two hosts may be lost at once, else one."""
+    return 2 if any(k in NEEDS_TWO_SPARES for k in (only or HOST_KINDS)) else 1
+
+
 def gap(kind: str) -> int:
-    quick = ("keeper_kill", "stop_cont", "mismatched_host")  # no host goes
+    quick = ("keeper_kill", "stop_cont", "mismatched_host", "slow_link")  # no host goes
     return HOST_GAP if kind in HOST_KINDS and kind not in quick else RANK_GAP
 
 
@@ -245,6 +259,32 @@ class Harness:
                 slot = (slot + 1) % self.slots
         return slot
 
+    def controller_slot(self) -> int:
+        """The slot of the host whose controller is in office."""
+        host = self.events("leader")[-1]["host"]
+        return next(i for i in range(self.slots) if self.j.names.get(i, f"host{i}") == host)
+
+    def buddy_slot(self, i: int) -> int:
+        """The slot of the host that holds the first replica of host ``i``'s ranks' snapshots
+        (the newest placement), else the next slot."""
+        from ..protocol import hosts as keys
+        from .hosts import _etcd
+
+        with contextlib.suppress(Exception):  # no placement known: the next slot
+            with _etcd(self.j) as etcd:
+                raw, _ = etcd.get(keys.JOURNAL)
+            nodes = keys.JournalRecord.loads(raw).nodes
+            node_of = {h.host: n for n, h in nodes.items()}
+            name_of = {n: h.host for n, h in nodes.items()}
+            node = node_of[self.j.names.get(i, f"host{i}")]
+            spawns = {e["wid"]: e["node"] for e in self.events("spawn")}
+            ranks = {int(r): w for r, w in self.events("generation")[-1]["ranks"].items()}
+            placed = self.events("replication")[-1]["buddies"]
+            rank = min(r for r, w in ranks.items() if spawns.get(w) == node)
+            buddy = name_of[placed[str(rank)][0]]
+            return next(s for s in range(self.slots) if self.j.names.get(s, f"host{s}") == buddy)
+        return (i + 1) % self.slots
+
     def new_host(self, i: int) -> None:
         """Host ``i`` lost: once etcd has let it go, a new machine (a new node id) starts there."""
         self.wait("the lost host's record gone", lambda: self.hosts_registered() < self.slots, 60)
@@ -260,6 +300,13 @@ class Harness:
             if kind == "host_kill":
                 j.kill_host(i)
                 self.new_host(i)
+            elif kind == "buddy_pair":  # a host and the one its snapshots are copied to first
+                b = self.buddy_slot(i)
+                f["victim"] += f" and its buddy {j.names.get(b, f'host{b}')}"
+                j.kill_host(i)
+                j.kill_host(b)
+                self.new_host(i)
+                self.new_host(b)
             elif kind == "launcher_kill":
                 os.kill(j.procs[i].pid, signal.SIGKILL)
                 j.procs[i].wait(10)
@@ -309,6 +356,48 @@ class Harness:
                 f["exit_code"] = None
             text = out.read_text(errors="replace")
             f["refused"] = f["exit_code"] == 2 and "the script or its arguments differ" in text
+        elif kind == "controller_deaf":  # it hears nothing, but what it says still arrives
+            i = self.controller_slot()
+            f["victim"] = j.names.get(i, f"host{i}")
+            before = j.output(i).count("fenced")
+            j.hosts[i].deafen()
+            try:  # its lease lapses, a standby takes office; reaching no peer, it fences itself
+                self.wait("the deaf host fenced", lambda: j.output(i).count("fenced") > before,
+                          DEAF_S + 60)
+            finally:
+                j.hosts[i].hear()
+        elif kind == "controller_pause":  # a paused VM: its kernel still accepts connections
+            i = self.controller_slot()
+            f["victim"] = j.names.get(i, f"host{i}")
+            leaders = len(self.events("leader"))
+            j.hosts[i].freeze()
+            try:
+                time.sleep(CONTROLLER_PAUSE_S)
+            finally:
+                j.hosts[i].thaw()
+            self.wait("a new controller in office", lambda: len(self.events("leader")) > leaders)
+        elif kind == "slow_link":  # no fault: the steps slow, the job waits, nothing is replaced
+            i = f["slot"]
+            f["victim"] = j.names.get(i, f"host{i}")
+            j.hosts[i].throttle(SLOW_KBIT)
+            try:
+                time.sleep(SLOW_LINK_S)
+            finally:
+                j.hosts[i].unthrottle()
+        elif kind == "etcd_disk_full":  # the member stops on its full disk; quorum, if any, holds
+            name = f"e{f['slot'] % len(j.etcd.members)}"
+            f["victim"] = f"etcd member {name}"
+            j.fill_etcd_disk(name)
+            try:
+                member = j.etcd.member(name)
+                deadline = time.monotonic() + 30  # stopped at its next commit to the full disk
+                while member.running and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                f["etcd_stopped"] = not member.running
+            finally:
+                j.free_etcd_disk(name)
+            if not j.etcd.member(name).running:  # its operator frees the disk, starts it again
+                j.etcd.start_member(name)
         elif kind == "keeper_kill":
             i = f["slot"]
             f["victim"] = j.names.get(i, f"host{i}")
@@ -374,18 +463,20 @@ def _shm() -> set[str]:
 
 def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: Path,
          say: Callable[[str], None], steps: int | None = None,
-         only: list[str] | None = None) -> dict[str, Any]:
+         only: list[str] | None = None, etcd_members: int = 1) -> dict[str, Any]:
     from .hostjob import HostJob
     from .hosts import _wait_etcd
     from ..protocol import hosts as keys
 
-    world, slots = hosts * per_host, hosts + 1
+    spare = spare_hosts(only)
+    world, slots = hosts * per_host, hosts + spare
     plan = schedule(seed, faults, world, slots, only)
     steps = max(steps or 0, needed(plan))
     marker = uuid.uuid4().hex
+    kinds = {f["kind"] for f in plan}
     say(f"chaos: seed {seed}, {faults} faults over {steps} steps, {hosts} hosts x {per_host} "
-        f"ranks + 1 spare host ({spares} warm spare(s) per host), etcd on a host of its own; "
-        f"runs in {base}")
+        f"ranks + {spare} spare host(s) ({spares} warm spare(s) per host), etcd on "
+        f"{etcd_members} host(s) of its own; runs in {base}")
     for f in plan:
         say(f"  step {f['step']:5d}  {f['kind']:26s} "
             + (f["spec"] if "spec" in f else f"host slot {f['slot']}, rank {f['rank']}"))
@@ -401,12 +492,14 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
     ref_thread = threading.Thread(target=lambda: ref.append(common.run_child(
         ref_cmd, base / "reference" / "output.log", RUN_TIMEOUT_S)), daemon=True)
     ref_thread.start()
-    (base / "policy.yaml").write_text(POLICY)
+    # two hosts lost at once leave a copy of every snapshot only with two replicas of each
+    (base / "policy.yaml").write_text(POLICY + ("state:\n  snapshot: {replicas: 2}\n"
+                                                if kinds & set(NEEDS_TWO_SPARES) else ""))
     ckpt = base / "ckpt"
     mounted = _mount_tmpfs(ckpt, DISK_MB)
     times = base / "steps.txt"
     spec = ";".join(f["spec"] for f in plan if "spec" in f)
-    flags = ["--nnodes", str(hosts), "--nproc-per-node", str(per_host), "--spare-nodes", "1",
+    flags = ["--nnodes", str(hosts), "--nproc-per-node", str(per_host), "--spare-nodes", str(spare),
              "--spares", str(spares), f"--policy={base / 'policy.yaml'}",
              f"--checkpoint-dir={ckpt}", f"--checkpoint-every={CKPT_EVERY}"]
     if spec:
@@ -422,7 +515,8 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
     names: dict[int, str] = {}
     h: Harness | None = None
     try:
-        with HostJob(base / "job", hosts=slots, etcd_members=1, tag="nsc") as j:
+        with HostJob(base / "job", hosts=slots, etcd_members=etcd_members, tag="nsc",
+                     etcd_disk_mb=ETCD_DISK_MB if "etcd_disk_full" in kinds else None) as j:
             h = Harness(j, flags, [*script_args, "--step-times", str(times)], times,
                         {"NONSTOP_CHAOS_RUN": marker}, slots, say)
             try:
@@ -518,6 +612,7 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
     last = json.loads(summaries[-1].read_text()) if summaries else {}
     return {
         "scenario": "chaos", "seed": seed, "faults": faults, "hosts": hosts,
+        "spare_hosts": spare, "etcd_members": etcd_members,
         "ranks_per_host": per_host, "completed": completed, "params_match_reference": match,
         "rejoin_failed": rejoin_failed, "late_hosts": late_hosts,
         "incidents_closed": sum(1 for i in incidents if i.get("outcome") == "recovered"),
@@ -582,8 +677,11 @@ def main(args: argparse.Namespace) -> int:
     if bad:
         raise UsageError(f"unknown fault kind(s) {', '.join(bad)} (known: {', '.join(known)})")
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
+    members = args.etcd_members
+    if members < 1 or members % 2 == 0:
+        raise UsageError(f"--etcd-members must be an odd number of 1 or more, not {members}")
     result = soak(args.seed, args.faults, hosts, per_host, spares, base, say,
-                              steps=args.steps, only=only or None)
+                  steps=args.steps, only=only or None, etcd_members=members)
     say(describe(result))
     ok = keep_or_clean(result, base, bool(args.out), say)
     common.emit(result, args.json)

@@ -4,6 +4,7 @@ Used by the tests and by ``nonstop bench hosts``; every process is ended by its 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -23,7 +24,13 @@ SECRET = "nonstop-test-secret-0123456789abcdef"
 class HostJob:
     """``hosts`` test hosts for the job, plus ``etcd_members`` hosts running etcd."""
 
-    def __init__(self, base: Path, hosts: int, etcd_members: int = 1, tag: str = "nsj"):
+    def __init__(self, base: Path, hosts: int, etcd_members: int = 1, tag: str = "nsj",
+                 etcd_disk_mb: int | None = None):
+        """``etcd_disk_mb``: each etcd member's data on a file system of its own of that size (a
+        tmpfs), so that a test can fill it (``fill_etcd_disk``): etcd then stops on "no space
+        left on device", as on a full disk."""
+        self.etcd_disk_mb = etcd_disk_mb
+        self.disks: dict[str, Path] = {}  # etcd member -> the mount its data is on
         self.base = Path(base)
         self.base.mkdir(parents=True, exist_ok=True)
         self.net = netns.TestHosts(hosts + etcd_members, tag)
@@ -41,6 +48,12 @@ class HostJob:
         try:
             members = [(f"e{i}", h.addr, h.prefix) for i, h in enumerate(self.etcd_hosts)]
             self.etcd = EtcdCluster(members, self.base / "etcd", ports=lambda a: (2379, 2380))
+            if self.etcd_disk_mb is not None:
+                for m in self.etcd.members:
+                    d = self.base / "etcd-disk" / m.name
+                    _mount_tmpfs(d, self.etcd_disk_mb)
+                    self.disks[m.name] = d
+                    m.data_dir = d / "data"  # (its log stays on the job's disk)
             self.etcd.start()
         except BaseException:
             self.close()
@@ -142,7 +155,38 @@ class HostJob:
                     pass
         if self.etcd is not None:
             self.etcd.stop()
+        for d in self.disks.values():
+            _umount(d)
+        self.disks.clear()
         self.net.destroy()
+
+    def fill_etcd_disk(self, member: str) -> None:
+        """Take every free byte of ``member``'s file system (its data directory's)."""
+        with open(self.disks[member] / "filler", "wb", buffering=0) as fh:
+            for size in (1 << 20, 4096, 1):
+                try:
+                    while True:
+                        fh.write(b"\0" * size)
+                except OSError as e:
+                    if e.errno != errno.ENOSPC:
+                        raise
+
+    def free_etcd_disk(self, member: str) -> None:
+        (self.disks[member] / "filler").unlink(missing_ok=True)
 
     def clean(self) -> None:
         shutil.rmtree(self.base, ignore_errors=True)
+
+
+def _mount_tmpfs(path: Path, mb: int) -> None:
+    """A tmpfs of ``mb`` MB at ``path`` (root only): raises with mount's error."""
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mb}m,mode=0700", "nonstop-etcd",
+                        str(path)], capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        raise RuntimeError(f"cannot mount a tmpfs at {path}: {r.stderr.strip()}")
+
+
+def _umount(path: Path) -> None:
+    if subprocess.run(["umount", str(path)], capture_output=True, timeout=30).returncode:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
