@@ -122,10 +122,19 @@ def test_the_controllers_host_deaf_then_paused_costs_no_rank_and_no_step(job, re
     with _etcd(j) as etcd:  # (an earlier run of that host may have been given up already)
         gone = keys.gone_key(second["host"], keys.HostRecord.loads(
             etcd.get(keys.host_key(second["host"]))[0]).incarnation)
+    vacant: list[float] = []  # when this test first saw the paused controller's key gone
+
+    def given_up(etcd) -> bool:
+        if not vacant:
+            held = etcd.leader(keys.LEADER)
+            if held is None or held[1] != second["epoch"]:
+                vacant.append(time.time())
+        return etcd.get(gone)[0] is not None
+
     t_pause = time.time()
     j.hosts[paused].freeze()
     try:
-        _wait_etcd(j, "the paused host given up", lambda etcd: etcd.get(gone)[0] is not None, 60)
+        _wait_etcd(j, "the paused host given up", given_up, 60)
     finally:
         j.hosts[paused].thaw()
     codes = j.wait(240)
@@ -134,10 +143,13 @@ def test_the_controllers_host_deaf_then_paused_costs_no_rank_and_no_step(job, re
     assert bitwise_equal(j.base / "final.pt", reference(4, "--steps", str(STEPS)))
     third = _after(j, "leader", t_pause)[0]
     assert third["host"] != second["host"]
-    # in office within a lease and a second of the pause (the paused host's record may outlive
-    # it by up to a lease: it is given up, not waited for), measured on this machine's clock
+    # in office once the lease lapses: the paused host's record may outlive it by up to a lease,
+    # and is given up, not waited for. Timed from the vacancy this test saw in etcd (the lapse
+    # itself is etcd's: within a lease and its expiry check, half a second, of the pause): a
+    # second on an idle machine, two more while another test's processes share the two cores.
+    # The takeover that waited for any host accepting a connection took 4 s more than that.
     in_office_s = third["t"] - t_pause
-    assert in_office_s < LEASE_S + 1.0 + 0.5, in_office_s
+    assert vacant and third["t"] - vacant[0] < 1.0 + 2.0, (third["t"] - vacant[0], in_office_s)
     takeover2 = _after(j, "takeover", t_pause)[0]
     # the paused host's ranks only: the deaf host's moved to the spare host, the others stayed
     held = deaf_ranks if paused == 2 else sorted({0, 1, 2, 3} - set(deaf_ranks))
@@ -152,5 +164,6 @@ def test_the_controllers_host_deaf_then_paused_costs_no_rank_and_no_step(job, re
     incidents = j.of("incident")
     assert len(incidents) == 2 and all(inc["steps_lost"] == 0 for inc in incidents), incidents
     print(f"MTTR: deaf {incidents[0]['mttr_s']:.2f} s, paused {incidents[1]['mttr_s']:.2f} s; "
-          f"in office {in_office_s:.2f} s after the pause")
+          f"in office {in_office_s:.2f} s after the pause, {third['t'] - vacant[0]:.2f} s after "
+          "the vacancy")
 

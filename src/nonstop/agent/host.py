@@ -40,7 +40,8 @@ from ..launch.config import HostConfig
 from .fencing import (REGISTER_RETRY_S, EtcdSilent, Fence, JobEnded, Membership, OutageOver,
                       Registered, Rejoined, Verdict)
 from .host_keepers import HostKeepers, replica_secret
-from ..net.netif import bound_socket, interface_of, torch_store
+from ..net.netif import bound_socket, close_store, interface_of, job_store
+from ..store.tcpstore import StoreServer
 
 CLOSED = object()  # in the inbox: the channel it came on is closed
 CONTROLLER_WID = -1  # the standby controller in the agent's process table
@@ -149,11 +150,13 @@ class HostAgent:
             self.agent.keeper_host = cfg.addr  # replicas come in from other hosts
             self.agent.keeper_env = {SECRET_ENV: replica_secret(self.secret)}
             self.keepers = HostKeepers(self._send).start()
-            self.store = torch_store(self.local_listener)
+            # only this host's ranks meet on its own store: nonstop's server of the protocol
+            self.store = StoreServer(self.local_listener)
             self.store.set(protocol.JOB_KEY, protocol.dumps(self._job_settings()))
             self.mail = StoreMail(wids=self.agent.recent_wids)
             self.mail.attach(self.store)
-            self.rdzv = torch_store(rdzv_sock)  # where the generations whose rank 0 is here meet
+            # where the generations whose rank 0 is here meet: every rank of the job, at most
+            self.rdzv = job_store(rdzv_sock, self._ranks())
             threading.Thread(target=self._store_loop, name="nonstop-store", daemon=True).start()
             return self._loop()
         finally:
@@ -169,6 +172,12 @@ class HostAgent:
             self.etcd.close()
             if self.metrics is not None:
                 self.metrics.close()
+
+    def _ranks(self) -> int:
+        """The most ranks that may meet on one of this host's generation stores: the job's at
+        its largest, spares and spare hosts included."""
+        cfg = self.cfg
+        return (cfg.nnodes_max + cfg.spare_nodes) * (cfg.nproc_per_node + cfg.spares)
 
     def _job_settings(self) -> dict[str, Any]:
         timeouts = self.cfg.rules.timeouts
@@ -592,10 +601,10 @@ class HostAgent:
             case m.OpenStore(gen=gen):
                 # a plain script rendezvouses with unprefixed keys through MASTER_ADDR/PORT: each
                 # of its generations gets a store of its own, on this host's address only
-                store = torch_store(bound_socket(self.cfg.addr))
+                store = job_store(bound_socket(self.cfg.addr), self._ranks())
                 self._gen_stores[gen] = store
                 for old in [g for g in self._gen_stores if g < gen - 1]:
-                    del self._gen_stores[old]  # (torch's server stops with its object)
+                    close_store(self._gen_stores.pop(old))
                 self._send(m.Reply(id=order.id, port=store.port))
             case m.End(code=code, grace_s=grace_s, why=why, released=released):
                 self.agent.end_all(grace_s)

@@ -50,11 +50,36 @@ def bound_socket(addr: str) -> Any:
     return sock
 
 
+# torch's own (C++) TCPStore server from this many ranks in a job: below it nonstop's server of
+# the same protocol (``store.tcpstore``), which spares a host agent torch's import (3.5 s of CPU
+# on an idle core, more on a busy host, before the host can start). A Python server's
+# interpreter lock doubled the rendezvous of 16,384 ranks in ``bench control-plane`` (0.68 s
+# against 0.36 s); at a thousand ranks it costs milliseconds.
+TORCH_STORE_RANKS = 1024
+
+
+def job_store(sock: Any, ranks: int) -> Any:
+    """A server of torch's TCPStore protocol on ``sock`` (which it takes over), for up to
+    ``ranks`` ranks meeting on it: torch's own from ``TORCH_STORE_RANKS``, nonstop's below. Either
+    is closed with ``close_store``."""
+    if ranks >= TORCH_STORE_RANKS:
+        return torch_store(sock)
+    from ..store.tcpstore import StoreServer
+
+    return StoreServer(sock)
+
+
+def close_store(store: Any) -> None:
+    """Stop a server of ``job_store`` (torch's stops when its object goes)."""
+    from ..store.tcpstore import StoreServer
+
+    if isinstance(store, StoreServer):
+        store.close()
+
+
 def torch_store(sock: Any) -> Any:
-    """torch's own TCPStore server (C++, libuv) on ``sock``: where a host's ranks, and the
-    generations whose rank 0 is on this host, meet. Across hosts thousands of ranks may meet on
-    one: a Python server's interpreter lock made the control plane's rendezvous of 16,384 ranks
-    twice as slow (``bench control-plane``), so the host agents import torch for it."""
+    """torch's own TCPStore server (C++, libuv) on ``sock``: where the generations whose rank 0 is
+    on a host meet, in a job of thousands of ranks (``job_store``)."""
     from torch.distributed import TCPStore
 
     addr, port = sock.getsockname()[:2]
