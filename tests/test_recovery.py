@@ -143,7 +143,7 @@ def test_user_exception_on_every_attempt_gives_up_with_one_traceback(tmp_path):
 def test_plain_torchrun_script_is_restarted_whole(tmp_path):
     out = tmp_path / "final.pt"
     t0 = time.time()
-    proc = start(tmp_path / "run", "--nproc=2", "--spares=1", str(PLAIN), "--steps", "4000",
+    proc = start(tmp_path / "run", "--nproc=2", "--spares=1", str(PLAIN), "--steps", "1500",
                  "--save", str(out))
     entered = wait_for_event(tmp_path / "run", lambda e: e["type"] == "rank_entered" and e["rank"] == 1)
     spawn = wait_for_event(tmp_path / "run", lambda e: e["type"] == "spawn" and e["wid"] == entered["wid"])
