@@ -62,7 +62,7 @@ def test_the_injected_flip_changes_one_bit_of_one_parameter():
 
 
 def test_checks_are_spaced_to_their_share_of_step_time():
-    d = Digests(RankSdc(enabled=True, action="replace", max_overhead_pct=1.0))
+    d = Digests(RankSdc(enabled=True, action="replace", max_overhead_pct=1.0, replay_every=0))
     assert d.interval(0.1) == 1  # nothing measured yet
     d._costs.append(0.002)
     assert d.interval(0.1) == 2 and d.interval(0.4) == 1 and d.interval(0.01) == 20
@@ -96,7 +96,7 @@ def test_sharded_parameters_are_digested_by_their_own_part_and_not_compared():
         assert sharded([model]) and not sharded([plain])
         # one rank holds every part: its parts' digest is the unsharded model's
         assert digest([model]) == digest([plain])
-        checks = Digests(RankSdc(enabled=True, action="replace", max_overhead_pct=0.5))
+        checks = Digests(RankSdc(enabled=True, action="replace", max_overhead_pct=0.5, replay_every=0))
         assert checks.check([model], step=3, world=2) == 0.0  # (no collective was made)
         assert checks.stats().uncompared == SHARDED and checks.stats().checks == 0
     finally:

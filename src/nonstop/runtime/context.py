@@ -103,6 +103,8 @@ class Context:
                 if rt is not None:
                     if not self._first_done:
                         rt.injector.in_recovery("first_step", self.rank, self.generation)
+                    # (a step to replay keeps the state it starts from before anything else)
+                    rt.stall += rt.before_step(state, self.rank, self.world_size, step)
                     rt.injector.check("start", self.rank, step)
                     if rt.injector.claim_kind("bitflip", self.rank, step):
                         where = state.flip_bit(seed=step)
@@ -113,6 +115,8 @@ class Context:
 
                     torch.manual_seed(step_seed(reseed, step, self.rank))
                 state.begin_step()
+                if rt is not None:
+                    rt.stall += rt.step_begins(state, step)
                 t0 = time.monotonic()
                 yield step
                 if rt is not None and rt.monitor.void_step():
@@ -122,10 +126,16 @@ class Context:
                 state.dirty = False
                 if rt is not None:
                     step_s = time.monotonic() - t0
+                    again, replayed = rt.replayed_step(state, self.rank, self.world_size,
+                                                       self.generation, step, step_s)
+                    if again:  # a replay check: the step runs again, from the same state
+                        rt.stall += replayed  # (check time, not a step: goodput)
+                        continue
                     # a snapshot is not a step that counts (goodput), but it is time between steps
                     # that the hang timeout must allow for
-                    spent = rt.after_step(state, self.rank, self.world_size, self.generation,
-                                          step_s, not self._first_done)
+                    spent = replayed + rt.after_step(state, self.rank, self.world_size,
+                                                     self.generation, step_s,
+                                                     not self._first_done)
                     rt.busy += step_s
                     rt.stall += spent
                     rt.monitor.record_step(self.generation, self.rank, step + 1, rt.busy,
