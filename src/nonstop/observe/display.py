@@ -185,7 +185,7 @@ def sdc_text(sdc: dict[str, Any]) -> str:
         text = f"replicas: not compared ({sdc.get('uncompared') or 'no twin'})"
     if found:
         named = sorted({f["attributed"] for f in found if f.get("attributed") is not None})
-        text += (f"; {len(found)} corruption(s) found and rolled back ("
+        text += (f"; {len(found)} corruption(s) found and repaired ("
                  + (f"the replay named rank(s) {', '.join(map(str, named))}" if named
                     else "no rank named") + ")")
     return text + replays

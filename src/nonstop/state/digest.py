@@ -143,12 +143,13 @@ START, OUTPUT, END = 0, 1, 2  # the points of a step (decide/sdc.py, POINTS)
 
 class StepTrace:
     """What this rank's steps computed, point by point, since its newest snapshot whose
-    comparison agreed: each step's forward outputs (every forward of the registered modules, in
-    order) and, where a replay check asks for them, the parameters it started from and ended
-    with. After a corruption's rollback the same steps are run again from the same state and
-    inputs, and each rank's two passes are compared point by point: the faulty rank's part
-    first (decide/sdc.py). A forward's output is digested as it comes - in host memory by xxh3
-    over its bytes, on a device by a sum of its words there, read only when a replay asks."""
+    comparison agreed: each step's forward outputs (a digest per forward of the registered
+    modules, in order) and, where a replay check asks for them, the parameters it started from
+    and ended with. After a corruption's rollback the same steps are run again from the same
+    state and inputs, and each rank's two passes are compared point by point: the faulty rank's
+    part first (decide/sdc.py). A forward's output is digested as it comes - in host memory by
+    xxh3 over its bytes, on a device by a sum of its words there, read only when a replay
+    asks."""
 
     LIMIT = 4096  # points kept at most (snapshots far apart: the oldest go first)
 
@@ -177,13 +178,13 @@ class StepTrace:
     def note(self, step: int, point: int, value: int) -> None:
         self._points[(step, point)] = value
 
-    def value(self, step: int, point: int) -> int | None:
-        v = self._points.get((step, point))
-        return _combined(v) if isinstance(v, list) else v
+    def value(self, step: int, point: int) -> Any:
+        """A point's digest: an int, or for the forward outputs a tuple (one per forward)."""
+        return _read(self._points.get((step, point)))
 
-    def points(self) -> dict[tuple[int, int], int]:
+    def points(self) -> dict[tuple[int, int], Any]:
         """Every point recorded, read (a device's sums now)."""
-        return {k: (_combined(v) if isinstance(v, list) else v) for k, v in self._points.items()}
+        return {k: _read(v) for k, v in self._points.items()}
 
     def keep_from(self, step: int) -> None:
         """A snapshot of ``step`` agreed: no rollback goes back before it."""
@@ -196,12 +197,51 @@ class StepTrace:
             del self._points[k]
 
 
-def parted(first: dict[tuple[int, int], int], second: dict[tuple[int, int], int]
+def _read(v: Any) -> Any:
+    if not isinstance(v, list):
+        return v
+    import torch
+
+    sums = [x for x in v if not isinstance(x, int)]
+    summed = iter(torch.stack(sums).cpu().tolist() if sums else [])  # one transfer
+    return tuple(x if isinstance(x, int) else _signed(next(summed)) for x in v)
+
+
+def _signed(v: int) -> int:
+    v %= _MOD
+    return v - _MOD if v >= _MOD // 2 else v
+
+
+def alike(a: Any, b: Any) -> bool:
+    """Two passes' digests of one point alike. Forward outputs (a digest per forward) are
+    compared over the forwards both passes made last: a pass may make forwards at a step's
+    start that are not the step's own - a pipeline stage made anew in each generation infers
+    its shapes with a forward over empty tensors at its first step, which a replay's first step
+    always is."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        n = min(len(a), len(b))
+        return a[len(a) - n:] == b[len(b) - n:]
+    return a == b
+
+
+def word(v: Any, other: Any = None) -> int:
+    """A point's digest as one 64-bit word (forward outputs: of the forwards it shares with
+    ``other``'s, as ``alike`` compares them)."""
+    if not isinstance(v, tuple):
+        return int(v or 0)
+    n = min(len(v), len(other)) if isinstance(other, tuple) else len(v)
+    out = 0
+    for x in v[len(v) - n:]:
+        out = (out * _MIX + x) % _MOD
+    return _signed(out)
+
+
+def parted(first: dict[tuple[int, int], Any], second: dict[tuple[int, int], Any]
            ) -> tuple[int, tuple[int, int] | None]:
     """Where two passes first differ, over the points both recorded: (points compared, the
     first (step, point) that differs, or None)."""
     common = sorted(set(first) & set(second))
-    return len(common), next((k for k in common if first[k] != second[k]), None)
+    return len(common), next((k for k in common if not alike(first[k], second[k])), None)
 
 
 def evidence_of(gathered: list[list[int]]) -> list[ReplayEvidence]:
@@ -309,7 +349,7 @@ class Digests:
         self.trace = StepTrace()  # what the steps since the newest agreeing snapshot computed
         # the trace of the pass that found the replicas differing (and the step): what a replay
         # of the same steps after the rollback is compared with (kept across generations)
-        self.first_pass: tuple[int, dict[tuple[int, int], int]] | None = None
+        self.first_pass: tuple[int, dict[tuple[int, int], Any]] | None = None
         self.replayed: Replayed | None = None  # a replay that agreed, for rank 0 to report
         # the policy's replay checks in this generation (state/replay.py): how many, the seconds
         # they added, the seconds of the steps among which they were made
@@ -383,7 +423,8 @@ class Digests:
         first, self.first_pass = self.first_pass, None
         now = {**self.trace.points(), (step - 1, END): mine}
         n, at = parted(first[1], now) if first is not None and first[0] == step else (0, None)
-        words = [n, -1, -1, 0, 0] if at is None else [n, at[0], at[1], first[1][at], now[at]]
+        words = [n, -1, -1, 0, 0] if at is None else \
+            [n, at[0], at[1], word(first[1][at], now[at]), word(now[at], first[1][at])]
         return evidence_of(gather_words(words, world))
 
     def committed(self, step: int) -> None:

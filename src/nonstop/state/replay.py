@@ -26,8 +26,8 @@ from typing import Any
 
 from ..decide import sdc as verdicts
 from . import packing
-from .digest import (END, OUTPUT, START, Digests, Replayed, SilentCorruption, digest,
-                     evidence_of, gather_words)
+from .digest import (END, OUTPUT, START, Digests, Replayed, SilentCorruption, alike, digest,
+                     evidence_of, gather_words, word)
 
 
 class ReplayCheck:
@@ -39,7 +39,7 @@ class ReplayCheck:
         self.digests = digests  # its counters, its trace of the step's outputs, what to report
         self._copy: tuple[int, bytes, Any] | None = None  # (step, meta, data): where it starts
         self._start: int | None = None  # this pass's digest of the parameters it started from
-        self._passes: list[dict[int, int | None]] = []  # each pass's points
+        self._passes: list[dict[int, Any]] = []  # each pass's points
         self._evidence: Any = None  # every rank's, after the second pass
 
     def reset(self) -> None:
@@ -110,9 +110,9 @@ class ReplayCheck:
         """After the second pass: every rank's first point where its passes differ, gathered.
         Whether the step runs a third time (some rank's differ)."""
         first, second = self._passes
-        at = next((p for p in (START, OUTPUT, END) if first[p] != second[p]), None)
+        at = next((p for p in (START, OUTPUT, END) if not alike(first[p], second[p])), None)
         words = [3, -1, -1, 0, 0] if at is None else \
-            [3, step, at, first[at] or 0, second[at] or 0]
+            [3, step, at, word(first[at], second[at]), word(second[at], first[at])]
         self._evidence = evidence_of(gather_words(words, world))
         return any(e.step is not None for e in self._evidence)
 
