@@ -115,6 +115,7 @@ class RankReports:
         # read by the ladder, updated in place (never copied: 16,384 ranks)
         self.replica_groups: dict[int, tuple[int, ...]] = {}
         self._run: set[str] = set()  # the kinds of a run of events judged after its last
+        self._named: dict[int, int] = {}  # a corruption's step -> the rank a replay named
 
     # == events ==================================================================================
     # A run of "entered" and "first_step" events is judged once, after its last one: what the job
@@ -345,8 +346,8 @@ class RankReports:
         if not candidates:
             return []  # (no mismatch known at that step)
         found = sdc_verdicts.attribute(ev.step, candidates, _parted(ev.evidence), agreed=True)
-        if found is None:
-            return []
+        if found is None or (found.rank is None and ev.step in self._named):
+            return []  # (its rank named already: replaced, the replay after it agreed)
         if ev.scheduled:  # found by the check itself, and repaired by the majority of passes
             self.sdc.mismatch(ev.gen, ev.step, [found.rank] if found.rank is not None
                               else list(candidates))
@@ -362,6 +363,8 @@ class RankReports:
                     scheduled: bool, struck: int | None = None) -> None:
         """The replay's verdict in the event log (``sdc_attributed``), with its evidence, and
         in the summary's record of the mismatch."""
+        if found.rank is not None:
+            self._named[found.step] = found.rank
         node = self.gens.node_of().get(found.rank) if found.rank is not None else None
         original = {} if scheduled else self.sdc_judge.original(found.step)
         self.log.write("sdc_attributed", step=found.step, gen=gen, verdict=found.verdict,
@@ -372,10 +375,9 @@ class RankReports:
                        original={str(r): d for r, d in sorted(original.items())},
                        replayed={str(r): d for r, d in sorted(digests.items())},
                        evidence=[dataclasses.asdict(e) for e in evidence])
-        for f in reversed(self.sdc.found):
-            if f["step"] == found.step:
+        for f in self.sdc.found:  # (a corruption found again as it was redone: each record)
+            if f["step"] == found.step and (found.rank is not None or "attributed" not in f):
                 f.update(attributed=found.rank, attribution=found.verdict)
-                break
         where = f" (node {node})" if node is not None else ""
         said = (f"rank {found.rank}{where}" if found.rank is not None else "no single rank")
         self.display.warning(f"silent corruption at step {found.step}: the replay names {said}: "

@@ -187,14 +187,16 @@ class Judge:
             self.pending = self.redo_gen = None
 
     def candidates(self, step: int) -> tuple[int, ...]:
-        """The ranks of the twin groups at odds when a mismatch was first found at ``step``:
-        those a replay of it orders (none: no mismatch there)."""
-        found = self.found.get(step)
-        return tuple(sorted(found[0])) if found else ()
+        """The ranks of the twin groups at odds when a mismatch was first found at ``step`` -
+        or, before the step of the corruption being redone, at that one (a fault that recurs
+        shows on the way back to it): those a replay orders (none: no mismatch there)."""
+        return tuple(sorted(self.original(step)))
 
     def original(self, step: int) -> dict[int, int]:
         """Their digests then (the first pass's)."""
         found = self.found.get(step)
+        if not found and self.pending is not None and step < self.pending[0]:
+            found = self.found.get(self.pending[0])
         return dict(found[0]) if found else {}
 
     def judge(self, step: int, digests: dict[int, int], node_of: dict[int, int] | None = None,

@@ -107,7 +107,11 @@ class Context:
                     rt.stall += rt.before_step(state, self.rank, self.world_size, step)
                     rt.injector.check("start", self.rank, step)
                     if rt.injector.claim_kind("bitflip", self.rank, step):
-                        where = state.flip_bit(seed=step)
+                        # one that strikes again here (``times``: its step replayed) flips
+                        # another bit - a device that keeps failing, not the same flip replayed
+                        again = rt.flips[step] = rt.flips.get(step, 0) + 1
+                        where = state.flip_bit(seed=step if again == 1 else
+                                               step * 1_000_003 + again)
                         rt.emit(events.BitFlipped(gen=self.generation, rank=self.rank, step=step,
                                                   where=where))
                 if reseed is not None:

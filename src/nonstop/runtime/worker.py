@@ -79,6 +79,7 @@ class WorkerRuntime:
         self.closed_groups: list[Any] = []  # groups left but not yet destroyed (pg.close)
         self._next_release = 0.0  # when a group kept busy is tried again
         self.faults = inject.from_env(os.environ.get(protocol.ENV_INJECT))
+        self.flips: dict[int, int] = {}  # step -> injected bit flips that struck it here
         self.injector = inject.Injector(self.faults, self._claim_fault, self._announce_fault)
         self.registered = False  # whether the wrapped function registered a nonstop.State
         self.said_not_kept = False  # a State nothing keeps was made (and the controller told)

@@ -361,15 +361,16 @@ class Digests:
 
     def check(self, modules: list[Any], step: int, world: int,
               twins: tuple[int, ...] | None = None, meshed: bool = False,
-              recheck: bool = False) -> float:
+              recheck: int | None = None) -> float:
         """Compare this step's parameters with every other rank's (a collective: every rank
         calls it at the same steps); sharded parameters - or any state built over a mesh
         (``meshed``: a pipeline's stages are plain tensors) - with their twins' only
         (``twins[r]``: the part rank r holds). Returns the seconds it took; raises
         ``SilentCorruption`` when they differ (unless the policy only reports: then ``mismatch``
-        says so). ``recheck``: the comparison where the replicas were found to differ, reached
-        again after the rollback - each rank's two passes are compared too, and every rank's
-        evidence gathered (``replayed``, or the ``SilentCorruption``'s)."""
+        says so). ``recheck``: the comparison where the replicas were found to differ (every
+        rank's alike), to be reached again after the rollback: there - or at a mismatch on the
+        way to it, a fault that recurs - each rank's two passes are compared too, and every
+        rank's evidence gathered (``replayed``, or the ``SilentCorruption``'s)."""
         if not self.enabled or world < 2 or not modules:
             return 0.0
         own = meshed or sharded(modules)  # each rank may hold a part of its own
@@ -398,7 +399,8 @@ class Digests:
         if cost is not None:
             self._costs.append(cost)
         suspects = odd_ones(digests) if classes is None else _odd_twins(digests, classes)
-        evidence = self._evidence(step, mine, world) if recheck else None
+        replaying = recheck is not None and (step == recheck or (suspects and step < recheck))
+        evidence = self._evidence(step, mine, world) if replaying else None
         if suspects:
             found = SilentCorruption(step, suspects, digests, classes, replay=evidence)
             _all_know()
@@ -420,9 +422,11 @@ class Digests:
     def _evidence(self, step: int, mine: int, world: int) -> list[ReplayEvidence]:
         """Where this rank's passes over the steps to ``step`` first differ - its first pass
         (``first_pass``) and the replay now - gathered from every rank (a collective)."""
-        first, self.first_pass = self.first_pass, None
+        first = self.first_pass
+        if first is not None and first[0] == step:
+            self.first_pass = None  # (compared: the replay reached it)
         now = {**self.trace.points(), (step - 1, END): mine}
-        n, at = parted(first[1], now) if first is not None and first[0] == step else (0, None)
+        n, at = parted(first[1], now) if first is not None and first[0] >= step else (0, None)
         words = [n, -1, -1, 0, 0] if at is None else \
             [n, at[0], at[1], word(first[1][at], now[at]), word(now[at], first[1][at])]
         return evidence_of(gather_words(words, world))

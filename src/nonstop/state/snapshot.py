@@ -274,7 +274,8 @@ class Snapshots:
             spent += self._checked_take(state, rank, world, gen, injector)
         elif self.digests is not None and self.check_every is not None \
                 and step % self.check_every == 0:  # (the same steps on every rank)
-            spent += self.digests.check(state.modules(), step, world, state.twins, state.meshed)
+            spent += self.digests.check(state.modules(), step, world, state.twins, state.meshed,
+                                        recheck=self.recheck)
         changed = False  # agreed after the snapshot: its cost is then known
         if step - self.entry_step in TUNE_AFTER or step % RETUNE_EVERY == 0:
             changed, lost = self._agree(rank, world)
@@ -290,7 +291,7 @@ class Snapshots:
         spent = 0.0
         if self.digests is not None:
             spent += self.digests.check(state.modules(), step, world, state.twins,
-                                        state.meshed, recheck=step == self.recheck)
+                                        state.meshed, recheck=self.recheck)
             self.digests.trace.keep_from(step)  # (agreed: no rollback goes back before it)
         return spent + self.take(state, rank, world, gen, injector)
 
