@@ -82,6 +82,26 @@ def test_a_fault_that_recurs_in_the_replay_gets_its_rank_a_new_process_and_no_ot
     assert bitwise_equal(out, reference(2, *ARGS))
 
 
+def test_only_the_node_the_replay_points_at_is_isolated(tmp_path, reference):
+    """Two replicas on two nodes, a spare node, and rules that isolate a node at its first
+    fault: rank 1's bit flips. The mismatch names both ranks as suspects, and isolates neither
+    node (isolating both would leave no node for the job). The replay names rank 1: its node -
+    and only it - is isolated, rank 1 moves to the spare node with its twin's live state (no
+    step lost), rank 0 keeps its process; bitwise."""
+    pol = policy_file(tmp_path, "rules:\n  isolate: {times: 1}\n")
+    run, out = train(tmp_path, "--nodes=2", "--spare-nodes=1", "--policy", pol,
+                     "--inject=bitflip:rank=1,step=12", args=ARGS, world=2)
+    (named,) = run.of("sdc_attributed")
+    assert (named["rank"], named["node"], named["verdict"]) == (1, 1, "transient")
+    assert [(d["level"], d["replace"], d["isolate"]) for d in run.of("decision")] == [
+        ("in-process restart", [], []), ("node replacement", [1], [1])]
+    assert [e["node"] for e in run.of("isolate")] == [1]
+    held = rank_wids(run)
+    assert len(held[0]) == 1 and len(held[1]) == 2, held
+    assert run.summary["incident_list"][-1]["steps_lost"] == 0
+    assert bitwise_equal(out, reference(2, *ARGS))
+
+
 def test_report_only_warns_and_certifies_nothing(tmp_path):
     pol = policy_file(tmp_path, "detect:\n  sdc: {action: report}\n")
     run, _ = train(tmp_path, "--policy", pol, "--inject=bitflip:rank=0,step=5",
