@@ -1,6 +1,6 @@
 """The replicas' digests (pure parts): any flipped bit changes a digest, equal weights give equal
 digests whatever their history, the odd ranks are found, state newer than a corruption is not
-offered for a restore."""
+offered for a restore, two passes over the same steps part where they first differ."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from conftest import ROOT, rank_processes
 
 from nonstop.protocol.rank_policy import RankSdc
 from nonstop.runtime.registered import State
-from nonstop.state.digest import Digests, digest, odd_ones
+from nonstop.state.digest import (END, OUTPUT, Digests, StepTrace, alike, digest, odd_ones,
+                                  parted, word)
 from nonstop.state.restore import Where, _offer
 
 
@@ -62,10 +63,43 @@ def test_the_injected_flip_changes_one_bit_of_one_parameter():
 
 
 def test_checks_are_spaced_to_their_share_of_step_time():
-    d = Digests(RankSdc(enabled=True, action="replace", max_overhead_pct=1.0))
+    d = Digests(RankSdc(enabled=True, action="replace", max_overhead_pct=1.0, replay_every=0))
     assert d.interval(0.1) == 1  # nothing measured yet
     d._costs.append(0.002)
     assert d.interval(0.1) == 2 and d.interval(0.4) == 1 and d.interval(0.01) == 20
+
+
+def test_a_steps_trace_holds_each_forward_and_two_passes_part_where_they_first_differ():
+    m = torch.nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    first = StepTrace()
+    for step in (10, 11, 12):
+        first.begin(step)
+        first.output(step, m(x).detach())
+        first.output(step, m(x * step).detach())  # a second forward (a micro-batch)
+    first.note(12, END, digest([m]))
+    assert isinstance(first.value(11, OUTPUT), tuple) and len(first.value(11, OUTPUT)) == 2
+    # the replay: the same until step 11's second forward, where this rank's weight changed
+    second = StepTrace()
+    for step in (10, 11, 12):
+        second.begin(step)
+        second.begin(step)  # (a step begun again counts its outputs afresh)
+        if step == 10:  # a forward before the step's own (a pipeline stage's shape inference)
+            second.output(step, torch.empty(4, 2).fill_(7.0))
+        second.output(step, m(x).detach())
+        if step == 11:
+            with torch.no_grad():
+                m.weight[0, 0] += 1.0
+        second.output(step, m(x * step).detach())
+    second.note(12, END, digest([m]))
+    assert parted(first.points(), second.points()) == (4, (11, OUTPUT))
+    assert parted(first.points(), first.points()) == (4, None)
+    assert alike((1, 2, 3), (2, 3)) and not alike((1, 2, 3), (1, 2))
+    assert word((5, 2, 3), (2, 3)) == word((2, 3))
+    second.keep_from(12)
+    assert set(second.points()) == {(12, OUTPUT), (12, END)}
+    second.redo_from(12)
+    assert second.points() == {}
 
 
 def test_no_state_newer_than_the_corruption_is_offered():
@@ -96,7 +130,7 @@ def test_sharded_parameters_are_digested_by_their_own_part_and_not_compared():
         assert sharded([model]) and not sharded([plain])
         # one rank holds every part: its parts' digest is the unsharded model's
         assert digest([model]) == digest([plain])
-        checks = Digests(RankSdc(enabled=True, action="replace", max_overhead_pct=0.5))
+        checks = Digests(RankSdc(enabled=True, action="replace", max_overhead_pct=0.5, replay_every=0))
         assert checks.check([model], step=3, world=2) == 0.0  # (no collective was made)
         assert checks.stats().uncompared == SHARDED and checks.stats().checks == 0
     finally:

@@ -467,3 +467,27 @@ def test_a_ranks_view_keeps_the_field_order_the_controller_makes_it_by():
     src = inspect.getsource(WorkerTable.ranks_seen)
     assert ("RankSeen(rank, wid, w.node, w.dead, w.joining, w.entered, w.left, w.done,\n"
             "                         w.retry_step, w.retry_loss, warm, st,") in src
+
+
+def test_a_corruption_the_replay_pinned_on_a_rank_counts_against_its_node_and_isolates_it_by_the_rules():
+    s = running()
+    named = Fault("sdc", rank=3, message="its first pass parted first")
+    # counted against node 1 (rank 3's), no recovery: its rank holds the state its twins agree on
+    s1, cmds = mc.step(s, mc.Attributed(seen(30.0, ranks(0)), named), P)
+    assert cmds == [] and s1.phase is Phase.RUNNING and not s1.incident
+    assert s1.counters.recent == [(30.0, "SDC", 3, 1)] and s1.counters.last_fault_t == 30.0
+    # the rules' count reached (here the first time): a fault, and the ladder moves the node
+    once = P.model_copy(update={"rules": P.rules.model_copy(update={
+        "isolate": P.rules.isolate.model_copy(update={"times": 2})})})
+    s2, cmds = mc.step(s1, mc.Attributed(seen(31.0, ranks(0)), named), once)
+    assert kinds(cmds) == ["Raise", "Abort"] and s2.incident
+    left = ranks(0, {r: {"left": 0} for r in range(4)})
+    cmds = []
+    for t in (31.1, 31.2, 31.3):  # (rank 3 gets a new process: its memory asked first)
+        s2, more = mc.step(s2, mc.Tick(seen(t, left)), once)
+        cmds += more
+    (d,) = [c for c in cmds if isinstance(c, mc.Decide)]
+    assert d.decision.level is Level.REPLACE_NODE and d.decision.isolate == {1}
+    # a job ending hears of it and does nothing
+    ending = dataclasses.replace(s, phase=Phase.FINISHING)
+    assert kinds(mc.step(ending, mc.Attributed(seen(32.0, ranks(0)), named), P)[1]) == ["Ignore"]

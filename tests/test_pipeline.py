@@ -100,8 +100,10 @@ def test_a_pipeline_redoes_a_nan_step_in_every_stage_and_finds_a_flipped_bit_by_
        "finite");
     2. a bit of rank 2's stage flips at step 6: compared with its twin (rank 0, the same stage
        in the other data-parallel group) at the next check (8), the two differ: the pair is
-       suspect, and only the pair (the other stage's twins agree): both get new processes,
-       and the job goes back to the snapshot of 4, which the twins certified.
+       suspect, and only the pair (the other stage's twins agree). Every rank goes back in
+       place to the snapshot of 4, which the twins certified, and the replay names rank 2 (its
+       stage's outputs parted from its first pass at step 6, rank 0's later); no process is
+       replaced.
     The final weights bitwise those of the fault-free run; no rank's log has a FutureWarning."""
     run, out = train(tmp_path, "--spares=1", "--snapshot-every=4",
                      "--inject=nan:rank=1,step=3;bitflip:rank=2,step=6", args=ARGS, world=4,
@@ -109,11 +111,13 @@ def test_a_pipeline_redoes_a_nan_step_in_every_stage_and_finds_a_flipped_bit_by_
     decisions = run.of("decision")
     assert decisions[0]["level"] == "step retry" and decisions[0]["step"] == 3, decisions
     assert "non-finite forward output on rank(s) 1)" in decisions[0]["reason"], decisions[0]
-    sdc = [f for f in run.of("fault") if f["kind"] == "sdc"]
-    assert {f["rank"] for f in sdc} == {0, 2}, sdc  # the pair of twins, no other rank
+    (sdc,) = [f for f in run.of("fault") if f["kind"] == "sdc"]
+    assert sdc["rank"] is None and "rank(s) 0, 2" in sdc["message"]  # the pair, no other rank
     assert [(d["level"], sorted(d["replace"])) for d in decisions[1:]] == [
-        ("rank replacement", [0, 2])], decisions
+        ("in-process restart", [])], decisions
     assert [(f["step"], f["suspects"]) for f in run.summary["sdc"]["found"]] == [(8, [0, 2])]
+    (named,) = run.of("sdc_attributed")
+    assert (named["rank"], named["verdict"], named["candidates"]) == (2, "transient", [0, 2])
     sdc_inc = run.summary["incident_list"][-1]
     assert sdc_inc["resume_step"] == 4 and sdc_inc["steps_lost"] == 4  # one interval
     logs = [p.read_text(errors="replace") for p in (run.run_dir / "logs").glob("worker-*.log")]

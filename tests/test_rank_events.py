@@ -19,7 +19,8 @@ from nonstop.protocol.hosts import shift_times
 from nonstop.protocol.records import BadRecord, Reader
 
 CHECKS = events.DigestChecks(checks=3, first_step=10, last_step=30, chain="ab12", cost_s=0.002,
-                             certified=30, certified_t=1700000000.5)
+                             certified=30, certified_t=1700000000.5, replays=2, replay_s=0.04,
+                             stepped_s=1.5)
 OOM = CudaFault("cuda_oom", "cudaErrorMemoryAllocation", "CUDA out of memory")
 
 # one of each type, every field given a value of its own (None only where nothing else fits)
@@ -49,7 +50,10 @@ SAMPLES: list[events.RankEvent] = [
     events.LeftGeneration(wid=1, t=4.0, gen=2, rank=0, step=17, dirty=True, reason="sdc",
                           t_caught=3.9, phase="train", error="SilentCorruption: ...",
                           destroy_s=0.05, collected=12, sockets_shut=4, sdc_step=18,
-                          suspects=[1], digests=[7, 8, 7], sdc=CHECKS),
+                          suspects=[1], digests=[7, 8, 7], sdc=CHECKS, twins=[0, 0, 0],
+                          sdc_scheduled=True, sdc_evidence=[
+                              events.ReplayEvidence(rank=1, compared=12, step=15, point="output",
+                                                    first=3, second=4)]),
     events.LeftGeneration(wid=1, t=4.0, gen=2, rank=0, step=17, dirty=False,
                           reason="cuda_oom", t_caught=3.9, phase="restore", t_pg=3.5,
                           traceback="Traceback ...", cuda=OOM),
@@ -76,6 +80,13 @@ SAMPLES: list[events.RankEvent] = [
     events.GroupKept(wid=1, t=6.0, gen=1, times=2),
     events.BitFlipped(wid=1, t=6.0, gen=2, rank=1, step=16, where="fc.weight[3] bit 7"),
     events.SdcMismatch(wid=1, t=6.0, gen=2, rank=0, step=20, suspects=[1], digests=[7, 8, 7]),
+    events.SdcReplayed(wid=1, t=6.0, gen=3, rank=0, step=20, digests=[9, 9], scheduled=True,
+                       struck=1, evidence=[
+                           events.ReplayEvidence(rank=0, compared=3, step=19, point="end",
+                                                 first=7, second=9),
+                           events.ReplayEvidence(rank=1, compared=3, step=19, point="start",
+                                                 first=-8, second=9),
+                           events.ReplayEvidence(rank=2, compared=0)]),
     events.Prewarmed(wid=5, t=4.0, records=3, decided=83, took_s=0.33,
                      refused=["a record of torch 1.0.0, not 2.13.0"]),
 ]

@@ -201,19 +201,97 @@ def test_silent_corruption_found_at_a_restore_is_told_by_its_cause_not_its_text(
     assert r.sdc.found and any(k == "warning" and "rank(s) [1]" in str(v) for k, v in rec.lines)
 
 
-def test_a_sharded_jobs_mismatch_faults_only_the_ranks_at_odds_with_their_twins():
+def test_a_sharded_jobs_mismatch_puts_only_the_ranks_at_odds_with_their_twins_to_the_replay():
     """HSDP 2 x 2 (or a pipeline of 2 data-parallel groups x 2 stages): digests [A, B, A, C],
     ranks 0 and 2 holding one part and agreeing, ranks 1 and 3 the other and differing. The pair
-    is suspect, not ranks 0 and 2; judged across the world (no ``twins``), all four were."""
+    is suspect, not ranks 0 and 2; judged across the world (no ``twins``), all four were. No
+    rank is replaced before the replay: one fault names none, every rank rolls back."""
     plan = {0: 100, 1: 101, 2: 102, 3: 103}
-    for twins, faulted in (([0, 1, 0, 1], [1, 3]), (None, [0, 1, 2, 3])):
+    for twins, suspects in (([0, 1, 0, 1], (1, 3)), (None, (0, 1, 2, 3))):
         r, job, *_ = make(plan=plan)
         ev = events.LeftGeneration(wid=100, t=6.0, gen=GEN, rank=0, step=32, dirty=False,
                                    reason="sdc", t_caught=6.0, sdc_step=32, suspects=[1, 3],
                                    digests=[10, 21, 10, 20], twins=twins)
-        orders = r.on_event(ev, job)
-        assert [o.fault.rank for o in orders if isinstance(o, reports.Faulted)] == faulted
+        (fault,) = [o.fault for o in r.on_event(ev, job) if isinstance(o, reports.Faulted)]
+        assert fault.kind == "sdc" and fault.rank is None and "rank(s) 1, 3" in fault.message
+        assert r.sdc_judge.candidates(32) == suspects  # what the replay orders
         assert r.gens.not_after == 31  # every rank back to a snapshot before the mismatch
+
+
+def _evidence(*parts):
+    """Each rank's evidence: (rank, step, point) - step None: its passes agree throughout."""
+    return [events.ReplayEvidence(rank=rank, compared=9) if step is None else
+            events.ReplayEvidence(rank=rank, compared=9, step=step, point=point, first=1,
+                                  second=2) for rank, step, point in parts]
+
+
+def test_two_replicas_roll_back_in_place_and_the_replay_names_the_rank_whose_passes_part_first():
+    """DDP, two replicas, rank 1's bit flipped at step 12, found at 18: neither is replaced, both
+    go back; the replay agrees and rank 1's outputs parted at step 12, rank 0's at 13 - rank 1
+    is named (transient), logged with the evidence, and counted against its node (node 0); a
+    new process for nobody."""
+    plan = {0: 100, 1: 101}
+    r, job, _, rec, _ = make(plan=plan)
+    ev = events.LeftGeneration(wid=100, t=6.0, gen=GEN, rank=0, step=18, dirty=False,
+                               reason="sdc", t_caught=6.0, sdc_step=18, suspects=[0, 1],
+                               digests=[7, 8])
+    (fault,) = [o.fault for o in r.on_event(ev, job) if isinstance(o, reports.Faulted)]
+    assert fault.rank is None and r.gens.not_after == 17
+    replayed = events.SdcReplayed(wid=100, t=9.0, gen=GEN, rank=0, step=18, digests=[5, 5],
+                                  evidence=_evidence((0, 13, "output"), (1, 12, "output")))
+    (order,) = r.on_event(replayed, job)
+    assert order == reports.Attributed(dataclasses.replace(order.fault, kind="sdc", rank=1))
+    (logged,) = [f for k, f in rec.lines if k == "sdc_attributed"]
+    assert (logged["verdict"], logged["rank"], logged["node"]) == ("transient", 1, 0)
+    assert logged["at"] == {"step": 12, "point": "output"}
+    assert logged["original"] == {"0": 7, "1": 8} and logged["replayed"] == {"0": 5, "1": 5}
+    assert [e["rank"] for e in logged["evidence"]] == [0, 1]
+    assert r.sdc.found[-1]["attributed"] == 1
+
+
+def test_a_replay_that_differs_again_with_one_rank_first_replaces_that_rank_only():
+    plan = {0: 100, 1: 101}
+    r, job, _, rec, _ = make(plan=plan)
+    first = events.LeftGeneration(wid=100, t=6.0, gen=GEN, rank=0, step=18, dirty=False,
+                                  reason="sdc", t_caught=6.0, sdc_step=18, suspects=[0, 1],
+                                  digests=[7, 8])
+    r.on_event(first, job)
+    job = dataclasses.replace(job, state=dataclasses.replace(job.state, gen=GEN + 1))
+    again = dataclasses.replace(first, gen=GEN + 1, digests=[7, 9], sdc_evidence=_evidence(
+        (0, 15, "end"), (1, 15, "output")))
+    (fault,) = [o.fault for o in r.on_event(again, job) if isinstance(o, reports.Faulted)]
+    assert (fault.kind, fault.rank) == ("sdc", 1) and "differs again" in fault.message
+    assert r.gens.not_after == 17
+    (logged,) = [f for k, f in rec.lines if k == "sdc_attributed"]
+    assert logged["verdict"] == "persistent" and logged["rank"] == 1
+    # the replay came out as the first pass did on every rank: the replicas diverge
+    r, job, *_ = make(plan=plan)
+    r.on_event(first, job)
+    job = dataclasses.replace(job, state=dataclasses.replace(job.state, gen=GEN + 1))
+    same = dataclasses.replace(first, gen=GEN + 1, sdc_evidence=_evidence((0, None, None),
+                                                                          (1, None, None)))
+    (order,) = [o for o in r.on_event(same, job) if isinstance(o, reports.GiveUp)]
+    assert isinstance(order, reports.GiveUp) and "diverge" in order.decision.diagnosis
+
+
+def test_a_replay_check_with_no_two_passes_alike_names_a_rank_or_stops_the_job():
+    """A replay check of the policy's (plain FSDP, no twin): three passes over a step, no two
+    alike on every rank. Rank 1's parted first: its fault recurs, it gets a new process and every
+    rank goes back. Every rank parting at the same point: the step does not replay bit for bit
+    - the job stops, no rank blamed."""
+    plan = {0: 100, 1: 101}
+    r, job, *_ = make(plan=plan)
+    ev = events.LeftGeneration(wid=100, t=6.0, gen=GEN, rank=0, step=12, dirty=False,
+                               reason="sdc", t_caught=6.0, sdc_step=12, suspects=[1],
+                               digests=[3, 4], sdc_scheduled=True,
+                               sdc_evidence=_evidence((0, 11, "output"), (1, 11, "start")))
+    (fault,) = [o.fault for o in r.on_event(ev, job) if isinstance(o, reports.Faulted)]
+    assert fault.rank == 1 and r.gens.not_after == 11
+    r, job, *_ = make(plan=plan)
+    tie = dataclasses.replace(ev, sdc_evidence=_evidence((0, 11, "output"), (1, 11, "output")))
+    (order,) = [o for o in r.on_event(tie, job) if isinstance(o, reports.GiveUp)]
+    assert isinstance(order, reports.GiveUp) and "does not replay bit for bit" in \
+        order.decision.diagnosis
 
 
 def test_a_mismatch_found_at_a_restore_is_judged_within_each_twin_group():

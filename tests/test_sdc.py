@@ -1,7 +1,8 @@
 """Silent data corruption with real processes: one bit of one rank's parameters flips; the
-replicas' digests, compared before the next snapshot, name that rank; it is replaced, every rank
-resumes from the last snapshot whose digests agreed, and the run ends with the fault-free weights
-and a certificate in its summary."""
+replicas' digests, compared before the next snapshot, find it; every rank resumes in place from
+the last snapshot whose digests agreed, the replay of the steps names the rank, and the run ends
+with the fault-free weights and a certificate in its summary. A layout with no twin is checked by
+replaying a step in place (``detect.sdc.replay_every``)."""
 
 from __future__ import annotations
 
@@ -14,29 +15,91 @@ pytestmark = pytest.mark.integration
 ARGS = ("--steps", "40", "--sleep-ms", "10")
 
 
-def test_a_flipped_bit_is_found_named_repaired_and_the_weights_are_the_fault_free_ones(
+def test_two_replicas_a_flipped_bit_rolled_back_in_place_the_replay_names_its_rank_bitwise(
         tmp_path, reference):
-    run, out = train(tmp_path, "--spares=1", "--inject=bitflip:rank=1,step=12", args=ARGS)
+    """DDP, two replicas (a warm spare ready), one bit of rank 1's parameters flipped at the
+    start of step 12. The next comparison finds the replicas differ - which one is wrong the
+    digests cannot say (neither is the majority; and rank 1's gradients reached rank 0 at step
+    12's all-reduce: neither holds the fault-free parameters). Neither is replaced: every rank
+    goes back in place to the snapshot before, which agreed, and redoes the steps from the same
+    inputs. The replay agrees, and rank 1's forward outputs parted from its first pass at step
+    12, rank 0's only at 13: rank 1 is named (sdc_attributed, with every rank's evidence and
+    digests), counted against its node - no process replaced, no step lost but the rollback's,
+    and the run ends with the fault-free weights and a certificate."""
+    run, out = train(tmp_path, "--spares=1", "--inject=bitflip:rank=1,step=12", args=ARGS,
+                     world=2)
     (flip,) = run.of("rank_bitflip")
     assert flip["rank"] == 1 and flip["step"] == 12
     (fault,) = [f for f in run.of("fault") if f["kind"] == "sdc"]
-    assert fault["rank"] == 1 and fault["attribution"] == "infrastructure"
+    assert fault["rank"] is None and fault["attribution"] == "infrastructure"
     (d,) = run.of("decision")
-    assert d["level"] == "rank replacement" and d["replace"] == [1]
+    assert d["level"] == "in-process restart" and d["replace"] == []
+    assert all(len(wids) == 1 for wids in rank_wids(run).values())  # no rank replaced
     (inc,) = run.of("incident")
-    # the mismatch is found at the first snapshot step after the flip; every rank resumes from
-    # the snapshot before it (which agreed), so the steps in between are redone
     found = run.summary["sdc"]["found"]
-    assert [(f["suspects"], f["repaired"]) for f in found] == [([1], True)]
+    assert [(f["suspects"], f["repaired"], f["attributed"]) for f in found] == [([0, 1], True, 1)]
     assert inc["resume_step"] <= 12 < found[0]["step"]
     assert inc["steps_lost"] == found[0]["step"] - inc["resume_step"]
-    (restore,) = [e for e in run.of("restore") if e["gen"] == 1]
-    assert set(restore["sources"].values()) <= {"memory", "buddy", "live"}
-    assert restore["step"] == inc["resume_step"]
+    (named,) = run.of("sdc_attributed")
+    assert (named["verdict"], named["rank"], named["node"]) == ("transient", 1, 0)
+    assert named["at"] == {"step": 12, "point": "output"} and not named["scheduled"]
+    assert named["step"] == found[0]["step"]
+    # both first-pass digests differ from what the replay agrees on; the evidence says who
+    # parted first
+    assert len(set(named["replayed"].values())) == 1
+    assert set(named["original"].values()).isdisjoint(named["replayed"].values())
+    by_rank = {e["rank"]: e for e in named["evidence"]}
+    assert (by_rank[1]["step"], by_rank[1]["point"]) == (12, "output")
+    assert by_rank[0]["step"] > 12 and by_rank[1]["first"] != by_rank[1]["second"]
+    assert "the replay names rank 1" in run.stderr
     sdc = run.summary["sdc"]
     assert sdc["checks"] > 0 and sdc["last_step"] == 40 and len(sdc["chain"]) == 64
     assert "every step's weights agreed across replicas" in run.stdout
-    assert bitwise_equal(out, reference(3, *ARGS))
+    assert bitwise_equal(out, reference(2, *ARGS))
+
+
+def test_a_fault_that_recurs_in_the_replay_gets_its_rank_a_new_process_and_no_other(
+        tmp_path, reference):
+    """DDP, two replicas: rank 1's device flips a bit at step 12 in the first pass and another
+    when the replay runs step 12 again (``times=2``: a device that keeps failing). The replay
+    differs from its twin again, and rank 1's passes part at step 12's outputs, rank 0's later:
+    rank 1 is named (persistent) and only it gets a new process; every rank goes back once
+    more, and the steps come out fault-free - bitwise. The replay after the replacement, which
+    agrees, names no one again."""
+    run, out = train(tmp_path, "--spares=1", "--inject=bitflip:rank=1,step=12,times=2",
+                     args=ARGS, world=2)
+    flips = run.of("rank_bitflip")
+    assert [(f["gen"], f["step"]) for f in flips] == [(0, 12), (1, 12)]
+    assert flips[0]["where"] != flips[1]["where"]
+    assert [(d["level"], d["replace"]) for d in run.of("decision")] == [
+        ("in-process restart", []), ("rank replacement", [1])]
+    (named,) = run.of("sdc_attributed")
+    assert (named["rank"], named["verdict"], named["gen"]) == (1, "persistent", 1)
+    assert named["at"] == {"step": 12, "point": "output"}
+    held = rank_wids(run)
+    assert len(held[0]) == 1 and len(held[1]) == 2, held
+    assert all(f.get("attributed") == 1 for f in run.summary["sdc"]["found"])
+    assert bitwise_equal(out, reference(2, *ARGS))
+
+
+def test_only_the_node_the_replay_points_at_is_isolated(tmp_path, reference):
+    """Two replicas on two nodes, a spare node, and rules that isolate a node at its first
+    fault: rank 1's bit flips. The mismatch names both ranks as suspects, and isolates neither
+    node (isolating both would leave no node for the job). The replay names rank 1: its node -
+    and only it - is isolated, rank 1 moves to the spare node with its twin's live state (no
+    step lost), rank 0 keeps its process; bitwise."""
+    pol = policy_file(tmp_path, "rules:\n  isolate: {times: 1}\n")
+    run, out = train(tmp_path, "--nodes=2", "--spare-nodes=1", "--policy", pol,
+                     "--inject=bitflip:rank=1,step=12", args=ARGS, world=2)
+    (named,) = run.of("sdc_attributed")
+    assert (named["rank"], named["node"], named["verdict"]) == (1, 1, "transient")
+    assert [(d["level"], d["replace"], d["isolate"]) for d in run.of("decision")] == [
+        ("in-process restart", [], []), ("node replacement", [1], [1])]
+    assert [e["node"] for e in run.of("isolate")] == [1]
+    held = rank_wids(run)
+    assert len(held[0]) == 1 and len(held[1]) == 2, held
+    assert run.summary["incident_list"][-1]["steps_lost"] == 0
+    assert bitwise_equal(out, reference(2, *ARGS))
 
 
 def test_report_only_warns_and_certifies_nothing(tmp_path):
@@ -111,42 +174,79 @@ def test_a_corruption_found_while_the_nodes_memory_is_out_goes_back_to_a_copy_ke
     # the node's memory dies at 10 (its snapshots with it; a new one comes only a second later,
     # or with the next generation): the snapshot of 12, whose replicas agreed, cannot be written
     # - each rank keeps it in its own process. A bit flips in rank 1 (13), found at 14: every
-    # rank goes back to 12 (rank 1, a new process, from a peer's copy), 2 steps, bit for bit
-    # (with nothing certified left anywhere: a job restart, all 14)
+    # rank goes back in place to its copy of 12, 2 steps, bit for bit, and the replay names
+    # rank 1 (with nothing certified left anywhere: a job restart, all 14)
     args = ("--steps", "24", "--sleep-ms", "10")
     run, out = train(tmp_path, "--spares=1", "--snapshot-every=2",
                      "--inject=keeper_crash:rank=0,step=10;bitflip:rank=1,step=13", args=args)
     assert run.of("node_memory_lost") and run.of("rank_snapshot_failed")
-    assert [d["level"] for d in run.of("decision")] == ["rank replacement"]
+    assert [d["level"] for d in run.of("decision")] == ["in-process restart"]
     back = [e for e in run.of("restore") if e["gen"] == 1][0]
-    assert back["step"] == 12 and set(back["sources"].values()) == {"kept", "live"}
+    assert back["step"] == 12 and set(back["sources"].values()) == {"kept"}
+    assert [(a["rank"], a["verdict"]) for a in run.of("sdc_attributed")] == [(1, "transient")]
     (inc,) = run.summary["incident_list"]
     assert inc["resume_step"] == 12 and inc["steps_lost"] == 2
     assert bitwise_equal(out, reference(3, *args))
 
 
-def test_a_flipped_bit_in_a_sharded_job_is_judged_among_its_twins_and_its_rank_replaced(
+def test_a_flipped_bit_in_a_sharded_job_is_judged_among_its_twins_and_the_replay_names_its_rank(
         tmp_path, reference):
     """HSDP, 3 replica groups x 2 shards, a snapshot every 4 steps: a bit of rank 1's shard flips
     at step 5. At the next comparison (the snapshot of 8) shard 0's twins agree and shard 1's
-    are 2 to 1, so rank 1 alone is at fault: it gets a new process and every rank goes back to
-    the snapshot of 4, which every twin group certified - one interval lost. (Judged across the whole world, the
-    two agreeing twin groups looked like camps of replicas that compute differently: the job
-    stopped, exit 1, the corruption blamed on the script.) Weights bitwise; no rank's log has
-    a FutureWarning of the twins' checks."""
+    are 2 to 1, so rank 1 alone is suspect: every rank goes back in place to the snapshot of 4,
+    which every twin group certified - one interval lost - and the replay names rank 1 among
+    its twins (its replica group's forward outputs parted at step 5, its twins' later), no
+    process replaced. (Judged across the whole world, the two agreeing twin groups looked like
+    camps of replicas that compute differently: the job stopped, exit 1, the corruption blamed
+    on the script.) Weights bitwise; no rank's log has a FutureWarning of the twins' checks."""
     args = ("--replicas", "3", "--steps", "16", "--dim", "16", "--blocks", "1")
     hsdp = EXAMPLES / "train_hsdp.py"
     run, out = train(tmp_path, "--spares=1", "--snapshot-every=4",
                      "--inject=bitflip:rank=1,step=5", args=args, world=6, script=hsdp)
     assert not run.of("sdc_divergence")
-    assert [(d["level"], d["replace"]) for d in run.of("decision")] == [("rank replacement", [1])]
+    assert [(d["level"], d["replace"]) for d in run.of("decision")] == [("in-process restart", [])]
     found = run.summary["sdc"]["found"]
     assert [(f["step"], f["suspects"], f["verdict"]) for f in found] == [(8, [1], "corruption")]
     (inc,) = run.summary["incident_list"]
-    assert inc["faults"][0].startswith("rank 1: sdc: its parameters differ from its twins'")
+    assert inc["faults"][0].startswith("sdc: rank(s) 1: parameters differ from their twins'")
     assert inc["resume_step"] == 4 and inc["steps_lost"] == 4  # at most one snapshot interval
+    (named,) = run.of("sdc_attributed")
+    assert (named["rank"], named["verdict"], named["candidates"]) == (1, "transient", [1, 3, 5])
+    assert named["at"] == {"step": 5, "point": "output"}
     held = rank_wids(run)
-    assert len(held[1]) == 2 and all(len(held[r]) == 1 for r in range(6) if r != 1), held
+    assert all(len(held[r]) == 1 for r in range(6)), held
     logs = [p.read_text(errors="replace") for p in (run.run_dir / "logs").glob("worker-*.log")]
     assert logs and not [x for x in logs if "FutureWarning" in x]
     assert bitwise_equal(out, reference(6, *args, script=hsdp))
+
+
+def test_plain_fsdp_has_no_twin_a_replayed_step_finds_a_flipped_bit_names_its_rank_no_incident(
+        tmp_path, reference):
+    """Plain FSDP over 2 ranks: no rank holds another's shard, so no digest is compared. With
+    ``detect.sdc.replay_every: 6`` steps 5 and 11 each run twice in place from the same state. A bit of rank 1's shard flips at the start of step 11: its passes part at once (the
+    parameters the step started from), rank 0's only at its forward outputs (the shards
+    all-gathered). A third pass agrees with the replay on every rank: the first pass is the
+    one struck, the state goes on from the third, and rank 1 is named - no incident, no
+    decision, no step lost, the replays' time counted as check time; step 5 replays alike and
+    costs nothing else. Weights bitwise the fault-free run's."""
+    pol = policy_file(tmp_path, "detect:\n  sdc: {replay_every: 6}\n")
+    args = ("--steps", "16", "--dim", "16", "--blocks", "1")  # (test_sharded's reference)
+    fsdp = EXAMPLES / "train_fsdp.py"
+    run, out = train(tmp_path, "--policy", pol, "--inject=bitflip:rank=1,step=11", args=args,
+                     world=2, script=fsdp)
+    assert run.of("rank_bitflip")
+    assert not run.of("incident") and not run.of("decision") and not run.of("fault")
+    (named,) = run.of("sdc_attributed")
+    assert (named["rank"], named["verdict"], named["scheduled"], named["struck"]) == \
+        (1, "transient", True, 1)
+    assert named["at"] == {"step": 11, "point": "start"} and named["step"] == 12
+    by_rank = {e["rank"]: e for e in named["evidence"]}
+    assert (by_rank[0]["step"], by_rank[0]["point"]) == (11, "output")
+    sdc = run.summary["sdc"]
+    assert "uncompared" in sdc and sdc["replays"] == 2 and sdc["replay_s"] > 0
+    assert sdc["replay_pct"] is not None
+    assert [(f["step"], f["attributed"]) for f in sdc["found"]] == [(12, 1)]
+    assert run.summary["steps_lost"] == 0
+    assert run.summary["time_s"]["snapshot"] > 0  # (the replays: check time, not steps)
+    assert "replay check(s)" in run.stdout
+    assert bitwise_equal(out, reference(2, *args, script=fsdp))

@@ -1,13 +1,15 @@
 """Silent corruption or divergence (decide/sdc.py), on the digests alone: no process, no clock.
 One replica that differs, once, is a corruption (its rank repaired, the job rolled back); replicas
 that split into groups, or differ again after the rollback, diverge: the job stops with a
-diagnosis, and no rank or node is blamed."""
+diagnosis, and no rank or node is blamed. Which rank a corruption came from is what a replay of
+the steps says: the rank whose two passes part first."""
 
 from __future__ import annotations
 
 import pytest
 
-from nonstop.decide.sdc import CORRUPTION, DIVERGENCE, Judge, groups, suspects_of
+from nonstop.decide.sdc import (CORRUPTION, DIVERGENCE, PERSISTENT, POINTS, TRANSIENT,
+                                UNATTRIBUTED, Judge, attribute, groups, suspects_of)
 
 
 def test_groups_are_the_ranks_that_agree_largest_first():
@@ -157,3 +159,53 @@ def test_the_same_twin_again_with_other_values_is_its_failing_device_another_one
 def test_twin_groups_that_all_agree_are_nothing_to_judge():
     with pytest.raises(ValueError):
         Judge().judge(5, {0: 1, 1: 2, 2: 1, 3: 2}, twins=HSDP_2x2)
+
+
+# -- the replay: which rank's passes part first ---------------------------------------------------
+OUTPUT, END = POINTS.index("output"), POINTS.index("end")
+
+
+def test_the_rank_whose_passes_part_first_is_named_though_its_peer_was_carried_off_too():
+    # DDP, two replicas, a bit of rank 1 flipped at the start of step 12 and found at 18: the
+    # all-reduce carried it into rank 0's parameters at step 12's update, so both ranks'
+    # digests at 18 differ from the replay's (neither is "the one that agrees"), but rank 0's
+    # forward outputs part only at step 13, rank 1's at step 12
+    parted = {0: (13, OUTPUT), 1: (12, OUTPUT)}
+    a = attribute(18, [0, 1], parted, agreed=True)
+    assert a.verdict == TRANSIENT and a.rank == 1 and a.at == (12, "output")
+    assert "before rank 0's" in a.why and "did not recur" in a.why
+    a = attribute(18, [0, 1], parted, agreed=False)
+    assert a.verdict == PERSISTENT and a.rank == 1 and "recurs" in a.why
+    # a flip too small to reach the forward outputs, and to reach rank 0 at all: only rank 1's
+    # parameters at the comparison differ
+    a = attribute(18, [0, 1], {0: None, 1: (17, END)}, agreed=True)
+    assert a.rank == 1 and a.at == (17, "end")
+
+
+def test_no_rank_is_named_on_a_tie_or_without_every_first_pass():
+    tie = attribute(18, [0, 1], {0: (12, OUTPUT), 1: (12, OUTPUT)}, agreed=True)
+    assert tie.verdict == UNATTRIBUTED and tie.rank is None and "same point" in tie.why
+    # rank 1 a new process since: it has no first pass to compare
+    lost = attribute(18, [0, 1], {0: (13, OUTPUT)}, agreed=True)
+    assert lost.verdict == UNATTRIBUTED and "no record" in lost.why
+    # the replay came out the same as the first pass on every rank, and differs again: not the
+    # replay's to judge (a divergence)
+    assert attribute(18, [0, 1], {0: None, 1: None}, agreed=False) is None
+    assert attribute(18, [0, 1], {0: None, 1: None}, agreed=True).verdict == UNATTRIBUTED
+
+
+def test_a_rank_the_replay_found_faulty_again_is_a_corruption_though_two_replicas_differ_again():
+    j = Judge()
+    assert j.judge(18, {0: 1, 1: 2}, redo_gen=1).suspects == (0, 1)
+    assert j.candidates(18) == (0, 1) and j.original(18) == {0: 1, 1: 2}
+    assert j.candidates(19) == ()
+    # the replay: rank 1's passes part first, and the twins differ again
+    v = j.judge(18, {0: 3, 1: 4}, redo_gen=2, named=1)
+    assert v.kind == CORRUPTION and v.suspects == (1,) and "differs again" in v.diagnosis
+    assert j.candidates(18) == (0, 1)  # (the first pass's)
+    # without the replay's word: differing again before any comparison agreed diverges
+    j = Judge()
+    j.judge(18, {0: 1, 1: 2}, redo_gen=1)
+    assert j.judge(18, {0: 3, 1: 4}, redo_gen=2).kind == DIVERGENCE
+    # camps are camps, whatever a replay says
+    assert Judge().judge(20, {0: 1, 1: 1, 2: 2, 3: 2}, named=2).kind == DIVERGENCE

@@ -213,16 +213,19 @@ def test_an_hsdp_rank_receives_its_shard_live_from_its_twin_with_nothing_lost(tm
 @pytest.mark.integration
 def test_a_bit_flipped_in_an_hsdp_shard_is_found_by_its_twins_digest(tmp_path, reference):
     """A bit of rank 1's shard flips. Compared with its twin (rank 3) at the next check, the two
-    differ: with two replica groups which one is right cannot be told, so the pair is suspect -
-    and only the pair: shard 0's twins (ranks 0 and 2) agree, and keep their processes (judged
-    across the whole world, they were faulted too, and every process restarted). The job rolls
-    back to the last snapshot whose twins agreed and ends bitwise."""
+    differ: with two replica groups which one is right the digests cannot tell, so the pair is
+    suspect - and only the pair: shard 0's twins (ranks 0 and 2) agree (judged across the whole
+    world, they were suspects too). No process is replaced: the job rolls back in place to the
+    last snapshot whose twins agreed, the replay names rank 1 of the pair (its replica group's
+    outputs parted first), and the run ends bitwise."""
     run, out = train(tmp_path, "--spares=1", "--inject=bitflip:rank=1,step=6", args=ARGS,
                      world=4, script=HSDP)
-    faults = [f for f in run.of("fault") if f["kind"] == "sdc"]
-    assert {f["rank"] for f in faults} == {1, 3}, faults
+    (fault,) = [f for f in run.of("fault") if f["kind"] == "sdc"]
+    assert fault["rank"] is None and "rank(s) 1, 3" in fault["message"], fault
     assert [(d["level"], sorted(d["replace"])) for d in run.of("decision")] == [
-        ("rank replacement", [1, 3])]
+        ("in-process restart", [])]
+    (named,) = run.of("sdc_attributed")
+    assert (named["rank"], named["verdict"], named["candidates"]) == (1, "transient", [1, 3])
     assert bitwise_equal(out, reference(4, *ARGS, script=HSDP))
 
 

@@ -65,7 +65,7 @@ def test_one_share_of_the_steps_covers_the_copy_its_replication_and_the_digest()
     assert snaps._interval(0.001, step_s, 0.0) == 4  # a 1 ms snapshot: every 4 steps
     assert snaps._interval(0.001, step_s, 0.0005) == 6  # ...and its replication
     snaps = Snapshots(AUTO, None, sdc=RankSdc(enabled=True, action="replace",
-                                              max_overhead_pct=0.5))
+                                              max_overhead_pct=0.5, replay_every=0))
     # the digest joins the same share (it had one of its own: 1% and 0.5% beside each other)
     assert snaps._interval(0.001, step_s, 0.0005, 0.0005) == 8
     # ...and stays within its own share too
@@ -163,11 +163,11 @@ def test_the_replicas_are_compared_between_snapshots_at_their_own_interval():
     (a digest and an all-gather of three words) have an interval of their own, kept under
     ``detect.sdc.max_overhead_pct`` of the agreed step time, and every snapshot is compared
     besides. Before the costs are agreed, only the snapshots are."""
-    sdc = RankSdc(enabled=True, action="replace", max_overhead_pct=0.5)
+    sdc = RankSdc(enabled=True, action="replace", max_overhead_pct=0.5, replay_every=0)
     snaps = _Taking(dataclasses.replace(
         FIXED, snapshot=dataclasses.replace(FIXED.snapshot, every_steps=10)), sdc=sdc)
     compared = []
-    snaps.digests.check = lambda modules, step, *_: compared.append(step) or 0.0
+    snaps.digests.check = lambda modules, step, *_, **__: compared.append(step) or 0.0
     snaps.digests._costs.append(0.0001)  # 0.1 ms a check, 10 ms steps: 0.5% is every 2 steps
     assert _run(snaps, 0, 30) == [10, 20, 30]
     assert compared == [10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30]

@@ -255,6 +255,8 @@ class Controller:
                     self._fault(fault)
                 case reports.GiveUp(decision=decision):
                     self._fail(decision)
+                case reports.Attributed(fault=fault):
+                    self._step(mc.Attributed(self._seen(), fault))
                 case reports.Reached(step=step, before_fault=True):
                     self._reached_step(step)
                 case reports.Reached(step=step):

@@ -131,6 +131,13 @@ class SdcBook:
         last = max((self.by_gen[g].last_step or 0 for g in gens), default=None)
         uncompared = next((self.by_gen[g].uncompared for g in gens
                            if self.by_gen[g].uncompared), None)
+        replays = sum(self.by_gen[g].replays for g in gens)
+        replay_s = sum(self.by_gen[g].replay_s for g in gens)
+        stepped_s = sum(self.by_gen[g].stepped_s for g in gens)
+        # the replay checks' cost: the seconds they added, as a share of the steps' own
+        cost = {"replays": replays, "replay_s": round(replay_s, 6),
+                "replay_pct": round(100 * replay_s / stepped_s, 3) if stepped_s else None} \
+            if replays else {}
         return {"checks": checks, "mismatches": len(self.found), "found": self.found,
                 "last_step": last, "chain": self.by_gen[gens[-1]].chain if gens else None,
-                **({"uncompared": uncompared} if uncompared else {})}
+                **({"uncompared": uncompared} if uncompared else {}), **cost}

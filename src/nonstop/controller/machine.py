@@ -36,7 +36,7 @@ from .commands import (  # noqa: F401 - the machine's commands, named as mc.<Com
     Missed, Command)
 from .observations import (  # noqa: F401 - what it observes, named as mc.<Observation>
     RankSeen, Seen, Tick, Start, Faulted, Entered,
-    RetryAsked, Isolate, Drain, Recovered, Completed, Settled,
+    RetryAsked, Attributed, Isolate, Drain, Recovered, Completed, Settled,
     Over, Heard, Observation)
 
 
@@ -95,6 +95,8 @@ def step(s: JobState, ob: Observation, policy: Any) -> tuple[JobState, list[Comm
         return _retry(s, ob.seen, policy)
     if isinstance(ob, Drain):
         return _drain(s, ob, policy)
+    if isinstance(ob, Attributed):
+        return attributed(s, ob.fault, ob.seen, policy)
     if isinstance(ob, Isolate):
         return _with(s, counters=s.counters.but(isolated=s.counters.isolated | {ob.node})), []
     if isinstance(ob, Recovered):
@@ -129,6 +131,22 @@ def fault(s: JobState, f: Fault, seen: Seen, policy: Any, t_fault: float | None 
         s, more = _abort(s, seen, policy)
         cmds += more
     return s, cmds
+
+
+def attributed(s: JobState, f: Fault, seen: Seen, policy: Any) -> tuple[JobState, list[Command]]:
+    """A corruption's rank named by its replay: counted against its node (``ladder.charge``'s
+    record of it), with no recovery - its rank holds the replayed state its twins agree on -
+    unless the rules that isolate failing hardware now say to isolate the node: then it is a
+    fault like any, and the ladder moves the node's ranks."""
+    if s.phase in ENDING:
+        return s, [Ignore(f)]
+    now = seen.now
+    counters = ladder.quiet(s.counters, now, policy)
+    if ladder.isolations([f], view(set(counters.isolated), seen), policy, counters, now):
+        return fault(s, f, seen, policy)
+    node = seen.node_of.get(f.rank) if f.rank is not None else f.node
+    return _with(s, counters=counters.but(
+        recent=counters.recent + [(now, f.fault_code, f.rank, node)], last_fault_t=now)), []
 
 
 def _attempt_phase(s: JobState, seen: Seen) -> str:

@@ -101,6 +101,15 @@ class RetryAsked:
 
 
 @dataclasses.dataclass(frozen=True)
+class Attributed:
+    """A replay named the rank a silent corruption came from (``fault``, of kind ``sdc``),
+    once its rollback recovered: it counts against the rank's node like any fault, and is a
+    fault of the job only when that makes the rules isolate the node."""
+    seen: Seen
+    fault: Fault
+
+
+@dataclasses.dataclass(frozen=True)
 class Isolate:
     """A node that holds no rank failed (a health check, its host lost): never used again."""
     seen: Seen
@@ -152,5 +161,5 @@ class Heard:
     unheard_s: float
 
 
-Observation = Union[Tick, Start, Faulted, Entered, RetryAsked, Isolate, Recovered, Completed,
-                    Settled, Over, Drain, Heard]
+Observation = Union[Tick, Start, Faulted, Entered, RetryAsked, Attributed, Isolate, Recovered,
+                    Completed, Settled, Over, Drain, Heard]

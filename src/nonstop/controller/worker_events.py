@@ -59,6 +59,14 @@ class GiveUp:
 
 
 @dataclasses.dataclass(frozen=True)
+class Attributed:
+    """A replay named the rank a corruption came from, after its rollback recovered: counted
+    against its node (the rules that isolate failing hardware), a recovery only if they say
+    isolate."""
+    fault: Fault
+
+
+@dataclasses.dataclass(frozen=True)
 class Reached:
     """A rank completed ``step``. ``before_fault``: reported as a rank left a failed generation,
     so the open incident counts it as reached (and, rolled back past, lost)."""
@@ -85,7 +93,8 @@ class GroupFormed:
     t_pg: float
 
 
-Order = AllEntered | RetryAsked | Faulted | GiveUp | Reached | CloseIncident | Complete | GroupFormed
+Order = (AllEntered | RetryAsked | Faulted | GiveUp | Attributed | Reached | CloseIncident
+         | Complete | GroupFormed)
 
 
 class RankReports:
@@ -106,6 +115,7 @@ class RankReports:
         # read by the ladder, updated in place (never copied: 16,384 ranks)
         self.replica_groups: dict[int, tuple[int, ...]] = {}
         self._run: set[str] = set()  # the kinds of a run of events judged after its last
+        self._named: dict[int, int] = {}  # a corruption's step -> the rank a replay named
 
     # == events ==================================================================================
     # A run of "entered" and "first_step" events is judged once, after its last one: what the job
@@ -177,6 +187,8 @@ class RankReports:
                 self.ledger.managed = True
             case events.FaultFired():
                 self._on_inject(w, ev)
+            case events.SdcReplayed():
+                return self._on_replayed(ev, job)
             case events.SdcMismatch(gen=gen, step=step, suspects=suspects):
                 if self.sdc.mismatch(gen, step, suspects, False):
                     self.display.warning(f"the replicas' parameters differ at step {step} (rank(s) "
@@ -278,11 +290,16 @@ class RankReports:
         return orders
 
     def _on_sdc(self, ev: events.LeftGeneration, job: JobView) -> list[Order]:
-        """The replicas' parameters differ (every rank found the same, at a snapshot step). A
-        corruption: the ranks that differ from their twins are at fault, and no rank may resume
-        from state newer than the last snapshot, which was compared and agreed. A divergence
-        (the twins split into groups, or differ again after a rollback): the job stops with a
-        diagnosis - no rank or node is at fault."""
+        """The replicas' parameters differ (every rank found the same, at a comparison). A
+        corruption: no rank may resume from state newer than the last snapshot, which was
+        compared and agreed, and every rank goes back to it in its own process - none is
+        replaced yet: with two replicas the digests cannot say which one is wrong, and with
+        more, the restore repairs the parameters as a new process would, on the same device.
+        Redone from the same inputs, the steps name the faulty rank (``_on_replayed``). Found
+        at such a replay, with one rank's passes parting first: that rank's fault recurs - it
+        gets a new process, and the job goes back again. A divergence (the twins split into
+        groups, or differ again the same way after a rollback): the job stops with a diagnosis
+        - no rank or node is at fault."""
         if ev.sdc_step is None:
             return []
         step, suspects = ev.sdc_step, list(ev.suspects or [])
@@ -290,14 +307,100 @@ class RankReports:
         twins = dict(enumerate(ev.twins)) if ev.twins is not None else None
         if not self.sdc.mismatch(job.gen, step, suspects):
             return []
-        verdict, orders = self._judge_sdc(step, digests, suspects, job.gen + 1, job, twins)
-        if verdict is None:
-            return orders
+        found = None
+        if ev.sdc_evidence is not None:
+            candidates = range(len(job.plan)) if ev.sdc_scheduled else \
+                self.sdc_judge.candidates(step)
+            found = sdc_verdicts.attribute(step, candidates, _parted(ev.sdc_evidence),
+                                           agreed=False)
+            if found is not None:
+                self._attributed(found, job.gen, ev.sdc_evidence, digests, ev.sdc_scheduled)
+        named = found.rank if found is not None else None
+        if ev.sdc_scheduled:
+            if named is None:  # no two passes alike on every rank, none of them first
+                return self._irreproducible(step, found, job)
+            self.sdc.found[-1].update(verdict=sdc_verdicts.CORRUPTION)
+        else:
+            verdict, orders = self._judge_sdc(step, digests, suspects, job.gen + 1, job, twins,
+                                              named)
+            if verdict is None:
+                return orders
         self.gens.not_after = step - 1
-        return [Faulted(Fault("sdc", rank=r, message=(
-            f"its parameters differ from its {'twins' if twins else 'replicas'}' at step {step} "
-            f"(digests {ev.digests}): every rank resumes from the last snapshot that agreed")))
-            for r in verdict.suspects]
+        if named is not None:
+            return [Faulted(Fault("sdc", rank=named, message=(
+                f"its replay of the steps to {step} differs again ({found.why}): it gets a new "
+                "process, and every rank resumes from the last snapshot that agreed")))]
+        ranks = ", ".join(map(str, suspects))
+        return [Faulted(Fault("sdc", message=(
+            f"rank(s) {ranks}: parameters differ from their {'twins' if twins else 'replicas'}' "
+            f"at step {step} (digests {ev.digests}): every rank resumes in place from the last "
+            "snapshot that agreed, and the replay of the steps names the faulty rank")))]
+
+    def _on_replayed(self, ev: events.SdcReplayed, job: JobView) -> list[Order]:
+        """Rank 0: a replay of the steps to a comparison agreed, with every rank's evidence -
+        the twins again after a corruption's rollback, or a majority of three passes at a
+        replay check of the policy's. The rank whose passes part first is named (transient:
+        its fault did not recur), logged with the evidence, and counted against its node."""
+        candidates: Any = range(len(ev.digests)) if ev.scheduled else \
+            self.sdc_judge.candidates(ev.step)
+        if not candidates:
+            return []  # (no mismatch known at that step)
+        found = sdc_verdicts.attribute(ev.step, candidates, _parted(ev.evidence), agreed=True)
+        if found is None or (found.rank is None and ev.step in self._named):
+            return []  # (its rank named already: replaced, the replay after it agreed)
+        if ev.scheduled:  # found by the check itself, and repaired by the majority of passes
+            self.sdc.mismatch(ev.gen, ev.step, [found.rank] if found.rank is not None
+                              else list(candidates))
+            self.sdc.found[-1].update(verdict=sdc_verdicts.CORRUPTION)
+        self._attributed(found, ev.gen, ev.evidence, dict(enumerate(ev.digests)), ev.scheduled,
+                         ev.struck)
+        if found.rank is None:
+            return []
+        return [Attributed(Fault("sdc", rank=found.rank, message=found.why))]
+
+    def _attributed(self, found: sdc_verdicts.Attribution, gen: int,
+                    evidence: list[events.ReplayEvidence], digests: dict[int, int],
+                    scheduled: bool, struck: int | None = None) -> None:
+        """The replay's verdict in the event log (``sdc_attributed``), with its evidence, and
+        in the summary's record of the mismatch."""
+        if found.rank is not None:
+            self._named[found.step] = found.rank
+        node = self.gens.node_of().get(found.rank) if found.rank is not None else None
+        original = {} if scheduled else self.sdc_judge.original(found.step)
+        self.log.write("sdc_attributed", step=found.step, gen=gen, verdict=found.verdict,
+                       rank=found.rank, node=node, candidates=list(found.candidates),
+                       at=None if found.at is None else {"step": found.at[0],
+                                                         "point": found.at[1]},
+                       why=found.why, scheduled=scheduled, struck=struck,
+                       original={str(r): d for r, d in sorted(original.items())},
+                       replayed={str(r): d for r, d in sorted(digests.items())},
+                       evidence=[dataclasses.asdict(e) for e in evidence])
+        for f in self.sdc.found:  # (a corruption found again as it was redone: each record)
+            if f["step"] == found.step and (found.rank is not None or "attributed" not in f):
+                f.update(attributed=found.rank, attribution=found.verdict)
+        where = f" (node {node})" if node is not None else ""
+        said = (f"rank {found.rank}{where}" if found.rank is not None else "no single rank")
+        self.display.warning(f"silent corruption at step {found.step}: the replay names {said}: "
+                             f"{found.why}")
+
+    def _irreproducible(self, step: int, found: sdc_verdicts.Attribution | None,
+                        job: JobView) -> list[Order]:
+        """A replay check of the policy's found three passes over a step, no two alike on every
+        rank and no rank first: the step does not replay bit for bit (or a fault struck every
+        rank alike). No rank or node is at fault; the job stops with a diagnosis."""
+        self.sdc.found[-1].update(verdict=sdc_verdicts.DIVERGENCE, repaired=False)
+        why = found.why if found is not None else "no rank's passes differ"
+        diagnosis = (f"step {step - 1} does not replay bit for bit: three passes over it from the "
+                     f"same state came out differently ({why}). A replay check "
+                     "(detect.sdc.replay_every) needs training that is reproducible bit for bit - "
+                     "data, dropout and every other random draw a function of the step "
+                     "(ctx.steps(reseed=...)), every object that changes with the steps "
+                     "registered in the nonstop.State; no rank or node was isolated for it")
+        self.log.write("sdc_divergence", step=step, gen=job.gen, groups=[], diagnosis=diagnosis)
+        if job.over:
+            return []
+        return [GiveUp(Decision(Level.FAIL, reason="a step does not replay bit for bit",
+                                diagnosis=diagnosis))]
 
     def _on_sdc_at_restore(self, ev: events.EnteredGeneration, odd: list[events.SkippedCopy],
                            job: JobView) -> list[Order]:
@@ -330,17 +433,19 @@ class RankReports:
             self.sdc_judge.agreed(gen)
 
     def _judge_sdc(self, step: int, digests: dict[int, int], suspects: list[int],
-                   redo_gen: int, job: JobView, twins: dict[int, int] | None = None
-                   ) -> tuple[Any, list[Order]]:
+                   redo_gen: int, job: JobView, twins: dict[int, int] | None = None,
+                   named: int | None = None) -> tuple[Any, list[Order]]:
         """A corruption's verdict (None: a divergence, and the order to stop the job for it).
         ``redo_gen``: the first generation that redoes the steps after its rollback; ``twins``:
-        the part each rank holds (each twin group judged on its own)."""
+        the part each rank holds (each twin group judged on its own); ``named``: the rank a
+        replay found faulty again."""
         if not any(len(set(p.values())) > 1 for p in sdc_verdicts.twin_groups(digests, twins)):
             # not said: each suspect alone, the others agreeing
             world = max(len(job.plan), max(suspects, default=0) + 1)
             digests = {r: (r + 1 if r in suspects else 0) for r in range(world)}
             twins = None
-        verdict = self.sdc_judge.judge(step, digests, self.gens.node_of(), redo_gen, twins)
+        verdict = self.sdc_judge.judge(step, digests, self.gens.node_of(), redo_gen, twins,
+                                       named)
         self.sdc.found[-1]["verdict"] = verdict.kind
         if verdict.kind == sdc_verdicts.CORRUPTION:
             return verdict, []
@@ -391,3 +496,10 @@ class RankReports:
             self.log.write("hang_timeout", timeout_s=round(tuned, 3),
                            first_step_s=round(self.watchers.signals.hang.first_step_timeout(), 3))
         return [Reached(newest)] if newest else []
+
+
+def _parted(evidence: list[events.ReplayEvidence]) -> dict[int, tuple[int, int] | None]:
+    """Where each rank's passes first differ, as ``attribute`` takes it (a rank with no record
+    of its first pass left out)."""
+    return {e.rank: None if e.step is None or e.point is None else
+            (e.step, sdc_verdicts.POINTS.index(e.point)) for e in evidence if e.compared}

@@ -18,7 +18,7 @@ from .faults import Attribution, Domain, Fault
 from ..policy import Policy
 
 __all__ = ["Attribution", "Counters", "Decision", "Fault", "JobView", "Level", "charge", "decide",
-           "decide_nan", "progressed", "quiet"]
+           "decide_nan", "isolations", "progressed", "quiet"]
 
 
 class Level(str, enum.Enum):
@@ -147,7 +147,7 @@ def _fail(reason: str, diagnosis: str, **kw: Any) -> Decision:
     return Decision(Level.FAIL, reason=reason, diagnosis=diagnosis, **kw)
 
 
-def _isolations(faults: list[Fault], view: JobView, policy: Policy, counters: Counters,
+def isolations(faults: list[Fault], view: JobView, policy: Policy, counters: Counters,
                 now: float) -> set[int]:
     """Nodes whose ranks (or which) saw the same fault code ``isolate.times`` times within the
     window, this round included: treated as failing hardware."""
@@ -224,7 +224,7 @@ def decide(faults: list[Fault], dead: set[int], view: JobView, policy: Policy,
                      f"{_last(faults)}")
     if any(f.kind in _ESCALATING for f in faults) and escalate_from is None:
         escalate_from = Level.REPLACE_RANK if dead else Level.IN_PROCESS
-    isolate = _isolations(faults, view, policy, counters, now)
+    isolate = isolations(faults, view, policy, counters, now)
     sick_nodes = isolate | {f.node for f in faults if f.domain is Domain.NODE and f.node is not None}
     if not view.managed or any(f.kind == "no_state" for f in faults) or len(dead) >= view.world:
         base = Level.JOB_RESTART

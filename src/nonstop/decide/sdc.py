@@ -29,6 +29,15 @@ is judged on its own:
   found is always compared again), or with other ranks at odds than the one rank that differed.
   A divergence. The same single rank differing again, with other values each time, is that
   rank's device failing (a corruption again: the rules that isolate failing hardware see it).
+
+Which rank is at fault is not what the digests say: with two replicas neither side is the
+majority, and in data-parallel training a flipped rank's gradients reach every replica at its
+next reduction, so no replica holds the fault-free parameters when the mismatch is found. The
+replay says it (``attribute``): every rank redoes the steps since the snapshot that agreed, from
+the same inputs (nonstop's training is reproducible bit for bit), and compares, point by point,
+what each step started from, its forward outputs and what it ended with (``POINTS``) with what
+its first pass recorded. The faulty rank's passes part first: a peer took the fault in only
+through a collective that came after it. Named so, and only so, a rank counts against its node.
 """
 
 from __future__ import annotations
@@ -39,6 +48,13 @@ from typing import Iterable, Mapping
 CORRUPTION = "corruption"
 DIVERGENCE = "divergence"
 
+# where in a step a rank's two passes are compared, in order: the parameters it started from,
+# its forward outputs, the parameters after it
+POINTS = ("start", "output", "end")
+# what a replay found: a fault in the first pass alone (the replay agreed), one that recurred
+# (the replay differed again), or no single rank to name
+TRANSIENT, PERSISTENT, UNATTRIBUTED = "transient", "persistent", "unattributed"
+
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
@@ -48,6 +64,69 @@ class Verdict:
     # the ranks that agree with each other, largest first: in the twin groups that disagree
     groups: tuple[tuple[int, ...], ...]
     diagnosis: str  # one line (a divergence's: what the job ends with)
+
+
+@dataclasses.dataclass(frozen=True)
+class Attribution:
+    """What a replay says of a corruption: the rank whose passes part first, or none."""
+
+    step: int  # the comparison that found the corruption
+    verdict: str  # TRANSIENT, PERSISTENT or UNATTRIBUTED
+    rank: int | None  # the faulty rank (None: unattributed)
+    candidates: tuple[int, ...]  # the ranks whose passes were ordered
+    at: tuple[int, str] | None  # where the named rank's passes first differ: (step, point)
+    why: str  # one line
+
+
+def attribute(step: int, candidates: Iterable[int],
+              parted: Mapping[int, tuple[int, int] | None], agreed: bool) -> Attribution | None:
+    """The rank a replay names among ``candidates`` (the ranks of the twin groups at odds; with
+    no twin, every rank). ``parted[r]``: where rank r's two passes over the same steps first
+    differ, as (step, index in ``POINTS``); None where they agree at every point compared; a
+    rank absent kept no record of its first pass (a new process). ``agreed``: the replay's
+    comparison agreed (the twins, or a majority of three passes). The rank that parts strictly
+    first is named - transient when the replay agreed, persistent when it differed again; two
+    parting at the same point, or a rank without a record, name none. None when no rank's
+    passes differ at all and the replay did not agree: the steps came out the same again (a
+    divergence, ``Judge``)."""
+    ranks = tuple(sorted(set(candidates)))
+    known = {r: parted[r] for r in ranks if r in parted}
+    differ = {r: at for r, at in known.items() if at is not None}
+    if not differ:
+        if not agreed:
+            return None
+        return Attribution(step, UNATTRIBUTED, None, ranks, None,
+                           f"no rank's replay of the steps to {step} differs from its first "
+                           "pass at any point compared")
+    first = min(differ.values())
+    at = (first[0], POINTS[first[1]])
+    earliest = sorted(r for r, p in differ.items() if p == first)
+    where = f"step {at[0]}'s {_point(at[1])}"
+    if len(earliest) > 1:
+        return Attribution(step, UNATTRIBUTED, None, ranks, at,
+                           f"{_ranks(earliest)}: their passes part at the same point ({where}): "
+                           "the fault reached them together (a collective before any other "
+                           "point compared), or the step does not replay bit for bit")
+    missing = [r for r in ranks if r not in known]
+    if missing:
+        return Attribution(step, UNATTRIBUTED, None, ranks, at,
+                           f"{_ranks(missing)} kept no record of the first pass (a new "
+                           "process): the ranks' passes cannot be ordered")
+    rank = earliest[0]
+    later = [r for r in differ if r != rank]
+    after = (f", before {_ranks(sorted(later))}'s (a collective carried it on)" if later else "")
+    if agreed:
+        return Attribution(step, TRANSIENT, rank, ranks, at,
+                           f"rank {rank}: its first pass parted from the replay at {where}"
+                           f"{after}; the replay agreed - the fault did not recur")
+    return Attribution(step, PERSISTENT, rank, ranks, at,
+                       f"rank {rank}: its passes part at {where}{after}, and its replay "
+                       "differs from its twins' again - the fault recurs")
+
+
+def _point(name: str) -> str:
+    return {"start": "parameters at its start", "output": "forward outputs",
+            "end": "parameters at its end"}[name]
 
 
 def groups(digests: dict[int, int]) -> tuple[tuple[int, ...], ...]:
@@ -107,13 +186,29 @@ class Judge:
         if self.pending is not None and self.redo_gen is not None and gen >= self.redo_gen:
             self.pending = self.redo_gen = None
 
+    def candidates(self, step: int) -> tuple[int, ...]:
+        """The ranks of the twin groups at odds when a mismatch was first found at ``step`` -
+        or, before the step of the corruption being redone, at that one (a fault that recurs
+        shows on the way back to it): those a replay orders (none: no mismatch there)."""
+        return tuple(sorted(self.original(step)))
+
+    def original(self, step: int) -> dict[int, int]:
+        """Their digests then (the first pass's)."""
+        found = self.found.get(step)
+        if not found and self.pending is not None and step < self.pending[0]:
+            found = self.found.get(self.pending[0])
+        return dict(found[0]) if found else {}
+
     def judge(self, step: int, digests: dict[int, int], node_of: dict[int, int] | None = None,
-              redo_gen: int | None = None, twins: Mapping[int, int] | None = None) -> Verdict:
+              redo_gen: int | None = None, twins: Mapping[int, int] | None = None,
+              named: int | None = None) -> Verdict:
         """A mismatch found at ``step`` among the ranks compared (rank -> digest; two distinct
         within some twin group). ``node_of`` (rank -> node or host) names where each group
         runs; ``redo_gen``: the first generation that redoes the steps after the rollback;
         ``twins`` (rank -> the part it holds): each twin group is judged on its own (None:
-        every rank holds the same state)."""
+        every rank holds the same state). ``named``: the rank a replay of the steps found
+        faulty again (``attribute``, persistent): a corruption of that rank, though the
+        replicas differ again - unless they split into camps."""
         odd = [p for p in twin_groups(digests, twins) if len(set(p.values())) > 1]
         if not odd:
             raise ValueError(f"the digests at step {step} agree: nothing to judge")
@@ -131,6 +226,10 @@ class Judge:
         pending = self.pending
         again = pending is not None and not (len(suspects) == 1 and suspects == pending[1])
         self.found.setdefault(step, []).append(compared)
+        if named is not None and not systematic:
+            self.pending, self.redo_gen = (step, (named,)), redo_gen
+            return Verdict(CORRUPTION, step, (named,), split,
+                           f"rank {named}: its replay of the steps to {step} differs again")
         if systematic or replayed or again:
             if replayed:
                 why = (f"redone after a rollback, step {step} came out with the very parameters "

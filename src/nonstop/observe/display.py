@@ -164,9 +164,11 @@ def store_text(store: dict[str, Any]) -> str:
 
 def sdc_text(sdc: dict[str, Any]) -> str:
     """The replicas' comparisons in one phrase: the certificate, or what was found."""
+    replays = _replays_text(sdc)
     if not sdc.get("checks") and not sdc.get("mismatches"):
         why = sdc.get("uncompared")
-        return f"replicas: not compared ({why})" if why else "replicas: not compared"
+        text = f"replicas: not compared ({why})" if why else "replicas: not compared"
+        return text + replays
     found = sdc.get("found") or []
     diverged = [f for f in found if f.get("verdict") == "divergence"]
     if diverged:
@@ -176,13 +178,25 @@ def sdc_text(sdc: dict[str, Any]) -> str:
     if kept:
         return ("replicas differed at step(s) " + ", ".join(str(f["step"]) for f in kept)
                 + " (reported only: the weights are not certified)")
-    text = (f"every step's weights agreed across replicas ({sdc['checks']} checks to step "
-            f"{sdc['last_step']}, chain {(sdc.get('chain') or '')[:12]})")
+    if sdc.get("checks"):
+        text = (f"every step's weights agreed across replicas ({sdc['checks']} checks to step "
+                f"{sdc['last_step']}, chain {(sdc.get('chain') or '')[:12]})")
+    else:
+        text = f"replicas: not compared ({sdc.get('uncompared') or 'no twin'})"
     if found:
-        ranks = sorted({r for f in found for r in f["suspects"]})
-        text += (f"; {len(found)} mismatch(es) found and rolled back (rank(s) "
-                 f"{', '.join(map(str, ranks))} replaced)")
-    return text
+        named = sorted({f["attributed"] for f in found if f.get("attributed") is not None})
+        text += (f"; {len(found)} corruption(s) found and repaired ("
+                 + (f"the replay named rank(s) {', '.join(map(str, named))}" if named
+                    else "no rank named") + ")")
+    return text + replays
+
+
+def _replays_text(sdc: dict[str, Any]) -> str:
+    if not sdc.get("replays"):
+        return ""
+    pct = sdc.get("replay_pct")
+    return (f"; {sdc['replays']} replay check(s), {sdc['replay_s']:.2f} s"
+            + (f" ({pct:.1f}% of step time)" if pct is not None else ""))
 
 
 def _lost(inc: dict[str, Any]) -> str:

@@ -19,7 +19,7 @@ CONTROLLER = frozenset({
     "hook", "inject_unfired",
     # detection
     "hang_timeout", "hang_detected", "slow_step", "straggler", "loss_rule_fired", "log_rule", "health",
-    "sdc_divergence",
+    "sdc_divergence", "sdc_attributed",
     # elastic: scale-in and out, drains, preemption, requests
     "scale_in", "scale_out", "scale_out_done", "regroup", "drain_done", "drain_refused",
     "preempted", "request_refused",

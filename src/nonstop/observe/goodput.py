@@ -6,7 +6,7 @@
 | productive | rank 0 inside steps that advanced the job (a step done for the first time) |
 | recomputed | rank 0 inside steps done again after a rollback (the work a fault undid) |
 | recovery | inside an incident, by phase (detect ... first_step); ``unrecovered``: an incident that never closed |
-| snapshot | rank 0 between steps on snapshots, replica digests and checkpoint hand-offs |
+| snapshot | rank 0 between steps on snapshots, replica digests, checkpoint hand-offs and replay checks |
 | checkpoint | after the last step: waiting for the final checkpoint and the processes to end |
 | idle | the rest: between steps outside nonstop (data loading, the user's own code), or nothing running |
 

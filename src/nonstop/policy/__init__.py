@@ -60,12 +60,15 @@ class Nan(_Strict):
 
 class Sdc(_Strict):
     """Silent data corruption: the data-parallel replicas' parameters are compared (a digest
-    each) before every snapshot; a rank that differs from the majority is replaced and every
-    rank resumes from the last snapshot whose digests agreed."""
+    each) before every snapshot and between; when they differ every rank resumes from the last
+    snapshot whose digests agreed, and the replay of the steps since names the faulty rank.
+    ``replay_every``: a step run twice in place every this many steps, each rank comparing its
+    two passes - the check of a layout whose parameters no twin holds (0: never)."""
 
     enabled: bool = True
     action: Literal["replace", "report"] = "replace"  # report: an event, training goes on
     max_overhead_pct: float = Field(0.5, gt=0, le=100)  # snapshots spaced out to keep the digest under it
+    replay_every: int = Field(0, ge=0)  # steps between replay checks (0: none)
 
 
 Operator = Literal[">", ">=", "<", "<="]

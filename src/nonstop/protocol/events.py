@@ -65,6 +65,25 @@ class DigestChecks:
     certified: int | None  # the newest snapshot committed of a step whose check agreed
     certified_t: float | None  # ...and when (wall clock)
     uncompared: str | None = None  # why the replicas' parameters could not be compared
+    # the replay checks of the policy (detect.sdc.replay_every): how many, the seconds they
+    # added (the copy, the digests, the steps run again), and the seconds of the steps they
+    # were made among (their share)
+    replays: int = 0
+    replay_s: float = 0.0
+    stepped_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplayEvidence:
+    """One rank's two passes over the same steps, from the same state and inputs (its first,
+    and a replay): where they first differ (decide/sdc.py, ``attribute``)."""
+
+    rank: int
+    compared: int  # points compared (0: no record of the first pass - a new process)
+    step: int | None = None  # the first step where they differ (None: they agree throughout)
+    point: Literal["start", "output", "end"] | None = None  # ...and where in it
+    first: int | None = None  # the first pass's digest there
+    second: int | None = None  # ...and the replay's
 
 
 # == the events ======================================================================================
@@ -210,6 +229,10 @@ class LeftGeneration(RankEvent):
     # compared, and judged, among the ranks of one part only (its twins); None: every rank holds
     # the same state
     twins: list[int] | None = None
+    # ...found at a replay of the steps: where each rank's passes first differ (a comparison
+    # redone after a rollback, or a replay check of the policy's: ``sdc_scheduled``)
+    sdc_evidence: list[ReplayEvidence] | None = None
+    sdc_scheduled: bool = False
     cuda: CudaFault | None = None
     sdc: DigestChecks | None = None
     # the step it keeps in its node's memory as it leaves (a departure snapshot), if any
@@ -383,6 +406,25 @@ class SdcMismatch(RankEvent):
     step: int
     suspects: list[int]
     digests: list[int]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SdcReplayed(RankEvent):
+    """Rank 0: the steps to a comparison were replayed from the same state and the replay
+    agreed - after a corruption's rollback, the twins again (the corruption happened in the
+    first pass); at a replay check of the policy's (``scheduled``), a majority of three passes
+    (one pass differed). ``evidence``: where each rank's passes first differ, gathered from
+    every rank (the controller names the faulty rank from it: ``sdc_attributed``)."""
+
+    type: ClassVar[str] = "sdc_replayed"
+    logged: ClassVar[bool] = False  # (the controller logs its verdict: sdc_attributed)
+    gen: int
+    rank: int
+    step: int
+    evidence: list[ReplayEvidence]
+    digests: list[int]  # every rank's digest of its parameters after the replay
+    scheduled: bool = False
+    struck: int | None = None  # scheduled: the pass the other two outvoted (1, or 2: the replay)
 
 
 # == on the wire =====================================================================================

@@ -29,6 +29,7 @@ class RankSdc:
     enabled: bool
     action: Literal["replace", "report"]
     max_overhead_pct: float
+    replay_every: int  # a step run twice, in place, every this many steps (0: never)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -103,9 +103,15 @@ class Context:
                 if rt is not None:
                     if not self._first_done:
                         rt.injector.in_recovery("first_step", self.rank, self.generation)
+                    # (a step to replay keeps the state it starts from before anything else)
+                    rt.stall += rt.before_step(state, self.rank, self.world_size, step)
                     rt.injector.check("start", self.rank, step)
                     if rt.injector.claim_kind("bitflip", self.rank, step):
-                        where = state.flip_bit(seed=step)
+                        # one that strikes again here (``times``: its step replayed) flips
+                        # another bit - a device that keeps failing, not the same flip replayed
+                        again = rt.flips[step] = rt.flips.get(step, 0) + 1
+                        where = state.flip_bit(seed=step if again == 1 else
+                                               step * 1_000_003 + again)
                         rt.emit(events.BitFlipped(gen=self.generation, rank=self.rank, step=step,
                                                   where=where))
                 if reseed is not None:
@@ -113,6 +119,8 @@ class Context:
 
                     torch.manual_seed(step_seed(reseed, step, self.rank))
                 state.begin_step()
+                if rt is not None:
+                    rt.stall += rt.step_begins(state, step)
                 t0 = time.monotonic()
                 yield step
                 if rt is not None and rt.monitor.void_step():
@@ -122,10 +130,16 @@ class Context:
                 state.dirty = False
                 if rt is not None:
                     step_s = time.monotonic() - t0
+                    again, replayed = rt.replayed_step(state, self.rank, self.world_size,
+                                                       self.generation, step, step_s)
+                    if again:  # a replay check: the step runs again, from the same state
+                        rt.stall += replayed  # (check time, not a step: goodput)
+                        continue
                     # a snapshot is not a step that counts (goodput), but it is time between steps
                     # that the hang timeout must allow for
-                    spent = rt.after_step(state, self.rank, self.world_size, self.generation,
-                                          step_s, not self._first_done)
+                    spent = replayed + rt.after_step(state, self.rank, self.world_size,
+                                                     self.generation, step_s,
+                                                     not self._first_done)
                     rt.busy += step_s
                     rt.stall += spent
                     rt.monitor.record_step(self.generation, self.rank, step + 1, rt.busy,

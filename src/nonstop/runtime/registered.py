@@ -101,6 +101,9 @@ class State:
         # kept, the step may be taken on this rank's own verdict); set by the runtime
         self._keep_before_step: Callable[[], bool] | None = None
         self._forward_fault: Callable[[int], tuple[float, bool]] | None = None
+        # each forward output, with the step it belongs to: the step's trace (detect.sdc: what
+        # a replay of the step is compared with); set by the runtime
+        self._on_output: Callable[[int, Any], None] | None = None
         self._rank = 0
         self._t_forward = 0.0
         self._poison = False
@@ -138,6 +141,8 @@ class State:
         elif self._last_output is not None:  # another forward of the same step: one pass over
             self._fold(self._last_output)  # the one before, on its device (none with one forward)
         self._last_output = _detached(output)  # a view, no copy: checked only if a step goes bad
+        if self._on_output is not None:
+            self._on_output(self.step, self._last_output)
         return output if poisoned else None
 
     def _fold(self, out: Any) -> None:

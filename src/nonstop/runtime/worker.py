@@ -79,6 +79,7 @@ class WorkerRuntime:
         self.closed_groups: list[Any] = []  # groups left but not yet destroyed (pg.close)
         self._next_release = 0.0  # when a group kept busy is tried again
         self.faults = inject.from_env(os.environ.get(protocol.ENV_INJECT))
+        self.flips: dict[int, int] = {}  # step -> injected bit flips that struck it here
         self.injector = inject.Injector(self.faults, self._claim_fault, self._announce_fault)
         self.registered = False  # whether the wrapped function registered a nonstop.State
         self.said_not_kept = False  # a State nothing keeps was made (and the controller told)
@@ -321,6 +322,51 @@ class WorkerRuntime:
                 snaps.take(state, rank, world, gen)
         return resumed
 
+    # -- the policy's replay checks (state/replay.py) -------------------------------------------
+    def before_step(self, state: Any, rank: int, world: int, step: int) -> float:
+        """The top of a step: the state it starts from copied, when it is to be replayed.
+        Returns the seconds it took."""
+        replay = self._replay()
+        return replay.before(state, step, rank, world) if replay is not None else 0.0
+
+    def step_begins(self, state: Any, step: int) -> float:
+        """A step is about to run: its outputs traced afresh, a replayed one's parameters
+        digested. Returns the seconds it took."""
+        replay = self._replay()
+        if replay is not None:
+            return replay.started(state, step)
+        if self.snapshots is not None and self.snapshots.digests is not None and self.registered:
+            self.snapshots.digests.trace.begin(step)
+        return 0.0
+
+    def replayed_step(self, state: Any, rank: int, world: int, gen: int, step: int,
+                      step_s: float) -> tuple[bool, float]:
+        """A step completed: whether it runs again (a replay check; its state set back), and
+        the seconds the check added."""
+        replay = self._replay()
+        if replay is None:
+            return False, 0.0
+        again, spent = replay.after(state, step, step_s, world)
+        if not again:
+            self._report_replayed(rank, gen)
+        return again, spent
+
+    def _replay(self) -> Any:
+        snaps = self.snapshots
+        return snaps.replay if snaps is not None and self.registered else None
+
+    def _report_replayed(self, rank: int, gen: int) -> None:
+        """Rank 0 reports a replay that agreed (every rank holds the same evidence)."""
+        digests = self.snapshots.digests if self.snapshots is not None else None
+        found = digests.replayed if digests is not None else None
+        if found is None:
+            return
+        digests.replayed = None
+        if rank == 0:
+            self.emit(events.SdcReplayed(gen=gen, rank=rank, step=found.step,
+                                         evidence=found.evidence, digests=found.digests,
+                                         scheduled=found.scheduled, struck=found.struck))
+
     def after_step(self, state: Any, rank: int, world: int, gen: int, step_s: float,
                    first: bool) -> float:
         """A step completed: take a snapshot if one is due. Returns the seconds it took."""
@@ -337,6 +383,7 @@ class WorkerRuntime:
         spent, changed = snaps.after_step(state, rank, world, gen, step_s, first, self.injector)
         if changed and rank == 0:
             self.emit(events.SnapshotInterval(gen=gen, step=state.step, **snaps.stats()))
+        self._report_replayed(rank, gen)
         found = snaps.digests.mismatch if snaps.digests is not None else None
         if found is not None:  # the policy only reports it: training goes on
             snaps.digests.mismatch = None

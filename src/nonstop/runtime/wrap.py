@@ -276,6 +276,9 @@ def _attach(rt: Any, tracked: State) -> None:
         tracked._on_commit = lambda: rt.injector.check("commit", rt.rank, tracked.step)
     if rt.node_memory is not None:
         tracked._keep_before_step = lambda: _keep_before_step(rt, tracked)
+    digests = rt.snapshots.digests if rt.snapshots is not None else None
+    if digests is not None:  # each step's forward outputs: what a replay of it is compared with
+        tracked._on_output = digests.trace.output
     if tracked.check_finite and tracked.verdict is None:
         from .verdict import install
 
@@ -439,7 +442,8 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
             detail["traceback"] = _user_traceback(exc)[-20000:]
         if isinstance(exc, SilentCorruption):
             detail.update(sdc_step=exc.step, suspects=exc.suspects, digests=exc.digests,
-                          twins=None if exc.twins is None else list(exc.twins))
+                          twins=None if exc.twins is None else list(exc.twins),
+                          sdc_evidence=exc.replay, sdc_scheduled=exc.scheduled)
         if cuda is not None:
             detail["cuda"] = cuda
         if rt.snapshots is not None and rt.snapshots.digests is not None:
@@ -452,6 +456,8 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
 
 def _context(rt: Any, tracked: State, msg: dict[str, Any], resumed: Any) -> Context:
     rt.monitor.in_steps = False  # a loop left by a failure may not have said so yet
+    if rt.snapshots is not None and rt.snapshots.replay is not None:
+        rt.snapshots.replay.reset()  # (a replay under way when the step failed is not resumed)
     if tracked.verdict is not None:
         tracked.verdict.begin(msg.world)
     policy = rt.policy

@@ -16,13 +16,15 @@ the next check, so no step in between can have disagreed unseen.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import math
 import statistics
 import time
 from typing import Any
 
-from ..protocol.events import DigestChecks
+from ..decide.sdc import POINTS
+from ..protocol.events import DigestChecks, ReplayEvidence
 from ..protocol.rank_policy import RankSdc
 
 _MIX = 1_000_003  # digests of the tensors combined in order: a swap of two changes the result
@@ -34,12 +36,32 @@ class SilentCorruption(BaseException):
     ``Regroup``, so that the script's ``except Exception`` lets it through."""
 
     def __init__(self, step: int, suspects: list[int], digests: list[int],
-                 twins: tuple[int, ...] | None = None):
-        super().__init__(f"the replicas' parameters differ at step {step}: rank(s) "
-                         f"{', '.join(map(str, suspects))} disagree with "
-                         + ("the others" if twins is None else "their twins"))
+                 twins: tuple[int, ...] | None = None, replay: list[Any] | None = None,
+                 scheduled: bool = False):
+        super().__init__(
+            f"the replicas' parameters differ at step {step}: rank(s) "
+            f"{', '.join(map(str, suspects))} disagree with "
+            + ("the others" if twins is None else "their twins") if not scheduled else
+            f"step {step - 1} does not replay bit for bit: three passes over it, no two alike "
+            f"on every rank (rank(s) {', '.join(map(str, suspects))} named)")
         self.step, self.suspects, self.digests = step, suspects, digests
         self.twins = twins  # the part each rank holds (None: every rank the same)
+        # found at a replay of the steps: where each rank's passes first differ (ReplayEvidence)
+        self.replay = replay
+        self.scheduled = scheduled  # ...a replay check of the policy's (no twin compared)
+
+
+@dataclasses.dataclass(frozen=True)
+class Replayed:
+    """A replay that agreed, for rank 0 to report (``SdcReplayed``): the comparison at
+    ``step``, every rank's evidence and digest; ``scheduled``: a replay check of the policy's,
+    where ``struck`` is the pass the other two outvoted."""
+
+    step: int
+    evidence: list[ReplayEvidence]
+    digests: list[int]
+    scheduled: bool = False
+    struck: int | None = None
 
 
 SHARDED = ("sharded parameters (FSDP2, tensor parallel, pipeline stages): each rank holds its own "
@@ -63,9 +85,7 @@ def digest(modules: list[Any]) -> int:
     are, and changed by any single flipped bit (a sum of words: values moved around within one
     tensor are not seen - not what a bit flip does - but two tensors swapped are)."""
     import torch
-    import xxhash
 
-    words = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     parts: list[Any] = []  # per tensor, in order: an int (hashed here) or a 0-d tensor (a sum)
     with torch.no_grad():
         for m in modules:
@@ -74,18 +94,41 @@ def digest(modules: list[Any]) -> int:
                 # first, with no autograd: a DTensor's detach() is dispatched as a DTensor op -
                 # 24 small FSDP2 parameters spent 15-22 ms there, 0.6-0.9 ms so (a loaded host)
                 t = p.to_local() if hasattr(p, "to_local") else p.detach()
-                word = words.get(t.element_size())
-                if word is None or t.numel() == 0:
-                    continue
-                if t.device.type == "cpu" and t.is_contiguous():
-                    # the sum of a 100M-element tensor in 64 bits ran at 0.6 GB/s: a restore of
-                    # a 400 MB model waited 0.7 s for it (nonstop bench state)
-                    parts.append(xxhash.xxh3_64_intdigest(
-                        memoryview(t.reshape(-1).view(torch.uint8).numpy())))
-                else:
-                    parts.append(torch.sum(t.view(word), dtype=torch.int64))
+                part = _word(t)
+                if part is not None:
+                    parts.append(part)
+    return _combined(parts)
+
+
+_WORDS: dict[int, Any] = {}
+
+
+def _word(t: Any) -> Any:
+    """One tensor's part of a digest: an int (xxh3 of its bytes, in host memory), a 0-d tensor
+    (the sum of its words as 64-bit integers, on its device: read later, with the others), or
+    None (nothing to digest)."""
+    import torch
+    import xxhash
+
+    if not _WORDS:
+        _WORDS.update({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64})
+    word = _WORDS.get(t.element_size())
+    if word is None or t.numel() == 0:
+        return None
+    if t.device.type == "cpu" and t.is_contiguous():
+        # the sum of a 100M-element tensor in 64 bits ran at 0.6 GB/s: a restore of a 400 MB
+        # model waited 0.7 s for it (nonstop bench state)
+        return xxhash.xxh3_64_intdigest(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return torch.sum(t.contiguous().view(word), dtype=torch.int64)
+
+
+def _combined(parts: list[Any]) -> int:
+    """The parts of a digest in order, as one signed 64-bit integer (a device's sums read in
+    one transfer)."""
     if not parts:
         return 0
+    import torch
+
     sums = [x for x in parts if not isinstance(x, int)]
     summed = iter(torch.stack(sums).cpu().tolist() if sums else [])  # one transfer from the device
     out = 0
@@ -93,6 +136,120 @@ def digest(modules: list[Any]) -> int:
         v = x if isinstance(x, int) else next(summed)
         out = (out * _MIX + v) % _MOD
     return out - _MOD if out >= _MOD // 2 else out  # all 64 bits, as a signed 64-bit integer
+
+
+START, OUTPUT, END = 0, 1, 2  # the points of a step (decide/sdc.py, POINTS)
+
+
+class StepTrace:
+    """What this rank's steps computed, point by point, since its newest snapshot whose
+    comparison agreed: each step's forward outputs (a digest per forward of the registered
+    modules, in order) and, where a replay check asks for them, the parameters it started from
+    and ended with. After a corruption's rollback the same steps are run again from the same
+    state and inputs, and each rank's two passes are compared point by point: the faulty rank's
+    part first (decide/sdc.py). A forward's output is digested as it comes - in host memory by
+    xxh3 over its bytes, on a device by a sum of its words there, read only when a replay
+    asks."""
+
+    LIMIT = 4096  # points kept at most (snapshots far apart: the oldest go first)
+
+    def __init__(self) -> None:
+        self._points: dict[tuple[int, int], Any] = {}  # (step, point) -> an int, or [parts]
+
+    def begin(self, step: int) -> None:
+        """Step ``step`` starts (again, in a replay): its outputs are counted afresh."""
+        self._points.pop((step, OUTPUT), None)
+
+    def output(self, step: int, out: Any) -> None:
+        """A forward output of step ``step`` (a tensor: a DTensor's local part)."""
+        if out is None:
+            return
+        local = out.to_local() if hasattr(out, "to_local") else out
+        part = _word(local)
+        if part is None:
+            return
+        parts = self._points.get((step, OUTPUT))
+        if parts is None:
+            if len(self._points) >= self.LIMIT:
+                del self._points[min(self._points)]
+            parts = self._points[(step, OUTPUT)] = []
+        parts.append(part)
+
+    def note(self, step: int, point: int, value: int) -> None:
+        self._points[(step, point)] = value
+
+    def value(self, step: int, point: int) -> Any:
+        """A point's digest: an int, or for the forward outputs a tuple (one per forward)."""
+        return _read(self._points.get((step, point)))
+
+    def points(self) -> dict[tuple[int, int], Any]:
+        """Every point recorded, read (a device's sums now)."""
+        return {k: _read(v) for k, v in self._points.items()}
+
+    def keep_from(self, step: int) -> None:
+        """A snapshot of ``step`` agreed: no rollback goes back before it."""
+        for k in [k for k in self._points if k[0] < step]:
+            del self._points[k]
+
+    def redo_from(self, step: int) -> None:
+        """The rank resumes at ``step``: what it recorded from there on is run again."""
+        for k in [k for k in self._points if k[0] >= step]:
+            del self._points[k]
+
+
+def _read(v: Any) -> Any:
+    if not isinstance(v, list):
+        return v
+    import torch
+
+    sums = [x for x in v if not isinstance(x, int)]
+    summed = iter(torch.stack(sums).cpu().tolist() if sums else [])  # one transfer
+    return tuple(x if isinstance(x, int) else _signed(next(summed)) for x in v)
+
+
+def _signed(v: int) -> int:
+    v %= _MOD
+    return v - _MOD if v >= _MOD // 2 else v
+
+
+def alike(a: Any, b: Any) -> bool:
+    """Two passes' digests of one point alike. Forward outputs (a digest per forward) are
+    compared over the forwards both passes made last: a pass may make forwards at a step's
+    start that are not the step's own - a pipeline stage made anew in each generation infers
+    its shapes with a forward over empty tensors at its first step, which a replay's first step
+    always is."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        n = min(len(a), len(b))
+        return a[len(a) - n:] == b[len(b) - n:]
+    return a == b
+
+
+def word(v: Any, other: Any = None) -> int:
+    """A point's digest as one 64-bit word (forward outputs: of the forwards it shares with
+    ``other``'s, as ``alike`` compares them)."""
+    if not isinstance(v, tuple):
+        return int(v or 0)
+    n = min(len(v), len(other)) if isinstance(other, tuple) else len(v)
+    out = 0
+    for x in v[len(v) - n:]:
+        out = (out * _MIX + x) % _MOD
+    return _signed(out)
+
+
+def parted(first: dict[tuple[int, int], Any], second: dict[tuple[int, int], Any]
+           ) -> tuple[int, tuple[int, int] | None]:
+    """Where two passes first differ, over the points both recorded: (points compared, the
+    first (step, point) that differs, or None)."""
+    common = sorted(set(first) & set(second))
+    return len(common), next((k for k in common if not alike(first[k], second[k])), None)
+
+
+def evidence_of(gathered: list[list[int]]) -> list[ReplayEvidence]:
+    """Every rank's evidence from its gathered words: [points compared, step, point, first
+    pass's digest, replay's] (step -1: its passes agree throughout)."""
+    return [ReplayEvidence(rank=r, compared=w[0]) if w[1] < 0 else
+            ReplayEvidence(rank=r, compared=w[0], step=w[1], point=POINTS[w[2]],
+                           first=w[3], second=w[4]) for r, w in enumerate(gathered)]
 
 
 def odd_ones(digests: list[int]) -> list[int]:
@@ -189,19 +346,31 @@ class Digests:
         self.certified: int | None = None
         self.certified_t: float | None = None
         self.uncompared: str | None = None  # why the parameters are not compared (sharded)
+        self.trace = StepTrace()  # what the steps since the newest agreeing snapshot computed
+        # the trace of the pass that found the replicas differing (and the step): what a replay
+        # of the same steps after the rollback is compared with (kept across generations)
+        self.first_pass: tuple[int, dict[tuple[int, int], Any]] | None = None
+        self.replayed: Replayed | None = None  # a replay that agreed, for rank 0 to report
+        # the policy's replay checks in this generation (state/replay.py): how many, the seconds
+        # they added, the seconds of the steps among which they were made
+        self.replays, self.replay_s, self.stepped_s = 0, 0.0, 0.0
 
     @property
     def cost_s(self) -> float | None:
         return statistics.median(self._costs) if self._costs else None
 
     def check(self, modules: list[Any], step: int, world: int,
-              twins: tuple[int, ...] | None = None, meshed: bool = False) -> float:
+              twins: tuple[int, ...] | None = None, meshed: bool = False,
+              recheck: int | None = None) -> float:
         """Compare this step's parameters with every other rank's (a collective: every rank
         calls it at the same steps); sharded parameters - or any state built over a mesh
         (``meshed``: a pipeline's stages are plain tensors) - with their twins' only
         (``twins[r]``: the part rank r holds). Returns the seconds it took; raises
         ``SilentCorruption`` when they differ (unless the policy only reports: then ``mismatch``
-        says so)."""
+        says so). ``recheck``: the comparison where the replicas were found to differ (every
+        rank's alike), to be reached again after the rollback: there - or at a mismatch on the
+        way to it, a fault that recurs - each rank's two passes are compared too, and every
+        rank's evidence gathered (``replayed``, or the ``SilentCorruption``'s)."""
         if not self.enabled or world < 2 or not modules:
             return 0.0
         own = meshed or sharded(modules)  # each rank may hold a part of its own
@@ -230,13 +399,18 @@ class Digests:
         if cost is not None:
             self._costs.append(cost)
         suspects = odd_ones(digests) if classes is None else _odd_twins(digests, classes)
+        replaying = recheck is not None and (step == recheck or (suspects and step < recheck))
+        evidence = self._evidence(step, mine, world) if replaying else None
         if suspects:
-            found = SilentCorruption(step, suspects, digests, classes)
+            found = SilentCorruption(step, suspects, digests, classes, replay=evidence)
             _all_know()
             if not self.report_only:
+                self.first_pass = (step, {**self.trace.points(), (step - 1, END): mine})
                 raise found
             self.mismatch = found
             return spent
+        if evidence is not None and any(e.compared for e in evidence):
+            self.replayed = Replayed(step, evidence, digests)
         self.checks += 1
         self.first_step = step if self.first_step is None else self.first_step
         self.last_step = step
@@ -244,6 +418,18 @@ class Digests:
             str(digests[classes.index(c)]) for c in sorted(set(classes)))  # each shard's
         self.chain = hashlib.sha256(f"{self.chain}:{step}:{agreed}".encode()).hexdigest()
         return spent
+
+    def _evidence(self, step: int, mine: int, world: int) -> list[ReplayEvidence]:
+        """Where this rank's passes over the steps to ``step`` first differ - its first pass
+        (``first_pass``) and the replay now - gathered from every rank (a collective)."""
+        first = self.first_pass
+        if first is not None and first[0] == step:
+            self.first_pass = None  # (compared: the replay reached it)
+        now = {**self.trace.points(), (step - 1, END): mine}
+        n, at = parted(first[1], now) if first is not None and first[0] >= step else (0, None)
+        words = [n, -1, -1, 0, 0] if at is None else \
+            [n, at[0], at[1], word(first[1][at], now[at]), word(now[at], first[1][at])]
+        return evidence_of(gather_words(words, world))
 
     def committed(self, step: int) -> None:
         """A snapshot of ``step`` was committed to the node's memory: certified if a check of
@@ -259,13 +445,17 @@ class Digests:
             return 1
         return max(1, math.ceil(cost / (self.max_share * step_s)))
 
-    def entered(self) -> None:
-        """A generation begins: its checks are counted from here (the chain goes on)."""
+    def entered(self, step: int) -> None:
+        """A generation begins at ``step``: its checks are counted from here (the chain goes
+        on), and the steps from there on are run again."""
         self.checks, self.first_step, self.last_step = 0, None, None
         self._gather_s = None  # (another world, other peers: measured again)
+        self.replays, self.replay_s, self.stepped_s = 0, 0.0, 0.0
+        self.trace.redo_from(step)
 
     def stats(self) -> DigestChecks:
         return DigestChecks(checks=self.checks, first_step=self.first_step,
                             last_step=self.last_step, chain=self.chain, cost_s=self.cost_s,
                             certified=self.certified, certified_t=self.certified_t,
-                            uncompared=self.uncompared)
+                            uncompared=self.uncompared, replays=self.replays,
+                            replay_s=round(self.replay_s, 6), stepped_s=round(self.stepped_s, 6))

@@ -30,6 +30,7 @@ from ..protocol.rank_policy import RankSdc, RankState
 from . import memory as mem
 from . import packing, shm
 from .digest import Digests
+from .replay import ReplayCheck
 from .wire import KeeperError
 
 # Steps into a generation when the interval is tuned: every step is snapshotted until then, so
@@ -72,6 +73,9 @@ class Snapshots:
         # the replicas' parameters compared before each snapshot (detect.sdc): every snapshot
         # written is one whose digests agreed, the step a corruption is rolled back to
         self.digests = Digests(sdc) if sdc is not None and sdc.enabled else None
+        # a step run twice in place every ``replay_every`` steps (detect.sdc: state/replay.py)
+        self.replay = ReplayCheck(sdc.replay_every, self.digests) \
+            if self.digests is not None and sdc.replay_every > 0 else None
         self.enabled = snap.enabled
         self.auto = snap.every_steps == "auto"
         self.every = 1 if snap.every_steps == "auto" else snap.every_steps
@@ -186,7 +190,7 @@ class Snapshots:
             recheck = said[0].get("recheck")
             self.recheck = int(recheck) if recheck is not None and recheck > step else None
         if self.digests is not None:
-            self.digests.entered()
+            self.digests.entered(step)
 
     def _interval(self, cost: float, step_s: float, repl_s: float, sdc_s: float = 0.0,
                   write_s: float = 0.0) -> int:
@@ -270,7 +274,8 @@ class Snapshots:
             spent += self._checked_take(state, rank, world, gen, injector)
         elif self.digests is not None and self.check_every is not None \
                 and step % self.check_every == 0:  # (the same steps on every rank)
-            spent += self.digests.check(state.modules(), step, world, state.twins, state.meshed)
+            spent += self.digests.check(state.modules(), step, world, state.twins, state.meshed,
+                                        recheck=self.recheck)
         changed = False  # agreed after the snapshot: its cost is then known
         if step - self.entry_step in TUNE_AFTER or step % RETUNE_EVERY == 0:
             changed, lost = self._agree(rank, world)
@@ -286,7 +291,8 @@ class Snapshots:
         spent = 0.0
         if self.digests is not None:
             spent += self.digests.check(state.modules(), step, world, state.twins,
-                                        state.meshed)
+                                        state.meshed, recheck=self.recheck)
+            self.digests.trace.keep_from(step)  # (agreed: no rollback goes back before it)
         return spent + self.take(state, rank, world, gen, injector)
 
     def take(self, state: Any, rank: int, world: int, gen: int, injector: Any = None,
