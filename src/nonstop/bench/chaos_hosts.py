@@ -54,7 +54,7 @@ DEAF_S = 8.0  # the controller's host hears nothing this long (what it sends sti
 CONTROLLER_PAUSE_S = 10.0  # every process of the controller's host frozen this long
 SLOW_LINK_S = 4.0  # a host's data link this slow this long: its steps outlast the hang timeout
 SLOW_KBIT = 16
-ETCD_DISK_MB = 72  # each etcd member's data on a file system this small (its WAL takes 61 MiB)
+ETCD_DISK_MB = 96  # each etcd member's data on a file system this small (its WAL takes 61 MiB)
 DISK_MB = 16  # the checkpoint file system (tmpfs): filled by disk_full
 CKPT_EVERY = 10
 
