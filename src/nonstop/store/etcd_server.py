@@ -134,6 +134,7 @@ class EtcdCluster:
             return m
         state = "existing" if (m.data_dir / "member").exists() else "new"
         m.data_dir.mkdir(parents=True, exist_ok=True)
+        self.base_dir.mkdir(parents=True, exist_ok=True)  # (the data may be elsewhere: a disk of its own)
         log = open(self.base_dir / f"{m.name}.log", "ab")
         try:
             m.proc = subprocess.Popen(self._command(m, state), stdin=subprocess.DEVNULL,
