@@ -627,3 +627,26 @@ def test_recv_ready_returns_the_last_frames_then_channel_closed(pair):
             got += srv.recv_ready()
             time.sleep(0.01)
     assert [m for m, _ in got] == [{"op": "last"}]
+
+
+def test_the_control_planes_connections_ask_for_their_class_of_service(secret):
+    """Both ends of a control connection mark what they send CS6 (a network with classes of
+    service keeps it ahead of bulk traffic); other channels keep the default class."""
+    def tos(ch: Channel) -> int:
+        return ch._sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS)
+
+    with Listener(HOST, secret, tos=channel.CONTROL_TOS) as control, Listener(HOST, secret) as bulk:
+        box: dict[str, Channel | None] = {}
+        t = threading.Thread(target=lambda: box.setdefault("srv", control.accept(timeout=5)))
+        t.start()
+        cli = connect(HOST, control.port, secret, tos=channel.CONTROL_TOS)
+        t.join(10)
+        srv = box["srv"]
+        assert srv is not None
+        plain, plain_srv = open_pair(secret, bulk)
+        try:
+            assert tos(cli) == tos(srv) == channel.CONTROL_TOS == 0xC0
+            assert tos(plain) == tos(plain_srv) == 0
+        finally:
+            for ch in (cli, srv, plain, plain_srv):
+                ch.close()

@@ -491,3 +491,64 @@ def test_a_corruption_the_replay_pinned_on_a_rank_counts_against_its_node_and_is
     # a job ending hears of it and does nothing
     ending = dataclasses.replace(s, phase=Phase.FINISHING)
     assert kinds(mc.step(ending, mc.Attributed(seen(32.0, ranks(0)), named), P)[1]) == ["Ignore"]
+
+
+NO_SCALE_IN = P.with_overrides(**{"recover.levels.scale_in.enabled": False})
+
+
+def lost_with_no_room(hosts_join: bool, policy=NO_SCALE_IN):
+    """Node 2 isolated, then node 0's ranks and memory die: node 1 alone cannot hold 4 ranks,
+    and the world may not shrink."""
+    P = policy  # noqa: N806 - the machine's steps below under this policy
+    s = running()
+    s, _ = mc.step(s, mc.Isolate(seen(1.0, ranks(0)), node=2), P)
+    dead = {0: {"dead": True}, 1: {"dead": True}}
+    s, _ = mc.step(s, mc.Faulted(seen(5.0, ranks(0, dead), hosts_join=hosts_join),
+                                 Fault("crash", rank=0, code=-9)), P)
+    left = ranks(0, dead, {2: {"left": 0}, 3: {"left": 0}})
+    s, _ = mc.step(s, mc.Tick(seen(5.1, left, hosts_join=hosts_join)), P)
+    s, cmds = mc.step(s, mc.Tick(seen(5.2, left, lost_memory=frozenset({0}),
+                                      hosts_join=hosts_join)), P)
+    return s, cmds, left
+
+
+def test_with_too_few_healthy_hosts_the_job_waits_for_one_to_join_then_recovers():
+    s, cmds, left = lost_with_no_room(hosts_join=True)
+    assert kinds(cmds) == ["WaitForHosts"] and s.phase is Phase.WAITING_FOR_HOSTS
+    assert cmds[0].decision.wanting == 2 and cmds[0].limit_s == NO_SCALE_IN.hosts.capacity_wait_s
+    assert s.counters.spent == {}  # nothing charged while it waits
+    lost = frozenset({0})
+    s, cmds = mc.step(s, mc.Tick(seen(60.0, left, lost_memory=lost, hosts_join=True)), NO_SCALE_IN)
+    assert cmds == [] and s.phase is Phase.WAITING_FOR_HOSTS
+    # a host joins: node 3, a spare node; the same faults decided again, the ranks go there
+    s, cmds = mc.step(s, mc.Tick(seen(61.0, left, nodes=4, lost_memory=lost, hosts_join=True)), NO_SCALE_IN)
+    decide, carry = cmds
+    assert decide.decision.level is Level.REPLACE_NODE and decide.decision.isolate == {0}
+    assert carry.placement == {0: 3, 1: 3} and s.phase is Phase.RENDEZVOUS
+    assert s.t_wait is None and s.counters.used(Level.REPLACE_NODE) == 1
+
+
+def test_with_too_few_healthy_hosts_and_none_joining_the_job_fails_after_the_wait():
+    s, cmds, left = lost_with_no_room(hosts_join=True)
+    lost = frozenset({0})
+    limit = NO_SCALE_IN.hosts.capacity_wait_s
+    s, cmds = mc.step(s, mc.Tick(seen(5.2 + limit - 1, left, lost_memory=lost, hosts_join=True)), NO_SCALE_IN)
+    assert cmds == []
+    s, cmds = mc.step(s, mc.Tick(seen(5.2 + limit + 1, left, lost_memory=lost, hosts_join=True)), NO_SCALE_IN)
+    assert kinds(cmds) == ["Decide", "Fail"]
+    assert "capacity_wait_s" in cmds[1].decision.diagnosis
+    # on one host no host can join: it fails at once, as with the wait set to 0
+    _, cmds, _ = lost_with_no_room(hosts_join=False)
+    assert kinds(cmds) == ["Decide", "Fail"] and "cannot hold 4 ranks" in cmds[1].decision.diagnosis
+
+
+def test_a_fault_while_waiting_for_hosts_joins_the_round_decided_once_one_joins():
+    s, _, left = lost_with_no_room(hosts_join=True)
+    lost = frozenset({0})
+    s, cmds = mc.step(s, mc.Faulted(seen(8.0, left, lost_memory=lost, hosts_join=True),
+                                    Fault("crash", rank=2, code=-9)), NO_SCALE_IN)
+    assert kinds(cmds) == ["Raise"] and s.phase is Phase.WAITING_FOR_HOSTS
+    both = ranks(0, {0: {"dead": True}, 1: {"dead": True}, 2: {"dead": True}}, {3: {"left": 0}})
+    s, cmds = mc.step(s, mc.Tick(seen(9.0, both, nodes=4, lost_memory=lost, hosts_join=True)), NO_SCALE_IN)
+    decide, carry = cmds
+    assert 2 in decide.decision.replace and carry.placement[2] == 1  # in its own place

@@ -216,6 +216,9 @@ class Agent:
         one host are this process's own, so a rank that cannot be reached is the rank's fault."""
         return False
 
+    #: whether new hosts can join the job (then a job short of places waits for one): not here
+    takes_hosts = False
+
     def lost_nodes(self) -> set[int]:
         """Nodes gone whole (a host whose agent is gone): none on one host."""
         return set()

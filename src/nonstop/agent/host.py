@@ -32,7 +32,7 @@ from . import loopback
 from .agent import Agent, Proc
 from ..errors import UsageError
 from .mail import StoreMail
-from ..net.channel import SECRET_ENV
+from ..net.channel import CONTROL_TOS, SECRET_ENV
 from ..protocol import hosts as keys
 from ..protocol import events
 from ..protocol import messages as m
@@ -118,7 +118,8 @@ class HostAgent:
         # answering its successor's hello, and from fencing itself). The channel closes; a
         # live controller connects again and is told what it missed.
         self.listener = listener.Listener(cfg.addr, self.secret, on_refused=self._refused,
-                                          stall_timeout_s=cfg.lease_ttl_s + 1.0)
+                                          stall_timeout_s=cfg.lease_ttl_s + 1.0,
+                                          tos=CONTROL_TOS)
         rdzv_sock = bound_socket(cfg.addr)
         self.rdzv_port = rdzv_sock.getsockname()[1]
         emergency = cfg.rules.state.emergency

@@ -53,7 +53,7 @@ ETCD_PAUSE_S = 5.0  # etcd frozen (SIGSTOP) this long: every lease has expired w
 DEAF_S = 8.0  # the controller's host hears nothing this long (what it sends still leaves)
 CONTROLLER_PAUSE_S = 10.0  # every process of the controller's host frozen this long
 SLOW_LINK_S = 4.0  # a host's data link this slow this long: its steps outlast the hang timeout
-SLOW_KBIT = 16
+SLOW_KBIT = 128  # a step takes seconds (the test of a slow link uses the same)
 ETCD_DISK_MB = 96  # each etcd member's data on a file system this small (its WAL takes 61 MiB)
 DISK_MB = 16  # the checkpoint file system (tmpfs): filled by disk_full
 CKPT_EVERY = 10
@@ -74,8 +74,10 @@ KILLS_HOST = ("host_kill", "partition", "launcher_kill", "preempt", "buddy_pair"
 #: hosts can take the lost hosts' ranks (``spare_hosts``)
 NEEDS_TWO_SPARES = ("buddy_pair",)
 ONCE = chaos.ONCE
+#: the hosts always come back (a lost one as a new machine): the world never shrinks - a job
+#: short of hosts waits for one (hosts.capacity_wait_s) - so the weights stay the fault-free run's
 POLICY = chaos.POLICY + """    node_replacement: {budget: 1000000}
-    scale_in: {budget: 1000000}
+    scale_in: {enabled: false}
 """
 
 
@@ -159,6 +161,7 @@ class Harness:
         self.j, self.flags, self.script_args, self.times = j, flags, script_args, times
         self.env, self.slots, self.say = env, slots, say
         self.restarts = 0
+        self.seen_released: dict[int, int] = {}  # slot -> its releases replaced so far
         self.zombies: list[dict[str, Any]] = []  # stopped ranks: (wid, the generation that left them)
 
     # -- the job -------------------------------------------------------------------------------
@@ -207,11 +210,29 @@ class Harness:
             time.sleep(0.1)
         raise TimeoutError(f"{what} not within {timeout_s:g} s")
 
+    def released(self) -> list[int]:
+        """Slots whose host the job released (isolated, drained) and which has ended: a
+        scheduler gives such a slot a new machine, and so does the harness."""
+        return [i for i, p in self.j.procs.items() if p.poll() is not None
+                and self.j.output(i).count("released by the job") > self.seen_released.get(i, 0)]
+
+    def replace_released(self) -> None:
+        for i in self.released():
+            self.seen_released[i] = self.j.output(i).count("released by the job")
+            self.restarts += 1
+            self.start_host(i, name=f"host{i}r{self.restarts}")
+            self.say(f"chaos: host slot {i} was released by the job: a new machine there")
+
     def settled(self) -> None:
-        """Every host of the job back (a lost one as a new host) and taken in by the controller;
-        ``NotRejoined`` otherwise."""
+        """Every host of the job back (a lost one as a new host, a released one replaced) and
+        taken in by the controller; ``NotRejoined`` otherwise."""
+        def back() -> bool:
+            if self.alive():
+                self.replace_released()
+            return self.hosts_in_job() == self.slots
+
         try:
-            self.wait("every host in the job", lambda: self.hosts_in_job() == self.slots)
+            self.wait("every host in the job", back)
         except (RuntimeError, TimeoutError) as exc:
             raise NotRejoined([self.j.names.get(i, f"host{i}") for i in self.outside()],
                               str(exc)) from None

@@ -332,10 +332,10 @@ class Host:
     def throttle(self, kbit: int) -> None:
         """A slow data link: what the host sends and what it is sent, in packets of 1 KB or
         more (bulk data: a collective's), held to ``kbit`` kilobits a second each way, with no
-        drop; smaller packets (acknowledgements, heartbeats, the control plane's frames) and
-        etcd's traffic pass at full speed, as on a cluster whose control traffic has a network, or a
-        class, of its own. Connections stay up and deliver, slowly. (A delay line, netem, is
-        not in every kernel: a rate with classes, htb, is.)"""
+        drop; smaller packets (acknowledgements, heartbeats), the control plane's connections
+        (marked CS6) and etcd's traffic pass at full speed, as on a cluster whose control traffic
+        has a network, or a class of service, of its own. Connections stay up and deliver,
+        slowly. (A delay line, netem, is not in every kernel: a rate with classes, htb, is.)"""
         if kbit <= 0:
             raise ValueError(f"kbit must be positive, not {kbit}")
         for dev, ns in (("eth0", self.ns), (self.veth, None)):
@@ -349,6 +349,10 @@ class Host:
             # an IPv4 packet's total length (bytes 2-3) under 1024: its top six bits clear
             _tc("filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
                 "u32", "match", "u16", "0", "0xfc00", "at", "2", "flowid", "1:10", ns=ns)
+            # the control plane's connections (IP TOS CS6, net/channel.CONTROL_TOS), whatever
+            # their size: a network with classes of service keeps them ahead of the bulk
+            _tc("filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+                "u32", "match", "ip", "tos", "0xc0", "0xfc", "flowid", "1:10", ns=ns)
             for end in ("sport", "dport"):  # etcd's, whatever their size
                 _tc("filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "2",
                     "u32", "match", "ip", end, str(ETCD_PORT), "0xffff", "flowid", "1:10", ns=ns)

@@ -133,7 +133,8 @@ class Cluster:
     def _connect(self, link: HostLink, timeout_s: float) -> None:
         from ..net import channel
 
-        link.ch = channel.connect(link.rec.addr, link.rec.ctl_port, self.secret, timeout_s=timeout_s)
+        link.ch = channel.connect(link.rec.addr, link.rec.ctl_port, self.secret,
+                                  timeout_s=timeout_s, tos=channel.CONTROL_TOS)
         link.ch.send(m.encode(m.Hello(epoch=self.epoch)))
 
     def _reconnect(self, link: HostLink) -> None:
@@ -299,6 +300,10 @@ class Cluster:
             node, why = self.own_release
             self.own_release = None
             self.tell(node, m.End(code=0, grace_s=0.0, why=why, released=True))
+
+    #: new hosts join the job (a lost machine's replacement, a spare): a job short of places
+    #: waits for one (``hosts.capacity_wait_s``)
+    takes_hosts = True
 
     def host_up(self, node: int) -> bool:
         """Whether the node's host is in the job and its agent reachable: then its ranks and its

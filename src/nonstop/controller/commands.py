@@ -117,6 +117,14 @@ class Retry:
 
 
 @dataclasses.dataclass(frozen=True)
+class WaitForHosts:
+    """The healthy hosts cannot hold the ranks (``decision``: the failure it would be now): the
+    job waits up to ``limit_s`` for hosts to join; the newest state is saved meanwhile."""
+    decision: Decision
+    limit_s: float
+
+
+@dataclasses.dataclass(frozen=True)
 class Fail:
     """Give up: the diagnosis, the emergency save, the hook, the end."""
     decision: Decision
@@ -149,4 +157,5 @@ class Missed:
 
 
 Command = Union[Raise, Ignore, Interrupt, Abort, Kill, Probe, Decide, CarryOut, Regroup, Publish,
-                Formed, RetryOpened, Retry, Fail, Finish, End, Overdue, DrainRefused, Missed]
+                Formed, RetryOpened, Retry, WaitForHosts, Fail, Finish, End, Overdue, DrainRefused,
+                Missed]

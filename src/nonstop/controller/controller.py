@@ -320,7 +320,7 @@ class Controller:
                        target_world=self.gens.target, ready_spares=self.gens.ready_spares(),
                        replica_groups=self.reports.replica_groups,
                        regrid_unit=self.gens.regrid_unit, replicas_on=self.memory.placed,
-                       away=away)
+                       away=away, hosts_join=self.agent.takes_hosts)
 
     def _step(self, ob: mc.Observation) -> None:
         """One observation through the machine, its commands carried out in order; what a
@@ -370,6 +370,8 @@ class Controller:
                 return self._do_Formed(c)
             case mc.RetryOpened():
                 return self._do_RetryOpened(c)
+            case mc.WaitForHosts():
+                return self._do_WaitForHosts(c)
             case mc.Retry():
                 return self._do_Retry(c)
             case mc.Fail():
@@ -575,6 +577,17 @@ class Controller:
             w = self.workers[wid]
             w.retry_step, w.first_gen = None, -1  # the incident closes at the next step of all
             self.table.send(w, protocol.Retry(skip=c.decision.skip))
+        return []
+
+    def _do_WaitForHosts(self, c: mc.WaitForHosts) -> list[mc.Observation]:
+        d = c.decision
+        self.log.write("waiting_for_hosts", gen=self.gen, wanting=d.wanting, limit_s=c.limit_s,
+                       reason=d.reason, diagnosis=d.diagnosis)
+        self.display.warning(f"{d.diagnosis}: waiting up to {c.limit_s:g} s for hosts to join "
+                         "(hosts.capacity_wait_s)")
+        # the healthy hosts' memory holds the newest state: to disk too, should none join
+        self.memory.emergency("waiting for hosts", self.state.faulty_nodes,
+                              self.gens.shut_node, wait_s=None, tick=lambda: None)
         return []
 
     def _do_Fail(self, c: mc.Fail) -> list[mc.Observation]:

@@ -175,7 +175,8 @@ def _answers(addr: str | None, port: int | None, secret: bytes) -> bool:
     if not addr or not port:
         return False
     try:
-        ch = channel.connect(addr, int(port), secret, timeout_s=ANSWER_S)
+        ch = channel.connect(addr, int(port), secret, timeout_s=ANSWER_S,
+                             tos=channel.CONTROL_TOS)
     except Exception:  # noqa: BLE001 - refused, silent, or not a nonstop agent of this job
         return False
     ch.close()
@@ -407,7 +408,8 @@ class Leader:
             pending = [h for h in hosts if h not in answered]
             for rec in pending:
                 try:
-                    ch = channel.connect(rec.addr, rec.ctl_port, self.secret, timeout_s=2.0)
+                    ch = channel.connect(rec.addr, rec.ctl_port, self.secret, timeout_s=2.0,
+                                         tos=channel.CONTROL_TOS)
                 except Exception:  # noqa: BLE001 - not listening yet, or out of reach
                     continue
                 old = channels.pop(rec.host_id, None)
@@ -441,7 +443,8 @@ class Leader:
 
         def open_one(rec: keys.HostRecord) -> Any:
             try:
-                return channel.connect(rec.addr, rec.ctl_port, self.secret, timeout_s=CONNECT_S)
+                return channel.connect(rec.addr, rec.ctl_port, self.secret, timeout_s=CONNECT_S,
+                                       tos=channel.CONTROL_TOS)
             except Exception:  # noqa: BLE001 - given up as an unreachable host
                 return None
 
@@ -587,9 +590,9 @@ class Leader:
             cluster.release_own()
         # a host taken in starts its memory, which the controller waits for (seconds on a busy
         # machine): not in the middle of a recovery - a host fenced by it comes back as a spare
-        # while it is still under way
-        if self._joins and controller.incident is None and \
-                controller.phase is not Phase.TEARING_DOWN:
+        # while it is still under way - unless the recovery waits for a host to join
+        if self._joins and (controller.phase is Phase.WAITING_FOR_HOSTS or (
+                controller.incident is None and controller.phase is not Phase.TEARING_DOWN)):
             self._joins.pop(0)()
 
     def _store_loop(self, cluster: Any) -> None:
@@ -689,8 +692,11 @@ class Leader:
         """Hosts that joined are connected (in the background) and become spare nodes (those
         whose record went are judged by ``_give_up_vanished``)."""
         known = {(link.rec.host_id, link.rec.incarnation) for link in cluster.links.values()}
-        held = [(link.rec.host_id, link.rec.incarnation) for link in cluster.links.values()
-                if not link.lost]
+        # an isolated host leaves (released once a generation forms without it): its place is
+        # free for a new one - a job waiting for hosts forms none until one joins
+        isolated = set(self.controller.counters.isolated) if self.controller is not None else set()
+        held = [(link.rec.host_id, link.rec.incarnation) for node, link in cluster.links.items()
+                if not link.lost and node not in isolated]
         new = [key for key in alive if key not in known and key not in self._joining]
         admission = places.admit(self.cfg.nnodes_max + self.cfg.spare_nodes,
                                  held + sorted(self._connecting), new)
@@ -714,7 +720,8 @@ class Leader:
                f"{self.cfg.spare_nodes})")
         ch = None
         try:
-            ch = channel.connect(rec.addr, rec.ctl_port, self.secret, timeout_s=5.0)
+            ch = channel.connect(rec.addr, rec.ctl_port, self.secret, timeout_s=5.0,
+                                 tos=channel.CONTROL_TOS)
             ch.send(m.encode(m.Hello(epoch=self.epoch)))
             ch.send(m.encode(m.End(epoch=self.epoch, code=2, why=why)))
         except Exception as exc:  # noqa: BLE001 - it may be gone already, or not listening yet
@@ -737,7 +744,8 @@ class Leader:
         from ..net import channel
 
         try:
-            ch = channel.connect(rec.addr, rec.ctl_port, self.secret, timeout_s=5.0)
+            ch = channel.connect(rec.addr, rec.ctl_port, self.secret, timeout_s=5.0,
+                                 tos=channel.CONTROL_TOS)
         except Exception as exc:  # noqa: BLE001 - tried again at the next look
             print(f"nonstop: host {rec.host_id} joined but cannot be reached yet: {exc}",
                   file=sys.stderr, flush=True)

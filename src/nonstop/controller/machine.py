@@ -16,6 +16,9 @@ The phases of a generation::
                    ^   |        |
                    |   v        v
                    +-- TEARING_DOWN   (a fault: survivors leave; then the ladder decides)
+                   |       |
+                   |       v
+                   +-- WAITING_FOR_HOSTS  (across hosts: too few healthy hosts until one joins)
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from .placement import free_slots, place, spare_nodes, view  # noqa: F401 - spar
 from .commands import (  # noqa: F401 - the machine's commands, named as mc.<Command>
     Raise, Ignore, Interrupt, Abort, Kill, Probe,
     Decide, CarryOut, Regroup, DrainRefused, Publish, Formed,
-    RetryOpened, Retry, Fail, Finish, End, Overdue,
+    RetryOpened, Retry, WaitForHosts, Fail, Finish, End, Overdue,
     Missed, Command)
 from .observations import (  # noqa: F401 - what it observes, named as mc.<Observation>
     RankSeen, Seen, Tick, Start, Faulted, Entered,
@@ -66,6 +69,7 @@ class JobState:
     # a drain under way: ranks, node, why, and the ranks a smaller world goes on without (None:
     # they move to spares)
     migrate: tuple[tuple[int, ...], int | None, str, frozenset[int] | None] | None = None
+    t_wait: float | None = None  # waiting for hosts since (WAITING_FOR_HOSTS)
 
     @property
     def faulty_nodes(self) -> set[int]:
@@ -195,6 +199,8 @@ def pending_teardown(s: JobState, seen: Seen) -> list[RankSeen]:
 
 def _tick(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]]:
     cmds: list[Command] = []
+    if s.phase is Phase.WAITING_FOR_HOSTS:
+        return _decide(s, seen, policy)
     if s.phase is Phase.TEARING_DOWN:
         pending = pending_teardown(s, seen)
         if not pending:
@@ -305,7 +311,17 @@ def _after_teardown(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, lis
     s = _with(s, regroup=False, forced=False, migrate=None)  # a fault came first: the ladder's
     if dead_nodes and not s.probed:
         return _with(s, probed=True), [Probe(dead_nodes)]
+    return _decide(s, seen, policy)
+
+
+def _decide(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]]:
+    """The ladder decides the round, and its decision is carried out - or, across hosts, when
+    the healthy hosts cannot hold the ranks (hosts lost faster than new ones joined: a scheduler
+    brings new machines in a while), the job waits for a host to join, deciding again on every
+    tick with the same faults, and fails only once ``hosts.capacity_wait_s`` has passed."""
     now = seen.now
+    dead = {r.rank for r in seen.ranks if r.dead}
+    dead_nodes = tuple(sorted({r.node for r in seen.ranks if r.dead}))
     faults = list(s.round) or [Fault("exit", message="a rank left its generation")]
     sick = set(s.sick)
     alive_on = {r.node for r in seen.ranks if not r.dead}
@@ -323,9 +339,19 @@ def _after_teardown(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, lis
     counters = ladder.quiet(s.counters, now, policy)
     decision = ladder.decide(faults, dead, view(set(s.counters.isolated), seen), policy, counters, now,
                              escalate_from=escalate)
+    wait_s = policy.hosts.capacity_wait_s
+    if decision.level is Level.FAIL and decision.wanting and seen.hosts_join and wait_s > 0:
+        if s.phase is not Phase.WAITING_FOR_HOSTS:
+            return (_with(s, phase=Phase.WAITING_FOR_HOSTS, t_wait=now, deadline=now + wait_s,
+                          sick=frozenset(sick)), [WaitForHosts(decision, wait_s)])
+        if now <= s.deadline:
+            return s, []
+        decision = dataclasses.replace(decision, diagnosis=(
+            f"{decision.diagnosis}; no host joined that could take them within {wait_s:g} s "
+            "(hosts.capacity_wait_s)"))
     counters = ladder.charge(decision, faults, counters, now, seen.node_of)
     s = _with(s, round=(), counters=counters, sick=frozenset(sick), attempt=True,
-              deadline=math.inf)
+              deadline=math.inf, t_wait=None)
     cmds: list[Command] = [Decide(decision, s.gen, escalate.value if escalate else None)]
     if decision.level is Level.FAIL:
         return s, cmds + [Fail(decision)]

@@ -58,6 +58,7 @@ class Seen:
     # nodes without ranks whose host has been silent for over a second, not yet known lost (a
     # host killed with its neighbour, whose lease has not expired yet): spare nodes of last resort
     away: frozenset[int] = frozenset()
+    hosts_join: bool = False  # new hosts can join the job (across hosts): capacity can come back
 
     @property
     def target(self) -> int:

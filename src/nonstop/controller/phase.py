@@ -11,6 +11,8 @@ class Phase(enum.StrEnum):
     RENDEZVOUS = "rendezvous"  # a generation is published; its ranks form their group
     RUNNING = "running"  # every rank entered the training function
     TEARING_DOWN = "tearing_down"  # a fault: the survivors leave the generation
+    # the survivors left, and the healthy hosts cannot hold the ranks: a host must join first
+    WAITING_FOR_HOSTS = "waiting_for_hosts"
     FINISHING = "finishing"  # training completed: the ranks end, the last checkpoint settles
     OVER = "over"  # the exit code is known
 

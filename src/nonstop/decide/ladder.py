@@ -141,6 +141,9 @@ class Decision:
     # lost on a node that stays, each given a new process in its own place
     reshard: bool = False
     passed_over: tuple[str, ...] = ()  # finer levels that could not take it, and why
+    # FAIL for want of places: the healthy nodes lack this many ranks' places (a host joining
+    # may bring them: across hosts the job waits for one, ``hosts.capacity_wait_s``)
+    wanting: int = 0
 
 
 def _fail(reason: str, diagnosis: str, **kw: Any) -> Decision:
@@ -300,7 +303,7 @@ def decide(faults: list[Fault], dead: set[int], view: JobView, policy: Policy,
                 return _fail("not enough healthy nodes",
                              f"{len(counters.isolated | isolate)} node(s) isolated: the healthy "
                              f"nodes cannot hold {view.world} ranks; last: {_last(faults)}",
-                             passed_over=tuple(passed))
+                             passed_over=tuple(passed), wanting=view.world - capacity)
             if not infra and counters.restarts_without_infra >= rules.user_code_job_restarts:
                 return _fail("the user's code",
                              f"{counters.restarts_without_infra} job restarts in a row with no "

@@ -147,8 +147,20 @@ def _proof(keys: dict[str, bytes], role: str, hello_c: bytes, hello_s: bytes) ->
     return hmac.digest(keys[f"proof {role}"], hello_c + hello_s, "sha256")
 
 
-def _tune(sock: socket.socket) -> None:
-    """Small messages go out at once (no Nagle); an idle connection to a dead host is noticed."""
+#: the IP TOS byte of the control plane's connections (the controller's to each host's agent):
+#: DSCP CS6, network control - a network with classes of service keeps them ahead of the bulk
+#: traffic (collectives, snapshot copies) on a slow or congested link
+CONTROL_TOS = 0xC0
+
+
+def _tune(sock: socket.socket, tos: int = 0) -> None:
+    """Small messages go out at once (no Nagle); an idle connection to a dead host is noticed;
+    ``tos``: the class of service its packets ask for (``CONTROL_TOS``)."""
+    if tos and sock.family == socket.AF_INET:
+        try:
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos)
+        except OSError:  # not allowed here: the default class
+            pass
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
@@ -477,16 +489,16 @@ class Channel:
 
 
 def connect(addr: str, port: int, secret: bytes, timeout_s: float = 5.0,
-            stall_timeout_s: float = 30.0) -> Channel:
+            stall_timeout_s: float = 30.0, tos: int = 0) -> Channel:
     """An authenticated channel to a Listener. ``timeout_s`` bounds the connection and the whole
-    handshake. AuthError when the server refuses us (wrong secret) or fails to prove it holds the
+    handshake; ``tos``: the class of service of what this side sends (``CONTROL_TOS``). AuthError when the server refuses us (wrong secret) or fails to prove it holds the
     secret; ConnectionError or TimeoutError when it cannot be reached."""
     secret = _check_secret(secret)
     deadline = time.monotonic() + timeout_s
     try:
         sock = socket.create_connection((addr, port), timeout=timeout_s)
         try:
-            peer, keys = _client_handshake(sock, f"{addr}:{port}", secret, deadline)
+            peer, keys = _client_handshake(sock, f"{addr}:{port}", secret, deadline, tos)
         except BaseException:
             sock.close()
             raise
@@ -497,9 +509,9 @@ def connect(addr: str, port: int, secret: bytes, timeout_s: float = 5.0,
     return Channel(sock, peer, keys["frames C>S"], keys["frames S>C"], "C", stall_timeout_s)
 
 
-def _client_handshake(sock: socket.socket, where: str, secret: bytes,
-                      deadline: float) -> tuple[tuple[str, int], dict[str, bytes]]:
-    _tune(sock)
+def _client_handshake(sock: socket.socket, where: str, secret: bytes, deadline: float,
+                      tos: int = 0) -> tuple[tuple[str, int], dict[str, bytes]]:
+    _tune(sock, tos)
     host, port = sock.getpeername()[:2]
     hello_c = _HELLO.pack(_HELLO_MAGIC, b"C", secrets.token_bytes(_NONCE))
     _send_by(sock, hello_c, deadline)

@@ -46,8 +46,9 @@ class Listener:
     def __init__(self, addr: str, secret: bytes, port: int = 0, backlog: int = 64,
                  handshake_timeout_s: float = 5.0,
                  on_refused: Callable[[tuple[str, int], str], None] | None = None,
-                 stall_timeout_s: float = 30.0):
+                 stall_timeout_s: float = 30.0, tos: int = 0):
         self._secret = _check_secret(secret)
+        self.tos = tos  # the class of service of what it sends (channel.CONTROL_TOS)
         if not addr:
             raise ValueError("a listener needs the address to bind; give 0.0.0.0 or :: "
                              "to listen on every interface")
@@ -165,7 +166,7 @@ class Listener:
             peer = (addr[0], addr[1])
             try:
                 conn.setblocking(False)
-                _tune(conn)
+                _tune(conn, self.tos)
                 hello_s = _HELLO.pack(_HELLO_MAGIC, b"S", secrets.token_bytes(_NONCE))
                 if conn.send(hello_s) != len(hello_s):
                     raise OSError("could not send the hello")

@@ -30,6 +30,7 @@ CONTROLLER = frozenset({
     "emergency_checkpoint",
     # across hosts
     "leader", "takeover", "node_joined", "node_lost", "stepped_down", "unheard", "heard",
+    "waiting_for_hosts",
 })
 
 # what a rank reports that the controller writes to the log, as ``rank_<kind>``

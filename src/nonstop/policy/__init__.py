@@ -307,6 +307,11 @@ class Hosts(_Strict):
     lease_ttl_s: int = Field(2, ge=1, le=60)
     # hosts a new job waits for (--nnodes) before it gives up with a clear error
     join_timeout_s: float = Field(300.0, gt=0, le=86400.0)
+    # hosts lost faster than new ones join, and the healthy ones cannot hold the ranks (nor a
+    # smaller world train: scale-in off, or below its min_world): the job waits this long for a
+    # host to join - a scheduler's replacement, a spare started by hand - before it gives up;
+    # 0: it gives up at once
+    capacity_wait_s: float = Field(300.0, ge=0, le=86400.0)
     # etcd unreachable (no quorum) this long: the job stops with a diagnosis; shorter, it trains on
     store_outage_s: float = Field(60.0, gt=0, le=86400.0)
     # SIGTERM to a host's nonstop run (a scheduler's preemption notice): it stays this long for
