@@ -283,3 +283,21 @@ def test_a_step_past_its_timeout_whose_collectives_still_move_data_is_slow_not_h
     sig.on_progress(c, _life(1, 79.0), gen=1)
     fault, _ = sig.check_hang([c], gen=1, t_running=0.0, now=80.0 + steady + 0.1)
     assert fault is not None and sig.slow == (1, {})
+
+
+def test_one_ranks_collective_moving_data_is_the_whole_generations_sign_of_life():
+    """A slow link under a reduction gathered to one rank: only that rank's connections move
+    bytes, its peers wait on it with none - they are slow too, not hung; once no rank's moves,
+    the timeout runs from the last of them."""
+    sig = Signals(policy.load(None))
+    for _ in range(10):
+        sig.hang.observe_step(0.05)
+    steady = sig.hang.steady_timeout()
+    a, b = _rank(1, 0, t_step=100.0, first_gen=2), _rank(2, 1, t_step=100.0, first_gen=2)
+    for w in (a, b):
+        w.step, w.step_gen, w.first_step = 50, 2, 10
+    sig.on_progress(a, _life(2, 100.0 + steady + 1.0), gen=2)  # a's bytes move; b's none
+    fault, _ = sig.check_hang([a, b], gen=2, t_running=90.0, now=100.0 + steady + 1.5)
+    assert fault is None and set(sig.slow[1]) == {0, 1}
+    fault, culprits = sig.check_hang([a, b], gen=2, t_running=90.0, now=100.0 + 2 * steady + 1.1)
+    assert fault is not None and "no step completed" in fault.message

@@ -63,7 +63,8 @@ class Signals:
         signs of life and no step, the first-step allowance applies from the last of them. A rank
         whose step runs past its timeout while its group still moves data is slow, not hung (a
         link that slowed: its peers' collectives still deliver bytes, where a hang's deliver
-        none): judged from its last sign of life, and named in ``slow``.
+        none): judged from the generation's last sign of life (one rank's collective moving data
+        is the whole group's: the others wait on it), and named in ``slow``.
         ``last_progress`` says when the stalled ranks last made progress: the hang began after.
         ``silent`` (node -> seconds its host's agent has said nothing): a host silent as long as
         its ranks is named as such (cut off, or frozen whole), not each of its ranks."""
@@ -77,6 +78,11 @@ class Signals:
         # a rank still in its first step of the generation holds its peers' next step in its
         # collectives: until every rank has stepped, they wait as long as it may take
         waiting = any(w.first_gen != gen for w in ranks)
+        # a collective moving data anywhere in the generation: the ranks past their first step
+        # that wait on it wait on a slow link or step, not a hang (a reduction gathered to one
+        # rank moves bytes on that rank's connections only; in a hang no rank's move at all)
+        lives = [life[1] for w in ranks if (life := self._life.get(w.wid)) and life[0] == gen]
+        group_life = max(lives) if lives else None
         for w in ranks:
             stepped = w.first_gen == gen
             timeout = steady if stepped else first
@@ -89,6 +95,8 @@ class Signals:
             # that took over a training job judges each rank from then until its progress comes)
             since = max(w.t_step, t_running) if stepped else t_running
             life = self._life.get(w.wid)
+            if stepped and group_life is not None:
+                life = (gen, group_life)
             if life is not None and life[0] == gen and life[1] > since:
                 if stepped and w.wid not in self._stepless and now - since > timeout \
                         and w.rank is not None:
