@@ -47,7 +47,8 @@ HOST_GAP = 120  # after a fault of the outside world (a lost host comes back as 
 SLEEP_MS = 10.0
 START_TIMEOUT_S = 180.0
 SETTLE_TIMEOUT_S = 120.0  # the hosts back after a fault
-RUN_TIMEOUT_S = 1800.0
+RUN_TIMEOUT_S = 1800.0  # the least the job, and its fault-free reference, may take
+RUN_S_PER_STEP = 0.1  # ...and more for a long schedule (a step of 10 ms, 10x for a loaded machine)
 ETCD_DOWN_S = 3.0
 ETCD_PAUSE_S = 5.0  # etcd frozen (SIGSTOP) this long: every lease has expired when it wakes
 DEAF_S = 8.0  # the controller's host hears nothing this long (what it sends still leaves)
@@ -493,6 +494,7 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
     world, slots = hosts * per_host, hosts + spare
     plan = schedule(seed, faults, world, slots, only)
     steps = max(steps or 0, needed(plan))
+    run_timeout_s = max(RUN_TIMEOUT_S, RUN_S_PER_STEP * steps)
     marker = uuid.uuid4().hex
     kinds = {f["kind"] for f in plan}
     say(f"chaos: seed {seed}, {faults} faults over {steps} steps, {hosts} hosts x {per_host} "
@@ -511,7 +513,7 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
     (base / "reference").mkdir()
     ref: list[int] = []
     ref_thread = threading.Thread(target=lambda: ref.append(common.run_child(
-        ref_cmd, base / "reference" / "output.log", RUN_TIMEOUT_S)), daemon=True)
+        ref_cmd, base / "reference" / "output.log", run_timeout_s)), daemon=True)
     ref_thread.start()
     # two hosts lost at once leave a copy of every snapshot only with two replicas of each
     (base / "policy.yaml").write_text(POLICY + ("state:\n  snapshot: {replicas: 2}\n"
@@ -551,7 +553,7 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
                 for f in plan:
                     if f["kind"] not in HOST_KINDS:
                         continue
-                    wait_step(times, f["step"], RUN_TIMEOUT_S, h.alive)
+                    wait_step(times, f["step"], run_timeout_s, h.alive)
                     slow.touch()  # the job slows while the hosts come back: it must not end first
                     try:
                         h.settled()
@@ -569,7 +571,7 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
                     h.fire(f, ckpt if mounted else None)
                     say(f"  {f['t']:8.1f} s  step {f['fired_step']:5d}  {f['kind']}"
                         + (f" ({f['victim']})" if f.get("victim") else ""))
-                codes = j.wait(RUN_TIMEOUT_S)
+                codes = j.wait(run_timeout_s)
             except Exception as exc:  # noqa: BLE001 - said in the result, the job ended below
                 error = f"{type(exc).__name__}: {exc}"
                 say(f"chaos: {error}\n{traceback.format_exc()}")
@@ -595,7 +597,7 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
     finally:
         if mounted:
             _umount(ckpt)
-    ref_thread.join(RUN_TIMEOUT_S)
+    ref_thread.join(run_timeout_s)
     ref_code = ref[0] if ref else None
     left = chaos.orphans(marker)
     of = lambda kind: [e for e in events if e.get("type") == kind]  # noqa: E731
@@ -645,6 +647,9 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
         "takeovers": max(0, len(of("leader")) - 1), "hosts_restarted": h.restarts if h else 0,
         "scaled_in": len([e for e in of("generation") if len(e.get("ranks") or {}) < world]),
         "steps_lost": sum(i.get("steps_lost") or 0 for i in incidents),
+        "steps_lost_bound": chaos.steps_lost_bound(events),
+        "unfired": {k: e["scheduled"] - e["fired"] for k, e in by_kind.items()
+                    if e["fired"] < e["scheduled"]},
         "wall_s": round(wall, 2) if codes else None, "error": error,
         "exit_codes": final_codes, "reference_exit_code": ref_code, "disk_full_tested": mounted,
         "steps": steps, "date": common.now_stamp(), "schedule": plan,
@@ -654,7 +659,8 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
 def keep_or_clean(result: dict[str, Any], base: Path, keep: bool, say: Callable[[str], None]) -> bool:
     ok = result["completed"] and result["params_match_reference"] and not result["orphans"] \
         and not result["zombies_joined"] and not result.get("mismatched_let_in") \
-        and not result["rejoin_failed"]
+        and not result["rejoin_failed"] and result["steps_lost_bound"]["held"] \
+        and not result["unfired"]
     if ok and not keep:
         shutil.rmtree(base, ignore_errors=True)
     elif not ok:
@@ -670,7 +676,12 @@ def describe(result: dict[str, Any]) -> str:
             f"{result['incidents']} closed, takeovers {result['takeovers']}, hosts restarted "
             f"{result['hosts_restarted']}, orphans {result['orphans']}, zombies joined "
             f"{result['zombies_joined']}, mismatched hosts let in "
-            f"{result.get('mismatched_let_in') or 'none'}, levels {result['levels']}"
+            f"{result.get('mismatched_let_in') or 'none'}, unfired {result['unfired'] or 'none'}, "
+            f"levels {result['levels']}, steps lost "
+            f"{result['steps_lost']} (bound "
+            + ("held" if result["steps_lost_bound"]["held"] else "BROKEN by incident(s) " + ", ".join(
+                f"{b['id']} ({b['steps_lost']} > {b['bound']})"
+                for b in result["steps_lost_bound"]["broken"])) + ")"
             + (f", error {result['error']}" if result["error"] else "")
             + f"\n{json.dumps(result['by_kind'])}")
 

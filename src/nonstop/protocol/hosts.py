@@ -61,6 +61,14 @@ class _Record:
 _HOST_READER = Reader()
 
 
+def _json(raw: bytes | str, what: str) -> Any:
+    """``raw`` parsed; not JSON: a ValueError that names ``what`` was read."""
+    try:
+        return json.loads(raw)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{what}: not JSON: {exc}") from None
+
+
 @dataclasses.dataclass
 class HostRecord(_Record):
     """One host's agent, alive while its lease is."""
@@ -188,10 +196,7 @@ class JournalRecord:
 
     @classmethod
     def loads(cls, raw: bytes | str) -> "JournalRecord":
-        try:
-            data = json.loads(raw)
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"journal: not JSON: {exc}") from None
+        data = _json(raw, "journal")
         names = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(data, dict) or set(data) != names:
             raise ValueError("not a JournalRecord of this version of nonstop")
@@ -240,10 +245,7 @@ class LastWord:
     @classmethod
     def loads(cls, raw: bytes | str) -> "LastWord":
         """Refused (ValueError) without a time and a step of the right types."""
-        try:
-            data = json.loads(raw)
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"status: not JSON: {exc}") from None
+        data = _json(raw, "status")
         if not isinstance(data, dict) or "t" not in data or "step" not in data:
             raise ValueError("status: no time or step")
         t, step = data["t"], data["step"]
