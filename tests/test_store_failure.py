@@ -31,11 +31,11 @@ WORLD, STEPS, SLEEP_MS = 3, 40, 300
 @pytest.fixture
 def small_fs(tmp_path):
     """A tmpfs a little bigger than etcd needs (its first WAL segment takes 61 MiB at once; at
-    72 MiB its database met the end as it started, on a loaded machine), always unmounted at the
-    end (lazily if something still holds it)."""
+    72 MiB, and at 96 in a soak, its database met the end as it started on a loaded machine),
+    always unmounted at the end (lazily if something still holds it)."""
     d = tmp_path / "etcd-disk"
     d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m,mode=0700", "tmpfs", str(d)],
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160m,mode=0700", "tmpfs", str(d)],
                        capture_output=True, text=True, timeout=30)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs (needs root): {r.stderr.strip()}")
