@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -217,7 +218,18 @@ def assert_none_left(timeout: float = 10.0) -> None:
 @pytest.fixture(autouse=True)
 def no_process_left_behind():
     yield
+    _references_ahead_done()
     assert_none_left()
+
+
+# references computed while a test's own job runs (``reference.ahead``): the test that started
+# one ends only once it is done, so that its run is not taken for a process left behind
+_AHEAD: list[threading.Thread] = []
+
+
+def _references_ahead_done() -> None:
+    while _AHEAD:
+        _AHEAD.pop().join(timeout=600)
 
 
 @pytest.fixture(scope="session")
@@ -329,6 +341,21 @@ def reference(tmp_path_factory):
                 assert run.code == 0, run.stdout + run.stderr
         return out
 
+    def ahead(world: int, *script_args: str, script: Path = TRAIN) -> None:
+        """Start computing a reference in a thread, while the test's job runs (a job across test
+        hosts mostly waits: for leases, for faults). ``get`` with the same arguments then waits
+        for it (the lock), or computes it again if this one failed."""
+        def compute() -> None:
+            try:
+                get(world, *script_args, script=script)
+            except BaseException:  # noqa: BLE001 - the test's own call computes it again, and says
+                pass
+
+        t = threading.Thread(target=compute, name="reference-ahead", daemon=True)
+        _AHEAD.append(t)
+        t.start()
+
+    get.ahead = ahead
     return get
 
 

@@ -29,6 +29,9 @@ STEPS = 300  # one fault-free reference serves every test (the sleep changes no 
 SHARDED = EXAMPLES / "train_sharded.py"  # each rank's state is its own: only its copies hold it
 SHARDED_STEPS = 150  # its own reference: a shorter run
 LINGERS = Path(__file__).parent / "scripts" / "lingers.py"  # train_ddp.py, then a while longer
+# train_ddp.py's job (the same weights, the same reference), its steps slower only while its slow
+# file is there (``_timed``): slow while a fault is in flight, at full speed once it is judged
+TIMED = EXAMPLES / "train_timed.py"
 
 
 @pytest.fixture
@@ -54,6 +57,31 @@ def _train(j: HostJob, i: int, *flags: str, steps: int = STEPS, sleep_ms: float 
     return j.start(i, *flags, script=str(script),
                    script_args=["--steps", str(steps), "--sleep-ms", str(sleep_ms),
                                 "--save", str(j.base / "final.pt")])
+
+
+def _timed(j: HostJob, i: int, *flags: str, slow_ms: float, env: dict[str, str] | None = None):
+    """train_ddp.py's job of STEPS steps on host ``i``, each ``slow_ms`` longer until ``_hurry``."""
+    slow = j.base / "slow"
+    slow.touch()
+    return j.start(i, *flags, script=str(TIMED), env=env,
+                   script_args=["--steps", str(STEPS), "--slow-file", str(slow), "--slow-ms",
+                                str(slow_ms), "--save", str(j.base / "final.pt")])
+
+
+def _hurry(j: HostJob) -> None:
+    """The fault is judged: the job runs its last steps at full speed."""
+    (j.base / "slow").unlink()
+
+
+def _wait_event(j: HostJob, what: str, pred, timeout: float) -> dict:
+    """The first event of the job that matches."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [e for e in j.events() if pred(e)]
+        if found:
+            return found[0]
+        assert time.monotonic() < deadline, f"{what} not seen within {timeout} s"
+        time.sleep(0.1)
 
 
 def test_a_host_killed_whole_moves_its_ranks_to_the_spare_host(job, reference):
@@ -199,14 +227,17 @@ def _victim(j: HostJob) -> tuple[int, int]:
 def test_a_partitioned_host_fences_itself_and_comes_back_as_a_spare(job, reference):
     j = job(3)
     for i in range(3):
-        _train(j, i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
-               sleep_ms=25)
+        _timed(j, i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
+               slow_ms=25)
     j.wait_output("step 50 ", 90)
     victim, node = _victim(j)
     t_cut = time.time()
     j.hosts[victim].cut()  # no packets either way, no resets
     j.wait_output("fenced", 30, hosts=[victim])
     j.hosts[victim].heal()
+    _wait_event(j, "spares started on the healed host",
+                lambda e: e["type"] == "spawn" and e["node"] == 3 and e["spare"], 60)
+    _hurry(j)
     codes = j.wait(150)
     assert set(codes.values()) == {0}, "\n".join(j.output(i)[-3000:] for i in codes)
     assert [e["node"] for e in j.of("node_lost")] == [node]
@@ -232,12 +263,10 @@ def test_the_controller_killed_training_goes_on_then_a_crash_on_a_remote_host(jo
     hung or late for it. And every listener of the job binds its host's address or loopback."""
     j = job(2)
     for i in range(2):
-        j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--spares", "1",
-                "--inject", "crash:rank=3,step=250", "--metrics-port", str(METRICS_PORT),
-                "--metrics-addr", j.hosts[i].addr, script=str(TRAIN),
-                env={"NONSTOP_TEST_CLOCK_SHIFT_S": "30" if i == 1 else "0"},
-                script_args=["--steps", str(STEPS), "--sleep-ms", "20",
-                             "--save", str(j.base / "final.pt")])
+        _timed(j, i, "--nnodes", "2", "--nproc-per-node", "2", "--spares", "1",
+               "--inject", "crash:rank=3,step=250", "--metrics-port", str(METRICS_PORT),
+               "--metrics-addr", j.hosts[i].addr, slow_ms=20,
+               env={"NONSTOP_TEST_CLOCK_SHIFT_S": "30" if i == 1 else "0"})
     j.wait_output("step 50 ", 90)
     for h in j.hosts:
         listening = _listeners(h)
@@ -246,6 +275,8 @@ def test_the_controller_killed_training_goes_on_then_a_crash_on_a_remote_host(jo
     _observed_from_outside(j, first)
     t_kill = time.time()
     os.kill(first["pid"], signal.SIGKILL)
+    _wait_event(j, "a standby in office", lambda e: e["type"] == "takeover", 60)
+    _hurry(j)  # on to the crash at full speed
     codes = j.wait(150)
     assert codes == {0: 0, 1: 0}, j.output(0)[-3000:] + j.output(1)[-3000:]
     leaders = j.of("leader")
@@ -323,8 +354,8 @@ def test_the_controllers_host_killed_whole(job, reference):
     host."""
     j = job(3)
     for i in range(3):
-        _train(j, i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
-               sleep_ms=10)
+        _timed(j, i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
+               slow_ms=10)
     j.wait_output("step 50 ", 90)
     first = j.of("leader")[0]
     order = list(first["hosts"])
@@ -333,6 +364,10 @@ def test_the_controllers_host_killed_whole(job, reference):
     victim_node = order.index(first["host"]) if first["host"] in order else len(order)
     t_kill = time.time()
     j.kill_host(victim)
+    take = _wait_event(j, "a standby in office", lambda e: e["type"] == "takeover", 60)
+    if victim_node in take["lost"] and victim_node < 2:  # its ranks move to the spare host
+        _wait_event(j, "the incident closed", lambda e: e["type"] == "incident", 60)
+    _hurry(j)
     codes = j.wait(150)
     alive = {i: c for i, c in codes.items() if i != victim}
     assert set(alive.values()) == {0}, "\n".join(j.output(i)[-3000:] for i in alive)
@@ -373,13 +408,13 @@ def test_a_health_check_fails_on_one_host_its_ranks_move_to_the_spare_host(job, 
                    f"    - {{name: disk, command: 'test ! -e {marker}-$NONSTOP_TEST_HOST', "
                    "every_s: 0.3, timeout_s: 5}\n")
     for i in range(3):
-        j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
-                "--policy", str(pol), script=str(TRAIN), env={"NONSTOP_TEST_HOST": f"host{i}"},
-                script_args=["--steps", str(STEPS), "--sleep-ms", "10",
-                             "--save", str(j.base / "final.pt")])
+        _timed(j, i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
+               "--policy", str(pol), slow_ms=10, env={"NONSTOP_TEST_HOST": f"host{i}"})
     j.wait_output("step 50 ", 90)
     victim, node = _victim(j)
     marker.with_name(f"bad-host{victim}").write_text("")
+    _wait_event(j, "the incident closed", lambda e: e["type"] == "incident", 60)
+    _hurry(j)
     codes = j.wait(120)
     assert set(codes.values()) == {0}, "\n".join(j.output(i)[-3000:] for i in codes)
     health = [e for e in j.of("health") if e.get("check") == "disk"]
@@ -440,6 +475,7 @@ def test_etcd_a_member_lost_quorum_lost_for_5_s_then_for_good(job):
 def test_a_plain_torchrun_script_across_hosts_is_restarted_whole(job, reference):
     """A script without nonstop.wrap: each generation rendezvouses through MASTER_ADDR/PORT on a
     fresh store of its rank 0's host; a rank killed restarts every rank."""
+    reference.ahead(4, "--steps", "600", script=PLAIN)  # computed while the job runs
     j = job(2)
     for i in range(2):
         j.start(i, "--nnodes", "2", "--nproc-per-node", "2", script=str(PLAIN),

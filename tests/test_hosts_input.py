@@ -107,26 +107,34 @@ def test_a_host_the_job_has_no_room_for_a_host_with_another_secret_or_other_sett
             time.sleep(0.1)
         store.close()
         assert a.poll() is None and b.poll() is None
-        line = refused(launch(tmp_path, "c", *common))
-        assert "already has 2 host(s)" in line
-        # another secret is refused before anything else
-        line = refused(launch(tmp_path, "d", *common, secret="another-secret-0123456789abcdef"))
-        assert "another secret" in line
-        # the same id with other settings: another job
-        line = refused(launch(tmp_path, "e", "--nnodes", "3", "--nproc-per-node", "1",
-                              "--rdzv-endpoint", etcd.url, "--rdzv-id", "full"))
-        assert "other settings" in line and "nnodes" in line
-        # the same job with other script arguments (a spare host started with --steps 150
-        # where the others have 4000): it would train another job once it takes ranks
-        line = refused(launch(tmp_path, "f", *common, steps=("--steps", "150", "--sleep-ms", "5")))
-        assert "the script or its arguments differ" in line
-        # a variable that changes the numbers, set on one host only
-        env_host = launch(tmp_path, "g", *common, env={"OMP_NUM_THREADS": "3"})
-        line = refused(env_host)
-        assert "environment variables that change the numbers" in line
-        # the same host name twice
-        line = refused(launch(tmp_path, "a", *common))
-        assert "already in job" in line
+        # every host turned away is started at once: each is refused on its own (none of them
+        # registers), the one with no room only after the room it waits for (a lapsing record)
+        # did not come
+        turned = {
+            "c": launch(tmp_path, "c", *common),
+            # another secret is refused before anything else
+            "d": launch(tmp_path, "d", *common, secret="another-secret-0123456789abcdef"),
+            # the same id with other settings: another job
+            "e": launch(tmp_path, "e", "--nnodes", "3", "--nproc-per-node", "1",
+                        "--rdzv-endpoint", etcd.url, "--rdzv-id", "full"),
+            # the same job with other script arguments (a spare host started with --steps 150
+            # where the others have 4000): it would train another job once it takes ranks
+            "f": launch(tmp_path, "f", *common, steps=("--steps", "150", "--sleep-ms", "5")),
+            # a variable that changes the numbers, set on one host only
+            "g": launch(tmp_path, "g", *common, env={"OMP_NUM_THREADS": "3"}),
+            # the same host name twice
+            "a": launch(tmp_path, "a", *common),
+        }
+        try:
+            said = {name: refused(p) for name, p in turned.items()}
+        finally:  # (refused ends one that is not: a failure, the others still running)
+            end(*[p for p in turned.values() if p.returncode is None])
+        assert "already has 2 host(s)" in said["c"]
+        assert "another secret" in said["d"]
+        assert "other settings" in said["e"] and "nnodes" in said["e"]
+        assert "the script or its arguments differ" in said["f"]
+        assert "environment variables that change the numbers" in said["g"]
+        assert "already in job" in said["a"]
     finally:
         end(a, b)
 

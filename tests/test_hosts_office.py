@@ -13,7 +13,7 @@ import json
 import time
 
 import pytest
-from conftest import TRAIN, bitwise_equal
+from conftest import EXAMPLES, bitwise_equal
 
 from nonstop.bench import netns
 from nonstop.bench.hostjob import HostJob
@@ -27,6 +27,9 @@ if not ok:
     pytest.skip(f"test hosts unavailable: {why}", allow_module_level=True)
 
 STEPS = 300  # the reference of tests/test_hosts.py: one fault-free run serves every file
+# train_ddp.py's job (the same weights, the same reference), slowed only while its slow file is
+# there: the job trains through both faults at 0.15 s a step, then runs its last steps at full speed
+TIMED = EXAMPLES / "train_timed.py"
 LEASE_S = 2  # hosts.lease_ttl_s, the policy's default
 DEAF_S = 6.0  # the controller's host hears nothing this long: it fences itself meanwhile
 
@@ -39,15 +42,18 @@ def job(tmp_path):
 
 
 def _train(j: HostJob, i: int) -> None:
-    # 0.15 s steps: the job trains through both faults and the hosts' coming back as spares.
-    # No node memory: a replaced rank takes its state from a live peer (DDP) all the same, and a
-    # host that joins (the spare, a fenced host back) starts none - its start holds the
-    # controller's loop up for seconds on a busy machine while the job trains on
+    # 0.15 s steps while the slow file is there: the job trains through both faults and the
+    # hosts' coming back as spares. No node memory: a replaced rank takes its state from a live
+    # peer (DDP) all the same, and a host that joins (the spare, a fenced host back) starts none -
+    # its start holds the controller's loop up for seconds on a busy machine while the job trains on
     pol = j.base / "policy.yaml"
     pol.write_text("state:\n  snapshot:\n    enabled: false\n")
+    slow = j.base / "slow"
+    slow.touch()
     j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", "--policy",
-            str(pol), script=str(TRAIN), script_args=["--steps", str(STEPS), "--sleep-ms", "150",
-                                                      "--save", str(j.base / "final.pt")])
+            str(pol), script=str(TIMED),
+            script_args=["--steps", str(STEPS), "--slow-file", str(slow), "--slow-ms", "150",
+                         "--save", str(j.base / "final.pt")])
 
 
 def _wait(what: str, pred, timeout: float) -> None:
@@ -137,6 +143,9 @@ def test_the_controllers_host_deaf_then_paused_costs_no_rank_and_no_step(job, re
         _wait_etcd(j, "the paused host given up", given_up, 60)
     finally:
         j.hosts[paused].thaw()
+    # woken, the paused host finds itself given up: the faults are over, the job may hurry
+    j.wait_output("fenced (the job gave this host up", 60, hosts=[paused])
+    (j.base / "slow").unlink()
     codes = j.wait(240)
     outs = "\n".join(j.output(i) for i in range(3))
     assert set(codes.values()) == {0}, "\n".join(j.output(i)[-3000:] for i in codes)

@@ -17,7 +17,7 @@ if not ok:
     pytest.skip(f"test hosts unavailable: {why}", allow_module_level=True)
 
 HSDP = EXAMPLES / "train_hsdp.py"
-ARGS = ("--steps", "90", "--dim", "16", "--blocks", "1")
+ARGS = ("--steps", "60", "--dim", "16", "--blocks", "1")
 
 
 def start_and_kill(j: HostJob, script, args, sleep_ms: int, *flags: str
@@ -51,7 +51,7 @@ def run_and_kill_a_host(j: HostJob, script, args, snapshot_every: int) -> int:
 
 
 def kill_then_cut(j: HostJob, script, args, snapshot_every: int, pol: str, *flags: str) -> int:
-    """``start_and_kill`` (the killed host's ranks go to the spare host), then at step 100 the
+    """``start_and_kill`` (the killed host's ranks go to the spare host), then at step 50 the
     other job host that is not the controller's is cut off (no spare host is left: the job
     shrinks), fences itself, is healed and joins again as a new host (the job grows back onto
     it). Returns the killed host's node; the surviving hosts must have ended well, through a
@@ -64,7 +64,7 @@ def kill_then_cut(j: HostJob, script, args, snapshot_every: int, pol: str, *flag
     # name)
     (cut,) = [h for h in (f"host{i}" for i in range(3)) if h not in (killed, leader["host"])]
     cut_i = int(cut.removeprefix("host"))
-    j.wait_output("step 100 ", 90)
+    j.wait_output("step 50 ", 90)  # (140 steps left: the world shrinks and grows back first)
     j.hosts[cut_i].cut()
     j.wait_output("fenced", 30, hosts=[cut_i])
     j.hosts[cut_i].heal()  # it joins again, as a new host
@@ -82,6 +82,7 @@ def test_an_hsdp_host_killed_whole_its_shards_come_from_their_twins_on_the_other
     replica group on each host. The host of node 1 (not the controller's) is killed: its two
     ranks go to the spare host and take their shards live from their twins on node 0, across
     the hosts' addresses - no snapshot needed, no step lost beyond the one in flight."""
+    reference.ahead(4, *ARGS, script=HSDP)  # computed while the job runs
     with HostJob(tmp_path / "job", 3) as j:
         victim_node = run_and_kill_a_host(j, HSDP, ARGS, snapshot_every=10)
         (incident,) = j.of("incident")
@@ -104,7 +105,7 @@ def test_an_hsdp_host_killed_whole_its_shards_come_from_their_twins_on_the_other
 
 
 PP = EXAMPLES / "train_pp.py"
-PP_ARGS = ("--steps", "240", "--dim", "8", "--blocks", "1")
+PP_ARGS = ("--steps", "190", "--dim", "8", "--blocks", "1")
 
 
 def test_a_pipeline_across_hosts_moves_to_the_spare_host_then_shrinks_without_one(tmp_path,
@@ -146,7 +147,7 @@ def test_a_pipeline_across_hosts_moves_to_the_spare_host_then_shrinks_without_on
 
 
 TWO_D = EXAMPLES / "train_2d.py"
-TWO_D_ARGS = ("--steps", "240", "--dim", "8", "--blocks", "1")
+TWO_D_ARGS = ("--steps", "190", "--dim", "8", "--blocks", "1")
 
 
 def test_a_tensor_parallel_host_killed_then_another_cut_off_with_no_spare_host_left(
@@ -170,6 +171,7 @@ def test_a_tensor_parallel_host_killed_then_another_cut_off_with_no_spare_host_l
     from elastic_oracle import TOLERANCE, max_rel_diff
 
     pol = policy_file(tmp_path, "recover:\n  levels:\n    scale_in: {when: no_warm_spare}\n")
+    reference.ahead(4, *TWO_D_ARGS, script=TWO_D)  # computed while the job runs
     with HostJob(tmp_path / "job", 3) as j:
         victim_node = kill_then_cut(j, TWO_D, TWO_D_ARGS, 5, pol, "--hang-timeout", "10")
         first = j.of("incident")[0]
