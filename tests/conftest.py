@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -179,9 +180,9 @@ def bitwise_equal(a: Path, b: Path) -> bool:
         torch.equal(x[k].reshape(-1).view(torch.uint8), y[k].reshape(-1).view(torch.uint8)) for k in x)
 
 
-# this worker's zygote template (see zygote_template): a process of the session, not one left
-# behind by a test
-TEMPLATE: dict[str, int] = {}  # its name ("one": one host's, "hosts") -> its pid
+# this worker's zygote templates (see zygote_template) and forker (see rank_processes):
+# processes of the session, not ones left behind by a test
+TEMPLATE: dict[str, int] = {}  # its name ("one": one host's, "hosts", "forker") -> its pid
 
 
 def our_processes() -> list[str]:
@@ -239,8 +240,6 @@ def zygote_template():
     rather than importing torch again - 3-4 s of a small job's 4-5 s start. The zygote it forks
     enters the run's namespaces (a test host's) and serves the run as one the run started; a run
     whose import-time environment differs starts its own. ``NONSTOP_TEST_TEMPLATE=0``: none."""
-    import tempfile
-
     from nonstop.agent import zygote
 
     if os.environ.get("NONSTOP_TEST_TEMPLATE", "1") == "0":
@@ -324,10 +323,14 @@ def reference(tmp_path_factory):
 
     def get(world: int, *script_args: str, script: Path = TRAIN) -> Path:
         # the sleep stands in for accelerator work and changes no number: references skip it
+        # (and the file that paces it)
         args = list(script_args)
         if "--sleep-ms" in args:
             i = args.index("--sleep-ms")
             args[i + 1] = "0"
+        if "--sleep-while" in args:
+            i = args.index("--sleep-while")
+            del args[i:i + 2]
         key = json.dumps([world, str(script), args])
         d = root / hashlib.sha256(key.encode()).hexdigest()[:16]
         d.mkdir(exist_ok=True)
@@ -362,13 +365,22 @@ def reference(tmp_path_factory):
 def rank_processes(argv: Callable[[int], list[str]], ranks: int = 2,
                    timeout: float = 60) -> list[tuple[str, str]]:
     """One process per rank (``argv(rank)``), run to its end: each must exit 0. Their (stdout,
-    stderr), by rank; one still running when this returns (a failure) is killed by its pid."""
-    procs = [subprocess.Popen(argv(r), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(ranks)]
+    stderr), by rank; one still running when this returns (a failure) is killed by its pid. A
+    Python script's process is forked by this worker's forker (torch imported once for all of
+    them: 2-4 s of CPU each, else), as ``python SCRIPT`` would run it; ``NONSTOP_TEST_FORKER=0``:
+    each is a fresh interpreter."""
+    outs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(ranks)]
+    procs: list = []
     out = []
     try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=timeout)
+        for r in range(ranks):
+            procs.append(_start_rank(argv(r), *outs[r]))
+        for p, (fo, fe) in zip(procs, outs):
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"a rank process did not end within {timeout} s: {_read(fe)[-3000:]}")
+            stdout, stderr = _read(fo), _read(fe)
             assert p.returncode == 0, stderr[-3000:]
             out.append((stdout, stderr))
     finally:
@@ -376,7 +388,113 @@ def rank_processes(argv: Callable[[int], list[str]], ranks: int = 2,
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=10)
+        for fo, fe in outs:
+            fo.close()
+            fe.close()
     return out
+
+
+def _read(f) -> str:
+    f.flush()
+    f.seek(0)
+    return f.read()
+
+
+def _start_rank(argv: list[str], stdout, stderr):
+    path = _forker()
+    if (path is None or len(argv) < 2 or argv[0] != sys.executable or not argv[1].endswith(".py")
+            or _import_env(os.environ) != FORKER["env"]):
+        return subprocess.Popen(argv, stdout=stdout, stderr=stderr, text=True)
+    return ForkedRank(path, argv[1:], stdout, stderr)
+
+
+# what a process reads at its start or as it imports torch: the forker's children have its values
+_IMPORT_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH_", "CUDA", "GLOO")
+
+
+def _import_env(env) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_IMPORT_ENV) and k != "PYTHONPATH"}
+
+
+# this worker's forker of rank scripts (tests/scripts/forker.py), started at its first use
+FORKER: dict = {}
+
+
+def _forker() -> str | None:
+    """The socket of this worker's forker (started now if it is not yet), None if there is none."""
+    if os.environ.get("NONSTOP_TEST_FORKER", "1") == "0":
+        return None
+    if "path" not in FORKER:
+        d = Path(tempfile.mkdtemp(prefix="nst-fk-"))  # short: a socket's path has 107 bytes at most
+        path = d / "sock"
+        log = open(d / "forker.log", "ab")
+        proc = subprocess.Popen([sys.executable, str(SCRIPTS / "forker.py"), str(path)],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        log.close()
+        FORKER.update(proc=proc, dir=d, env=_import_env(os.environ))
+        TEMPLATE["forker"] = proc.pid
+        deadline = time.time() + 120
+        while not path.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        FORKER["path"] = str(path) if path.exists() else None
+    return FORKER["path"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forker_ends():
+    """This worker's forker ends with the session (it also ends once its parent is gone)."""
+    yield
+    proc = FORKER.pop("proc", None)
+    if proc is not None:
+        proc.kill()
+        proc.wait(timeout=30)
+        TEMPLATE.pop("forker", None)
+        shutil.rmtree(FORKER.pop("dir"), ignore_errors=True)
+    FORKER.clear()
+
+
+class ForkedRank:
+    """A rank script's process forked by the forker, in the shape of ``subprocess.Popen`` as far
+    as rank_processes uses it: its waiter (the process's parent) says how it ended."""
+
+    def __init__(self, path: str, argv: list[str], stdout, stderr):
+        import array
+        import socket
+
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.settimeout(30)
+        self.sock.connect(path)
+        req = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+        self.sock.sendmsg([req], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                   array.array("i", [stdout.fileno(), stderr.fileno()]))])
+        self.pid = json.loads(self.sock.recv(4096))["pid"]
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        import select
+
+        if self.returncode is None and select.select([self.sock], [], [], 0)[0]:
+            data = self.sock.recv(4096)
+            # (no answer: its waiter is gone, and the process with it or soon after)
+            self.returncode = json.loads(data)["code"] if data else -9
+            self.sock.close()
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.time() + timeout
+        while self.poll() is None:
+            if time.time() >= deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode  # type: ignore[return-value]
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, 9)
+            except ProcessLookupError:
+                pass
 
 
 def pytest_sessionstart(session):

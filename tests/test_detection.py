@@ -120,12 +120,19 @@ def test_failed_health_check_moves_the_node_to_a_spare_node(tmp_path, reference)
                                 f"'test ! -e {flag}-$NONSTOP_NODE'\n      every_s: 0.2\n")
     args = ("--steps", "120", "--sleep-ms", "20")
     out = tmp_path / "final.pt"
+    # (steps of 20 ms while the file is there: once the node is replaced, the rest at full speed)
+    pace = tmp_path / "pace"
+    pace.touch()
     t0 = time.time()
     proc = start(tmp_path / "run", "--nproc=4", "--nodes=2", "--spare-nodes=1", "--policy", pol,
-                 *_train_cmd(args, out))
-    wait_for_event(tmp_path / "run", lambda e: e["type"] == "rank_first_step")
-    flag.with_name(flag.name + "-1").write_text("")
-    run = finish(proc, tmp_path / "run", t0)
+                 *_train_cmd(args + ("--sleep-while", str(pace)), out))
+    try:
+        wait_for_event(tmp_path / "run", lambda e: e["type"] == "rank_first_step")
+        flag.with_name(flag.name + "-1").write_text("")
+        wait_for_event(tmp_path / "run", lambda e: e["type"] == "generation" and e["gen"] >= 1)
+    finally:
+        pace.unlink()
+        run = finish(proc, tmp_path / "run", t0)
     assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (f,) = [f for f in run.of("fault") if f["kind"] == "node_unhealthy"]
     assert f["node"] == 1

@@ -16,6 +16,14 @@ pytestmark = pytest.mark.integration
 STEPS = ("--steps", "200", "--sleep-ms", "20")
 
 
+def paced(tmp_path):
+    """A file that keeps the steps at --sleep-ms while it exists: the test removes it once the
+    drain is done, and the rest of the run goes at full speed."""
+    pace = tmp_path / "pace"
+    pace.touch()
+    return ("--sleep-while", str(pace)), pace
+
+
 def drain(run_dir, *flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(nonstop_cmd("drain", str(run_dir), *flags), capture_output=True,
                           text=True, timeout=120)
@@ -24,7 +32,9 @@ def drain(run_dir, *flags: str) -> subprocess.CompletedProcess:
 def test_a_rank_drained_moves_to_the_warm_spare_with_nothing_lost(tmp_path, reference):
     run_dir, out = tmp_path / "run", tmp_path / "final.pt"
     t0 = time.time()
-    proc = start(run_dir, "--nproc=3", "--spares=1", str(TRAIN), *STEPS, "--save", str(out))
+    pacing, pace = paced(tmp_path)
+    proc = start(run_dir, "--nproc=3", "--spares=1", str(TRAIN), *STEPS, *pacing, "--save",
+                 str(out))
     try:
         wait_for_event(run_dir, lambda e: e["type"] == "rank_first_step", timeout=90)
         refused = drain(run_dir, "--rank", "7")
@@ -34,6 +44,7 @@ def test_a_rank_drained_moves_to_the_warm_spare_with_nothing_lost(tmp_path, refe
         assert done.returncode == 0, done.stdout + done.stderr
         assert done.stdout.startswith("nonstop: drained rank 1 (generation 1): training paused")
     finally:
+        pace.unlink()
         run = finish(proc, run_dir, t0)
     assert run.code == 0, run.stderr[-3000:]
     (d,) = run.of("decision")
@@ -57,11 +68,16 @@ def test_a_node_whose_health_check_fails_is_drained_to_the_spare_node_and_releas
                                 "      action: drain\n")
     run_dir, out = tmp_path / "run", tmp_path / "final.pt"
     t0 = time.time()
+    pacing, pace = paced(tmp_path)
     proc = start(run_dir, "--nproc=4", "--nodes=2", "--spare-nodes=1", "--policy", pol,
-                 str(TRAIN), *STEPS, "--save", str(out))
-    wait_for_event(run_dir, lambda e: e["type"] == "rank_first_step", timeout=90)
-    flag.with_name(flag.name + "-1").write_text("")
-    run = finish(proc, run_dir, t0)
+                 str(TRAIN), *STEPS, *pacing, "--save", str(out))
+    try:
+        wait_for_event(run_dir, lambda e: e["type"] == "rank_first_step", timeout=90)
+        flag.with_name(flag.name + "-1").write_text("")
+        wait_for_event(run_dir, lambda e: e["type"] == "drain_done", timeout=90)
+    finally:
+        pace.unlink()
+        run = finish(proc, run_dir, t0)
     assert run.code == 0, run.stderr[-3000:]
     (d,) = run.of("decision")
     assert d["level"] == "node replacement" and d["isolate"] == [1] and sorted(d["replace"]) == [2, 3]

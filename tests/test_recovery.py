@@ -74,14 +74,24 @@ def test_two_crashes_in_a_row(tmp_path, reference):
 def test_a_spare_dying_while_idle_is_refilled(tmp_path, reference):
     args = ("--steps", "150", "--sleep-ms", "20")
     out = tmp_path / "final.pt"
+    # (steps of 20 ms while the file is there: once the refill is ready, the rest at full speed)
+    pace = tmp_path / "pace"
+    pace.touch()
     t0 = time.time()
     proc = start(tmp_path / "run", f"--nproc={WORLD}", "--spares=1", "--inject=crash:rank=0,step=140",
-                 str(TRAIN), *args, "--save", str(out))
-    spawn = wait_for_event(tmp_path / "run", lambda e: e["type"] == "spawn" and e["spare"])
-    wait_for_event(tmp_path / "run", lambda e: e["type"] == "rank_ready" and e["wid"] == spawn["wid"])
-    wait_for_event(tmp_path / "run", lambda e: e["type"] == "rank_first_step")
-    os.kill(spawn["pid"], signal.SIGKILL)
-    run = finish(proc, tmp_path / "run", t0)
+                 str(TRAIN), *args, "--sleep-while", str(pace), "--save", str(out))
+    try:
+        run_dir = tmp_path / "run"
+        spawn = wait_for_event(run_dir, lambda e: e["type"] == "spawn" and e["spare"])
+        wait_for_event(run_dir, lambda e: e["type"] == "rank_ready" and e["wid"] == spawn["wid"])
+        wait_for_event(run_dir, lambda e: e["type"] == "rank_first_step")
+        os.kill(spawn["pid"], signal.SIGKILL)
+        refill = wait_for_event(run_dir, lambda e: e["type"] == "spawn" and e["spare"]
+                                and e["wid"] != spawn["wid"])
+        wait_for_event(run_dir, lambda e: e["type"] == "rank_ready" and e["wid"] == refill["wid"])
+    finally:
+        pace.unlink()
+        run = finish(proc, tmp_path / "run", t0)
     assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (lost,) = run.of("spare_lost")
     assert lost["wid"] == spawn["wid"]

@@ -23,6 +23,35 @@ def job(tmp_path, name, world, ckpt, *args, script=REGRID, code=0, flags=()):
     return run, out
 
 
+@pytest.fixture(scope="session")
+def four_ranks_at_8(tmp_path_factory):
+    """The first job of both FSDP2 tests below (4 ranks, 8 steps, a checkpoint every 4), run
+    once for the session (shared by pytest's workers, as the references are): each test gets a
+    copy of its checkpoints and its final state."""
+    import fcntl
+    import os
+    import shutil
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    d = base / "regrid-4-at-8"
+    d.mkdir(exist_ok=True)
+    with open(d / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (d / "first.pt").exists():
+            for name in ("first", "ckpt"):
+                shutil.rmtree(d / name, ignore_errors=True)  # what a failed attempt left
+            job(d, "first", 4, d / "ckpt", "--steps", "8", "--tp", "1")
+
+    def copy(tmp_path):
+        shutil.copytree(d / "ckpt", tmp_path / "ckpt")
+        shutil.copy(d / "first.pt", tmp_path / "first.pt")
+        return tmp_path / "ckpt", tmp_path / "first.pt"
+
+    return copy
+
+
 def same(a, b) -> list[str]:
     """The names of the tensors that differ (or are missing) between two saved states."""
     x, y = torch.load(a), torch.load(b)
@@ -35,16 +64,19 @@ def same(a, b) -> list[str]:
 @pytest.mark.parametrize("before, after, tp", [(4, 2, 1), (2, 4, 2)],
                          ids=["fsdp-4-to-2", "fsdp-tp-2-to-4"])
 def test_a_mesh_job_resumes_at_another_world_size_holding_exactly_what_it_checkpointed(
-        tmp_path, before, after, tp):
+        tmp_path, four_ranks_at_8, before, after, tp):
     """FSDP2 shrinks from 4 ranks to 2, FSDP2 x tensor parallel grows from (1, 2) to (2, 2): the
     first job trains 8 steps and checkpoints; the second, at the other size, resumes at step 8
     and trains no further. Its parameters and optimizer state, gathered whole, are the first
     job's bit for bit (moments and step counters too). Growing, a rank killed in the middle of
     the read changes nothing of that. With a part of step 8 damaged, a third job passes it over
     for step 4."""
-    ckpt = tmp_path / "ckpt"
     args = ("--steps", "8", "--tp", str(tp))
-    _, first = job(tmp_path, "first", before, ckpt, *args)
+    if before == 4:
+        ckpt, first = four_ranks_at_8(tmp_path)
+    else:
+        ckpt = tmp_path / "ckpt"
+        _, first = job(tmp_path, "first", before, ckpt, *args)
     manifest = json.loads((ckpt / "step-0000000008" / "manifest.json").read_text())
     assert manifest["world"] == before and manifest["dcp"]
     # growing, rank 1 is killed while the ranks read the checkpoint: the generation that follows
@@ -111,7 +143,7 @@ def test_which_old_part_holds_a_stage_and_what_cannot_be_read_at_another_size(tm
 
 @pytest.mark.integration
 def test_an_fsdp2_job_without_a_spare_shrinks_to_an_uneven_world_its_shards_cut_in_memory(
-        tmp_path):
+        tmp_path, four_ranks_at_8):
     """No spare, ``scale_in.when: no_warm_spare``, the growth held off: rank 2 of 4 is killed at
     step 8. Plain FSDP has no copy of a rank's shard, and its processes cannot be sharded again,
     so the job goes on at 3 ranks in new processes, each cutting its new (uneven) shards out of
@@ -120,8 +152,7 @@ def test_an_fsdp2_job_without_a_spare_shrinks_to_an_uneven_world_its_shards_cut_
     exact above), bit for bit: parameters, moments and step counters, after 4 more steps."""
     from conftest import policy_file
 
-    ckpt = tmp_path / "ckpt"
-    _, _ = job(tmp_path, "first", 4, ckpt, "--steps", "8")
+    ckpt, _ = four_ranks_at_8(tmp_path)
     _, reference = job(tmp_path, "second", 3, ckpt, "--steps", "12")
     pol = policy_file(tmp_path, "recover:\n  levels:\n    scale_in:\n      when: no_warm_spare\n"
                                 "      grow_after_s: 1000\n")

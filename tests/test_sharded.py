@@ -4,6 +4,8 @@ replacement ends the run bitwise where a fault-free run of the same mesh ends.""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import EXAMPLES, SCRIPTS, bitwise_equal, rank_wids, train
@@ -80,11 +82,25 @@ def test_a_rank_of_an_fsdp_and_tensor_parallel_job_is_replaced_with_nothing_lost
     step) while the others keep theirs; nothing lost, the gathered weights bitwise.
 
     While it waited, the spare made the DTensor sharding decisions the ranks recorded in their
-    first steps (the steps here last 0.4 s, so that a loaded machine's spare has made them all
-    before the fault: it looks every 0.2 s), on meshes of its own that the job's DTensors then
-    carry: the weights say they work."""
-    run, out = train(tmp_path, "--spares=1", "--snapshot-every=1", "--inject=crash:rank=3,step=9",
-                     args=ARGS_2D + ("--sleep-ms", "400"), world=4, script=TWO_D)
+    first steps (the steps here last 0.4 s until it has, so that a loaded machine's spare has
+    made them all before the fault: it looks every 0.2 s), on meshes of its own that the job's
+    DTensors then carry: the weights say they work."""
+    from conftest import finish, start, wait_for_event
+
+    pace = tmp_path / "pace"
+    pace.touch()
+    run_dir, out = tmp_path / "run", tmp_path / "final.pt"
+    t0 = time.time()
+    proc = start(run_dir, "--nproc=4", "--spares=1", "--snapshot-every=1",
+                 "--inject=crash:rank=3,step=9", str(TWO_D), *ARGS_2D, "--sleep-ms", "400",
+                 "--sleep-while", str(pace), "--save", str(out))
+    try:
+        wait_for_event(run_dir, lambda e: e["type"] == "rank_prewarmed" and e["decided"] > 0,
+                       timeout=120)
+    finally:
+        pace.unlink()
+        run = finish(proc, run_dir, t0)
+    assert run.code == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert [d["level"] for d in run.of("decision")] == ["rank replacement"]
     held = rank_wids(run)
     assert len(held[3]) == 2 and all(len(held[r]) == 1 for r in (0, 1, 2))
@@ -157,12 +173,31 @@ def test_a_tensor_parallel_part_whose_twin_freezes_in_its_recovery_loses_no_step
 def test_an_fsdp2_job_without_a_spare_rolls_back_to_its_shards_last_common_snapshot(
         tmp_path, reference):
     """Rank 0 is killed and no spare waits: a new process takes rank 0; every rank resumes from
-    the newest step whose snapshot every shard has, and the run ends bitwise."""
+    the newest step whose snapshot every shard has, and the run ends bitwise.
+
+    The job writes its last step to disk: its step directory is one plain DCP checkpoint (one
+    metadata file for every rank's shards), and a script that imports nothing of nonstop builds
+    the model afresh on one rank and loads it with ``dcp.load`` - DCP reshards 2 shards into 1
+    - and ends with the run's final weights, bit for bit. (One job for both: a job of its own
+    for the checkpoint cost as much again.)"""
+    import subprocess
+    import sys
+
+    ckpt = tmp_path / "ckpt"
     run, out = train(tmp_path, "--spares=0", "--snapshot-every=4", "--inject=crash:rank=0,step=10",
-                     args=ARGS, world=2, script=FSDP)
+                     f"--checkpoint-dir={ckpt}", args=ARGS, world=2, script=FSDP)
     (inc,) = run.summary["incident_list"]
     assert inc["resume_step"] == 8 and inc["steps_lost"] == 2
     assert bitwise_equal(out, reference(2, *ARGS, script=FSDP))
+    (step_dir,) = sorted(ckpt.glob("step-*"))
+    assert step_dir.name == "step-0000000016" and (step_dir / ".metadata").is_file()
+    loaded = tmp_path / "loaded.pt"
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "load_dcp.py"), str(step_dir),
+                           str(loaded), "--dim", "16", "--blocks", "1", "--example", str(FSDP)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nonstop" not in proc.stderr
+    assert bitwise_equal(out, loaded)
 
 
 HSDP = EXAMPLES / "train_hsdp.py"
@@ -227,29 +262,6 @@ def test_a_bit_flipped_in_an_hsdp_shard_is_found_by_its_twins_digest(tmp_path, r
     (named,) = run.of("sdc_attributed")
     assert (named["rank"], named["verdict"], named["candidates"]) == (1, "transient", [1, 3])
     assert bitwise_equal(out, reference(4, *ARGS, script=HSDP))
-
-
-@pytest.mark.integration
-def test_a_sharded_checkpoint_loads_with_plain_dcp_in_a_script_without_nonstop(tmp_path):
-    """A 2-rank FSDP2 job writes its last step to disk. Its step directory is one plain DCP
-    checkpoint (one metadata file for every rank's shards): a script that imports nothing of
-    nonstop builds the model afresh on one rank and loads it with ``dcp.load`` - DCP reshards
-    2 shards into 1 - and ends with the run's final weights, bit for bit."""
-    import subprocess
-    import sys
-
-    ckpt = tmp_path / "ckpt"
-    run, out = train(tmp_path, "--spares=0", f"--checkpoint-dir={ckpt}", args=ARGS, world=2,
-                     script=FSDP)
-    (step_dir,) = sorted(ckpt.glob("step-*"))
-    assert step_dir.name == "step-0000000016" and (step_dir / ".metadata").is_file()
-    loaded = tmp_path / "loaded.pt"
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "load_dcp.py"), str(step_dir),
-                           str(loaded), "--dim", "16", "--blocks", "1", "--example", str(FSDP)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "nonstop" not in proc.stderr
-    assert bitwise_equal(out, loaded)
 
 
 @pytest.mark.integration

@@ -183,11 +183,15 @@ def test_an_fsdp2_job_that_loses_every_rank_and_its_memory_restarts_from_disk(tm
     own shard - and ends bitwise where the fault-free run ends."""
     run_dir, ckpt, out = tmp_path / "run", tmp_path / "ckpt", tmp_path / "final.pt"
     t0 = time.time()
-    # from step 5 on, every step takes most of a second longer (no number changes): the first
-    # checkpoint reaches the disk while the job still has steps to go, even on a loaded machine
-    # (at half a second, the whole suite beside it once delayed it past the last step)
+    # until the ranks are killed, every step takes most of a second (no number changes): the
+    # first checkpoint reaches the disk while the job still has steps to go, even on a loaded
+    # machine (at half a second, the whole suite beside it once delayed it past the last step);
+    # the restarted job goes at full speed
+    pace = tmp_path / "pace"
+    pace.touch()
     proc = start(run_dir, "--nproc=2", f"--checkpoint-dir={ckpt}", "--checkpoint-every=4",
-                 "--inject=slow:rank=all,step=5,ms=900", str(FSDP), *ARGS, "--save", str(out))
+                 str(FSDP), *ARGS, "--sleep-ms", "900", "--sleep-while", str(pace), "--save",
+                 str(out))
     try:
         keepers = wait_for_event(run_dir, lambda e: e["type"] == "keepers", timeout=90)
         first = wait_for_event(run_dir, lambda e: e["type"] == "checkpoint", timeout=90)
@@ -200,6 +204,7 @@ def test_an_fsdp2_job_that_loses_every_rank_and_its_memory_restarts_from_disk(tm
             except ProcessLookupError:
                 pass
     finally:
+        pace.unlink()
         run = finish(proc, run_dir, t0)
     assert run.code == 0, run.stdout[-4000:] + run.stderr[-4000:]
     (decision,) = run.of("decision")

@@ -226,8 +226,13 @@ def test_a_nodes_memory_killed_alone_costs_no_incident(tmp_path, reference):
     # and compared digests - alone: the job hung until the hang detector restarted it). The node
     # gets a new, empty memory; nothing is lost and the weights are the fault-free run's.
     ckpt, out = tmp_path / "ckpt", tmp_path / "out.pt"
+    # steps of 40 ms while the file is there: until node 1's ranks have lost a snapshot and the
+    # node has its new memory, then the rest at full speed (the checkpoints still due every 4)
+    pace = tmp_path / "pace"
+    pace.touch()
     proc = start(tmp_path / "run", "--nproc=4", "--nodes=2", f"--checkpoint-dir={ckpt}",
-                 "--checkpoint-every=4", str(SHARDED), *LONG, "--save", str(out))
+                 "--checkpoint-every=4", str(SHARDED), *LONG, "--sleep-while", str(pace),
+                 "--save", str(out))
     t0 = time.time()
     try:
         keepers = wait_for_event(tmp_path / "run", lambda e: e["type"] == "keepers", timeout=90)
@@ -236,7 +241,11 @@ def test_a_nodes_memory_killed_alone_costs_no_incident(tmp_path, reference):
         wait_for_event(tmp_path / "run", lambda e: e["type"] == "rank_snapshot_interval"
                        and e["step"] >= 12, timeout=90)
         os.kill(keepers["nodes"]["1"]["pid"], signal.SIGKILL)
+        wait_for_event(tmp_path / "run", lambda e: e["type"] == "keeper_restarted", timeout=90)
+        wait_for_event(tmp_path / "run", lambda e: e["type"] == "rank_snapshot_failed",
+                       timeout=90)
     finally:
+        pace.unlink()
         r = finish(proc, tmp_path / "run", t0)
     assert r.code == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.of("node_memory_lost") and r.of("keeper_restarted")

@@ -114,13 +114,19 @@ def test_a_killed_zygote_costs_one_recovery_then_ranks_start_directly(tmp_path, 
     run_dir = tmp_path / "run"
     out = tmp_path / "final.pt"
     t0 = time.time()
+    # (steps of 20 ms while the file is there: once the zygote is killed, the rest at full speed)
+    pace = tmp_path / "pace"
+    pace.touch()
     proc = start(run_dir, "--nproc=2", "--spares=1", str(TRAIN), "--steps", "150", "--sleep-ms", "20",
-                 "--save", str(out))
-    wait_for_event(run_dir, lambda e: e["type"] == "rank_first_step", timeout=90)
-    spawned = [e["pid"] for e in _events(run_dir) if e["type"] == "spawn"]
-    (zpid,) = {int(_status(p)["PPid"]) for p in spawned}
-    os.kill(zpid, signal.SIGKILL)  # its children die with it
-    run = finish(proc, run_dir, t0)
+                 "--sleep-while", str(pace), "--save", str(out))
+    try:
+        wait_for_event(run_dir, lambda e: e["type"] == "rank_first_step", timeout=90)
+        spawned = [e["pid"] for e in _events(run_dir) if e["type"] == "spawn"]
+        (zpid,) = {int(_status(p)["PPid"]) for p in spawned}
+        os.kill(zpid, signal.SIGKILL)  # its children die with it
+    finally:
+        pace.unlink()
+        run = finish(proc, run_dir, t0)
     assert run.code == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.of("incident") and all(i["outcome"] == "recovered" for i in run.of("incident"))
     later = [e["pid"] for e in run.of("spawn") if e["pid"] not in spawned]
@@ -129,11 +135,14 @@ def test_a_killed_zygote_costs_one_recovery_then_ranks_start_directly(tmp_path, 
 
 
 def test_without_the_zygote_ranks_start_directly(tmp_path, reference, monkeypatch):
+    # two ranks and a spare, each importing torch itself (3-4 s of CPU a process); the fault-free
+    # run is made first, with the zygote, if no test has made it yet
+    ref = reference(2, *ARGS)
     monkeypatch.setenv("NONSTOP_ZYGOTE", "0")
-    run, out = train(tmp_path, "--spares=1", "--inject=crash:rank=1,step=10", args=ARGS)
+    run, out = train(tmp_path, "--spares=1", "--inject=crash:rank=1,step=10", args=ARGS, world=2)
     assert not (tmp_path / "run" / "logs" / "zygote.log").exists()
     assert [d["level"] for d in run.of("decision")] == ["rank replacement"]
-    assert bitwise_equal(out, reference(3, *ARGS))
+    assert bitwise_equal(out, ref)
 
 
 def _events(run_dir: Path) -> list[dict]:

@@ -1,7 +1,7 @@
 """One rank of a gloo group: the averaged gradients of the same inputs under several DDP bucket
 layouts, with and without nonstop.reproducible, saved by rank 0.
 
-    python ddp_layouts.py RANK WORLD STORE_FILE OUT_DIR    (or main(...) in a forked process)
+    python ddp_layouts.py RANK WORLD STORE_FILE OUT_DIR
 """
 
 import sys

@@ -37,6 +37,8 @@ parser.add_argument("--hidden", type=int, default=32)
 parser.add_argument("--optim", choices=["sgd", "adam"], default="sgd")
 parser.add_argument("--sharded", action="store_true", help="ZeRO-1: optimizer state sharded")
 parser.add_argument("--sleep-ms", type=float, default=0.0, help="stand-in for accelerator work")
+parser.add_argument("--sleep-while", metavar="FILE", help="sleep --sleep-ms only while this "
+                    "file exists (a harness paces the steps until it has seen what it waits for)")
 parser.add_argument("--save", help="rank 0 writes the final parameters here")
 parser.add_argument("--log-samples", help="a directory: each rank logs the samples of its steps")
 args = parser.parse_args()
@@ -95,7 +97,7 @@ def train(ctx):
             log.write(json.dumps({"step": step, "gen": ctx.generation, "rank": ctx.rank,
                                   "world": ctx.world_size, "ids": ids.tolist()}) + "\n")
             log.flush()
-        if args.sleep_ms:
+        if args.sleep_ms and (not args.sleep_while or os.path.exists(args.sleep_while)):
             time.sleep(args.sleep_ms / 1000)
         if ctx.rank == 0 and step % 50 == 0:
             print(f"step {step} loss {loss.item():.4f} world {ctx.world_size} "

@@ -18,6 +18,7 @@ under torchrun or plain python (a plain ``init_device_mesh`` then).
 """
 
 import argparse
+import os
 import time
 
 import torch
@@ -34,6 +35,8 @@ parser.add_argument("--blocks", type=int, default=2)
 parser.add_argument("--replicas", type=int, default=1,
                     help="replica groups (HSDP's dp_replicate); 1: plain FSDP over every rank")
 parser.add_argument("--sleep-ms", type=float, default=0.0, help="stand-in for accelerator work")
+parser.add_argument("--sleep-while", metavar="FILE", help="sleep --sleep-ms only while this "
+                    "file exists (a harness paces the steps until it has seen what it waits for)")
 parser.add_argument("--save", help="rank 0 writes the final (full) parameters here")
 parser.add_argument("--device", default="cpu", help="cpu, or cuda (the shards live on the GPU)")
 parser.add_argument("--backend", default="gloo", help="gloo, or nccl (with --device cuda)")
@@ -113,7 +116,7 @@ def train(ctx):
         loss.backward()
         optimizer.step()
         ctx.report(loss)
-        if args.sleep_ms:
+        if args.sleep_ms and (not args.sleep_while or os.path.exists(args.sleep_while)):
             time.sleep(args.sleep_ms / 1000)
         if ctx.rank == 0 and step % 25 == 0:
             print(f"step {step} loss {loss.item():.4f} (generation {ctx.generation})")
