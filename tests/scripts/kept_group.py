@@ -10,6 +10,7 @@ over."""
 
 import os
 import sys
+import tempfile
 import threading
 import time
 
@@ -37,10 +38,21 @@ if mode == "busy":
         busy.set()
         time.sleep(1.5)  # a worker thread of the group, still busy with the ended generation
 
+    # rank 0's operation must be posted, its callback attached, before rank 1's: then it
+    # completes on a worker thread (attached to a future already complete - rank 0 slow to get
+    # there on a loaded machine - the callback ran on the main thread: nothing was busy)
+    attached = os.path.join(tempfile.gettempdir(), f"nonstop-kept-group-{port}.attached")
     if rank == 1:
-        time.sleep(0.5)  # rank 0's operation is posted and waiting: its callback goes on a worker
+        waited_by = time.monotonic() + 30
+        while not os.path.exists(attached) and time.monotonic() < waited_by:
+            time.sleep(0.01)
+        time.sleep(0.1)
     pending = dist.all_reduce(torch.ones(4), async_op=True).get_future().then(slow)
+    if rank == 0:
+        open(attached, "w").close()
     assert busy.wait(30)
+    if rank == 1:
+        os.unlink(attached)
 group.close()
 if mode == "stuck":
     if rank == 1:
