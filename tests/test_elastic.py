@@ -185,7 +185,9 @@ def test_ranks_too_slow_to_reach_a_step_boundary_are_told_to_leave_at_once():
     assert missed == mc.Missed("step_boundary", allowance, 1, (0, 1, 2), missed.detail)
     assert abort == mc.Abort(1, managed=True) and s.forced and s.phase is Phase.TEARING_DOWN
     s, cmds = mc.step(s, mc.Tick(see(s.deadline + 0.01, rs, {0: 1})), P)
-    assert kinds(cmds) == ["Missed"] + ["Kill"] * 3  # and then as after any fault
+    assert kinds(cmds) == ["Missed"] and s.patient  # and then as after any fault: with not
+    s, cmds = mc.step(s, mc.Tick(see(s.deadline + 0.01, rs, {0: 1})), P)  # one out, once more
+    assert kinds(cmds) == ["Missed"] + ["Kill"] * 3
 
 
 def test_a_fault_during_the_regroup_is_recovered_as_a_fault():

@@ -170,6 +170,10 @@ def test_the_first_steps_of_every_rank_close_the_incident_at_its_resume_step():
         ev = events.FirstStep(wid=PLAN[rank], t=7.0 + rank, gen=GEN, rank=rank, step=11)
         assert r.on_event(ev, job) == [reports.Reached(11)]
     assert r.take_run() == (False, True)
+    # nothing carried out for the incident yet (a NaN some ranks reported, the first steps
+    # replayed to a controller taking over): they show no recovery, it stays open
+    assert r.first_steps(job) == []
+    job.incident.levels.append("step retry")
     assert r.first_steps(job) == [reports.CloseIncident(9.0, 10)]
     # with no incident open, the job has grown: the book says so, nothing to close
     r, job, table, rec, _ = make()

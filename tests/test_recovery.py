@@ -106,7 +106,7 @@ def test_hang_is_killed_and_replaced(tmp_path, reference):
     run, out = train(tmp_path, "--spares=1", "--hang-timeout=1", "--inject=hang:rank=1,step=15")
     kinds = [f["kind"] for f in run.of("fault")]
     assert kinds[0] == "hang" and "teardown_timeout" in kinds
-    late = [d for d in run.of("deadline") if d["what"] == "teardown"]  # the deadline that fired
+    late = [d for d in run.of("deadline") if d["what"] == "teardown" and d["detail"] == "killed"]
     assert [d["ranks"] for d in late] == [[1]] and late[0]["limit_s"] > 0
     (kill,) = run.of("kill")
     assert kill["rank"] == 1

@@ -70,6 +70,7 @@ class JobState:
     # they move to spares)
     migrate: tuple[tuple[int, ...], int | None, str, frozenset[int] | None] | None = None
     t_wait: float | None = None  # waiting for hosts since (WAITING_FOR_HOSTS)
+    patient: bool = False  # the teardown's deadline passed with no rank out: it waits once more
 
     @property
     def faulty_nodes(self) -> set[int]:
@@ -168,8 +169,13 @@ def _abort(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command
         deadline = now + teardown_allowance(s.round, seen.slowest_step_s, policy, seen.abort_s)
     else:  # a plain script cannot leave a collective: its ranks are ended
         deadline = now + policy.timeouts.terminate_grace_s
-    return (_with(s, phase=Phase.TEARING_DOWN, deadline=deadline, t_abort=now, probed=False),
+    return (_with(s, phase=Phase.TEARING_DOWN, deadline=deadline, t_abort=now, probed=False,
+                  patient=False),
             [Abort(s.gen, seen.managed)])
+
+
+#: how many teardown_s a teardown waits again when its deadline passed with no rank out
+TEARDOWN_PATIENCE = 4
 
 
 def teardown_allowance(faults: tuple[Fault, ...], slowest_step_s: float, policy: Any,
@@ -211,6 +217,17 @@ def _tick(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]
                             tuple(r.rank for r in pending), "the regroup is forced: ranks aborted")
             return (_with(s, forced=True, deadline=seen.now + policy.timeouts.teardown_s),
                     [missed, Abort(s.gen, seen.managed)])
+        if seen.now > s.deadline and seen.managed and not s.patient and \
+                not any(r.left >= s.gen and not r.dead for r in seen.ranks):
+            # Not one rank out: what is late is more likely the abort itself (its delivery on a
+            # loaded machine, just after a takeover) than every rank stuck at once - and killed,
+            # they would take the only live copy of the state with them (a restore from an
+            # older snapshot). They get one more, longer wait.
+            again = policy.timeouts.teardown_s * TEARDOWN_PATIENCE + seen.abort_s
+            missed = Missed("teardown", round(s.deadline - s.t_abort, 3), s.gen,
+                            tuple(r.rank for r in pending),
+                            f"no rank has left yet: {again:.2f} s more before they are killed")
+            return _with(s, patient=True, deadline=seen.now + again), [missed]
         if seen.now > s.deadline:
             late = s.deadline - s.t_abort
             faults = []
@@ -246,7 +263,7 @@ def _tick(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]
     if _growth_due(s, seen.now, policy) and seen.managed and _growth(s, seen, policy):
         deadline = seen.now + policy.timeouts.teardown_s + 3 * seen.slowest_step_s
         return (_with(s, phase=Phase.TEARING_DOWN, deadline=deadline, t_abort=seen.now,
-                      probed=False, regroup=True, forced=False), [Regroup(s.gen)])
+                      probed=False, regroup=True, forced=False, patient=False), [Regroup(s.gen)])
     return s, cmds
 
 
@@ -422,7 +439,8 @@ def _drain(s: JobState, ob: Drain, policy: Any) -> tuple[JobState, list[Command]
                           f"ready, {need[short[0]]} needed")
     deadline = seen.now + policy.timeouts.teardown_s + 3 * seen.slowest_step_s
     return (_with(s, phase=Phase.TEARING_DOWN, deadline=deadline, t_abort=seen.now, probed=False,
-                  regroup=True, forced=False, migrate=(ranks, ob.node, ob.why, drop)),
+                  regroup=True, forced=False, patient=False,
+                  migrate=(ranks, ob.node, ob.why, drop)),
             [Regroup(s.gen, drain=f"{asked}: {ob.why}")])
 
 

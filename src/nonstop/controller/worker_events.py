@@ -259,6 +259,11 @@ class RankReports:
         if job.incident is None:
             self.book.grown(t_first, job.gen, len(ranks))
             return []
+        if not job.incident.levels:
+            # nothing carried out for it yet (non-finite gradients reported by some ranks, not
+            # all): these first steps were taken before its fault - a controller taking over
+            # hears them replayed - and show no recovery
+            return []
         return [CloseIncident(t_first, job.incident.resume_step)]
 
     def _on_left(self, w: Worker, ev: events.LeftGeneration, job: JobView) -> list[Order]:
