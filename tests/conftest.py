@@ -328,9 +328,10 @@ def reference(tmp_path_factory):
         if "--sleep-ms" in args:
             i = args.index("--sleep-ms")
             args[i + 1] = "0"
-        if "--sleep-while" in args:
-            i = args.index("--sleep-while")
-            del args[i:i + 2]
+        for flag in ("--slow-file", "--slow-ms"):
+            if flag in args:
+                i = args.index(flag)
+                del args[i:i + 2]
         key = json.dumps([world, str(script), args])
         d = root / hashlib.sha256(key.encode()).hexdigest()[:16]
         d.mkdir(exist_ok=True)

@@ -118,14 +118,14 @@ def test_failed_health_check_moves_the_node_to_a_spare_node(tmp_path, reference)
     flag = tmp_path / "unhealthy"
     pol = policy_file(tmp_path, f"detect:\n  health_checks:\n    - name: disk\n      command: "
                                 f"'test ! -e {flag}-$NONSTOP_NODE'\n      every_s: 0.2\n")
-    args = ("--steps", "120", "--sleep-ms", "20")
+    args = ("--steps", "120")
     out = tmp_path / "final.pt"
     # (steps of 20 ms while the file is there: once the node is replaced, the rest at full speed)
     pace = tmp_path / "pace"
     pace.touch()
     t0 = time.time()
     proc = start(tmp_path / "run", "--nproc=4", "--nodes=2", "--spare-nodes=1", "--policy", pol,
-                 *_train_cmd(args + ("--sleep-while", str(pace)), out))
+                 *_train_cmd(args + ("--slow-file", str(pace), "--slow-ms", "20"), out))
     try:
         wait_for_event(tmp_path / "run", lambda e: e["type"] == "rank_first_step")
         flag.with_name(flag.name + "-1").write_text("")

@@ -13,15 +13,15 @@ from conftest import TRAIN, bitwise_equal, finish, nonstop_cmd, policy_file, sta
 
 pytestmark = pytest.mark.integration
 
-STEPS = ("--steps", "200", "--sleep-ms", "20")
+STEPS = ("--steps", "200")
 
 
 def paced(tmp_path):
-    """A file that keeps the steps at --sleep-ms while it exists: the test removes it once the
-    drain is done, and the rest of the run goes at full speed."""
+    """A file that keeps the steps at 20 ms while it exists: the test removes it once the drain
+    is done, and the rest of the run goes at full speed."""
     pace = tmp_path / "pace"
     pace.touch()
-    return ("--sleep-while", str(pace)), pace
+    return ("--slow-file", str(pace), "--slow-ms", "20"), pace
 
 
 def drain(run_dir, *flags: str) -> subprocess.CompletedProcess:

@@ -72,14 +72,14 @@ def test_two_crashes_in_a_row(tmp_path, reference):
 
 
 def test_a_spare_dying_while_idle_is_refilled(tmp_path, reference):
-    args = ("--steps", "150", "--sleep-ms", "20")
+    args = ("--steps", "150")
     out = tmp_path / "final.pt"
     # (steps of 20 ms while the file is there: once the refill is ready, the rest at full speed)
     pace = tmp_path / "pace"
     pace.touch()
     t0 = time.time()
     proc = start(tmp_path / "run", f"--nproc={WORLD}", "--spares=1", "--inject=crash:rank=0,step=140",
-                 str(TRAIN), *args, "--sleep-while", str(pace), "--save", str(out))
+                 str(TRAIN), *args, "--slow-file", str(pace), "--slow-ms", "20", "--save", str(out))
     try:
         run_dir = tmp_path / "run"
         spawn = wait_for_event(run_dir, lambda e: e["type"] == "spawn" and e["spare"])

@@ -42,8 +42,10 @@ def elastic(tmp_path, name, *flags, steps=200, sleep_ms=20, world=3, timeout=240
     it, and go at full speed after."""
     d = tmp_path / name
     out = d / "final.pt"
+    # paced: the steps sleep only while the file is there
+    sleep = "--sleep-ms" if paced_until is None else "--slow-ms"
     args = (f"--nproc={world}", *flags, str(ELASTIC), *script_args, "--steps", str(steps),
-            "--sleep-ms", str(sleep_ms), "--log-samples", str(d / "samples"),
+            sleep, str(sleep_ms), "--log-samples", str(d / "samples"),
             "--global-batch", str(BATCH), "--samples", str(SAMPLES), "--save", str(out))
     if paced_until is None:
         run = run_nonstop(d / "run", *args, timeout=timeout)
@@ -52,7 +54,7 @@ def elastic(tmp_path, name, *flags, steps=200, sleep_ms=20, world=3, timeout=240
         d.mkdir(parents=True, exist_ok=True)
         pace.touch()
         t0 = time.time()
-        proc = start(d / "run", *args, "--sleep-while", str(pace))
+        proc = start(d / "run", *args, "--slow-file", str(pace))
         try:
             wait_for_event(d / "run", lambda e: e["type"] == paced_until, timeout=timeout)
         finally:

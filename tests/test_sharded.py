@@ -92,8 +92,8 @@ def test_a_rank_of_an_fsdp_and_tensor_parallel_job_is_replaced_with_nothing_lost
     run_dir, out = tmp_path / "run", tmp_path / "final.pt"
     t0 = time.time()
     proc = start(run_dir, "--nproc=4", "--spares=1", "--snapshot-every=1",
-                 "--inject=crash:rank=3,step=9", str(TWO_D), *ARGS_2D, "--sleep-ms", "400",
-                 "--sleep-while", str(pace), "--save", str(out))
+                 "--inject=crash:rank=3,step=9", str(TWO_D), *ARGS_2D, "--slow-ms", "400",
+                 "--slow-file", str(pace), "--save", str(out))
     try:
         wait_for_event(run_dir, lambda e: e["type"] == "rank_prewarmed" and e["decided"] > 0,
                        timeout=120)

@@ -190,7 +190,7 @@ def test_an_fsdp2_job_that_loses_every_rank_and_its_memory_restarts_from_disk(tm
     pace = tmp_path / "pace"
     pace.touch()
     proc = start(run_dir, "--nproc=2", f"--checkpoint-dir={ckpt}", "--checkpoint-every=4",
-                 str(FSDP), *ARGS, "--sleep-ms", "900", "--sleep-while", str(pace), "--save",
+                 str(FSDP), *ARGS, "--slow-file", str(pace), "--slow-ms", "900", "--save",
                  str(out))
     try:
         keepers = wait_for_event(run_dir, lambda e: e["type"] == "keepers", timeout=90)

@@ -231,7 +231,7 @@ def test_a_nodes_memory_killed_alone_costs_no_incident(tmp_path, reference):
     pace = tmp_path / "pace"
     pace.touch()
     proc = start(tmp_path / "run", "--nproc=4", "--nodes=2", f"--checkpoint-dir={ckpt}",
-                 "--checkpoint-every=4", str(SHARDED), *LONG, "--sleep-while", str(pace),
+                 "--checkpoint-every=4", str(SHARDED), *LONG_FAST, "--slow-file", str(pace), "--slow-ms", "40",
                  "--save", str(out))
     t0 = time.time()
     try:

@@ -117,8 +117,8 @@ def test_a_killed_zygote_costs_one_recovery_then_ranks_start_directly(tmp_path, 
     # (steps of 20 ms while the file is there: once the zygote is killed, the rest at full speed)
     pace = tmp_path / "pace"
     pace.touch()
-    proc = start(run_dir, "--nproc=2", "--spares=1", str(TRAIN), "--steps", "150", "--sleep-ms", "20",
-                 "--sleep-while", str(pace), "--save", str(out))
+    proc = start(run_dir, "--nproc=2", "--spares=1", str(TRAIN), "--steps", "150", "--slow-ms", "20",
+                 "--slow-file", str(pace), "--save", str(out))
     try:
         wait_for_event(run_dir, lambda e: e["type"] == "rank_first_step", timeout=90)
         spawned = [e["pid"] for e in _events(run_dir) if e["type"] == "spawn"]

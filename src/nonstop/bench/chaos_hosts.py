@@ -167,6 +167,7 @@ class Harness:
         self.env, self.slots, self.say = env, slots, say
         self.restarts = 0
         self.seen_released: dict[int, int] = {}  # slot -> its releases replaced so far
+        self._read_at_end: dict[int, Any] = {}  # slot -> its ended host, whose output was read
         self.zombies: list[dict[str, Any]] = []  # stopped ranks: (wid, the generation that left them)
 
     # -- the job -------------------------------------------------------------------------------
@@ -217,13 +218,21 @@ class Harness:
 
     def released(self) -> list[int]:
         """Slots whose host the job released (isolated, drained) and which has ended: a
-        scheduler gives such a slot a new machine, and so does the harness."""
-        return [i for i, p in self.j.procs.items() if p.poll() is not None
-                and self.j.output(i).count("released by the job") > self.seen_released.get(i, 0)]
+        scheduler gives such a slot a new machine, and so does the harness. An ended host's
+        output is read once (it writes no more), not at every look."""
+        found = []
+        for i, p in self.j.procs.items():
+            if p.poll() is None or self._read_at_end.get(i) is p:
+                continue
+            self._read_at_end[i] = p
+            count = self.j.output(i).count("released by the job")
+            if count > self.seen_released.get(i, 0):
+                self.seen_released[i] = count
+                found.append(i)
+        return found
 
     def replace_released(self) -> None:
         for i in self.released():
-            self.seen_released[i] = self.j.output(i).count("released by the job")
             self.restarts += 1
             self.start_host(i, name=f"host{i}r{self.restarts}")
             self.say(f"chaos: host slot {i} was released by the job: a new machine there")

@@ -21,8 +21,6 @@ communicates, at the job's start, with this advice.
 """
 
 import argparse
-import os
-import time
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +28,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import nonstop
+from nonstop.examples import pace
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=100)
@@ -39,9 +38,7 @@ parser.add_argument("--blocks", type=int, default=2)
 parser.add_argument("--tp", type=int, default=2, help="the tensor-parallel degree")
 parser.add_argument("--replicas", type=int, default=1,
                     help="replica groups (HSDP): above 1, a 3-D mesh (dp_replicate, dp_shard, tp)")
-parser.add_argument("--sleep-ms", type=float, default=0.0, help="stand-in for accelerator work")
-parser.add_argument("--sleep-while", metavar="FILE", help="sleep --sleep-ms only while this "
-                    "file exists (a harness paces the steps until it has seen what it waits for)")
+pace.add_arguments(parser)
 parser.add_argument("--save", help="rank 0 writes the final (full) parameters here")
 parser.add_argument("--device", default="cpu", help="cpu, or cuda (the parts live on the GPU)")
 parser.add_argument("--backend", default="gloo", help="gloo, or nccl (with --device cuda)")
@@ -130,8 +127,7 @@ def train(ctx):
         loss.backward()
         optimizer.step()
         ctx.report(loss)
-        if args.sleep_ms and (not args.sleep_while or os.path.exists(args.sleep_while)):
-            time.sleep(args.sleep_ms / 1000)
+        pace.pause(args)
         if ctx.rank == 0 and step % 25 == 0:
             print(f"step {step} loss {loss.item():.4f} (generation {ctx.generation})")
     # every rank takes part in gathering the full parameters (rank 0 keeps them)

@@ -8,22 +8,19 @@ is skipped or seen twice whatever happens. The same script runs under torchrun o
 """
 
 import argparse
-import os
-import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nonstop
+from nonstop.examples import pace
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=200)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--hidden", type=int, default=64)
-parser.add_argument("--sleep-ms", type=float, default=0.0, help="stand-in for accelerator work")
-parser.add_argument("--sleep-while", metavar="FILE", help="sleep --sleep-ms only while this "
-                    "file exists (a harness paces the steps until it has seen what it waits for)")
+pace.add_arguments(parser)
 parser.add_argument("--save", help="rank 0 writes the final parameters here")
 args = parser.parse_args()
 
@@ -52,8 +49,7 @@ def train(ctx):
         loss.backward()
         optimizer.step()
         ctx.report(loss)
-        if args.sleep_ms and (not args.sleep_while or os.path.exists(args.sleep_while)):
-            time.sleep(args.sleep_ms / 1000)
+        pace.pause(args)
         if ctx.rank == 0 and step % 50 == 0:
             print(f"step {step} loss {loss.item():.4f} (generation {ctx.generation})")
     return ctx.rank

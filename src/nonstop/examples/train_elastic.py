@@ -18,7 +18,6 @@ merges every old shard and each rank keeps the state of the parameters it owns n
 import argparse
 import json
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -27,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
 import nonstop
+from nonstop.examples import pace
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=200)
@@ -36,9 +36,7 @@ parser.add_argument("--global-batch", type=int, default=48)
 parser.add_argument("--hidden", type=int, default=32)
 parser.add_argument("--optim", choices=["sgd", "adam"], default="sgd")
 parser.add_argument("--sharded", action="store_true", help="ZeRO-1: optimizer state sharded")
-parser.add_argument("--sleep-ms", type=float, default=0.0, help="stand-in for accelerator work")
-parser.add_argument("--sleep-while", metavar="FILE", help="sleep --sleep-ms only while this "
-                    "file exists (a harness paces the steps until it has seen what it waits for)")
+pace.add_arguments(parser)
 parser.add_argument("--save", help="rank 0 writes the final parameters here")
 parser.add_argument("--log-samples", help="a directory: each rank logs the samples of its steps")
 args = parser.parse_args()
@@ -97,8 +95,7 @@ def train(ctx):
             log.write(json.dumps({"step": step, "gen": ctx.generation, "rank": ctx.rank,
                                   "world": ctx.world_size, "ids": ids.tolist()}) + "\n")
             log.flush()
-        if args.sleep_ms and (not args.sleep_while or os.path.exists(args.sleep_while)):
-            time.sleep(args.sleep_ms / 1000)
+        pace.pause(args)
         if ctx.rank == 0 and step % 50 == 0:
             print(f"step {step} loss {loss.item():.4f} world {ctx.world_size} "
                   f"(generation {ctx.generation})")

@@ -18,14 +18,13 @@ under torchrun or plain python (a plain ``init_device_mesh`` then).
 """
 
 import argparse
-import os
-import time
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
 import nonstop
+from nonstop.examples import pace
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=100)
@@ -34,9 +33,7 @@ parser.add_argument("--dim", type=int, default=32)
 parser.add_argument("--blocks", type=int, default=2)
 parser.add_argument("--replicas", type=int, default=1,
                     help="replica groups (HSDP's dp_replicate); 1: plain FSDP over every rank")
-parser.add_argument("--sleep-ms", type=float, default=0.0, help="stand-in for accelerator work")
-parser.add_argument("--sleep-while", metavar="FILE", help="sleep --sleep-ms only while this "
-                    "file exists (a harness paces the steps until it has seen what it waits for)")
+pace.add_arguments(parser)
 parser.add_argument("--save", help="rank 0 writes the final (full) parameters here")
 parser.add_argument("--device", default="cpu", help="cpu, or cuda (the shards live on the GPU)")
 parser.add_argument("--backend", default="gloo", help="gloo, or nccl (with --device cuda)")
@@ -116,8 +113,7 @@ def train(ctx):
         loss.backward()
         optimizer.step()
         ctx.report(loss)
-        if args.sleep_ms and (not args.sleep_while or os.path.exists(args.sleep_while)):
-            time.sleep(args.sleep_ms / 1000)
+        pace.pause(args)
         if ctx.rank == 0 and step % 25 == 0:
             print(f"step {step} loss {loss.item():.4f} (generation {ctx.generation})")
     # every rank takes part in gathering the full parameters (rank 0 keeps them)

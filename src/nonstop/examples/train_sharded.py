@@ -10,8 +10,6 @@ node, or its part of a disk checkpoint), every rank at one common step.
 """
 
 import argparse
-import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -19,14 +17,13 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nonstop
+from nonstop.examples import pace
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=200)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--hidden", type=int, default=64)
-parser.add_argument("--sleep-ms", type=float, default=0.0, help="stand-in for accelerator work")
-parser.add_argument("--sleep-while", metavar="FILE", help="sleep --sleep-ms only while this "
-                    "file exists (a harness paces the steps until it has seen what it waits for)")
+pace.add_arguments(parser)
 parser.add_argument("--save", help="rank 0 writes the final parameters here")
 parser.add_argument("--device", default="cpu", help="cpu, or cuda (the state lives on the GPU; "
                     "snapshots copy it to host memory)")
@@ -74,8 +71,7 @@ def train(ctx):
             for p, o in zip(params, owner):
                 dist.broadcast(p.data, src=o)
         ctx.report(loss)
-        if args.sleep_ms and (not args.sleep_while or os.path.exists(args.sleep_while)):
-            time.sleep(args.sleep_ms / 1000)
+        pace.pause(args)
         if ctx.rank == 0 and step % 50 == 0:
             print(f"step {step} loss {loss.item():.4f} (generation {ctx.generation})")
     return ctx.rank

@@ -26,29 +26,21 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nonstop
+from nonstop.examples import pace
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=200)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--hidden", type=int, default=64)
-parser.add_argument("--sleep-ms", type=float, default=0.0, help="stand-in for accelerator work")
+pace.add_arguments(parser)
 parser.add_argument("--save", help="rank 0 writes the final parameters here")
 parser.add_argument("--step-times", help="rank 0 appends '<steps done> <time> <gen> <pid>' here")
 parser.add_argument("--print-every", type=int, default=50)
 parser.add_argument("--mode", choices=["nonstop", "torchrun"], default="nonstop")
 parser.add_argument("--ckpt-dir", help="torchrun mode: the checkpoint's directory (shared)")
 parser.add_argument("--ckpt-every", type=int, default=20)
-parser.add_argument("--slow-file", help="while this file exists, each step sleeps --slow-ms more "
-                                        "(a harness holds the job back; no number changes)")
-parser.add_argument("--slow-ms", type=float, default=200.0)
 args = parser.parse_args()
 
-
-def pause():
-    if args.sleep_ms:
-        time.sleep(args.sleep_ms / 1000)
-    if args.slow_file and os.path.exists(args.slow_file):
-        time.sleep(args.slow_ms / 1000)
 
 torch.manual_seed(args.seed)
 model = torch.nn.Sequential(torch.nn.Linear(16, args.hidden), torch.nn.Tanh(),
@@ -105,7 +97,7 @@ def run_nonstop():
             for step in ctx.steps(args.steps):
                 loss = one_step(ddp, step, ctx.rank)
                 ctx.report(loss)
-                pause()
+                pace.pause(args)
                 times.done(step + 1, ctx.generation)
                 if ctx.rank == 0 and step % args.print_every == 0:
                     print(f"step {step} loss {loss.item():.4f} (generation {ctx.generation})",
@@ -134,7 +126,7 @@ def run_torchrun():
     times = Times(rank)
     for step in range(start, args.steps):
         loss = one_step(ddp, step, rank)
-        pause()
+        pace.pause(args)
         times.done(step + 1, attempt)
         if rank == 0 and step % args.print_every == 0:
             print(f"step {step} loss {loss.item():.4f} (restart {attempt})", flush=True)
