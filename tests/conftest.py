@@ -240,7 +240,7 @@ def zygote_template():
     rather than importing torch again - 3-4 s of a small job's 4-5 s start. The zygote it forks
     enters the run's namespaces (a test host's) and serves the run as one the run started; a run
     whose import-time environment differs starts its own. ``NONSTOP_TEST_TEMPLATE=0``: none."""
-    from nonstop.agent import zygote
+    from nonstop import zygote_client
 
     if os.environ.get("NONSTOP_TEST_TEMPLATE", "1") == "0":
         yield None
@@ -263,10 +263,10 @@ def zygote_template():
             time.sleep(0.05)
         paths = [str(d / n) for n in procs if (d / n).exists()]
         if paths:
-            os.environ[zygote.TEMPLATE_ENV] = os.pathsep.join(paths)
+            os.environ[zygote_client.TEMPLATE_ENV] = os.pathsep.join(paths)
         yield paths
     finally:
-        os.environ.pop(zygote.TEMPLATE_ENV, None)
+        os.environ.pop(zygote_client.TEMPLATE_ENV, None)
         for p in procs.values():
             p.kill()
             p.wait(timeout=30)

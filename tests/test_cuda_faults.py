@@ -10,6 +10,7 @@ import pytest
 
 from nonstop import inject
 from nonstop.decide import cuda
+from nonstop.protocol.cuda import CudaFault
 from nonstop.decide.faults import Attribution, exit_fault
 from nonstop.protocol.events import Exiting
 from nonstop.decide.ladder import Counters, JobView, Level, decide, charge
@@ -46,7 +47,7 @@ def test_cuda_errors_are_told_from_their_type_and_text(type_name, message, kind,
     found = cuda.classify(type_name, message)
     assert found is not None and (found.kind, found.name) == (kind, name)
     assert found.sticky is (kind != "cuda_oom")
-    assert cuda.CudaFault.from_record(found.record()) == found
+    assert CudaFault.from_record(found.record()) == found
 
 
 @pytest.mark.parametrize("type_name,message", [
@@ -77,7 +78,7 @@ def test_a_cuda_error_is_found_behind_the_exception_that_wraps_it():
 ])
 def test_a_malformed_cuda_record_is_refused(rec):
     with pytest.raises(ValueError):
-        cuda.CudaFault.from_record(rec)
+        CudaFault.from_record(rec)
 
 
 def test_a_rank_that_ended_on_a_sticky_error_is_a_fault_named_by_the_error():

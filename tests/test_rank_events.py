@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from nonstop.controller.workers import Worker, WorkerTable
-from nonstop.decide.cuda import CudaFault
+from nonstop.protocol.cuda import CudaFault
 from nonstop.observe import event_types
 from nonstop.observe.events import EventLog
 from nonstop.protocol import events

@@ -1,6 +1,6 @@
-"""The package's shape: no import circle (imports inside functions and under TYPE_CHECKING
-count: a circle there is a circle in the design), and the pure decisions import nothing of the
-controller's."""
+"""The package's shape: its floors (an import runs down them, never up: ``FLOORS``), no import
+circle (imports inside functions and under TYPE_CHECKING count: a circle there is a circle in the
+design), and the pure decisions import nothing of the controller's."""
 
 from __future__ import annotations
 
@@ -33,7 +33,10 @@ def import_graph() -> dict[str, set[str]]:
                 if node.level:
                     up = pkg[:len(pkg) - (node.level - 1)]
                     base = ".".join(up + ([node.module] if node.module else []))
-                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+                # (``from pkg import module``: the module; ``pkg`` itself only for a name that
+                # is not a module of it)
+                subs = [f"{base}.{a.name}" for a in node.names]
+                targets = subs if all(t in mods for t in subs) else [base] + subs
             else:
                 continue
             for t in targets:
@@ -96,3 +99,61 @@ def test_the_pure_decisions_import_nothing_of_the_controller():
     bad = {m: sorted(t for t in ts if t.startswith("nonstop.controller"))
            for m, ts in graph.items() if m.startswith("nonstop.decide")}
     assert {m: ts for m, ts in bad.items() if ts} == {}
+
+
+#: The floors of the package, from the ground up: a module imports only from its own floor or
+#: below (docs/design.md, "Layout"). The package's own ``__init__`` is the ground: its body
+#: imports nothing of the package (the public names are re-exported lazily from ``runtime/``).
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("(root)", "errors", "pids"),
+    ("protocol", "policy"),  # the records that cross a process; the policy's schema
+    ("store", "net"),  # etcd and the TCPStore; the authenticated channel
+    ("decide",),  # pure decisions
+    ("observe", "zygote_client", "script_scan", "torch_internals"),
+    ("state",),  # node memory: the keeper's side and the rank's
+    ("inject",),
+    ("runtime", "ddp"),  # in each rank
+    ("agent",),  # one host's processes
+    ("controller",),
+    ("launch",),  # nonstop run
+    ("drain", "demo", "bench", "examples"),
+    ("cli", "__main__"),
+)
+
+
+def _floor_of() -> dict[str, int]:
+    return {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "(root)"
+
+
+def upward(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from a higher floor than its module's (the root's lazy re-exports aside)."""
+    floor = _floor_of()
+    return sorted(f"{m} -> {t}" for m, ts in graph.items() if m != "nonstop"
+                  for t in ts if floor[_room(t)] > floor[_room(m)])
+
+
+def test_every_room_has_a_floor():
+    assert {_room(m) for m in import_graph()} - set(_floor_of()) == set()
+
+
+def test_every_import_runs_down_the_floors():
+    assert upward(import_graph()) == []
+
+
+def test_the_floor_check_finds_an_upward_import():
+    graph = {"nonstop.protocol.events": {"nonstop.decide.cuda"},
+             "nonstop.decide.cuda": {"nonstop.protocol.cuda"}, "nonstop": {"nonstop.runtime"}}
+    assert upward(graph) == ["nonstop.protocol.events -> nonstop.decide.cuda"]
+
+
+def test_the_packages_own_init_imports_nothing_of_the_package_at_import():
+    tree = ast.parse((SRC / "nonstop" / "__init__.py").read_text())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert all(isinstance(n, ast.Import) or n.module == "__future__" or n.level == 0 and
+               not (n.module or "").startswith("nonstop") for n in top), ast.dump(top[-1])
+    assert all(not (isinstance(n, ast.ImportFrom) and n.level) for n in top)

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from nonstop import zygote_client
 from nonstop.agent import zygote
 from nonstop.protocol import zygote_messages as zm
 
@@ -37,8 +38,8 @@ def stamp(monkeypatch):
 
 
 def request(environ: dict, **changes) -> dict:
-    msg = {"role": "zygote", "pid": 1, "env": environ, "cwd": "/", "python": zygote._python(),
-           "nonstop": zygote._nonstop_dir(), "code": "c0de"}
+    msg = {"role": "zygote", "pid": 1, "env": environ, "cwd": "/", "python": zygote_client.python_identity(),
+           "nonstop": zygote_client.nonstop_dir(), "code": "c0de"}
     msg.update(changes)
     return msg
 
@@ -122,19 +123,19 @@ def test_the_code_stamp_changes_with_a_file_of_the_package_not_with_its_caches(t
     (pkg / "sub" / "__pycache__").mkdir(parents=True)
     (pkg / "a.py").write_text("x = 1\n")
     (pkg / "sub" / "b.py").write_text("y = 2\n")
-    first = zygote.code_stamp(str(pkg), None)
+    first = zygote_client.code_stamp(str(pkg), None)
     (pkg / "sub" / "__pycache__" / "b.cpython-311.pyc").write_bytes(b"cache")
     (pkg / "notes.txt").write_text("not code")
-    assert zygote.code_stamp(str(pkg)) == first
+    assert zygote_client.code_stamp(str(pkg)) == first
     (pkg / "sub" / "b.py").write_text("y = 3  # an upgrade\n")
-    assert zygote.code_stamp(str(pkg)) != first
+    assert zygote_client.code_stamp(str(pkg)) != first
     # torch: its top level only (version.py and its extensions say which build it is)
     torch = tmp_path / "torch"
     (torch / "deep").mkdir(parents=True)
     (torch / "version.py").write_text("__version__ = '2.13.0'\n")
     (torch / "deep" / "x.py").write_text("1\n")
-    t = zygote.code_stamp(str(torch))
+    t = zygote_client.code_stamp(str(torch))
     (torch / "deep" / "x.py").write_text("22\n")
-    assert zygote.code_stamp(str(torch)) == t
+    assert zygote_client.code_stamp(str(torch)) == t
     (torch / "version.py").write_text("__version__ = '2.14.0'\n")
-    assert zygote.code_stamp(str(torch)) != t
+    assert zygote_client.code_stamp(str(torch)) != t

@@ -33,10 +33,13 @@ while len(group.workers()) < 2 and time.monotonic() < named_by:
     time.sleep(0.01)
 print(f"workers {len(group.workers())}", flush=True)
 busy = threading.Event()
+looked = threading.Event()  # rank 0 has released once (the worker must be busy until then)
 if mode == "busy":
     def slow(_fut):
         busy.set()
-        time.sleep(1.5)  # a worker thread of the group, still busy with the ended generation
+        # a worker thread of the group, still busy with the ended generation: until the first
+        # release has looked (a fixed time was outlasted by close() on a loaded machine)
+        looked.wait(60)
 
     # rank 0's operation must be posted, its callback attached, before rank 1's: then it
     # completes on a worker thread (attached to a future already complete - rank 0 slow to get
@@ -62,6 +65,7 @@ if mode == "stuck":
 t0 = time.monotonic()
 gone = group.release()
 print(f"released {time.monotonic() - t0:.3f} kept {int(not gone)}", flush=True)
+looked.set()
 if mode == "busy":
     pending.wait()
     t0 = time.monotonic()

@@ -17,13 +17,31 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import protocol
+from .. import inject, protocol
+from . import loopback
 from ..protocol import last_step
 from ..protocol.messages import MissedDeadline
 from ..observe.console import ConsoleFilter
 
 LATE_S = 10.0  # a process's events are read for this long after it ended
 ZYGOTE_ENV = "NONSTOP_ZYGOTE"  # 0: every rank process imports torch itself (no zygote)
+
+
+def worker_env(run_dir: Path, faults: list[inject.FaultSpec], pin: bool = True) -> dict[str, str]:
+    """The environment every rank process of this host starts with (``pin``: one host, whose
+    collectives listen on loopback)."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks must not each take every core
+    env["PYTHONUNBUFFERED"] = "1"
+    env[protocol.ENV_RUN_DIR] = str(run_dir.resolve())
+    env[protocol.ENV_INJECT] = inject.to_env(faults)
+    env.pop("NONSTOP_JOB_SECRET", None)  # the job's secret is the agents' alone
+    env.pop("NONSTOP_ETCD_PASSWORD", None)
+    if pin:
+        loopback.pin(env)  # one host: the collectives' listeners stay on loopback too
+    pkg_parent = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_parent, env.get("PYTHONPATH")]))
+    return env
 
 
 @dataclasses.dataclass
@@ -117,7 +135,7 @@ class Agent:
         """Start the process ranks are forked from (``zygote.py``): it imports torch meanwhile."""
         if self.zygote is None and self.zygote_error is None \
                 and os.environ.get(ZYGOTE_ENV, "1") != "0":
-            from .zygote import Zygote
+            from ..zygote_client import Zygote
 
             try:
                 self.zygote = Zygote(self.env, self.logs / "zygote.log")
@@ -145,7 +163,7 @@ class Agent:
     def _fork(self, zygote: Any, wid: int, env: dict[str, str], log_name: str,
               spare: bool) -> Proc:
         from ..runtime import bootstrap
-        from .zygote import ForkedProcess
+        from ..zygote_client import ForkedProcess
 
         env[protocol.ENV_LAUNCHER_PID] = str(zygote.pid)  # its parent: it dies with the zygote
         r, w = os.pipe2(os.O_CLOEXEC)

@@ -29,14 +29,14 @@ from typing import Any
 
 from .. import inject, protocol
 from . import loopback
-from .agent import Agent, Proc
+from .agent import Agent, Proc, worker_env
 from ..errors import UsageError
 from .mail import StoreMail
 from ..net.channel import CONTROL_TOS, SECRET_ENV
 from ..protocol import hosts as keys
 from ..protocol import events
 from ..protocol import messages as m
-from ..launch.config import HostConfig
+from .host_config import HostConfig
 from .fencing import (REGISTER_RETRY_S, EtcdSilent, Fence, JobEnded, Membership, OutageOver,
                       Registered, Rejoined, Verdict)
 from .host_keepers import HostKeepers, replica_secret
@@ -292,8 +292,6 @@ class HostAgent:
         self._wake()
 
     def _worker_env(self) -> dict[str, str]:
-        from ..launch.one_host import worker_env
-
         env = worker_env(self.run_dir, self.faults, pin=False)
         iface = interface_of(self.cfg.addr)
         if iface:  # the collectives listen on the host's address, not on every interface

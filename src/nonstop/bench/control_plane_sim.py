@@ -22,7 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ..launch.config import HostConfig
+from ..agent.host_config import HostConfig
 from ..net import listener
 from ..protocol import events
 from ..protocol import hosts as keys

@@ -324,7 +324,8 @@ def run(hidden: int, layers: int, device: str = "cuda", steps: int = 30, warmup:
     state._fence = None
     snapshot_gbps, restore_gbps = _gbps(nbytes, min(snap_device)), _gbps(nbytes, min(restore_s))
     d2h_gbps, h2d_gbps = _gbps(nbytes, d2h), _gbps(nbytes, h2d)
-    snapshot_ratio, restore_ratio = _ratio(snapshot_gbps, d2h_gbps), _ratio(restore_gbps, h2d_gbps)
+    # (from the seconds, not the rounded GB/s: a small model's copies on a loaded host round to 0)
+    snapshot_ratio, restore_ratio = _ratio(d2h, min(snap_device)), _ratio(h2d, min(restore_s))
     return {
         "name": name, "bytes": nbytes, "tensors": len(lay.tensors),
         "params": sum(p.numel() for p in model.parameters()),

@@ -23,7 +23,7 @@ from ..protocol import hosts as keys
 from ..protocol import messages as m
 from .phase import Phase
 from ..decide import places, takeover
-from ..launch.config import HostConfig
+from ..agent.host_config import HostConfig
 from .journal import Journal
 
 HOSTS_EVERY_S = 0.2  # how often etcd is asked whether the host list changed while the job runs
@@ -54,7 +54,7 @@ def _die_with_parent() -> None:
 def _import_office() -> None:
     from . import controller  # noqa: F401
     from ..observe import display, events  # noqa: F401
-    from ..launch import one_host as launcher  # noqa: F401
+    from . import summary  # noqa: F401
     from . import cluster  # noqa: F401
 
 
@@ -220,7 +220,7 @@ class Leader:
         from .controller import Controller
         from ..observe.display import Display
         from ..observe.events import EventLog
-        from ..launch.one_host import report
+        from .summary import report
         from .cluster import Cluster, Deposed
 
         cfg = self.cfg

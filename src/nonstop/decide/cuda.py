@@ -3,17 +3,9 @@ is unusable: only a new process goes on), which a retry can fix, and whose they 
 
 from __future__ import annotations
 
-import dataclasses
 import re
-from typing import Any
 
-#: kind -> (sticky: the CUDA context is unusable after it, what it means)
-KINDS: dict[str, tuple[bool, str]] = {
-    "cuda_assert": (True, "a device-side assert (a check in a kernel, e.g. an index out of range)"),
-    "cuda_error": (True, "a CUDA error that leaves the process's CUDA context unusable"),
-    "gpu_hardware": (True, "the GPU reported a hardware fault"),
-    "cuda_oom": (False, "the GPU ran out of memory"),
-}
+from ..protocol.cuda import CudaFault
 
 #: (the CUDA runtime's name, the text it prints, kind). The text is cudaGetErrorString's, which
 #: PyTorch and NCCL both quote; the name is in PyTorch's message from 2.8 on ("Search for `...'").
@@ -39,39 +31,6 @@ ERRORS: tuple[tuple[str, str, str], ...] = (
 _BY_NAME = {name: (text, kind) for name, text, kind in ERRORS}
 _NAMED = re.compile(r"`(cudaError\w+)'")
 _OOM_TYPES = ("OutOfMemoryError",)  # torch.OutOfMemoryError (torch.cuda.OutOfMemoryError)
-
-
-@dataclasses.dataclass(frozen=True)
-class CudaFault:
-    """One CUDA error of a rank, as its event carries it."""
-
-    kind: str  # a key of KINDS
-    name: str  # the CUDA runtime's name, e.g. cudaErrorAssert
-    text: str  # what it says, e.g. "device-side assert triggered"
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown CUDA fault kind {self.kind!r}")
-        if not isinstance(self.name, str) or not isinstance(self.text, str):
-            raise ValueError("a CUDA fault's name and text are strings")
-
-    @property
-    def sticky(self) -> bool:
-        """Whether the process's CUDA context is unusable: it is never restarted in place."""
-        return KINDS[self.kind][0]
-
-    def describe(self) -> str:
-        return f"{self.name} ({self.text})"
-
-    def record(self) -> dict[str, str]:
-        return {"kind": self.kind, "name": self.name, "text": self.text}
-
-    @classmethod
-    def from_record(cls, rec: Any) -> "CudaFault":
-        """The fault an event carries; a record that is not one is refused (ValueError)."""
-        if not isinstance(rec, dict) or set(rec) != {"kind", "name", "text"}:
-            raise ValueError(f"not a CUDA fault record: {rec!r}")
-        return cls(rec["kind"], rec["name"], rec["text"])
 
 
 def classify(type_name: str, message: str) -> CudaFault | None:

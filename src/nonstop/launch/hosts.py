@@ -13,7 +13,9 @@ from typing import Any
 from . import one_host as launcher
 from ..errors import UsageError
 from ..agent.host import HostAgent
-from .config import HostConfig, etcd_access, failure_domain
+from ..agent.host_config import HostConfig
+from ..store.access import etcd_access
+from .config import failure_domain
 
 
 def _nnodes(text: str | None) -> tuple[int, int]:

@@ -16,7 +16,7 @@ def etcd_fetcher(endpoint: str, job: str, cacert: str | None = None, cert: str |
     """The job's status record as the controller in office last wrote it, read from its etcd
     (with TLS and a user, as the ``--etcd-*`` flags say)."""
     from ..store.etcd import TLS, Etcd, StoreError, StoreUnavailable, parse_endpoints
-    from ..launch.config import ETCD_PASSWORD, etcd_access
+    from ..store.access import ETCD_PASSWORD, etcd_access
 
     tls = etcd_access(endpoint, cacert, cert, key, user)
     try:

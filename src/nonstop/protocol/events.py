@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Literal
 
-from ..decide.cuda import CudaFault
+from .cuda import CudaFault
 from .records import BadRecord, Reader, plain
 
 KINDS: dict[str, type[RankEvent]] = {}  # type -> its record

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Literal, Union
 
-from ..state.shm import SlotInfo
+from .slots import SlotInfo
 from .records import BadRecord, Reader, plain
 
 

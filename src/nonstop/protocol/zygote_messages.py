@@ -35,7 +35,7 @@ class TemplateRequest:
     cwd: str
     python: list[str]  # the interpreter's real path and its prefix (a virtual environment)
     nonstop: str  # the directory of the copy of nonstop it runs
-    code: str  # the stamp of the code on disk (``zygote.code_stamp``)
+    code: str  # the stamp of the code on disk (``zygote_client.code_stamp``)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

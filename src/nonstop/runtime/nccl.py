@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
+from .. import torch_internals
+
 ABORT_S = 10.0  # an abort (or a creation it waits for) not done by then: the process is replaced
 
 #: What nonstop sets for a rank whose script chose NCCL, unless the user set it: nonstop, not
@@ -102,14 +104,12 @@ def communicators() -> list[Any]:
     those the script made: a mesh's dimensions, its own sub-groups)."""
     import torch
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
     nccl_type = getattr(dist, "ProcessGroupNCCL", None)
     if nccl_type is None:
         return []
     for _ in range(10):  # read while the main thread may be making or ending a group
         try:
-            groups = list(c10d._world.pg_map)
+            groups = list(torch_internals.get("c10d.world").pg_map)
             break
         except RuntimeError:
             time.sleep(0.001)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from .. import torch_internals
+
 
 class NonFiniteGradients(BaseException):
     """Raised from ``optimizer.step()`` when a gradient is NaN or Inf: the step is not applied.
@@ -473,7 +475,7 @@ def _grads_finite(optimizer: Any, sharded: bool,
 
         grads = [t for t in (shards.local(g) for g in grads) if t.numel()]
     if grads:
-        norms = torch._foreach_norm(grads)  # one pass; a NaN or Inf anywhere: a non-finite norm
+        norms = torch_internals.get("foreach_norm")(grads)  # one pass; a NaN or Inf anywhere: a non-finite norm
         finite = bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
     else:
         finite = True

@@ -31,6 +31,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from .. import torch_internals
+
 _EXACT = ("float32", "bfloat16")  # parameter dtypes a finite reduced float32 gradient stays finite in
 
 
@@ -83,12 +85,7 @@ def install(objects: dict[str, Any]) -> ReducedVerdict | None:
     None when the structure does not allow it (see the module's docstring)."""
     import torch
 
-    try:
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.fsdp._fully_shard._fsdp_common import (FSDPMeshInfo,
-                                                                       HSDPMeshInfo)
-    except ImportError:
-        return None
+    from torch.distributed.fsdp import FSDPModule
     groups = []
     for obj in objects.values():
         if isinstance(obj, torch.nn.Module):
@@ -97,6 +94,8 @@ def install(objects: dict[str, Any]) -> ReducedVerdict | None:
                     groups += getattr(m._get_fsdp_state(), "_fsdp_param_groups", None) or []
     if not groups:
         return None
+    FSDPMeshInfo = torch_internals.get("fsdp.FSDPMeshInfo")  # noqa: N806 - torch's classes
+    HSDPMeshInfo = torch_internals.get("fsdp.HSDPMeshInfo")  # noqa: N806
     owned: set[int] = set()
     for g in groups:
         info = getattr(g, "mesh_info", None)
@@ -113,10 +112,7 @@ def install(objects: dict[str, Any]) -> ReducedVerdict | None:
     if not params or any(id(p) not in owned for p in params):
         return None
     verdict = ReducedVerdict()
-    try:
-        checking = _checking_class()
-    except ImportError:  # a torch without FSDP2's communication interface: the step commits
-        return None
+    checking = _checking_class()
     for g in groups:
         if not isinstance(g._reduce_scatter_comm, checking):
             g._reduce_scatter_comm = checking(g._reduce_scatter_comm, verdict)
@@ -129,7 +125,7 @@ def install(objects: dict[str, Any]) -> ReducedVerdict | None:
 def _checking_class() -> type:
     """The reduce-scatter that carries the verdict (a subclass of FSDP2's interface, made when
     first installed: torch's FSDP2 is not imported with nonstop)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    ReduceScatter = torch_internals.get("fsdp.ReduceScatter")  # noqa: N806 - torch's class
 
     class CheckingReduceScatter(ReduceScatter):
         """FSDP2's reduce-scatter of one unit, with a NaN anywhere spread to every rank's part

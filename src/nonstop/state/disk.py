@@ -19,7 +19,7 @@ import subprocess
 import sys
 from typing import Callable
 
-from ..agent import zygote
+from .. import zygote_client as zygote
 from ..protocol import keeper_messages as km
 from . import shm, wire
 from .slots import Holder, Slots

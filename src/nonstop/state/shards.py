@@ -16,6 +16,7 @@ import weakref
 from typing import Any
 
 from ..errors import ScriptSetupError
+from .. import torch_internals
 
 # in State.state_dict(): {object name: [[path, global shape, global offset], ...]}: where each
 # local shard is, and what of the whole tensor it is (a disk checkpoint's DCP metadata says so)
@@ -93,8 +94,8 @@ _OFFSETS: "weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], tuple[int, ...]]
 
 def _offset(dt: Any) -> tuple[int, ...]:
     """The global offset of this rank's shard of DTensor ``dt``."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
+    compute_local_shape_and_global_offset = torch_internals.get(
+        "dtensor.compute_local_shape_and_global_offset")
     mesh = dt.device_mesh
     # (meshes of the same layout are equal keys: this process's place in it is part of the key)
     key = (tuple(mesh.get_coordinate() or ()), tuple(dt.shape), tuple(dt.placements))
@@ -217,7 +218,7 @@ def _reset_iter_state(root: Any) -> None:
     events of its last collectives dropped. No event is waited for: they belong to collectives
     of the aborted generation. (Found on a GPU with torch 2.11: a survivor left gathered skipped
     its first all-gather of the next generation, and its peers waited for it.)"""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    TrainingState = torch_internals.get("fsdp.TrainingState")  # noqa: N806 - torch's class
 
     ctx = root._comm_ctx
     ctx.all_gather_state = None

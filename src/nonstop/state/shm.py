@@ -7,7 +7,6 @@ truncation is caught by the checksum before anything is loaded.
 
 from __future__ import annotations
 
-import dataclasses
 import mmap
 import os
 import struct
@@ -16,44 +15,14 @@ from typing import Any, Iterable
 
 import xxhash
 
+from ..protocol.slots import DATA_ALIGN, HEADER, SlotInfo, data_offset
+
 MAGIC = b"NSSNAP03"
-HEADER = 4096  # the header has a page of its own: the data after it stays aligned
-DATA_ALIGN = 64
 # magic, seq, step, meta_len, data_len, checksum, written_at, rank, valid, gen, departure
 _FMT = "<8sQQQQQdiiqi"
 _HEADER_LEN = struct.calcsize(_FMT)
 _VALID = struct.calcsize("<8sQQQQQdi")  # offset of the valid flag: set last, cleared first
 CHUNK = 4 << 20  # copy and hash in chunks that stay in the cache between the two
-
-
-@dataclasses.dataclass(frozen=True)
-class SlotInfo:
-    """What a valid slot's header says."""
-
-    seq: int  # grows with every snapshot of one holder: the newest slot has the largest
-    step: int
-    meta_len: int
-    data_len: int
-    checksum: int
-    written_at: float
-    rank: int
-    gen: int
-    # taken as its rank left a failed generation (``Snapshots.depart``), not after a step's
-    # check: its replicas were never compared (``detect.sdc``), so a corruption is never rolled
-    # back to it, and a new snapshot takes its slot before a periodic one's
-    departure: bool = False
-
-    @property
-    def total(self) -> int:
-        """Bytes of the slot in use: header, metadata, padding and data."""
-        return data_offset(self.meta_len) + self.data_len
-
-    def to_wire(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def data_offset(meta_len: int) -> int:
-    return (HEADER + meta_len + DATA_ALIGN - 1) // DATA_ALIGN * DATA_ALIGN
 
 
 def parse_header(raw: bytes) -> SlotInfo | None:

@@ -1,0 +1,98 @@
+"""A canary per private torch name nonstop uses (``nonstop/torch_internals.py``): each resolves
+in the installed torch, with every attribute nonstop reads or writes on it - in every suite, so
+a torch release that moves one fails here, not in a job."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from nonstop import torch_internals as ti
+
+#: modules whose private torch names are not behind the door yet: DTensor's sharding propagation
+#: (its own feature check, ``propagation.supported``, fails loudly in its tests)
+NOT_YET = {"runtime/propagation.py"}
+
+
+@pytest.mark.parametrize("name", sorted(ti.NAMES))
+def test_every_private_torch_name_resolves(name):
+    assert ti.get(name) is not None
+
+
+def test_a_name_torch_does_not_have_is_said_loudly_with_what_needed_it():
+    gone = ti.Internal("torch.distributed.distributed_c10d", "_no_such_registry",
+                       "the process-group registry")
+    with pytest.raises(ti.TorchInternalsChanged) as e:
+        ti.resolve(gone)
+    text = str(e.value)
+    assert "torch.distributed.distributed_c10d._no_such_registry" in text
+    assert "the process-group registry" in text and "tested on torch 2.13" in text
+    lacking = ti.Internal("torch.distributed.distributed_c10d", "_world", "the registry",
+                          ("pg_map", "no_such_map"))
+    with pytest.raises(ti.TorchInternalsChanged, match="it has no no_such_map"):
+        ti.resolve(lacking)
+    with pytest.raises(ti.TorchInternalsChanged, match="ModuleNotFoundError"):
+        ti.resolve(ti.Internal("torch.no_such_module", "x", "nothing"))
+
+
+def _dotted(node: ast.AST) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+
+def _is_private(name: str) -> bool:
+    return any(p.startswith("_") and not p.startswith("__") for p in name.split(".")[1:])
+
+
+def private_names(tree: ast.AST) -> set[str]:
+    """The private torch names a module's code uses: imported from a private module, or an
+    attribute that starts with an underscore reached from ``torch`` (or its ``c10d``, ``dist``).
+    A module's name in a string (the zygote's list of what to import ahead) is not a use."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            found |= {n for n in (f"{node.module}.{a.name}" for a in node.names) if _is_private(n)}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names
+                      if a.name.startswith("torch.") and _is_private(a.name)}
+        elif isinstance(node, ast.Attribute):
+            name = _dotted(node)
+            if name and name.split(".")[0] in ("torch", "c10d", "dist") and _is_private(name):
+                found.add(name)
+    return found
+
+
+def test_the_code_reaches_torchs_private_names_only_through_the_door():
+    src = Path(ti.__file__).parent
+    found = {}
+    for p in sorted(src.rglob("*.py")):
+        rel = str(p.relative_to(src))
+        if p.name == "torch_internals.py" or rel in NOT_YET:
+            continue
+        hits = private_names(ast.parse(p.read_text()))
+        if hits:
+            found[rel] = sorted(hits)
+    assert found == {}
+
+
+def test_the_door_check_finds_a_private_name_however_it_is_reached():
+    code = "\n".join([
+        "from torch.distributed import distributed_c10d as c10d",
+        "from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter",
+        "import torch.distributed as dist",
+        "x = c10d._world",
+        "y = dist.distributed_c10d._get_default_group()",
+        "z = torch._foreach_norm",
+        "w = torch.nn.Linear",
+        "v = 'torch._dynamo'",
+        "u = torch.__version__",
+        "from torchft._torchft import lighthouse_main",
+    ])
+    assert private_names(ast.parse(code)) == {
+        "torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter", "c10d._world",
+        "dist.distributed_c10d._get_default_group", "torch._foreach_norm"}
