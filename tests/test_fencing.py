@@ -344,3 +344,31 @@ def test_peer_answers_over_loopback():
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
     assert peer_answers(("127.0.0.1", port))  # refused: the path works
+    # ...but not from this host's own address: a cut host still reaches itself
+    assert not peer_answers(("127.0.0.1", port), own="127.0.0.1")
+
+
+def test_a_cut_host_with_a_record_of_an_earlier_run_at_its_own_address_fences():
+    """A new machine in the place of one just gone (the same address) reads the old one's record
+    among its peers before it expires; cut off then, its probe of that record is refused by its
+    own kernel. That is no peer answering: it fences (it used to train on, cut off, forever)."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    etcd, clock, woke, stop = FakeEtcd(), Clock(), threading.Event(), threading.Event()
+    m = Membership(etcd, record(addr="127.0.0.1", port=port + 1), TTL, OUTAGE,  # type: ignore
+                   GRACE, wake=woke.set, stop=stop, clock=clock)  # the real probe
+    earlier = record("h1-earlier", "127.0.0.1", port, incarnation="old")
+    etcd.put(keys.host_key(earlier.host_id), earlier.dumps())
+    try:
+        assert m.register() and m.read_job() is None and m.peers == [("127.0.0.1", port)]
+        etcd.down = True
+        m.lease.on_doubt(True)  # type: ignore[union-attr]
+        deadline, said = time.monotonic() + 5, []
+        while time.monotonic() < deadline and not any(isinstance(v, Fence) for v in said):
+            said += m.poll(True)
+            woke.wait(0.05)
+            woke.clear()
+        assert Fence("it reaches neither etcd nor any other host") in said, said
+    finally:
+        stop.set()

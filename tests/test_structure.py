@@ -33,10 +33,7 @@ def import_graph() -> dict[str, set[str]]:
                 if node.level:
                     up = pkg[:len(pkg) - (node.level - 1)]
                     base = ".".join(up + ([node.module] if node.module else []))
-                # (``from pkg import module``: the module; ``pkg`` itself only for a name that
-                # is not a module of it)
-                subs = [f"{base}.{a.name}" for a in node.names]
-                targets = subs if all(t in mods for t in subs) else [base] + subs
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
             else:
                 continue
             for t in targets:

@@ -9,6 +9,7 @@ off, or is etcd down?); the job's end as read from etcd.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import secrets
 import socket
@@ -78,14 +79,17 @@ class Registered:
 Verdict = EtcdSilent | Rejoined | Fence | OutageOver | JobEnded
 
 
-def peer_answers(peer: Peer) -> bool:
+def peer_answers(peer: Peer, own: str | None = None) -> bool:
     """Whether another host's agent answers a connect (accepted or refused: either proves the
-    path) within ``PEER_PROBE_S``."""
+    path) within ``PEER_PROBE_S``. A refusal from ``own``, this host's own address, proves
+    nothing: cut off, a host still reaches itself, and a record of an earlier run of this host
+    at its address (a new machine in the place of one just gone) is refused there - taken for
+    a peer that answered, it kept a cut host from ever fencing."""
     try:
         with socket.create_connection(peer, timeout=PEER_PROBE_S):
             return True
-    except ConnectionRefusedError:  # a refusal came back: the path works
-        return True
+    except ConnectionRefusedError:  # a refusal came back: the path works (from elsewhere)
+        return peer[0] != own
     except OSError:
         return False
 
@@ -106,13 +110,13 @@ class Membership:
         wake: ends the agent loop's wait, from another thread.
         stop: set when the agent ends: the threads started here end with it.
         clock: monotonic seconds.
-        answers: whether a peer's agent answers (a connect, by default).
+        answers: whether a peer's agent answers (by default a connect: ``peer_answers``).
     """
 
     def __init__(self, etcd: Etcd, record: keys.HostRecord, lease_ttl_s: int, outage_s: float,
                  grace_s: float, wake: Callable[[], None], stop: threading.Event,
                  clock: Callable[[], float] = time.monotonic,
-                 answers: Callable[[Peer], bool] = peer_answers):
+                 answers: Callable[[Peer], bool] | None = None):
         self._etcd = etcd
         self._template = record
         self._ttl = lease_ttl_s
@@ -123,7 +127,7 @@ class Membership:
         self._wake = wake
         self._stop = stop
         self._clock = clock
-        self._answers = answers
+        self._answers = answers or functools.partial(peer_answers, own=record.addr)
         self.lease: Lease | None = None
         self.incarnation = ""  # none before the first registration
         self.record: keys.HostRecord | None = None  # what this incarnation registered

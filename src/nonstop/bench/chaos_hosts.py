@@ -355,6 +355,11 @@ class Harness:
                 j.hosts[i].cut()
                 try:
                     self.wait("the cut host fenced", lambda: j.output(i).count("fenced") > before, 60)
+                except TimeoutError:  # what it did instead: every thread's stack, in its output
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(j.procs[i].pid, signal.SIGUSR1)
+                    time.sleep(1.0)
+                    raise
                 finally:
                     j.hosts[i].heal()
         elif kind == "controller_kill":

@@ -4,6 +4,7 @@ to the host's agent - beside ``launcher.run``, the same command for a job on one
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import hashlib
 import json
 import os
@@ -102,6 +103,9 @@ def run_host(cfg: Any) -> int:
         raise KeyboardInterrupt
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # SIGUSR1: every thread's Python stack on this host's output (what it is doing, for an
+    # operator or a harness whose host does not answer), as a rank's
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         return agent.run()
     except KeyboardInterrupt:

@@ -22,7 +22,7 @@ import math
 from typing import Any, Callable, Iterator
 
 from ..errors import ScriptSetupError
-from .. import torch_internals
+from ..torch_internals import get as torch_private
 
 # the collectives a lasting group forwards (those torch.distributed, DTensor and FSDP2 call)
 FORWARDED = ("allgather", "allgather_coalesced", "allgather_into_tensor_coalesced",
@@ -429,7 +429,7 @@ def _register(pg: Any, name: str, ranks: list[int], inner: Any = None) -> None:
     generation's teardown forgets every group. Its backend is said as ``inner``'s (the group of
     this generation inside it: ``gloo``, or ``cpu:gloo,cuda:nccl`` on GPUs)."""
     mapping = {g: i for i, g in enumerate(ranks)}
-    world = torch_internals.get("c10d.world")
+    world = torch_private("c10d.world")
     backend = world.pg_map.get(inner, ("gloo", None))[0] if inner is not None else "gloo"
     world.pg_map[pg] = (backend, None)
     world.pg_names[pg] = name
@@ -438,7 +438,7 @@ def _register(pg: Any, name: str, ranks: list[int], inner: Any = None) -> None:
     tag = f"ptd:{name}"
     world.tags_to_pg.setdefault(tag, []).append(pg)
     world.pg_to_tag[pg] = tag
-    torch_internals.get("c10d.register_process_group")(name, pg)
+    torch_private("c10d.register_process_group")(name, pg)
 
 
 class JobMesh:
@@ -484,7 +484,7 @@ class JobMesh:
                             "shard (only whole replica groups may leave and come back)")
         self.sizes, self.rank = current, rank
         self.ranks = [group_ranks(rank, current, d) for d in range(len(current))]
-        default = torch_internals.get("c10d.get_default_group")()
+        default = torch_private("c10d.get_default_group")()
         formed: dict[tuple[int, ...], Any] = {tuple(range(world)): default}
         for lasting, members in zip(self.groups, self.ranks):
             key = tuple(members)

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
-from .. import torch_internals
+from ..torch_internals import get as torch_private
 
 ABORT_S = 10.0  # an abort (or a creation it waits for) not done by then: the process is replaced
 
@@ -109,7 +109,7 @@ def communicators() -> list[Any]:
         return []
     for _ in range(10):  # read while the main thread may be making or ending a group
         try:
-            groups = list(torch_internals.get("c10d.world").pg_map)
+            groups = list(torch_private("c10d.world").pg_map)
             break
         except RuntimeError:
             time.sleep(0.001)

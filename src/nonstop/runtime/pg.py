@@ -19,7 +19,7 @@ import time
 from typing import Callable, Iterator
 
 from . import nccl
-from .. import torch_internals
+from ..torch_internals import get as torch_private
 
 
 def socket_fds() -> dict[int, str]:
@@ -176,7 +176,7 @@ def _reset_group_names() -> None:
     that failed (aborted mid-rendezvous) leaves it advanced, so this rank's next group would take
     its keys under another name than a fresh process's, and the two would wait for each other
     until the rendezvous timeout."""
-    torch_internals.get("c10d.world").group_count = 0
+    torch_private("c10d.world").group_count = 0
 
 
 class GenerationGroup:
@@ -274,7 +274,7 @@ class GenerationGroup:
         if gpu is not None:
             # now, every peer just seen alive (not in the script's first collective); after the
             # gloo half's sockets were noted, so that an abort never shuts NCCL's own
-            nccl.connect(torch_internals.get("c10d.get_default_group")(), gpu)
+            nccl.connect(torch_private("c10d.get_default_group")(), gpu)
             if self.aborted:
                 raise RuntimeError(f"generation {self.gen} was aborted during rendezvous")
 
@@ -426,16 +426,16 @@ class GenerationGroup:
         the path, once drained."""
         import torch.distributed as dist
 
-        world = torch_internals.get("c10d.world")
-        self._kept = torch_internals.get("c10d.get_default_group")() \
+        world = torch_private("c10d.world")
+        self._kept = torch_private("c10d.get_default_group")() \
             if dist.is_initialized() else None
         self._kept_all = list(world.pg_map)  # a mesh's groups too: none is destroyed here
         try:
-            torch_internals.get("c10d.update_default_pg")(None)
+            torch_private("c10d.update_default_pg")(None)
             for name in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config",
                          "pg_to_tag", "tags_to_pg", "pg_coalesce_state"):
                 getattr(world, name).clear()
-            torch_internals.get("c10d.unregister_all_process_groups")()
+            torch_private("c10d.unregister_all_process_groups")()
         except RuntimeError:  # the registry refused: destroy, bounded
             self._end()
             return
@@ -467,7 +467,7 @@ class GenerationGroup:
         import torch.distributed as dist
 
         if dist.is_initialized():
-            self._kept = torch_internals.get("c10d.get_default_group")()
+            self._kept = torch_private("c10d.get_default_group")()
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a broken group may fail its own teardown

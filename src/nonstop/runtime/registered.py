@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from .. import torch_internals
+from ..torch_internals import get as torch_private
 
 
 class NonFiniteGradients(BaseException):
@@ -475,7 +475,7 @@ def _grads_finite(optimizer: Any, sharded: bool,
 
         grads = [t for t in (shards.local(g) for g in grads) if t.numel()]
     if grads:
-        norms = torch_internals.get("foreach_norm")(grads)  # one pass; a NaN or Inf anywhere: a non-finite norm
+        norms = torch_private("foreach_norm")(grads)  # one pass; a NaN or Inf anywhere: a non-finite norm
         finite = bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
     else:
         finite = True

@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from .. import torch_internals
+from ..torch_internals import get as torch_private
 
 _EXACT = ("float32", "bfloat16")  # parameter dtypes a finite reduced float32 gradient stays finite in
 
@@ -94,8 +94,8 @@ def install(objects: dict[str, Any]) -> ReducedVerdict | None:
                     groups += getattr(m._get_fsdp_state(), "_fsdp_param_groups", None) or []
     if not groups:
         return None
-    FSDPMeshInfo = torch_internals.get("fsdp.FSDPMeshInfo")  # noqa: N806 - torch's classes
-    HSDPMeshInfo = torch_internals.get("fsdp.HSDPMeshInfo")  # noqa: N806
+    FSDPMeshInfo = torch_private("fsdp.FSDPMeshInfo")  # noqa: N806 - torch's classes
+    HSDPMeshInfo = torch_private("fsdp.HSDPMeshInfo")  # noqa: N806
     owned: set[int] = set()
     for g in groups:
         info = getattr(g, "mesh_info", None)
@@ -125,7 +125,7 @@ def install(objects: dict[str, Any]) -> ReducedVerdict | None:
 def _checking_class() -> type:
     """The reduce-scatter that carries the verdict (a subclass of FSDP2's interface, made when
     first installed: torch's FSDP2 is not imported with nonstop)."""
-    ReduceScatter = torch_internals.get("fsdp.ReduceScatter")  # noqa: N806 - torch's class
+    ReduceScatter = torch_private("fsdp.ReduceScatter")  # noqa: N806 - torch's class
 
     class CheckingReduceScatter(ReduceScatter):
         """FSDP2's reduce-scatter of one unit, with a NaN anywhere spread to every rank's part

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 
 import xxhash
 
-from .. import torch_internals
+from ..torch_internals import get as torch_private
 
 FORMAT = "nonstop-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -468,7 +468,7 @@ def drop_page_cache(path: Path) -> None:
 
 def _skeleton(state_dict: Mapping[str, Any]) -> Any:
     """The structure with every DCP leaf replaced by its DCP name (FQN)."""
-    traverse_state_dict = torch_internals.get("dcp.traverse_state_dict")
+    traverse_state_dict = torch_private("dcp.traverse_state_dict")
 
     leaves: dict[tuple, str] = {}
     seen: set[str] = set()

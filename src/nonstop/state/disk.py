@@ -19,7 +19,7 @@ import subprocess
 import sys
 from typing import Callable
 
-from .. import zygote_client as zygote
+from ..zygote_client import TemplatedProcess, from_templates
 from ..protocol import keeper_messages as km
 from . import shm, wire
 from .slots import Holder, Slots
@@ -38,7 +38,7 @@ class DiskWrites:
         # parts to stage, with the slot leased for each (None: the holder's snapshot of its step)
         self.stage_queue: collections.deque[tuple[km.DiskPart, int | None]] = collections.deque()
         self.write_queue: collections.deque[Job] = collections.deque()
-        self.writer: subprocess.Popen | zygote.TemplatedProcess | None = None
+        self.writer: subprocess.Popen | TemplatedProcess | None = None
         self.writer_sock: socket.socket | None = None
         self.writer_job: Job | None = None
         # holder -> the staged copy of its newest part that failed to be written
@@ -144,13 +144,13 @@ class DiskWrites:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # forked by a zygote template where the environment names one (torch and DCP imported
         # already: the first part is written at once), else a process of its own that imports them
-        pid, refused = zygote.from_templates("writer", theirs.fileno(), dict(os.environ),
+        pid, refused = from_templates("writer", theirs.fileno(), dict(os.environ),
                                              sys.stderr.fileno())
         if refused:
             print("\n".join(refused) + ("\nstarting a checkpoint writer" if pid is None else ""),
                   file=sys.stderr, flush=True)
         if pid is not None:
-            self.writer = zygote.TemplatedProcess(pid)
+            self.writer = TemplatedProcess(pid)
         else:
             self.writer = subprocess.Popen(
                 [sys.executable, "-m", "nonstop.state.writer", str(theirs.fileno()),

@@ -16,7 +16,7 @@ import weakref
 from typing import Any
 
 from ..errors import ScriptSetupError
-from .. import torch_internals
+from ..torch_internals import get as torch_private
 
 # in State.state_dict(): {object name: [[path, global shape, global offset], ...]}: where each
 # local shard is, and what of the whole tensor it is (a disk checkpoint's DCP metadata says so)
@@ -94,7 +94,7 @@ _OFFSETS: "weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], tuple[int, ...]]
 
 def _offset(dt: Any) -> tuple[int, ...]:
     """The global offset of this rank's shard of DTensor ``dt``."""
-    compute_local_shape_and_global_offset = torch_internals.get(
+    compute_local_shape_and_global_offset = torch_private(
         "dtensor.compute_local_shape_and_global_offset")
     mesh = dt.device_mesh
     # (meshes of the same layout are equal keys: this process's place in it is part of the key)
@@ -218,7 +218,7 @@ def _reset_iter_state(root: Any) -> None:
     events of its last collectives dropped. No event is waited for: they belong to collectives
     of the aborted generation. (Found on a GPU with torch 2.11: a survivor left gathered skipped
     its first all-gather of the next generation, and its peers waited for it.)"""
-    TrainingState = torch_internals.get("fsdp.TrainingState")  # noqa: N806 - torch's class
+    TrainingState = torch_private("fsdp.TrainingState")  # noqa: N806 - torch's class
 
     ctx = root._comm_ctx
     ctx.all_gather_state = None
