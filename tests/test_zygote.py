@@ -53,7 +53,8 @@ def test_ranks_are_the_zygotes_children_in_sessions_of_their_own_and_die_with_th
     namespaces, or the keeper's own child; either way it ends with the keeper."""
     from conftest import TEMPLATE
 
-    from nonstop.agent.zygote import TEMPLATE_ENV, WRITER_NAME
+    from nonstop.agent.zygote import WRITER_NAME
+    from nonstop.zygote_client import TEMPLATE_ENV
 
     if origin == "own":
         monkeypatch.delenv(TEMPLATE_ENV, raising=False)
