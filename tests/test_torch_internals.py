@@ -96,3 +96,18 @@ def test_the_door_check_finds_a_private_name_however_it_is_reached():
     assert private_names(ast.parse(code)) == {
         "torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter", "c10d._world",
         "dist.distributed_c10d._get_default_group", "torch._foreach_norm"}
+
+
+def test_every_name_the_code_asks_the_door_for_is_declared():
+    """A call ``torch_private("...")`` names an entry of the door's table (a typo would be a
+    KeyError in a job, at the first use)."""
+    src = Path(ti.__file__).parent
+    asked = set()
+    for p in sorted(src.rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                    and node.func.id == "torch_private" and node.args \
+                    and isinstance(node.args[0], ast.Constant):
+                asked.add(node.args[0].value)
+    assert asked and asked <= set(ti.NAMES), asked - set(ti.NAMES)
+    assert set(ti.NAMES) <= asked  # and nothing is declared that nothing uses
