@@ -16,9 +16,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
 
 from nonstop.runtime import propagation
+from nonstop import torch_internals as ti
 from nonstop.runtime.propagation import BadRecord, Warmth
-
-pytestmark = pytest.mark.skipif(not propagation.supported(), reason="another torch")
 
 AXES = (((2,), (2,)), ((2,), (1,)))  # a (2, 2) mesh, row-major
 NAMES = ("nonstop:dp_shard", "nonstop:tp")
@@ -181,3 +180,16 @@ def test_a_pointwise_decision_with_a_float_holds_for_every_float():
     kept = spare.valueless[propagation._valueless(resumed)]
     fresh = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding_non_cached(resumed)
     assert kept.output_spec == fresh.output_spec and not kept.needs_redistribute
+
+
+def test_a_torch_without_what_the_warm_up_needs_says_so_once_and_warms_nothing(monkeypatch, capsys):
+    assert propagation.supported()  # this torch has all of it: never a silent skip here
+    monkeypatch.setitem(ti.NAMES, "gone", ti.Internal(
+        "torch.distributed.tensor", "DTensor._no_such_dispatcher", "a test's missing name"))
+    monkeypatch.setattr(ti, "_resolved", {})
+    monkeypatch.setattr(propagation, "NEEDS", (*propagation.NEEDS, "gone"))
+    monkeypatch.setattr(propagation, "_verdict", [])
+    assert not propagation.supported() and not propagation.supported()
+    err = capsys.readouterr().err
+    assert err.count("warning") == 1 and "DTensor._no_such_dispatcher" in err
+    assert "a test's missing name" in err and "tested on torch" in err

@@ -11,14 +11,35 @@ import pytest
 
 from nonstop import torch_internals as ti
 
-#: modules whose private torch names are not behind the door yet: DTensor's sharding propagation
-#: (its own feature check, ``propagation.supported``, fails loudly in its tests)
-NOT_YET = {"runtime/propagation.py"}
-
-
 @pytest.mark.parametrize("name", sorted(ti.NAMES))
 def test_every_private_torch_name_resolves(name):
     assert ti.get(name) is not None
+
+
+def _instances() -> dict[str, object]:
+    """A real instance of each declared class whose instances nonstop reaches into."""
+    import torch
+    from torch.distributed.tensor import Replicate
+
+    flat, layout = ti.get("mesh.FlatLayout"), ti.get("mesh.MeshLayout")
+    mesh = ti.get("mesh.DeviceMesh")("cpu", _layout=layout([flat(2, 1)]),
+                                    _rank_map=torch.tensor([0, 1], dtype=torch.int),
+                                    mesh_dim_names=("dp",), _init_backend=False, _rank=0)
+    mesh._dim_group_names = ["nonstop:dp"]  # (set by nonstop, as a spare's mesh has it)
+    spec = ti.get("dtensor.DTensorSpec")(mesh, (Replicate(),))
+    return {"mesh.DeviceMesh": mesh, "ops.OpOverload": torch.ops.aten.add.Tensor,
+            "dtensor.DTensorSpec": spec}
+
+
+def test_every_attribute_nonstop_uses_on_an_instance_is_there():
+    made = _instances()
+    for name, spec in ti.NAMES.items():
+        if spec.on_instances:
+            assert name in made, f"no instance of {name} made to look at"
+            gone = [a for a in spec.on_instances if not hasattr(made[name], a)]
+            assert gone == [], f"torch's {name} instances lack {gone}"
+    mesh = made["mesh.DeviceMesh"]
+    assert list(mesh._compute_coordinate_on_dim()) == [0]  # (what a spare's adopt() calls)
 
 
 def test_a_name_torch_does_not_have_is_said_loudly_with_what_needed_it():
@@ -33,6 +54,10 @@ def test_a_name_torch_does_not_have_is_said_loudly_with_what_needed_it():
                           ("pg_map", "no_such_map"))
     with pytest.raises(ti.TorchInternalsChanged, match="it has no no_such_map"):
         ti.resolve(lacking)
+    no_keyword = ti.Internal("torch.distributed.device_mesh", "DeviceMesh", "a spare's mesh",
+                             keywords=("_layout", "_no_such_keyword"))
+    with pytest.raises(ti.TorchInternalsChanged, match="it has no keyword _no_such_keyword"):
+        ti.resolve(no_keyword)
     with pytest.raises(ti.TorchInternalsChanged, match="ModuleNotFoundError"):
         ti.resolve(ti.Internal("torch.no_such_module", "x", "nothing"))
 
@@ -72,7 +97,7 @@ def test_the_code_reaches_torchs_private_names_only_through_the_door():
     found = {}
     for p in sorted(src.rglob("*.py")):
         rel = str(p.relative_to(src))
-        if p.name == "torch_internals.py" or rel in NOT_YET:
+        if p.name == "torch_internals.py":
             continue
         hits = private_names(ast.parse(p.read_text()))
         if hits:
@@ -111,3 +136,14 @@ def test_every_name_the_code_asks_the_door_for_is_declared():
                 asked.add(node.args[0].value)
     assert asked and asked <= set(ti.NAMES), asked - set(ti.NAMES)
     assert set(ti.NAMES) <= asked  # and nothing is declared that nothing uses
+
+
+def test_a_torch_release_nonstop_is_not_tested_on_is_named_in_a_warning():
+    assert ti.untested("2.13.0+cpu") is None and ti.untested("2.13.1") is None
+    text = ti.untested("2.15.0")
+    assert text is not None and "torch 2.15.0 is not a release nonstop is tested on (2.13)" in text
+    import tomllib
+
+    pyproject = tomllib.loads((Path(ti.__file__).parents[2] / "pyproject.toml").read_text())
+    pin = next(d for d in pyproject["project"]["dependencies"] if d.startswith("torch"))
+    assert pin == f"torch>={ti.TESTED[0]},<2.{int(ti.TESTED[-1].split('.')[1]) + 1}"

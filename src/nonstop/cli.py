@@ -407,6 +407,11 @@ def _exit_now(code: int) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from .launch.one_host import RunConfig, run
+    from .torch_internals import untested
+
+    warning = untested()
+    if warning:
+        print(f"nonstop: warning: {warning}", file=sys.stderr, flush=True)
 
     cfg = RunConfig(script=args.script, script_args=list(args.script_args), nproc=args.nproc,
                     spares=args.spares, nodes=args.nodes, spare_nodes=args.spare_nodes,

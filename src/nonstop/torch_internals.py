@@ -15,7 +15,9 @@ import dataclasses
 import importlib
 from typing import Any
 
-#: the torch releases nonstop is tested on (pyproject.toml declares the range)
+#: the torch releases nonstop is tested on (pyproject.toml declares the same range): the whole
+#: suite runs on 2.13 (the only release with a CPU build this project's CI can install; any
+#: other is a CUDA build of several GB)
 TESTED = ("2.13",)
 
 
@@ -29,6 +31,10 @@ class Internal:
     path: str  # inside the module: an attribute, or a dotted path of them
     why: str  # what nonstop needs it for
     attributes: tuple[str, ...] = ()  # what nonstop reads or writes on it
+    # ...on its instances (a class's), and the keywords it makes them with: the canary test
+    # makes one and looks
+    on_instances: tuple[str, ...] = ()
+    keywords: tuple[str, ...] = ()
 
 
 _C10D = "torch.distributed.distributed_c10d"
@@ -65,6 +71,41 @@ NAMES: dict[str, Internal] = {
     "dcp.traverse_state_dict": Internal(
         "torch.distributed.checkpoint._traverse", "traverse_state_dict",
         "a checkpoint's structure named as DCP names its leaves"),
+    # a warm spare's sharding decisions made ahead (runtime/propagation.py)
+    "dtensor.op_dispatcher": Internal(
+        "torch.distributed.tensor", "DTensor._op_dispatcher", "a warm spare's sharding decisions "
+        "made ahead: the path a native-cache miss takes is recorded by a first generation's "
+        "rank, and in a spare that warmed up, asks the Python cache first",
+        ("_propagate_op_sharding_dispatch_slow_path", "sharding_propagator")),
+    "dtensor.propagate_op_sharding": Internal(
+        "torch.distributed.tensor", "DTensor._op_dispatcher.sharding_propagator."
+        "propagate_op_sharding", "a warm spare's sharding decisions made into DTensor's Python "
+        "cache", ("cache_info",)),
+    "dtensor.OpSchema": Internal(
+        "torch.distributed.tensor._op_schema", "OpSchema", "a recorded operation read back (a "
+        "pickle of DTensor's own spec types) and keyed anew in the spare",
+        ("_recompute_comparison_key",)),
+    "dtensor.DTensorSpec": Internal(
+        "torch.distributed.tensor._dtensor_spec", "DTensorSpec", "a recorded spec's cached hash "
+        "(the recording process's) dropped in the spare", on_instances=("_hash",)),
+    "dtensor.pointwise_ops": Internal(
+        "torch.distributed.tensor._ops", "_pointwise_ops", "which operations are pointwise: their "
+        "decision for one float operand holds for every other (an optimizer's step-dependent "
+        "scalars)"),
+    "ops.OpOverload": Internal(
+        "torch._ops", "OpOverload", "an operation recorded by its name and overload, and known "
+        "as one in a recorded schema", on_instances=("_schema", "_overloadname")),
+    "mesh.DeviceMesh": Internal(
+        "torch.distributed.device_mesh", "DeviceMesh", "a spare's mesh equal to the job's, made "
+        "from a recorded layout without a process group, then seen from the rank it takes",
+        ("_compute_coordinate_on_dim", "_get_mesh_tensor_from_full_mesh"),
+        on_instances=("_layout", "_rank_map", "_flatten_rank_map", "_dim_group_names", "_rank",
+                      "_coordinate_on_dim"),
+        keywords=("_layout", "_rank_map", "_init_backend", "_rank")),
+    "mesh.MeshLayout": Internal(
+        "torch.distributed._mesh_layout", "_MeshLayout", "a recorded mesh's layout made again"),
+    "mesh.FlatLayout": Internal(
+        "torch.distributed._mesh_layout", "_FlatLayout", "a recorded mesh's layout made again"),
     "dtensor.compute_local_shape_and_global_offset": Internal(
         "torch.distributed.tensor._utils", "compute_local_shape_and_global_offset",
         "where a rank's shard of a DTensor starts (snapshots and their restore)"),
@@ -91,6 +132,11 @@ def resolve(spec: Internal) -> Any:
     except (ImportError, AttributeError) as exc:
         raise TorchInternalsChanged(_changed(where, spec, f"{type(exc).__name__}: {exc}")) from None
     missing = [a for a in spec.attributes if not hasattr(obj, a)]
+    if spec.keywords:
+        import inspect
+
+        takes = inspect.signature(obj).parameters
+        missing += [f"keyword {k}" for k in spec.keywords if k not in takes]
     if missing:
         raise TorchInternalsChanged(_changed(where, spec, f"it has no {', '.join(missing)}"))
     return obj
@@ -105,3 +151,22 @@ def _changed(where: str, spec: Internal, detail: str) -> str:
         version = "not installed"
     return (f"torch {version} has no {where} as nonstop knows it ({detail}): nonstop needs it "
             f"for {spec.why}; it is tested on torch {', '.join(TESTED)}")
+
+
+def untested(version: str | None = None) -> str | None:
+    """A warning when the installed torch (``version``: as pip has it) is not a release nonstop
+    is tested on - torch is not imported to find out - else None. Its private names are still
+    checked as they are used: what changed fails loudly there, never silently."""
+    if version is None:
+        from importlib import metadata
+
+        try:
+            version = metadata.version("torch")
+        except metadata.PackageNotFoundError:
+            return None  # (the script's own import says so)
+    release = ".".join(version.split("+")[0].split(".")[:2])
+    if release in TESTED:
+        return None
+    return (f"torch {version} is not a release nonstop is tested on ({', '.join(TESTED)}): the "
+            "internals it reaches into are checked as they are used, and one that changed stops "
+            "the job with its name")

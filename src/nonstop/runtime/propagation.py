@@ -12,6 +12,9 @@ publishes them once in its host's store, and a warm spare on the host makes thos
 it waits (``Warmth``), on meshes equal to the job's. Once it takes a rank, its first step finds
 them made.
 
+It reaches into DTensor's internals (every name through ``torch_internals``): a torch without one
+says so once, loudly, and its spares are not warmed ahead (``supported``).
+
 What stands in the way, and how it is met (torch 2.13):
 - DTensor's native (C++) cache keys a decision by the identity of the specs it was asked for;
   only its Python cache keys it by value. A spare that warmed its Python cache asks that cache
@@ -32,8 +35,12 @@ from __future__ import annotations
 
 import io
 import pickle
+import sys
 from collections import deque
 from typing import Any, Callable
+
+from ..torch_internals import NAMES as TORCH_NAMES, TorchInternalsChanged
+from ..torch_internals import get as torch_private
 
 RECORD_STEPS = 2  # steps of the first generation whose new decisions a rank records
 MAX_RECORD_BYTES = 4 << 20  # a record above this is not published (a spare would take too long)
@@ -49,14 +56,20 @@ SLOW_PATH = "_propagate_op_sharding_dispatch_slow_path"  # where DTensor's nativ
 OURS = "nonstop:"  # the prefix of the lasting groups' names (runtime/mesh.py)
 # what a record may make (module -> names): DTensor's spec types, and torch's own values
 _ALLOWED = {
-    "torch.distributed.tensor._dtensor_spec": {"DTensorSpec", "TensorMeta", "ShardOrderEntry"},
-    "torch.distributed.tensor._op_schema": {"OpSchema", "RuntimeSchemaInfo"},
+    TORCH_NAMES["dtensor.DTensorSpec"].module: {"DTensorSpec", "TensorMeta", "ShardOrderEntry"},
+    TORCH_NAMES["dtensor.OpSchema"].module: {"OpSchema", "RuntimeSchemaInfo"},
     "torch.distributed.tensor.placement_types": {"Shard", "Replicate", "Partial",
                                                  "_StridedShard", "MaskPartial"},
-    "torch.distributed.tensor._ops._embedding_ops": {"MaskPartial"},
+    # (where torch 2.13 pickles its MaskPartial from)
+    f"{TORCH_NAMES['dtensor.pointwise_ops'].module}._embedding_ops": {"MaskPartial"},
     "torch": {"Size"},
     "builtins": {"slice", "complex", "frozenset", "set"},
 }
+#: the internals the warm-up needs, each resolved by ``supported``
+NEEDS = ("dtensor.op_dispatcher", "dtensor.propagate_op_sharding", "dtensor.OpSchema",
+         "dtensor.DTensorSpec", "dtensor.pointwise_ops", "ops.OpOverload", "mesh.DeviceMesh",
+         "mesh.MeshLayout", "mesh.FlatLayout")
+_verdict: list[bool] = []  # supported's answer, found once a process
 
 
 class BadRecord(ValueError):
@@ -64,20 +77,19 @@ class BadRecord(ValueError):
 
 
 def supported() -> bool:
-    """Whether this torch has what the warm-up reaches into (else nothing is recorded or
-    warmed: the job runs as without it)."""
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor._op_schema import OpSchema
-
-        disp = DTensor._op_dispatcher
-        return (callable(getattr(disp, "_propagate_op_sharding_dispatch_slow_path", None))
-                and hasattr(disp.sharding_propagator.propagate_op_sharding, "cache_info")
-                and hasattr(OpSchema, "_recompute_comparison_key")
-                and hasattr(DeviceMesh, "_compute_coordinate_on_dim"))
-    except Exception:  # noqa: BLE001 - another torch: no warm-up
-        return False
+    """Whether this torch has what the warm-up reaches into. Where it has not, the process says
+    which name and why once, on stderr (the job's output), and records and warms nothing: the
+    job runs as without it, a replacement's first step slower."""
+    if not _verdict:
+        try:
+            for name in NEEDS:
+                torch_private(name)
+            _verdict.append(True)
+        except TorchInternalsChanged as exc:
+            print(f"nonstop: warning: a warm spare will not make DTensor's sharding decisions "
+                  f"ahead: {exc}", file=sys.stderr, flush=True)
+            _verdict.append(False)
+    return _verdict[0]
 
 
 class _NotOurs(Exception):
@@ -86,7 +98,8 @@ class _NotOurs(Exception):
 
 def _dumps(schema: Any) -> bytes:
     import torch
-    from torch.distributed.device_mesh import DeviceMesh
+
+    DeviceMesh, OpOverload = torch_private("mesh.DeviceMesh"), torch_private("ops.OpOverload")
 
     class Pickler(pickle.Pickler):
         def persistent_id(self, obj: Any) -> Any:
@@ -97,7 +110,7 @@ def _dumps(schema: Any) -> bytes:
                 axes = tuple((tuple(a.shape), tuple(a.stride)) for a in obj._layout.axes)
                 return ("mesh", names, axes, tuple(obj._flatten_rank_map), obj.device_type,
                         tuple(obj.mesh_dim_names or ()))
-            if isinstance(obj, torch._ops.OpOverload):
+            if isinstance(obj, OpOverload):
                 return ("op", obj._schema.name, obj._overloadname)
             if isinstance(obj, torch.dtype):
                 return ("dtype", str(obj).removeprefix("torch."))
@@ -116,11 +129,9 @@ class Recorder:
     ``RECORD_STEPS`` steps are done; then published once (``stepped``)."""
 
     def __init__(self) -> None:
-        from torch.distributed.tensor import DTensor
-
         self.schemas: list[Any] = []
         self.steps = 0
-        self._disp = DTensor._op_dispatcher
+        self._disp = torch_private("dtensor.op_dispatcher")
         original = self._disp._propagate_op_sharding_dispatch_slow_path
         self._original = original
         self._own = SLOW_PATH in vars(self._disp)  # a wrapper of ours was there already
@@ -240,9 +251,7 @@ class Warmth:
         """Make the pending operations' decisions into DTensor's (Python) cache, on this thread
         (the cache is per thread: the one that trains), until ``called_off()`` (asked every
         few). Those that fail are left to the step."""
-        from torch.distributed.tensor import DTensor
-
-        prop = DTensor._op_dispatcher.sharding_propagator
+        propagate = torch_private("dtensor.propagate_op_sharding")
         made = tried = 0
         while self._pending:
             schema = self._pending.popleft()
@@ -254,7 +263,7 @@ class Warmth:
             tried += 1
             self._made.add(schema)
             try:
-                out = prop.propagate_op_sharding(schema)
+                out = propagate(schema)
                 made += 1
             except Exception:  # noqa: BLE001 - made in the step, as without the warm-up
                 continue
@@ -270,9 +279,9 @@ class Warmth:
         mesh = self.meshes.get(key)
         if mesh is None:
             import torch
-            from torch.distributed._mesh_layout import _FlatLayout, _MeshLayout
 
-            layout = _MeshLayout([_FlatLayout(shape, stride) for shape, stride in axes])
+            flat, layout_type = torch_private("mesh.FlatLayout"), torch_private("mesh.MeshLayout")
+            layout = layout_type([flat(shape, stride) for shape, stride in axes])
             mesh = _spare_mesh_type()(device, _layout=layout,
                               _rank_map=torch.tensor(ranks, dtype=torch.int),
                               mesh_dim_names=dims or None, _init_backend=False,
@@ -299,9 +308,9 @@ def _spare_mesh_type() -> Any:
     torch compares meshes."""
     global _spare_mesh
     if _spare_mesh is None:
-        from torch.distributed.device_mesh import DeviceMesh
+        DeviceMesh = torch_private("mesh.DeviceMesh")
 
-        class SpareMesh(DeviceMesh):
+        class SpareMesh(DeviceMesh):  # type: ignore[misc,valid-type]
             _rank = 0  # (until __init__ sets the one given: it reads ``mesh`` before)
 
             @property
@@ -357,9 +366,7 @@ class _Unpickler(pickle.Unpickler):
 def _rehash(schema: Any) -> Any:
     """A schema read from a record, its specs' cached hashes dropped (they were the recording
     process's) and its comparison key made anew."""
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-    from torch.distributed.tensor._op_schema import OpSchema
-
+    DTensorSpec, OpSchema = torch_private("dtensor.DTensorSpec"), torch_private("dtensor.OpSchema")
     if not isinstance(schema, OpSchema):
         raise BadRecord(f"a record holds a {type(schema).__name__}, not an operation")
 
@@ -383,9 +390,7 @@ def _ask_python_cache(valueless: dict[Any, Any]) -> None:
     """From now on in this process, a decision DTensor's native cache misses is looked up in
     its Python cache (where the spare made them) before it is made anew; a pointwise one with
     float operands, by its operands' specs (``valueless``)."""
-    from torch.distributed.tensor import DTensor
-
-    disp = DTensor._op_dispatcher
+    disp = torch_private("dtensor.op_dispatcher")
     original: Callable[..., Any] = disp._propagate_op_sharding_dispatch_slow_path
 
     def asking(op_call: Any, args: Any, kwargs: Any, op_info: Any, try_cache: bool) -> Any:
@@ -412,10 +417,8 @@ def _valueless(schema: Any) -> Any:
     import dataclasses
 
     if not _POINTWISE:
-        from torch._ops import OpOverload
-        from torch.distributed.tensor._ops import _pointwise_ops
-
-        _POINTWISE.update(op for value in vars(_pointwise_ops).values()
+        OpOverload = torch_private("ops.OpOverload")
+        _POINTWISE.update(op for value in vars(torch_private("dtensor.pointwise_ops")).values()
                           if isinstance(value, list) for op in value
                           if isinstance(op, OpOverload))
     if schema.op not in _POINTWISE or not any(type(a) is float for a in schema.args_schema):
