@@ -16,6 +16,7 @@ from nonstop.net.channel import connect, new_secret
 from nonstop.net.listener import Listener
 from nonstop.protocol import hosts as keys
 from nonstop.protocol import messages as m
+from office import Office
 
 HOST = "127.0.0.1"
 
@@ -29,7 +30,7 @@ def host(tmp_path):
         box: dict = {}
         t = threading.Thread(target=lambda: box.setdefault("ch", lst.accept(10)))
         t.start()
-        cluster = Cluster(7, secret, tmp_path, lambda wid, line: None)
+        cluster = Cluster(7, secret, tmp_path, Office())
         rec = keys.HostRecord(host_id="h0", addr=HOST, ctl_port=lst.port, rdzv_port=1, pid=1,
                               slots=1, incarnation="a")
         cluster.add_host(0, rec, ch=connect(HOST, lst.port, secret))
@@ -53,15 +54,14 @@ def _received(agent, timeout: float = 0.3) -> list:
 
 def test_orders_wait_while_office_is_unproven_then_go_out_in_order(host):
     cluster, agent = host
-    office = {"held": False}
-    cluster.in_office = lambda: office["held"]
+    cluster.office.held = False
     cluster.abort(3, [])  # nothing to abort: nothing is sent either way
     cluster.signal(99)  # an unknown process: nothing
     cluster.tell(0, m.Abort(gen=3, wids=[1]))
     cluster.tell(0, m.Abort(gen=4, wids=[2]))
     cluster.poll(0.05)
     assert _received(agent) == []  # not while the lease is not confirmed
-    office["held"] = True
+    cluster.office.held = True
     cluster.poll(0.05)
     got = _received(agent)
     assert [(x.gen, x.wids, x.epoch) for x in got] == [(3, [1], 7), (4, [2], 7)]
@@ -69,7 +69,7 @@ def test_orders_wait_while_office_is_unproven_then_go_out_in_order(host):
 
 def test_the_end_of_the_job_goes_out_without_a_lease(host):
     cluster, agent = host
-    cluster.in_office = lambda: False
+    cluster.office.held = False
     cluster.giving_up = True  # etcd away longer than hosts.store_outage_s
     cluster.tell(0, m.End(code=1, why="etcd unreachable"))
     (end,) = _received(agent)
@@ -89,11 +89,11 @@ def test_once_training_is_complete_the_jobs_end_goes_out_without_a_lease(host, c
     job's end go out, in order - no successor could decide otherwise - and nothing claims the
     lease was confirmed."""
     cluster, agent = host
-    cluster.in_office = lambda: False
+    cluster.office.held = False
     cluster.tell(0, m.Abort(gen=3, wids=[1]))
     cluster.poll(0.05)
     assert _received(agent) == []
-    cluster.completed = lambda: True
+    cluster.office.done = True
     cluster.poll(0.05)
     cluster.tell(0, m.End(code=0))
     got = _received(agent)
@@ -133,14 +133,13 @@ def test_a_controller_that_hears_no_host_and_not_etcd_is_deaf(host):
     deadline = time.monotonic() + 5
     while cluster.links[0].heard is None and time.monotonic() < deadline:
         cluster.poll(0.02)
-    store = {"heard": before}  # etcd's newest answered request was sent before that frame
-    cluster.store_heard = lambda: store["heard"]
+    cluster.office.heard = before  # etcd's newest answered request was sent before that frame
     assert not cluster.deaf()  # silent for less than the hosts' reporting allows
     time.sleep(0.5)  # every host silent past it (each reports every 0.1 s)
     assert cluster.deaf()
-    store["heard"] = time.monotonic()  # etcd answered since: the silence is the hosts' own
+    cluster.office.heard = time.monotonic()  # etcd answered since: the silence is the hosts' own
     assert not cluster.deaf()
-    store["heard"] = before
+    cluster.office.heard = before
     # its own host's agent speaks over loopback, which a host whose incoming traffic is lost
     # still carries: no proof that the controller hears the job
     cluster.own_host = "h0"

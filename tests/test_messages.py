@@ -210,6 +210,7 @@ def host(tmp_path):
     import threading
 
     from nonstop.controller.cluster import Cluster, RemoteProc
+    from office import Office
     from nonstop.net.channel import connect, new_secret
     from nonstop.net.listener import Listener
     from nonstop.protocol import hosts as keys
@@ -219,7 +220,7 @@ def host(tmp_path):
         box: dict = {}
         t = threading.Thread(target=lambda: box.setdefault("ch", lst.accept(10)))
         t.start()
-        cluster = Cluster(7, secret, tmp_path, lambda wid, line: None)
+        cluster = Cluster(7, secret, tmp_path, Office())
         rec = keys.HostRecord(host_id="h0", addr="127.0.0.1", ctl_port=lst.port, rdzv_port=1,
                               pid=1, slots=1, incarnation="a")
         cluster.add_host(0, rec, ch=connect("127.0.0.1", lst.port, secret))

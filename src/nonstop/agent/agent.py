@@ -95,6 +95,14 @@ class Agent:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._sel.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
 
+    #: the nodes' health checks run in the controller here (``Watchers``), not elsewhere
+    health = None
+
+    @property
+    def next_wid(self) -> int:
+        """The worker id the next process started will get."""
+        return self._next_wid
+
     def new_wid(self) -> int:
         wid = self._next_wid
         self._next_wid += 1
@@ -245,6 +253,10 @@ class Agent:
         """Whether the controller cannot prove it hears the job: on one host it always does (its
         ranks' reports never cross a network)."""
         return False
+
+    def silent_hosts(self) -> None:
+        """Hosts whose agent fell silent, and since when: none here (no host but this one)."""
+        return None
 
     def _start(self, wid: int, cmd: list[str], env: dict[str, str], log_name: str,
                spare: bool) -> Proc:

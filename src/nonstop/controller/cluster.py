@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 
 from ..protocol import hosts as keys, last_step
 from ..protocol import messages as m
+from .ports import Office
 from .readers import Readers
 
 RECONNECT_S = 0.2
@@ -68,11 +69,11 @@ class HostLink:
 class Cluster:
     """Agents of many hosts behind one agent-and-mail interface."""
 
-    def __init__(self, epoch: int, secret: bytes, run_dir: Path, output: Callable[[int, str], None],
+    def __init__(self, epoch: int, secret: bytes, run_dir: Path, office: Office,
                  next_wid: int = 0):
         self.epoch, self.secret = epoch, secret
         self.run_dir = run_dir
-        self.output = output
+        self.office = office  # what it reports to, and asks whether it may give orders
         self.links: dict[int, HostLink] = {}
         self.procs: dict[int, RemoteProc] = {}
         # (node, a report) from the hosts' readers; (-1, None): wake up; (-1, fn): run fn here
@@ -93,20 +94,14 @@ class Cluster:
         self._req = 0
         self.managed = True  # the script uses nonstop.wrap
         self._stop = threading.Event()
-        self.on_node_joined: Callable[[int], None] | None = None
-        self.on_node_lost: Callable[[int], None] | None = None
-        self.on_tick: Callable[[], None] | None = None  # the leader's own work, once per poll
         self.grace_s = 0.0
         self.health = RemoteHealth()  # each host's agent runs its own checks
         self._readers = Readers(self._deliver, self._reconnect, self._stop)
-        self.in_office: Callable[[], bool] = lambda: True  # provably still the controller
-        # orders that go out without a confirmed lease, since no successor could decide
-        # otherwise: once training is complete for every rank (a successor finds the ranks done
-        # and ends the job the same way), and the job's end after etcd was away too long
-        self.completed: Callable[[], bool] = lambda: False
+        # orders go out without a confirmed lease (``office.in_office``) only where no successor
+        # could decide otherwise: once training is complete for every rank (a successor finds
+        # the ranks done and ends the job the same way), and the job's end after etcd was away
+        # too long
         self.giving_up = False
-        # time.monotonic() when the newest request to etcd that was answered was sent
-        self.store_heard: Callable[[], float] = time.monotonic
         self._heard_other: float | None = None  # time.monotonic() of another host's newest frame
         self._held_orders: list[tuple[int, m.Order]] = []
 
@@ -185,8 +180,7 @@ class Cluster:
             if p.node == node and p.alive:
                 p.returncode, p.t_exit = HOST_LOST_CODE, now
                 self._exited.append(p)
-        if self.on_node_lost is not None:
-            self.on_node_lost(node)
+        self.office.node_lost(node)
 
     def node_of_host(self, host_id: str, incarnation: str) -> int | None:
         for node, link in self.links.items():
@@ -196,10 +190,10 @@ class Cluster:
 
     def _unleashed(self) -> bool:
         """Whether orders go out without a confirmed lease: the job is ending."""
-        return self.giving_up or self.completed()
+        return self.giving_up or self.office.completed()
 
     def _to(self, node: int, order: m.Order) -> None:
-        if not (self._unleashed() or self.in_office()):
+        if not (self._unleashed() or self.office.in_office()):
             # it cannot prove its lease still holds (its host was frozen, etcd is away): a
             # successor may be in office, so nothing goes out until the lease is confirmed
             if not self._held_orders:
@@ -338,7 +332,7 @@ class Cluster:
         if last is None:
             return False
         quiet = max(SILENT_ALL_S, 2 * keys.progress_every(len(self.links)))
-        return time.monotonic() - last > quiet and self.store_heard() < last
+        return time.monotonic() - last > quiet and self.office.store_heard() < last
 
     def lost_nodes(self) -> set[int]:
         return {n for n, link in self.links.items() if link.lost}
@@ -369,9 +363,8 @@ class Cluster:
             except queue.Empty:
                 break
             self._on_message(node, msg)
-        if self.on_tick is not None:
-            self.on_tick()
-        if self._held_orders and (self._unleashed() or self.in_office()):
+        self.office.tick()
+        if self._held_orders and (self._unleashed() or self.office.in_office()):
             held, self._held_orders = self._held_orders, []
             why = ("the job is ending" if self._unleashed() else
                    "the controller's lease is confirmed")
@@ -424,7 +417,7 @@ class Cluster:
             case m.KeeperEvents(events=events):
                 self._keeper_events.setdefault(node, []).extend(events)
             case m.Output(wid=wid, line=line):
-                self.output(wid, line)
+                self.office.output(wid, line)
             case m.Health(results=results, nvml_status=nvml_status):
                 self.health.report(node, results, nvml_status)
             case m.State():

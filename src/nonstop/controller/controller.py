@@ -16,7 +16,6 @@ import time
 from typing import Any
 
 from .. import protocol
-from ..agent.agent import Agent
 from ..decide.ladder import Counters, Decision, Fault, Level
 from ..decide.sdc import Judge as SdcJudge
 from ..observe.events import EventLog
@@ -36,6 +35,7 @@ from .generations import Generations
 from .ledger import SdcBook, TrainingLedger
 from .requests import Preemptions, RefusedRequest, Requests
 from .phase import ACTIVE, ENDING, Phase
+from .ports import Processes
 from .watchers import Command, Watchers
 from .exits import ProcessExits
 from . import worker_events as reports
@@ -57,7 +57,7 @@ STALL_S = 1.0
 
 
 class Controller:
-    def __init__(self, *, world: int, spares: int, policy: Policy, mail: Any, agent: Agent,
+    def __init__(self, *, world: int, spares: int, policy: Policy, mail: Any, agent: Processes,
                  log: EventLog, display: Any, managed: bool, nodes: int = 1, spare_nodes: int = 0,
                  run_dir: Any = None):
         self.world = world
@@ -427,7 +427,7 @@ class Controller:
         self._refill_spares()
 
     def _start(self) -> None:
-        self.watchers.start(range(self.total_nodes), getattr(self.agent, "health", None))
+        self.watchers.start(range(self.total_nodes), self.agent.health)
         self.prespawn()
         self._step(mc.Start(self._seen()))
 
@@ -699,7 +699,7 @@ class Controller:
             deadline=now + self.policy.timeouts.rendezvous_s,
             counters=Counters.from_record(j.counters, set(j.isolated) | lost),
             degraded_since=now if len(self.plan) < self.gens.target else None)
-        self.watchers.start(range(self.total_nodes), getattr(self.agent, "health", None))
+        self.watchers.start(range(self.total_nodes), self.agent.health)
         self.memory.world = self.world
         self.memory.adopt([(s.node, s.wid, s.keeper) for s in seen if s.keeper and s.alive])
         now = time.time()
@@ -772,10 +772,9 @@ class Controller:
                 and self.state.retry_deadline is None:
             # a redone step (a step retry) gets the first step's allowance from the retry on;
             # no step is awaited from before the controller last heard the job again
-            silent = getattr(self.agent, "silent_hosts", None)  # (across hosts only)
             self._act((self.watchers.steps(self._ranks(), self.gen,
                                            max(self._t_running, self._t_retry, self._t_heard), now,
-                                           silent() if silent is not None else None)
+                                           self.agent.silent_hosts())
                        if scan else []) + self.watchers.tick(now))
 
     def _unheard(self, now: float) -> bool:

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     office_imports.start()
     etcd = cfg.etcd()
     stop = threading.Event()
-    office = Office(",".join(f"{h}:{p}" for h, p in cfg.endpoints))
+    reach = StoreReach(",".join(f"{h}:{p}" for h, p in cfg.endpoints))
 
     def lost() -> None:
         step_down(f"the controller on {cfg.host_id} lost its lease in etcd")
@@ -83,16 +83,16 @@ def main(argv: list[str] | None = None) -> None:
     while True:
         try:
             lead = etcd.campaign(keys.LEADER, me, cfg.lease_ttl_s, stop, on_lost=lost,
-                                 on_doubt=office.doubt)
+                                 on_doubt=reach.doubt)
             break
         except StoreUnavailable:
             time.sleep(0.5)
     if lead is None:
         os._exit(0)
     office_imports.join()
-    office.confirm = lambda: _still_leader(etcd, lead.epoch)
-    office.lease = lead.lease
-    code = Leader(cfg, secret, etcd, lead, office).run()
+    reach.confirm = lambda: _still_leader(etcd, lead.epoch)
+    reach.lease = lead.lease
+    code = Leader(cfg, secret, etcd, lead, reach).run()
     sys.stdout.flush()
     os._exit(0 if code is not None else 1)
 
@@ -113,9 +113,9 @@ def step_down(why: str) -> None:
     os._exit(3)
 
 
-class Office:
+class StoreReach:
     """Whether etcd is reachable for the controller in office. Out of reach, the ranks train on;
-    the controller's orders wait (``Cluster.in_office``: its lease is not confirmed) and go out
+    the controller's orders wait (``Leader.in_office``: its lease is not confirmed) and go out
     once it is, after it checked that it is still the one in office. Each outage is said once,
     naming etcd and what its client met, and the job's summary says how long etcd was away and
     whether it was back at the end (``record``)."""
@@ -195,9 +195,12 @@ def _at_once(fn: Any, items: list[Any]) -> list[Any]:
 
 
 class Leader:
-    def __init__(self, cfg: HostConfig, secret: bytes, etcd: Any, lead: Any, office: Office):
+    """The controller in office: it runs the job through a ``Cluster`` of the hosts' agents,
+    which reports to it (``ports.Office``)."""
+
+    def __init__(self, cfg: HostConfig, secret: bytes, etcd: Any, lead: Any, reach: StoreReach):
         self.cfg, self.secret, self.etcd, self.lead = cfg, secret, etcd, lead
-        self.office = office
+        self.reach = reach
         self.epoch = lead.epoch
         self.run_dir = cfg.run_dir
         self._journal_key: tuple[int, ...] = (-2,)  # what the newest journal handed over was
@@ -208,9 +211,35 @@ class Leader:
         self._joining: set[tuple[str, str]] = set()  # hosts being joined or turned away
         self._connecting: set[tuple[str, str]] = set()  # ...being joined: their places taken
         self.controller: Any = None
+        self.cluster: Any = None
+        # the controller runs the job (after a takeover, once it adopted it): before, the
+        # cluster's polls collect what the hosts run, and nothing else is done with them
+        self._serving = False
         self._status: str | None = None  # the newest status record, to put in etcd
         self._vanished: dict[int, float] = {}  # node -> since when its record is gone from etcd
         self._joins: list[Any] = []  # hosts that joined, taken in once no recovery is under way
+
+    # == the office, as the cluster reports to it (ports.Office) ================================
+    def in_office(self) -> bool:
+        return not self._serving or bool(self.lead.alive)
+
+    def completed(self) -> bool:
+        return self._serving and self.controller.outcome.completed
+
+    def store_heard(self) -> float:
+        return float(self.lead.lease.last_refresh) if self._serving else time.monotonic()
+
+    def node_lost(self, node: int) -> None:
+        if self._serving:  # (before, a takeover counts it lost from what the hosts answered)
+            self.controller.node_lost(node, "its lease in etcd expired")
+
+    def output(self, wid: int, line: str) -> None:
+        if self.controller is not None:
+            self.controller.on_output(wid, line)
+
+    def tick(self) -> None:
+        if self._serving:
+            self._tick(self.controller, self.cluster)
 
     def guarded(self, puts: dict[str, str]) -> None:
         self.etcd.guarded(keys.LEADER, self.epoch, puts=puts)
@@ -265,14 +294,8 @@ class Leader:
                   hosts={h.host_id: h.addr for _, h in sorted(placed.items())})
         if journal is not None:  # (a new job's hosts answered already: ``_reachable``)
             channels = self._connect(list(placed.values()))
-        controller: Controller | None = None
-
-        def output(wid: int, line: str) -> None:
-            if controller is not None:
-                controller.on_output(wid, line)
-
-        cluster = Cluster(self.epoch, self.secret, self.run_dir, output,
-                          next_wid=journal.next_wid if journal is not None else 0)
+        cluster = self.cluster = Cluster(self.epoch, self.secret, self.run_dir, self,
+                                         next_wid=journal.next_wid if journal is not None else 0)
         cluster.own_host = cfg.host_id
         for node, rec in sorted(placed.items()):
             try:
@@ -314,11 +337,7 @@ class Leader:
         else:
             display.info(f"controller on {cfg.host_id} (epoch {self.epoch}): {world} rank(s) on "
                          f"{nodes} host(s) + {total - nodes} spare host(s)")
-        cluster.on_node_lost = lambda n: controller.node_lost(n, "its lease in etcd expired")
-        cluster.in_office = lambda: self.lead.alive
-        cluster.completed = lambda: controller.outcome.completed
-        cluster.store_heard = lambda: self.lead.lease.last_refresh
-        cluster.on_tick = lambda: self._tick(controller, cluster)
+        self._serving = True
         from .keepers import KeeperStartError
 
         try:
@@ -347,7 +366,7 @@ class Leader:
                 controller.agent.end_all(0.0)
             except Exception:  # noqa: BLE001
                 pass
-        controller.outcome.store = self.office.record()
+        controller.outcome.store = self.reach.record()
         report(controller, log, self.run_dir, code, display)
         # the other hosts hear of the end first: recording it in etcd may wait out etcd's
         # timeouts (etcd away is one way a job ends), and a host told nothing ends only at its
@@ -554,7 +573,7 @@ class Leader:
         try:
             self.guarded({keys.DONE: json.dumps({"code": code, "diagnosis": diagnosis})})
         except Exception as exc:  # noqa: BLE001 - deposed or etcd gone: the hosts end anyway
-            if self.office.down_since is None:  # (else said already, and in the summary)
+            if self.reach.down_since is None:  # (else said already, and in the summary)
                 print(f"nonstop: could not record the job's end in etcd: {exc}", file=sys.stderr)
         if diagnosis and code == 2:
             print(f"nonstop: error: {diagnosis}", file=sys.stderr, flush=True)
@@ -567,7 +586,7 @@ class Leader:
             self._worker = threading.Thread(target=self._store_loop, args=(cluster,),
                                             daemon=True, name="nonstop-store")
             self._worker.start()
-        down = self.office.down_since
+        down = self.reach.down_since
         # once training is complete the job's end needs no etcd (it goes out without a lease,
         # bounded by timeouts.finish_s): giving up then would end the ranks in their final save
         if down is not None and not controller.outcome.completed:
@@ -604,7 +623,7 @@ class Leader:
         seen_rev, full_due = -1, 0.0  # the list is read again only when etcd changed (2,048 hosts)
         while True:
             time.sleep(HOSTS_EVERY_S)
-            if self.office.down_since is not None:
+            if self.reach.down_since is not None:
                 continue  # nothing is decided on etcd's word until it is back
             pending, self._pending = self._pending, None
             if pending is not None:

@@ -17,6 +17,7 @@ from ..protocol import keeper_messages as km
 from ..state import checkpoint, wire
 from ..state.memory import own
 from .checkpoints import DiskCheckpoints
+from .ports import Processes
 
 CONNECT_S = 60.0  # a new keeper has this long to listen: a bare Python start, well under 1 s
 # alone, but 8 hosts starting together on 2 cores (16 torch imports) took over 15 s (bench scale)
@@ -53,7 +54,7 @@ class Keepers:
     keepers, where each copies its ranks' snapshots, disk checkpoints, emergency saves. Lives in
     the controller's loop."""
 
-    def __init__(self, policy: Any, agent: Any, log: Any, display: Any, run_id: str,
+    def __init__(self, policy: Any, agent: Processes, log: Any, display: Any, run_id: str,
                  new_wid: Callable[[], int]):
         cfg = policy.state
         self.enabled = cfg.snapshot.enabled
@@ -298,7 +299,7 @@ class Keepers:
 
     def _keeper_log(self, node: int) -> Path | None:
         h = self.keepers.get(node)
-        proc = getattr(self.agent, "procs", {}).get(h.wid) if h is not None else None
+        proc = self.agent.procs.get(h.wid) if h is not None else None
         return None if proc is None else proc.log_path
 
     def settled(self, step: int | None) -> bool:

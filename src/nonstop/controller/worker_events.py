@@ -14,7 +14,7 @@ import dataclasses
 import math
 from typing import Any
 
-from ..agent.agent import Agent
+from .ports import Processes
 from ..decide import sdc as sdc_verdicts
 from ..decide.ladder import Decision, Fault, Level
 from ..decide.sdc import Judge as SdcJudge
@@ -100,7 +100,7 @@ Order = (AllEntered | RetryAsked | Faulted | GiveUp | Attributed | Reached | Clo
 class RankReports:
     def __init__(self, *, table: WorkerTable, ledger: TrainingLedger, book: IncidentBook,
                  gens: Generations, memory: Keepers, sdc: SdcBook, sdc_judge: SdcJudge,
-                 watchers: Watchers, progress: ProgressLog, agent: Agent, log: EventLog,
+                 watchers: Watchers, progress: ProgressLog, agent: Processes, log: EventLog,
                  display: Display):
         self.table, self.workers = table, table.workers
         self.ledger, self.book, self.gens, self.memory = ledger, book, gens, memory

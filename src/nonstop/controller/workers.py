@@ -9,7 +9,8 @@ import time
 from typing import Any, Callable, Iterator, Mapping
 
 from .. import protocol
-from ..agent.agent import Agent, Proc
+from ..agent.agent import Proc
+from .ports import Processes
 from ..observe.events import EventLog
 from ..protocol import progress
 from ..protocol.last_step import LastStep
@@ -139,7 +140,7 @@ class Worker:
 
 
 class WorkerTable:
-    def __init__(self, agent: Agent, mail: Any, log: EventLog, spare_mode: str,
+    def __init__(self, agent: Processes, mail: Any, log: EventLog, spare_mode: str,
                  keeper_of: Any = None):
         self.agent, self.mail, self.log = agent, mail, log
         self.keeper_of = keeper_of  # node -> the name of its keeper (its memory), if any

@@ -1,0 +1,36 @@
+"""The office a cluster of hosts reports to (``controller/ports.Office``), as a test holds it:
+whether it may give orders, whether the job is ending, when etcd last answered - each a field
+the test sets - and what the cluster reported to it."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+
+@dataclasses.dataclass
+class Office:
+    held: bool = True  # its lease is confirmed
+    done: bool = False  # training complete for every rank
+    heard: float | None = None  # when etcd's newest answer was asked (None: just now)
+    lost: list[int] = dataclasses.field(default_factory=list)
+    lines: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    ticks: int = 0
+
+    def in_office(self) -> bool:
+        return self.held
+
+    def completed(self) -> bool:
+        return self.done
+
+    def store_heard(self) -> float:
+        return time.monotonic() if self.heard is None else self.heard
+
+    def node_lost(self, node: int) -> None:
+        self.lost.append(node)
+
+    def output(self, wid: int, line: str) -> None:
+        self.lines.append((wid, line))
+
+    def tick(self) -> None:
+        self.ticks += 1
