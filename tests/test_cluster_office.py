@@ -161,7 +161,7 @@ def test_a_takeover_asks_the_agent_for_its_handshake_not_the_kernel_for_a_connec
     an agent is there, and it is given ``ANSWER_S`` to complete it."""
     import socket
 
-    from nonstop.controller.elected import ANSWER_S, _answers
+    from nonstop.controller.handover import ANSWER_S, answers as _answers
 
     secret = new_secret().encode()
     with Listener(HOST, secret) as lst, socket.socket() as paused:

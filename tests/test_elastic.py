@@ -244,9 +244,9 @@ def test_a_preempted_node_with_no_spare_node_leaves_a_smaller_world_at_a_step_bo
                for r in range(4))
     see = lambda t, x: mc.Seen(now=t, ranks=x, total_nodes=2, slots=2,  # noqa: E731
                                slowest_step_s=0.1)
-    asked = mc.Drain(see(10.0, rs), (), 1, "preempted (SIGTERM)", shrink=True)
+    asked = mc.Drain(see(10.0, rs), (), 1, "preempted (SIGTERM)", pressed=True)
     # a planned drain with nowhere to go is refused; a preemption shrinks the world instead
-    refused = mc.step(s, dataclasses.replace(asked, shrink=False), P)[1]
+    refused = mc.step(s, dataclasses.replace(asked, pressed=False), P)[1]
     assert kinds(refused) == ["DrainRefused"]
     off = pol(enabled=False)
     (no,) = mc.step(s, asked, off)[1]
@@ -259,6 +259,29 @@ def test_a_preempted_node_with_no_spare_node_leaves_a_smaller_world_at_a_step_bo
     d = cmds[1].decision
     assert d.level is Level.SCALE_IN and d.drop == {2, 3} and d.isolate == {1}
     assert s.degraded_since == 10.2 and 1 in s.counters.isolated and not s.incident
+
+
+def test_a_preempted_node_goes_to_a_spare_node_with_fewer_warm_spares_than_its_ranks():
+    """Two nodes of 2 ranks and a spare node with one warm spare: node 1 preempted. A planned
+    drain waits for warm spares; a preemption whose grace runs out moves the node's ranks there
+    all the same (the one without a warm spare started cold) - never a smaller world, and never
+    nothing until the host is gone, with scale-in off too."""
+    s = mc.JobState(phase=Phase.RUNNING, gen=3)
+    rs = tuple(mc.RankSeen(rank=r, wid=100 + r, node=r // 2, joining=3, entered=3)
+               for r in range(4))
+    see = lambda t, x: mc.Seen(now=t, ranks=x, total_nodes=3, slots=2,  # noqa: E731
+                               slowest_step_s=0.1, ready_spares={2: 1})
+    asked = mc.Drain(see(10.0, rs), (), 1, "preempted (SIGTERM)", pressed=True)
+    (refused,) = mc.step(s, dataclasses.replace(asked, pressed=False), P)[1]
+    assert isinstance(refused, mc.DrainRefused) and "no spare node has 2 warm" in refused.why
+    s, cmds = mc.step(s, asked, pol(enabled=False))
+    assert kinds(cmds) == ["Regroup"] and s.regroup and not s.incident
+    left = tuple(dataclasses.replace(r, left=3) for r in rs)
+    s, cmds = mc.step(s, mc.Tick(see(10.2, left)), pol(enabled=False))
+    assert kinds(cmds) == ["Decide", "CarryOut"]
+    d, placement = cmds[1].decision, cmds[1].placement
+    assert d.level is Level.REPLACE_NODE and d.replace == {2, 3} and d.isolate == {1}
+    assert placement == {2: 2, 3: 2} and s.degraded_since is None
 
 
 def test_a_sharded_job_leaves_and_comes_back_by_whole_replica_groups():

@@ -641,7 +641,8 @@ class Controller:
         if s.phase is not Phase.RUNNING or s.incident or s.regroup or s.retry_deadline is not None:
             return  # busy: again in a moment
         # a spare host still warming up is waited for during the first half of the grace; then
-        # (or with none at all) the world goes on without the host's ranks
+        # its ranks go to a spare host all the same (those without a warm spare start cold
+        # there), and with none at all the world goes on without them
         need = sum(1 for n in self.gens.node_of().values() if n == node)
         spares = self.gens.spare_nodes(set(self.counters.isolated) | {node})
         ready = self.gens.ready_spares()
@@ -649,7 +650,7 @@ class Controller:
                 and not self.preempts.late(node, time.time()):
             return
         self.preempts.done(node)
-        self._step(mc.Drain(self._seen(), (), node, "preempted (SIGTERM)", shrink=True))
+        self._step(mc.Drain(self._seen(), (), node, "preempted (SIGTERM)", pressed=True))
 
     # == across hosts: what a successor continues from =========================================
     def journal(self, epoch: int) -> keys.JournalRecord:

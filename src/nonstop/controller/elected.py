@@ -24,20 +24,13 @@ from ..protocol import messages as m
 from .phase import Phase
 from ..decide import places, takeover
 from ..agent.host_config import HostConfig
+from .handover import CONNECT_S, REGISTER_AGAIN_S, Successor
 from .journal import Journal
 
 HOSTS_EVERY_S = 0.2  # how often etcd is asked whether the host list changed while the job runs
 HOSTS_FULL_S = 2.0  # ...and how often it is read whole all the same
 TURN_AWAY_S = 30.0  # a host turned away is given this long to end before its channel is closed
 HEARD_S = 1.0  # a host whose agent spoke this recently is alive, whatever its lease says
-# a host whose lease lapsed (etcd paused or restarted) registers again at its next refresh
-# (a third of the TTL): it is waited for one TTL and this long before it is given up
-REGISTER_AGAIN_S = 2.0
-# a live agent completes the channel's handshake in milliseconds: one that has not within this
-# is paused, hung or cut off (its kernel may still accept the connection)
-ANSWER_S = 0.5
-CONNECT_S = 1.0  # ...and a host still registered in etcd gets this long at a takeover
-PARALLEL = 64  # hosts asked side by side
 
 
 def _die_with_parent() -> None:
@@ -166,34 +159,6 @@ def _still_leader(etcd: Any, epoch: int) -> bool:
     return found is not None and found[1] == epoch
 
 
-def _answers(addr: str | None, port: int | None, secret: bytes) -> bool:
-    """Whether a host's agent itself answers: it completes the channel's handshake (proving it
-    holds the job's secret) within ``ANSWER_S``. A bare connect proves nothing - the kernel of a
-    paused host still accepts one. The channel is closed at once, before any hello."""
-    from ..net import channel
-
-    if not addr or not port:
-        return False
-    try:
-        ch = channel.connect(addr, int(port), secret, timeout_s=ANSWER_S,
-                             tos=channel.CONTROL_TOS)
-    except Exception:  # noqa: BLE001 - refused, silent, or not a nonstop agent of this job
-        return False
-    ch.close()
-    return True
-
-
-def _at_once(fn: Any, items: list[Any]) -> list[Any]:
-    """``fn`` of every item, run side by side (each call bounds its own wait): a takeover waits
-    for the slowest host once, not for each in turn."""
-    if not items:
-        return []
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=min(PARALLEL, len(items))) as pool:
-        return list(pool.map(fn, items))
-
-
 class Leader:
     """The controller in office: it runs the job through a ``Cluster`` of the hosts' agents,
     which reports to it (``ports.Office``)."""
@@ -218,6 +183,8 @@ class Leader:
         self._status: str | None = None  # the newest status record, to put in etcd
         self._vanished: dict[int, float] = {}  # node -> since when its record is gone from etcd
         self._joins: list[Any] = []  # hosts that joined, taken in once no recovery is under way
+        # the hand-over's side of a takeover, and how a host is given up in etcd
+        self.successor = Successor(etcd, self.epoch, secret, cfg.lease_ttl_s)
 
     # == the office, as the cluster reports to it (ports.Office) ================================
     def in_office(self) -> bool:
@@ -285,7 +252,7 @@ class Leader:
             placed = dict(enumerate(hosts))
             lost: set[int] = set()
         else:
-            placed, lost = self._place_hosts(journal)
+            placed, lost = self._at_takeover(lambda: self.successor.place(journal))
         display = Display(quiet=cfg.quiet, live=False)
         log = EventLog(self.run_dir)
         _LOG.append(log)
@@ -293,7 +260,7 @@ class Leader:
                   takeover=journal is not None,
                   hosts={h.host_id: h.addr for _, h in sorted(placed.items())})
         if journal is not None:  # (a new job's hosts answered already: ``_reachable``)
-            channels = self._connect(list(placed.values()))
+            channels = self.successor.connect(list(placed.values()))
         cluster = self.cluster = Cluster(self.epoch, self.secret, self.run_dir, self,
                                          next_wid=journal.next_wid if journal is not None else 0)
         cluster.own_host = cfg.host_id
@@ -325,7 +292,8 @@ class Leader:
         controller.status.publish = self._publish_status
         served = self._serve_metrics(pol, controller, log, display)
         if journal is not None:
-            seen = self._collect(cluster, lost, timeout_s=cfg.lease_ttl_s + 3.0)
+            seen = self._at_takeover(lambda: self.successor.collect(
+                cluster, lost, timeout_s=cfg.lease_ttl_s + 3.0))
             # a job that shrank goes on at its size (it grows back from there)
             adoption = takeover.adopt(journal, seen, len(journal.plan) or world, cfg.managed)
             display.info(f"controller on {cfg.host_id} (epoch {self.epoch}) takes over at "
@@ -333,7 +301,7 @@ class Leader:
                          + ("; every rank had finished" if adoption.over else
                             "" if adoption.steady else
                             f"; rank(s) {adoption.missing} to recover"))
-            controller.adopt(adoption, seen, journal, lost, last=self._last_word())
+            controller.adopt(adoption, seen, journal, lost, last=self.successor.last_word())
         else:
             display.info(f"controller on {cfg.host_id} (epoch {self.epoch}): {world} rank(s) on "
                          f"{nodes} host(s) + {total - nodes} spare host(s)")
@@ -398,17 +366,26 @@ class Leader:
         served.attach(controller, log, display)
         return served
 
-    def _last_word(self) -> keys.LastWord | None:
-        """The predecessor's last status record (written twice a second while in office): what
-        it lost (a host, its own) went after its time, so an incident the takeover opens is
-        timed from there, not from the takeover, and its step is the newest any rank had
-        completed. The time is on that controller's clock (hosts' clocks agree to NTP's
-        precision; the predecessor's host may be gone, no offset to it known)."""
+    def _give_up(self, host_id: str, incarnation: str, force: bool = False) -> bool:
+        """A host given up in etcd (``Successor.give_up``); a newer controller in office: this
+        one steps down."""
+        from ..store.etcd import Fenced
+
         try:
-            raw, _ = self.etcd.get(keys.STATUS)
-            return keys.LastWord.loads(raw) if raw is not None else None
-        except Exception:  # noqa: BLE001 - no status (etcd away, another version): the takeover
-            return None
+            return self.successor.give_up(host_id, incarnation, force)
+        except Fenced:
+            step_down("a newer controller is in office")
+            raise  # (step_down does not return)
+
+    @staticmethod
+    def _at_takeover(part: Any) -> Any:
+        """A part of the hand-over; a newer controller in office meanwhile: this one steps down."""
+        from ..store.etcd import Fenced
+
+        try:
+            return part()
+        except Fenced:
+            step_down("a newer controller is in office")
 
     def _publish_status(self, text: str) -> None:
         self._status = text  # written by the store loop (this is the controller's thread)
@@ -453,88 +430,6 @@ class Leader:
                 hosts = [keys.HostRecord.loads(r[1]) for r in rows]
             except Exception:  # noqa: BLE001 - etcd away for a moment: the same list
                 pass
-
-    def _connect(self, hosts: list[keys.HostRecord]) -> dict[str, Any]:
-        """At a takeover, a channel to each host registered in etcd, all opened side by side
-        within ``CONNECT_S``: host id -> (its incarnation, the channel). One that does not
-        answer in time (paused: its record outlives it by up to a lease) is not waited for."""
-        from ..net import channel
-
-        def open_one(rec: keys.HostRecord) -> Any:
-            try:
-                return channel.connect(rec.addr, rec.ctl_port, self.secret, timeout_s=CONNECT_S,
-                                       tos=channel.CONTROL_TOS)
-            except Exception:  # noqa: BLE001 - given up as an unreachable host
-                return None
-
-        opened = _at_once(open_one, hosts)
-        return {rec.host_id: (rec.incarnation, ch) for rec, ch in zip(hosts, opened)
-                if ch is not None}
-
-    def _registered_hosts(self, nodes: dict[int, keys.NodeHost]
-                          ) -> dict[tuple[str, str], keys.HostRecord]:
-        """The hosts registered in etcd. A host of ``nodes`` (the journal's) that is not, but
-        whose agent answers on its address, is waited for a while: its lease lapsed with the
-        controller's (etcd paused or restarted expires every lease at once) and it registers
-        again."""
-        deadline = time.monotonic() + self.cfg.lease_ttl_s + REGISTER_AGAIN_S
-        while True:
-            alive = {}
-            for _, raw, _, _ in self.etcd.get_prefix(keys.HOSTS):
-                rec = keys.HostRecord.loads(raw)
-                alive[(rec.host_id, rec.incarnation)] = rec
-            absent = [h for h in nodes.values() if (h.host, h.incarnation) not in alive]
-            answers = _at_once(lambda h: _answers(h.addr, h.port, self.secret), absent)
-            waiting = [h for h, yes in zip(absent, answers) if yes]
-            if not waiting or time.monotonic() > deadline:
-                return alive
-            time.sleep(0.2)
-
-    def _place_hosts(self, journal: keys.JournalRecord
-                     ) -> tuple[dict[int, keys.HostRecord], set[int]]:
-        """The hosts alive now, at the nodes the journal gave them (a host that joined since is a
-        new node); the journal's nodes whose host is gone are lost."""
-        nodes = dict(journal.nodes)
-        alive = self._registered_hosts(nodes)
-        placed: dict[int, keys.HostRecord] = {}
-        lost: set[int] = set()
-        for node, h in nodes.items():
-            rec = alive.pop((h.host, h.incarnation), None)
-            if rec is None and not self._give_up(h.host, h.incarnation):
-                alive = self._registered_hosts({})  # it registered again just now
-                rec = alive.pop((h.host, h.incarnation), None)
-            if rec is None:
-                lost.add(node)
-            else:
-                placed[node] = rec
-        known = list(journal.isolated) + list(journal.node_of.values())
-        nxt = max(list(placed) + list(lost) + known + [-1]) + 1  # a new host: a node never used
-        for _, rec in sorted(alive.items()):
-            placed[nxt] = rec
-            nxt += 1
-        return placed, lost
-
-    def _collect(self, cluster: Any, lost: set[int], timeout_s: float) -> list[Any]:
-        """Every host's answer to our hello: what it runs. A host that does not answer in time
-        is taken as lost (its processes with it)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and \
-                any(link.state is None for link in cluster.links.values()):
-            cluster.poll(0.02)
-        seen = []
-        for node, link in cluster.links.items():
-            if link.state is None:  # silent (frozen, or cut off after it was listed): given up
-                self._give_up(link.rec.host_id, link.rec.incarnation, force=True)
-                lost.add(node)
-                continue
-            for w in link.state.workers:
-                seen.append(takeover.Seen(
-                    wid=w.wid, node=node, alive=w.alive, spare=w.spare, rank=w.rank, gen=w.gen,
-                    seq=w.seq, keeper=w.keeper, code=w.code, done=w.done))
-        for node in lost:
-            if node in cluster.links:
-                cluster.host_gone(node)
-        return seen
 
     def _wait_for_hosts(self, timeout_s: float) -> list[keys.HostRecord] | None:
         """The job's first hosts: --nnodes of them hold ranks (in the order they joined), the
@@ -683,29 +578,6 @@ class Leader:
             if self._give_up(link.rec.host_id, link.rec.incarnation):
                 self._vanished.pop(node, None)
                 cluster.call(lambda n=node: cluster.host_gone(n))
-
-    def _give_up(self, host_id: str, incarnation: str, force: bool = False) -> bool:
-        """Mark a host given up in etcd (True), unless it registered again (False; with
-        ``force``, given up all the same: its agent reads the mark and fences itself). A newer
-        controller in office: this one steps down."""
-        from ..store.etcd import Fenced
-
-        gone, record = keys.gone_key(host_id, incarnation), keys.host_key(host_id)
-        try:
-            if self.etcd.mark_gone(keys.LEADER, self.epoch, gone, unless=record):
-                return True
-            if force:
-                self.guarded({gone: "1"})
-                return True
-            raw, _ = self.etcd.get(record)
-            if raw is None or keys.HostRecord.loads(raw).incarnation == incarnation:
-                return False  # back as itself (or gone again since: asked again next time)
-            self.guarded({gone: "1"})  # the host runs again as a new incarnation: this one is gone
-            return True
-        except Fenced:
-            step_down("a newer controller is in office")
-        except Exception:  # noqa: BLE001 - etcd away: nothing is given up without it
-            return False
 
     def _on_hosts(self, alive: dict[tuple[str, str], keys.HostRecord], cluster: Any) -> None:
         """Hosts that joined are connected (in the background) and become spare nodes (those

@@ -417,8 +417,11 @@ def _drain(s: JobState, ob: Drain, policy: Any) -> tuple[JobState, list[Command]
         places = free_slots(seen.node_of, seen.slots, set(s.counters.isolated) | {ob.node})
         warm = sum(min(k, seen.ready_spares.get(n, 0)) for n, k in places.items())
         if not any(seen.ready_spares.get(n, 0) >= len(ranks) for n in free) and warm < len(ranks):
-            if not ob.shrink:
+            if not ob.pressed:
                 return refuse(f"no spare node has {len(ranks)} warm spare(s) ready")
+            whole = [n for n in free if n not in seen.away and seen.slots >= len(ranks)]
+            if whole:  # a node replacement's placement takes it (its warm spares, then cold)
+                return _draining(s, seen, policy, asked, ranks, ob, None)
             cfg = policy.levels.scale_in
             lost, why_not = ladder.shrink(set(), {ob.node}, view(set(s.counters.isolated), seen), policy)
             if not cfg.enabled or s.counters.used(Level.SCALE_IN) >= cfg.budget:
@@ -437,6 +440,12 @@ def _drain(s: JobState, ob: Drain, policy: Any) -> tuple[JobState, list[Command]
         if short:
             return refuse(f"node {short[0]} has {seen.ready_spares.get(short[0], 0)} warm spare(s) "
                           f"ready, {need[short[0]]} needed")
+    return _draining(s, seen, policy, asked, ranks, ob, drop)
+
+
+def _draining(s: JobState, seen: Seen, policy: Any, asked: str, ranks: tuple[int, ...],
+              ob: Drain, drop: frozenset[int] | None) -> tuple[JobState, list[Command]]:
+    """The ranks told to leave at their next step boundary (``_migrate`` then places them)."""
     deadline = seen.now + policy.timeouts.teardown_s + 3 * seen.slowest_step_s
     return (_with(s, phase=Phase.TEARING_DOWN, deadline=deadline, t_abort=seen.now, probed=False,
                   regroup=True, forced=False, patient=False,

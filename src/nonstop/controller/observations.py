@@ -125,7 +125,10 @@ class Drain:
     ranks: tuple[int, ...] = ()
     node: int | None = None
     why: str = "asked"
-    shrink: bool = False  # a node with no spare node to go to: the world goes on without it
+    # a node whose host must go (preempted, its grace running out): a spare node takes its ranks
+    # even without a warm spare for each (the others start cold there), and with no spare node
+    # the world goes on without them (scale-in)
+    pressed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
