@@ -11,7 +11,7 @@ import signal
 import time
 
 import pytest
-from conftest import EXAMPLES, finish, start
+from conftest import EXAMPLES, bitwise_equal, finish, start
 from elastic_oracle import BATCH, SAMPLES, TOLERANCE, check_samples, max_rel_diff, segments
 from test_hosts import job  # noqa: F401 - the fixture
 
@@ -85,3 +85,41 @@ def test_a_preempted_host_is_drained_to_the_spare_host_then_one_with_no_spare_le
     run = finish(reference, ref / "run", t0)
     assert run.code == 0, run.stderr[-3000:]
     assert max_rel_diff(ref / "final.pt", saved[0]) < TOLERANCE
+
+
+def test_a_preempted_host_with_more_ranks_than_warm_spares_moves_to_the_spare_host_all_the_same(
+        job, reference):
+    """Two ranks a host and one warm spare a host, scale-in off: the spare host cannot take the
+    preempted host's two ranks warm. Half its grace waited for more, the ranks move there all the
+    same at a step boundary - the one without a warm spare started cold - and the host is released
+    before its grace ends; no fault, no step lost, the weights bitwise the fault-free run's (the
+    world never changed). Before, nothing moved: the host left at the end of its grace and took
+    its ranks with it."""
+    from test_hosts import SHARDED, SHARDED_STEPS
+
+    j = job(3)
+    pol = j.base / "policy.yaml"
+    pol.write_text("hosts:\n  preempt_grace_s: 8\nrecover:\n  levels:\n    scale_in: "
+                   "{enabled: false}\n")
+    for i in range(3):
+        j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1",
+                "--spares", "1", "--policy", str(pol), script=str(SHARDED),
+                script_args=["--steps", str(SHARDED_STEPS), "--sleep-ms", "40",
+                             "--save", str(j.base / "final.pt")])
+    j.wait_output("step 50 ", 120)
+    leader = j.of("leader")[0]
+    first = 1 if list(leader["hosts"])[1] != leader["host"] else 0
+    victim = _host_of_node(j, first)
+    t0 = time.time()
+    os.kill(j.procs[victim].pid, signal.SIGTERM)
+    assert j.procs[victim].wait(30) == 0, j.output(victim)[-3000:]
+    assert "released by the job" in j.output(victim) and time.time() - t0 < 8 + 2
+    codes = j.wait(180)
+    assert set(codes.values()) == {0}, "\n".join(j.output(i)[-3000:] for i in codes)
+    assert j.of("incident") == [] and j.of("drain_done")
+    assert [e["level"] for e in j.of("decision")] == ["node replacement"]
+    spawns = {e["wid"]: e["node"] for e in j.of("spawn")}
+    moved = {spawns[w] for w in j.of("generation")[-1]["ranks"].values()}
+    assert moved == {1 - first, 2}
+    assert bitwise_equal(j.base / "final.pt",
+                         reference(4, "--steps", str(SHARDED_STEPS), script=SHARDED))
