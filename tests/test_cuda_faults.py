@@ -13,7 +13,7 @@ from nonstop.decide import cuda
 from nonstop.protocol.cuda import CudaFault
 from nonstop.decide.faults import Attribution, exit_fault
 from nonstop.protocol.events import Exiting
-from nonstop.decide.ladder import Counters, JobView, Level, decide, charge
+from nonstop.decide.ladder import Counters, LadderView, Level, decide, charge
 from nonstop.policy import Policy
 from nonstop.runtime import nccl
 from nonstop.runtime.pg import GenerationGroup
@@ -96,7 +96,7 @@ def test_a_rank_that_ended_on_a_sticky_error_is_a_fault_named_by_the_error():
     assert (hung.kind, hung.attribution) == ("abort_timeout", Attribution.INFRA)
 
 
-VIEW = JobView(world=4, node_of={r: 0 for r in range(4)}, ready_spares={0: 1})
+VIEW = LadderView(world=4, node_of={r: 0 for r in range(4)}, ready_spares={0: 1})
 
 
 def _fault(kind: str, rank: int = 1):
@@ -135,7 +135,7 @@ def test_a_device_assert_every_attempt_ends_the_job_with_the_error_named():
 
 def test_gpu_hardware_faults_repeated_on_a_node_isolate_it():
     policy, counters = Policy(), Counters()
-    view = JobView(world=4, node_of={0: 0, 1: 0, 2: 1, 3: 1}, spare_nodes=1, slots=2)
+    view = LadderView(world=4, node_of={0: 0, 1: 0, 2: 1, 3: 1}, spare_nodes=1, slots=2)
     for i in range(policy.rules.isolate.times):
         d = decide([_fault("gpu_hardware")], set(), view, policy, counters, now=float(i))
         counters = charge(d, [_fault("gpu_hardware")], counters, now=float(i))
@@ -216,7 +216,7 @@ def _blocked_abort(release: threading.Event):
 
 def test_an_abort_that_returns_in_time_is_timed_and_not_escalated():
     calls: list[str] = []
-    a = nccl.Abort(calls.append, deadline_s=5.0, abort=lambda: time.sleep(0.05))
+    a = nccl.CommAbort(calls.append, deadline_s=5.0, abort=lambda: time.sleep(0.05))
     assert a.wait()  # not started: nothing to wait for
     a.start()
     a.start()  # the same abort
@@ -225,7 +225,7 @@ def test_an_abort_that_returns_in_time_is_timed_and_not_escalated():
 
 
 def test_an_abort_that_raises_has_still_let_go():
-    a = nccl.Abort(lambda why: None, deadline_s=5.0,
+    a = nccl.CommAbort(lambda why: None, deadline_s=5.0,
                    abort=lambda: (_ for _ in ()).throw(RuntimeError("NCCL said no")))
     a.start()
     assert a.wait() and a.error == "RuntimeError: NCCL said no"
@@ -233,7 +233,7 @@ def test_an_abort_that_raises_has_still_let_go():
 
 def test_an_abort_that_does_not_return_escalates_once_even_with_nobody_waiting():
     release, calls = threading.Event(), []
-    a = nccl.Abort(calls.append, deadline_s=0.2, abort=_blocked_abort(release))
+    a = nccl.CommAbort(calls.append, deadline_s=0.2, abort=_blocked_abort(release))
     a.start()
     deadline = time.monotonic() + 5
     while not calls and time.monotonic() < deadline:  # its own timer escalates
@@ -248,7 +248,7 @@ def test_a_group_left_during_its_nccl_abort_is_destroyed_only_once_the_abort_end
     g = GenerationGroup("127.0.0.1", 1, 3, 0, 2, "nccl", "g/3/pg", 5.0, 5.0,
                         escalate=calls.append, abort_s=0.3)
     assert g.nccl and g.backend == "cpu:gloo,cuda:nccl"
-    g.nccl_abort = nccl.Abort(calls.append, 0.3, abort=_blocked_abort(release))
+    g.nccl_abort = nccl.CommAbort(calls.append, 0.3, abort=_blocked_abort(release))
     g._started, g._group_fds = True, {}  # formed (no socket of its own: nothing to shut)
     g.abort()
     assert g.nccl_abort.started
@@ -265,7 +265,7 @@ def test_after_an_nccl_abort_a_step_counts_only_if_its_gpu_work_had_ended():
     g = GenerationGroup("127.0.0.1", 1, 0, 0, 2, "nccl", "g/0/pg", 5.0, 5.0,
                         escalate=lambda why: None)
     assert not g.untrusted(10)  # no abort: the rank's own state is good
-    g.nccl_abort = nccl.Abort(lambda why: None, 5.0, abort=lambda: None)
+    g.nccl_abort = nccl.CommAbort(lambda why: None, 5.0, abort=lambda: None)
     g._started, g._group_fds = True, {}
     g.trusted_step = 10  # as if the event after step 10 had completed when the abort began
     g.nccl_abort.start()
@@ -278,7 +278,7 @@ def test_a_group_left_after_its_nccl_abort_ended_is_destroyed_before_the_next_fo
     calls: list[str] = []
     g = GenerationGroup("127.0.0.1", 1, 3, 0, 2, "nccl", "g/3/pg", 5.0, 5.0,
                         escalate=calls.append, abort_s=2.0)
-    g.nccl_abort = nccl.Abort(calls.append, 2.0, abort=lambda: None)
+    g.nccl_abort = nccl.CommAbort(calls.append, 2.0, abort=lambda: None)
     g._started, g._group_fds = True, {}
     g.abort()
     assert g.nccl_abort.wait()
@@ -303,7 +303,7 @@ def test_a_snapshot_may_be_committed_only_of_a_step_whose_gpu_work_ended_before_
     g = GenerationGroup("127.0.0.1", 1, 0, 0, 2, "nccl", "g/0/pg", 5.0, 5.0,
                         escalate=lambda why: None)
     assert g.may_commit(12)  # no abort
-    g.nccl_abort = nccl.Abort(lambda why: None, 5.0, abort=lambda: None)
+    g.nccl_abort = nccl.CommAbort(lambda why: None, 5.0, abort=lambda: None)
     g._started, g._group_fds = True, {}
     g.trusted_step = 10
     g.nccl_abort.start()

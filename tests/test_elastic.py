@@ -12,12 +12,12 @@ from nonstop.controller import machine as mc
 from nonstop.controller.phase import Phase
 from nonstop.decide import elastic, ladder
 from nonstop.decide.faults import Fault
-from nonstop.decide.ladder import Counters, JobView, Level
+from nonstop.decide.ladder import Counters, LadderView, Level
 from nonstop.policy import Policy
 
 P = Policy()
-ONE_HOST = JobView(world=4, node_of={r: 0 for r in range(4)}, spare_nodes=0, slots=4)
-TWO_HOSTS = JobView(world=4, node_of={0: 0, 1: 0, 2: 1, 3: 1}, spare_nodes=0, capacity=4,
+ONE_HOST = LadderView(world=4, node_of={r: 0 for r in range(4)}, spare_nodes=0, slots=4)
+TWO_HOSTS = LadderView(world=4, node_of={0: 0, 1: 0, 2: 1, 3: 1}, spare_nodes=0, capacity=4,
                     slots=2)
 
 
@@ -183,7 +183,7 @@ def test_ranks_too_slow_to_reach_a_step_boundary_are_told_to_leave_at_once():
     s, cmds = mc.step(s, mc.Tick(see(s.deadline + 0.01, rs, {0: 1})), P)
     missed, abort = cmds  # the deadline that fired, as an event, then the abort
     assert missed == mc.Missed("step_boundary", allowance, 1, (0, 1, 2), missed.detail)
-    assert abort == mc.Abort(1, managed=True) and s.forced and s.phase is Phase.TEARING_DOWN
+    assert abort == mc.AbortGeneration(1, managed=True) and s.forced and s.phase is Phase.TEARING_DOWN
     s, cmds = mc.step(s, mc.Tick(see(s.deadline + 0.01, rs, {0: 1})), P)
     assert kinds(cmds) == ["Missed"] and s.patient  # and then as after any fault: with not
     s, cmds = mc.step(s, mc.Tick(see(s.deadline + 0.01, rs, {0: 1})), P)  # one out, once more

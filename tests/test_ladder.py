@@ -2,11 +2,11 @@
 
 from nonstop.decide import ladder
 from nonstop.decide.faults import Attribution, Domain, Fault
-from nonstop.decide.ladder import Counters, JobView, Level
+from nonstop.decide.ladder import Counters, LadderView, Level
 from nonstop.policy import Policy
 
 P = Policy()
-V4 = JobView(world=4, node_of={0: 0, 1: 0, 2: 1, 3: 1}, spare_nodes=1, capacity=6)
+V4 = LadderView(world=4, node_of={0: 0, 1: 0, 2: 1, 3: 1}, spare_nodes=1, capacity=6)
 
 
 def run(faults, dead=(), view=V4, policy=P, counters=None, now=100.0, **kw):
@@ -53,7 +53,7 @@ def test_the_pure_counter_functions_share_nothing_with_their_input():
 def test_plain_script_falls_back_to_job_restart_then_fails():
     f = [Fault("crash", rank=0, code=-9)]
     c = Counters()
-    view = JobView(world=2, managed=False)
+    view = LadderView(world=2, managed=False)
     for _ in range(P.levels.job_restart.budget):
         d = run(f, dead={0}, view=view, counters=c)
         assert d.level is Level.JOB_RESTART and d.replace == frozenset({0, 1})
@@ -70,7 +70,7 @@ def test_replacement_budget_spent_falls_through_to_node_then_job_restart():
     d = run(f, dead={1}, policy=pol, counters=c)
     assert d.level is Level.REPLACE_NODE and d.replace == frozenset({0, 1})
     assert any("rank replacement: budget" in p for p in d.passed_over)
-    no_spare_node = JobView(world=4, node_of=V4.node_of, spare_nodes=0, capacity=4)
+    no_spare_node = LadderView(world=4, node_of=V4.node_of, spare_nodes=0, capacity=4)
     d = run(f, dead={1}, policy=pol, counters=c, view=no_spare_node)
     assert d.level is Level.JOB_RESTART
     assert any("no spare node" in p for p in d.passed_over)
@@ -117,7 +117,7 @@ def test_a_rank_that_fails_on_one_node_then_another_isolates_neither():
         c = ladder.charge(run(f, dead={1}, counters=c), f, c, now=100.0 + i,
                           node_of=V4.node_of)
     assert [n for *_, n in c.recent] == [0, 0]
-    moved = JobView(world=4, node_of={0: 0, 1: 2, 2: 1, 3: 1}, spare_nodes=0, capacity=6)
+    moved = LadderView(world=4, node_of={0: 0, 1: 2, 2: 1, 3: 1}, spare_nodes=0, capacity=6)
     d = run(f, dead={1}, view=moved, counters=c, now=102.0)
     assert d.level is Level.REPLACE_RANK and not d.isolate
     back = run(f, dead={1}, counters=c, now=102.0)  # on node 0 again: its third there
@@ -147,7 +147,7 @@ def test_unhealthy_node_is_replaced_whole():
 
 
 def test_not_enough_healthy_nodes_fails():
-    view = JobView(world=4, node_of=V4.node_of, spare_nodes=0, capacity=2)
+    view = LadderView(world=4, node_of=V4.node_of, spare_nodes=0, capacity=2)
     d = run([Fault("crash", rank=0, code=-9)], dead={0, 1, 2, 3}, view=view)
     assert d.level is Level.FAIL and "cannot hold 4 ranks" in d.diagnosis
 
@@ -203,7 +203,7 @@ def test_classification():
 
 def test_isolating_the_last_node_fails_instead_of_restarting_nowhere():
     # one node, the same crash again and again: isolating it leaves no node for a job restart
-    one = JobView(world=2, node_of={0: 0, 1: 0}, spare_nodes=0, capacity=2, slots=2)
+    one = LadderView(world=2, node_of={0: 0, 1: 0}, spare_nodes=0, capacity=2, slots=2)
     c = Counters(recent=[(99.0, "SIGKILL", 1, 0)] * (P.rules.isolate.times - 1))
     d = run([Fault("crash", rank=1, code=-9)], dead={1}, view=one, counters=c)
     assert d.level is Level.FAIL and d.isolate == frozenset() and "cannot hold 2 ranks" in d.diagnosis
@@ -226,7 +226,7 @@ def test_the_failure_domain_of_a_sharded_job_is_the_rank_or_its_replica_group():
     shard), or - recover.failure_domain: replica_group, torchft's model - its whole group. A
     job with no replica groups (DDP, plain FSDP) is not affected."""
     groups = {0: (0, 1), 1: (0, 1), 2: (2, 3), 3: (2, 3)}
-    hsdp = JobView(world=4, node_of=V4.node_of, spare_nodes=1, capacity=6, replica_groups=groups)
+    hsdp = LadderView(world=4, node_of=V4.node_of, spare_nodes=1, capacity=6, replica_groups=groups)
     crash = [Fault("crash", rank=1, code=-9)]
     assert run(crash, dead={1}, view=hsdp).replace == {1}
     whole = Policy().with_overrides(**{"recover.failure_domain": "replica_group"})

@@ -72,7 +72,7 @@ def test_a_crash_aborts_then_the_memory_is_asked_then_the_rank_is_replaced_in_pl
     rs = ranks(0, {1: {"dead": True}})
     s, cmds = mc.step(s, mc.Faulted(seen(20.0, rs, slowest_step_s=slow),
                                     Fault("crash", rank=1, code=-9)), P)
-    assert kinds(cmds) == ["Raise", "Abort"] and cmds[1] == mc.Abort(0, managed=True)
+    assert kinds(cmds) == ["Raise", "AbortGeneration"] and cmds[1] == mc.AbortGeneration(0, managed=True)
     assert s.phase is Phase.TEARING_DOWN and s.incident
     assert s.deadline == 20.0 + T.teardown_s + 2 * slow  # a survivor may be mid-step
     # a survivor still in the generation: nothing yet
@@ -192,7 +192,7 @@ def test_a_rank_that_does_not_join_in_time_escalates_the_level():
     s2, cmds = mc.step(s, mc.Tick(seen(s.deadline - 0.01, slow)), P)
     assert cmds == []
     s, cmds = mc.step(s, mc.Tick(seen(s.deadline + 0.01, slow)), P)
-    assert kinds(cmds) == ["Missed", "Kill", "Interrupt", "Raise", "Abort"]  # the attempt ends
+    assert kinds(cmds) == ["Missed", "Kill", "Interrupt", "Raise", "AbortGeneration"]  # the attempt ends
     assert cmds[0].what == "rendezvous" and cmds[0].limit_s == T.rendezvous_s
     assert cmds[0].ranks == (1,) and cmds[0].gen == 1
     assert cmds[1].wid == 101 and cmds[3].fault.kind == "rendezvous_timeout"
@@ -215,7 +215,7 @@ def test_a_warm_process_gets_join_s_and_a_stopped_one_is_a_hang():
     # a rank that joined and is stopped by the kernel holds the others in the group's set-up
     frozen = ranks(1, {2: {"entered": 0, "stopped": True}})
     s3, cmds = mc.step(s, mc.Tick(seen(t0 + 0.1, frozen)), P)
-    assert kinds(cmds) == ["Kill", "Interrupt", "Raise", "Abort"]
+    assert kinds(cmds) == ["Kill", "Interrupt", "Raise", "AbortGeneration"]
     assert cmds[1].phase == "rendezvous" and cmds[2].fault.kind == "hang"
     assert "frozen" in cmds[2].fault.message
     stuck = ranks(1, {2: {"entered": 0, "own_code_s": T.join_s + 1, "loc": "x.py:3"}})
@@ -281,7 +281,7 @@ def test_a_fault_in_a_recovery_interrupts_that_attempt_in_its_phase():
     s3, _ = mc.step(s2, mc.Recovered(seen(5.7, ranks(1))), P)
     assert not s3.incident and s3.level_deadline is None
     _, cmds = mc.step(s3, mc.Faulted(seen(5.8, ranks(1)), Fault("crash", rank=3)), P)
-    assert kinds(cmds) == ["Raise", "Abort"]
+    assert kinds(cmds) == ["Raise", "AbortGeneration"]
 
 
 def test_a_level_that_does_not_recover_within_its_deadline_is_a_fault():
@@ -290,7 +290,7 @@ def test_a_level_that_does_not_recover_within_its_deadline_is_a_fault():
     s2, cmds = mc.step(s, mc.Tick(seen(s.level_deadline - 0.01, ranks(1))), P)
     assert cmds == []
     s, cmds = mc.step(s, mc.Tick(seen(s.level_deadline + 0.01, ranks(1))), P)
-    assert kinds(cmds) == ["Missed", "Interrupt", "Raise", "Abort"]
+    assert kinds(cmds) == ["Missed", "Interrupt", "Raise", "AbortGeneration"]
     assert cmds[0].what == "recovery_level" and "rank replacement" in cmds[0].detail
     assert cmds[0].limit_s == P.levels.rank_replacement.deadline_s
     assert cmds[2].fault.kind == "deadline" and "rank replacement" in cmds[2].fault.message
@@ -313,7 +313,7 @@ def test_non_finite_gradients_retry_in_place_or_fall_back():
     assert cmds[0].fault.kind == "nan" and "different steps" in cmds[0].fault.message
     # not every rank said so in time: the coarse way
     _, cmds = mc.step(s, mc.Tick(seen(s.retry_deadline + 0.01, one)), P)
-    assert kinds(cmds) == ["Missed", "Raise", "Abort"] and cmds[1].fault.kind == "nan"
+    assert kinds(cmds) == ["Missed", "Raise", "AbortGeneration"] and cmds[1].fault.kind == "nan"
     assert cmds[0].what == "step_retry" and cmds[0].limit_s == P.levels.step_retry.deadline_s
 
 
@@ -321,7 +321,7 @@ def test_a_plain_script_is_ended_whole():
     s = running()
     rs = ranks(0, {0: {"dead": True}})
     s, cmds = mc.step(s, mc.Faulted(seen(2.0, rs, managed=False), Fault("crash", rank=0)), P)
-    assert cmds[1] == mc.Abort(0, managed=False)
+    assert cmds[1] == mc.AbortGeneration(0, managed=False)
     assert s.deadline == 2.0 + T.terminate_grace_s
 
 
@@ -506,7 +506,7 @@ def test_a_corruption_the_replay_pinned_on_a_rank_counts_against_its_node_and_is
     once = P.model_copy(update={"rules": P.rules.model_copy(update={
         "isolate": P.rules.isolate.model_copy(update={"times": 2})})})
     s2, cmds = mc.step(s1, mc.Attributed(seen(31.0, ranks(0)), named), once)
-    assert kinds(cmds) == ["Raise", "Abort"] and s2.incident
+    assert kinds(cmds) == ["Raise", "AbortGeneration"] and s2.incident
     left = ranks(0, {r: {"left": 0} for r in range(4)})
     cmds = []
     for t in (31.1, 31.2, 31.3):  # (rank 3 gets a new process: its memory asked first)

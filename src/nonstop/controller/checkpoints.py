@@ -39,7 +39,7 @@ class CheckpointsFailing(Exception):
 
 
 @dataclasses.dataclass
-class Verdict:
+class SaveRetry:
     """What to do about one failed attempt."""
 
     attempt: int  # failed attempts in a row, this one included
@@ -71,7 +71,7 @@ class Failures:
         self.fatal: str | None = None  # the diagnosis, once on_failure says the job must end
 
     def failed(self, step: int, part: int, cause: str, now: float, retryable: bool = True,
-               where: str | None = None) -> Verdict | None:
+               where: str | None = None) -> SaveRetry | None:
         """A part of ``step`` (``MANIFEST_PART``: its manifest) was not written, for ``cause``
         (``where``: the same, with the path). None: nothing new to say (a step already settled,
         or another part of the attempt already reported)."""
@@ -94,7 +94,7 @@ class Failures:
                 # The disk had no time to change since: the newer step waits in its place, and
                 # costs no attempt (checkpoints queued behind a slow writer fail all at once).
                 self.target, self.parts = step, {part}
-                return Verdict(self.attempts, round(max(0.0, self.due_at - now), 3), dropped)
+                return SaveRetry(self.attempts, round(max(0.0, self.due_at - now), 3), dropped)
         self.target, self.parts = step, {part}
         self.attempts += 1
         retry_in = self._retry_in(step) if retryable else None
@@ -102,7 +102,7 @@ class Failures:
             self._give_up(step, where or cause)
         else:
             self.due_at = now + retry_in
-        return Verdict(self.attempts, retry_in, dropped)
+        return SaveRetry(self.attempts, retry_in, dropped)
 
     def _retry_in(self, step: int) -> float | None:
         if not self.retrying or self.attempts > self.retries:

@@ -1,6 +1,6 @@
-"""What the state machine (``machine.py``) tells the controller to carry out: its commands (``Abort``,
-``Kill``, ``Decide``, ``Publish``...), each a frozen record the executor turns into signals,
-messages and processes."""
+"""What the state machine (``machine.py``) tells the controller to carry out: its commands
+(``AbortGeneration``, ``Kill``, ``Decide``, ``Publish``...), each a frozen record the executor
+turns into signals, messages and processes."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class Interrupt:
 
 
 @dataclasses.dataclass(frozen=True)
-class Abort:
+class AbortGeneration:
     """The survivors leave generation ``gen`` (managed); a plain script's ranks are ended."""
     gen: int
     managed: bool
@@ -156,6 +156,6 @@ class Missed:
     detail: str = ""
 
 
-Command = Union[Raise, Ignore, Interrupt, Abort, Kill, Probe, Decide, CarryOut, Regroup, Publish,
-                Formed, RetryOpened, Retry, WaitForHosts, Fail, Finish, End, Overdue, DrainRefused,
-                Missed]
+Command = Union[Raise, Ignore, Interrupt, AbortGeneration, Kill, Probe, Decide, CarryOut, Regroup,
+                Publish, Formed, RetryOpened, Retry, WaitForHosts, Fail, Finish, End, Overdue,
+                DrainRefused, Missed]

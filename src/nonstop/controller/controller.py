@@ -350,8 +350,8 @@ class Controller:
                 return self._do_Ignore(c)
             case mc.Interrupt():
                 return self._do_Interrupt(c)
-            case mc.Abort():
-                return self._do_Abort(c)
+            case mc.AbortGeneration():
+                return self._do_AbortGeneration(c)
             case mc.Kill():
                 return self._do_Kill(c)
             case mc.Probe():
@@ -444,7 +444,7 @@ class Controller:
         self.book.interrupt(time.time(), c.phase, self.gen)
         return []
 
-    def _do_Abort(self, c: mc.Abort) -> list[mc.Observation]:
+    def _do_AbortGeneration(self, c: mc.AbortGeneration) -> list[mc.Observation]:
         inc = self.book.open
         if inc is not None and inc.t_decide is None:
             inc.t_decide = self.state.t_abort

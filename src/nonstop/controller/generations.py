@@ -23,7 +23,7 @@ from .workers import Worker, WorkerTable
 WORLDS_KEPT = 64  # generations whose world size each assignment carries (snapshots' sizes)
 
 
-class Plan(dict):
+class RankPlan(dict):
     """rank -> wid, for the current generation; ``version`` changes with every change."""
 
     version = 0
@@ -56,7 +56,7 @@ class Plan(dict):
         self.version += 1
         return super().setdefault(rank, wid)
 
-    def __ior__(self, other: Any) -> "Plan":  # type: ignore[override]
+    def __ior__(self, other: Any) -> "RankPlan":  # type: ignore[override]
         self.update(other)
         return self
 
@@ -80,7 +80,7 @@ class Generations:
         self.policy, self.mail, self.table, self.memory = policy, mail, table, memory
         self.watchers, self.log, self.display = watchers, log, display
         self.workers = table.workers
-        self.plan: Plan = Plan()  # rank -> wid
+        self.plan: RankPlan = RankPlan()  # rank -> wid
         self.replacements = [0] * world
         self.claimed: dict[str, int] = {}  # injected faults fired: index -> times
         self._nodes: tuple[int, dict[int, int], frozenset[int]] = (-1, {}, frozenset())

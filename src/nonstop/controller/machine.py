@@ -33,7 +33,7 @@ from ..decide.ladder import Counters, Decision, Fault, Level
 from .phase import ACTIVE, ENDING, Phase
 from .placement import free_slots, place, spare_nodes, view  # noqa: F401 - spare_nodes: callers
 from .commands import (  # noqa: F401 - the machine's commands, named as mc.<Command>
-    Raise, Ignore, Interrupt, Abort, Kill, Probe,
+    Raise, Ignore, Interrupt, AbortGeneration, Kill, Probe,
     Decide, CarryOut, Regroup, DrainRefused, Publish, Formed,
     RetryOpened, Retry, WaitForHosts, Fail, Finish, End, Overdue,
     Missed, Command)
@@ -171,7 +171,7 @@ def _abort(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command
         deadline = now + policy.timeouts.terminate_grace_s
     return (_with(s, phase=Phase.TEARING_DOWN, deadline=deadline, t_abort=now, probed=False,
                   patient=False),
-            [Abort(s.gen, seen.managed)])
+            [AbortGeneration(s.gen, seen.managed)])
 
 
 #: how many teardown_s a teardown waits again when its deadline passed with no rank out
@@ -216,7 +216,7 @@ def _tick(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command]
             missed = Missed("step_boundary", round(s.deadline - s.t_abort, 3), s.gen,
                             tuple(r.rank for r in pending), "the regroup is forced: ranks aborted")
             return (_with(s, forced=True, deadline=seen.now + policy.timeouts.teardown_s),
-                    [missed, Abort(s.gen, seen.managed)])
+                    [missed, AbortGeneration(s.gen, seen.managed)])
         if seen.now > s.deadline and seen.managed and not s.patient and \
                 not any(r.left >= s.gen and not r.dead for r in seen.ranks):
             # Not one rank out: what is late is more likely the abort itself (its delivery on a

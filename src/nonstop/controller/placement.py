@@ -3,7 +3,7 @@ to for the level decided. Pure functions of what the controller saw (``observati
 
 from __future__ import annotations
 
-from ..decide.ladder import Decision, JobView, Level
+from ..decide.ladder import Decision, LadderView, Level
 from .observations import Seen
 
 
@@ -13,11 +13,11 @@ def spare_nodes(node_of: dict[int, int], total_nodes: int, isolated: set[int]) -
     return [n for n in range(total_nodes) if n not in busy and n not in isolated]
 
 
-def view(isolated: set[int], seen: Seen) -> JobView:
+def view(isolated: set[int], seen: Seen) -> LadderView:
     """The job as the ladder sees it, with these nodes isolated."""
     healthy = [n for n in range(seen.total_nodes) if n not in isolated]
     node_of = seen.node_of
-    return JobView(world=len(seen.ranks), managed=seen.managed, node_of=node_of,
+    return LadderView(world=len(seen.ranks), managed=seen.managed, node_of=node_of,
                    spare_nodes=len(spare_nodes(node_of, seen.total_nodes, isolated)),
                    capacity=len(healthy) * seen.slots, slots=seen.slots,
                    ready_spares=dict(seen.ready_spares),

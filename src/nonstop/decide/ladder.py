@@ -17,7 +17,7 @@ from typing import Any
 from .faults import Attribution, Domain, Fault
 from ..policy import Policy
 
-__all__ = ["Attribution", "Counters", "Decision", "Fault", "JobView", "Level", "charge", "decide",
+__all__ = ["Attribution", "Counters", "Decision", "Fault", "LadderView", "Level", "charge", "decide",
            "decide_nan", "isolations", "progressed", "quiet"]
 
 
@@ -101,7 +101,7 @@ class Counters:
 
 
 @dataclasses.dataclass(frozen=True)
-class JobView:
+class LadderView:
     """What the ladder needs to know of the job's placement."""
 
     world: int
@@ -150,7 +150,7 @@ def _fail(reason: str, diagnosis: str, **kw: Any) -> Decision:
     return Decision(Level.FAIL, reason=reason, diagnosis=diagnosis, **kw)
 
 
-def isolations(faults: list[Fault], view: JobView, policy: Policy, counters: Counters,
+def isolations(faults: list[Fault], view: LadderView, policy: Policy, counters: Counters,
                 now: float) -> set[int]:
     """Nodes whose ranks (or which) saw the same fault code ``isolate.times`` times within the
     window, this round included: treated as failing hardware."""
@@ -174,7 +174,7 @@ def isolations(faults: list[Fault], view: JobView, policy: Policy, counters: Cou
     return out
 
 
-def decide(faults: list[Fault], dead: set[int], view: JobView, policy: Policy,
+def decide(faults: list[Fault], dead: set[int], view: LadderView, policy: Policy,
            counters: Counters, now: float = 0.0, escalate_from: Level | None = None) -> Decision:
     """Decide one round of an incident.
 
@@ -328,7 +328,7 @@ def decide(faults: list[Fault], dead: set[int], view: JobView, policy: Policy,
                  passed_over=tuple(passed))
 
 
-def shrink(lost: set[int], sick_nodes: set[int], view: JobView, policy: Policy
+def shrink(lost: set[int], sick_nodes: set[int], view: LadderView, policy: Policy
            ) -> tuple[set[int], str | None]:
     """The ranks a scale-in goes on without, or why it cannot: the lost ranks (across nodes,
     every rank of their nodes: the world shrinks by whole nodes), and then the highest ranks
@@ -364,14 +364,14 @@ def shrink(lost: set[int], sick_nodes: set[int], view: JobView, policy: Policy
     return drop, None
 
 
-def restarted(view: JobView, ranks: set[int]) -> set[int]:
+def restarted(view: LadderView, ranks: set[int]) -> set[int]:
     """The ranks of a world that changes size which need new processes: every one, for a mesh
     sharded along the dimension that changes (``regrid_unit``: its processes cannot be sharded
     again, and the new ones cut their shards from the old); none otherwise (they go on live)."""
     return set(ranks) if view.regrid_unit > 0 else set()
 
 
-def _prefer_shrink(replace: set[int], view: JobView, policy: Policy, counters: Counters,
+def _prefer_shrink(replace: set[int], view: LadderView, policy: Policy, counters: Counters,
                    sick_nodes: set[int]) -> bool:
     """Whether a scale-in goes first instead of starting new processes for ``replace``: the
     policy says so when no warm spare is ready for them, and a scale-in can be done."""

@@ -21,7 +21,7 @@ from typing import Any
 
 from .incidents import PHASES
 from .timeline_plan import (  # noqa: F401 - NoPicture, Run, Mark: the callers' names
-    Mark, NoPicture, Plan, Run, load, plan)
+    Mark, NoPicture, Drawing, Run, load, plan)
 
 FILENAME = "timeline.png"
 DPI = 100
@@ -73,7 +73,7 @@ def _layout(lanes: int) -> dict[str, float]:
     return rows
 
 
-def render(p: Plan, path: Path) -> dict[str, Any]:
+def render(p: Drawing, path: Path) -> dict[str, Any]:
     """Draw ``p`` into a PNG at ``path``; return what was drawn."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -144,7 +144,7 @@ def _axes(fig: Any, rows: dict[str, float]) -> tuple[Any, Any, Any]:
     return strip, lanes, bar
 
 
-def _draw_spans(p: Plan, strip: Any, lanes_ax: Any) -> list[tuple[str, float, float]]:
+def _draw_spans(p: Drawing, strip: Any, lanes_ax: Any) -> list[tuple[str, float, float]]:
     """The recovery phases shaded across the strip and every lane."""
     out = []
     for phase, x0, x1, _inc in p.spans:
@@ -155,7 +155,7 @@ def _draw_spans(p: Plan, strip: Any, lanes_ax: Any) -> list[tuple[str, float, fl
     return out
 
 
-def _draw_generations(p: Plan, strip: Any, lanes_ax: Any) -> list[tuple[int, float]]:
+def _draw_generations(p: Drawing, strip: Any, lanes_ax: Any) -> list[tuple[int, float]]:
     """A dashed vertical line where each generation was published."""
     for x, _gen, _label in p.generations:
         for ax in (strip, lanes_ax):
@@ -163,7 +163,7 @@ def _draw_generations(p: Plan, strip: Any, lanes_ax: Any) -> list[tuple[int, flo
     return [(gen, x) for x, gen, _label in p.generations]
 
 
-def _draw_lanes(p: Plan, ax: Any) -> dict[str, Any]:
+def _draw_lanes(p: Drawing, ax: Any) -> dict[str, Any]:
     """Lane labels (thinned out past MAX_LANE_LABELS lanes), node groups and separators."""
     n = len(p.lanes)
     ax.set_ylim(n - 0.5, -0.5)
@@ -190,7 +190,7 @@ def _draw_lanes(p: Plan, ax: Any) -> dict[str, Any]:
             "every": every, "nodes": node_labels}
 
 
-def _node_groups(p: Plan) -> list[tuple[int, int, int]]:
+def _node_groups(p: Drawing) -> list[tuple[int, int, int]]:
     """(node, first lane, last lane) for each run of lanes on one node."""
     groups: list[tuple[int, int, int]] = []
     for i, rank in enumerate(p.lanes):
@@ -202,7 +202,7 @@ def _node_groups(p: Plan) -> list[tuple[int, int, int]]:
     return groups
 
 
-def _draw_segments(p: Plan, ax: Any) -> dict[int, list[tuple[float, float, int]]]:
+def _draw_segments(p: Drawing, ax: Any) -> dict[int, list[tuple[float, float, int]]]:
     """Each rank's steps, its shade alternating with the generation."""
     for i, rank in enumerate(p.lanes):
         segs = p.segments.get(rank, [])
@@ -215,7 +215,7 @@ def _draw_segments(p: Plan, ax: Any) -> dict[int, list[tuple[float, float, int]]
     return {rank: list(p.segments.get(rank, [])) for rank in p.lanes}
 
 
-def _draw_marks(p: Plan, strip: Any, lanes_ax: Any) -> tuple[list[tuple[Any, float, str]],
+def _draw_marks(p: Drawing, strip: Any, lanes_ax: Any) -> tuple[list[tuple[Any, float, str]],
                                                            list[tuple[int, float, str]]]:
     """Faults (a cross; hollow for a symptom) and new processes (a triangle in the lower half of
     the lane, so a fault at the same moment still shows: filled for a warm spare, hollow for a
@@ -246,7 +246,7 @@ def _draw_marks(p: Plan, strip: Any, lanes_ax: Any) -> tuple[list[tuple[Any, flo
     return faults, members
 
 
-def _draw_strip(p: Plan, ax: Any) -> dict[str, list[str]]:
+def _draw_strip(p: Drawing, ax: Any) -> dict[str, list[str]]:
     """The strip above the lanes: generation labels, incident labels (MTTR), and the job row
     (faults of no one rank, nodes that joined or were lost); labels that would overlap are
     left out (their lines and shading still show)."""
@@ -283,7 +283,7 @@ def _thin(labels: list[tuple[float, str]], x_end: float,
     return kept
 
 
-def _draw_legend(p: Plan, ax: Any, drawn: dict[str, Any]) -> list[str]:
+def _draw_legend(p: Drawing, ax: Any, drawn: dict[str, Any]) -> list[str]:
     """The legend, beside the lanes: only what the picture holds, and every recovery phase
     when it holds an incident."""
     from matplotlib.lines import Line2D
@@ -324,7 +324,7 @@ def _draw_legend(p: Plan, ax: Any, drawn: dict[str, Any]) -> list[str]:
     return [t.get_text() for t in legend.get_texts()]
 
 
-def _draw_account(p: Plan, ax: Any) -> dict[str, Any]:
+def _draw_account(p: Drawing, ax: Any) -> dict[str, Any]:
     """The goodput account as one stacked bar (share of the wall time, not in time order),
     recovery by phase in the shading's colours, with its own legend below."""
     ax.set_yticks([])

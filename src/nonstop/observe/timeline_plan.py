@@ -107,7 +107,7 @@ class Mark:
 
 
 @dataclass
-class Plan:
+class Drawing:
     """Everything the picture shows, in seconds since the run started: what ``render`` draws
     and what a test checks."""
 
@@ -128,7 +128,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
 
-def plan(run: Run) -> Plan:
+def plan(run: Run) -> Drawing:
     """What to draw for ``run``."""
     nodes = _rank_nodes(run)
     segments = _segments(run)
@@ -149,7 +149,7 @@ def plan(run: Run) -> Plan:
                      "first step)")
     title, subtitle = _titles(run, len(lanes), len(set(nodes.values())))
     account, wall = _account(run.summary)
-    return Plan(title=title, subtitle=subtitle, x_end=run.t_end - run.t0, lanes=lanes,
+    return Drawing(title=title, subtitle=subtitle, x_end=run.t_end - run.t0, lanes=lanes,
                 nodes=nodes, segments=segments, spans=spans, incidents=incidents,
                 generations=_generations(run), faults=faults, members=members,
                 nodes_events=_node_events(run), account=account, wall_s=wall, notes=notes)

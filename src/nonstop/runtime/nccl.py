@@ -188,7 +188,7 @@ def abort_all(backends: list[Any], mode: str = "threads",
             first._group_end()
 
 
-class Abort:
+class CommAbort:
     """One abort of a process's NCCL communicators, in a thread of its own, with a deadline.
 
     Started once (every later ``start`` is the same abort); ``wait`` returns whether it ended

@@ -184,7 +184,7 @@ class GenerationGroup:
 
     With NCCL, the group is bound to the rank's GPU so that its communicators are created while
     it forms (every peer was just seen alive), and an abort also aborts every NCCL communicator
-    of the process, in a thread with a deadline (``nccl.Abort``): ``escalate`` is called with
+    of the process, in a thread with a deadline (``nccl.CommAbort``): ``escalate`` is called with
     the reason when one does not return in time (the process must then be replaced)."""
 
     def __init__(self, host: str, port: int, gen: int, rank: int, world: int, backend: str,
@@ -195,7 +195,7 @@ class GenerationGroup:
         self.backend, self.prefix = with_cpu_backend(backend), prefix
         self.nccl = nccl.uses_nccl(self.backend)
         self._escalate = escalate if escalate is not None else _cannot_escalate
-        self.nccl_abort = nccl.Abort(self._escalate, abort_s) if self.nccl else None
+        self.nccl_abort = nccl.CommAbort(self._escalate, abort_s) if self.nccl else None
         self.nccl_env: dict[str, str] = {}  # what nonstop set for NCCL in this process
         self._deferred = False  # left while its NCCL abort ran: destroyed by ``settle``
         # NCCL: (steps done, a CUDA event after their work) of the last step, and the newest

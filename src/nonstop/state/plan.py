@@ -79,7 +79,7 @@ class Action:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class RestorePlan:
     step: int
     actions: tuple[Action, ...]  # one per rank
     fresh: bool = False  # nothing anywhere: everyone starts from its initial state at step 0
@@ -125,7 +125,7 @@ def _holders(offers: list[Offer], rank: int, step: int, sharded: bool,
     return found
 
 
-def plan(offers: list[Offer], sharded: bool, twins: tuple[int, ...] | None = None) -> Plan:
+def plan(offers: list[Offer], sharded: bool, twins: tuple[int, ...] | None = None) -> RestorePlan:
     """The newest step every rank can reach, and how each gets there. ``twins`` (sharded state
     only): for each rank, which shard it holds; ranks that hold the same one are each other's
     copies."""
@@ -139,11 +139,11 @@ def plan(offers: list[Offer], sharded: bool, twins: tuple[int, ...] | None = Non
         for held in o.replicas.values():
             steps.update(held)
     if not steps:
-        return Plan(0, tuple(Action(r, "live") for r in range(world)), fresh=True)
+        return RestorePlan(0, tuple(Action(r, "live") for r in range(world)), fresh=True)
     for step in sorted(steps, reverse=True):
         ways = [_holders(offers, r, step, sharded, twins) for r in range(world)]
         if all(ways):
-            return Plan(step, tuple(_action(r, ways[r][0]) for r in range(world)))
+            return RestorePlan(step, tuple(_action(r, ways[r][0]) for r in range(world)))
     raise NoConsistentState(
         "no step is held for every rank "
         + ("(each shard exists only once)" if sharded and twins is None else "")

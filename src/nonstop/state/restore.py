@@ -363,7 +363,7 @@ def _moved(action: planning.Action) -> bool:
     return not (action.source == "live" and action.holder is None)
 
 
-def _holding(offers: list[Offer], p: planning.Plan, failed: list[dict[str, Any]]) -> list[Offer]:
+def _holding(offers: list[Offer], p: planning.RestorePlan, failed: list[dict[str, Any]]) -> list[Offer]:
     """The offers for the next attempt at a plan: a rank whose copy arrived holds the plan's
     step live now (it was loaded), whatever it held before - offered as it was, a rank brought
     to a newer step and then given an older plan's "live" would keep the newer one's tensors."""
@@ -397,7 +397,7 @@ def _without(offers: list[Offer], failed: list[dict[str, Any]]) -> list[Offer]:
 
 
 # == carrying out a plan ==========================================================================
-def _execute(p: planning.Plan, offers: list[Offer], state: Any, rank: int, where: Where
+def _execute(p: planning.RestorePlan, offers: list[Offer], state: Any, rank: int, where: Where
              ) -> tuple[int, dict[str, Any] | None]:
     """This rank's part of the plan: every transfer in one global order (so no two ranks wait on
     each other), then its own local read. Returns (bytes received, failure or None)."""
