@@ -102,8 +102,8 @@ class Successor:
                 rec = keys.HostRecord.loads(raw)
                 alive[(rec.host_id, rec.incarnation)] = rec
             absent = [h for h in nodes.values() if (h.host, h.incarnation) not in alive]
-            answers = at_once(lambda h: answers(h.addr, h.port, self.secret), absent)
-            waiting = [h for h, yes in zip(absent, answers) if yes]
+            answered = at_once(lambda h: answers(h.addr, h.port, self.secret), absent)
+            waiting = [h for h, yes in zip(absent, answered) if yes]
             if not waiting or time.monotonic() > deadline:
                 return alive
             time.sleep(0.2)
