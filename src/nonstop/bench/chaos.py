@@ -195,7 +195,9 @@ def add_costs(by_kind: dict[str, dict[str, Any]], moments: list[tuple[str, float
     for kind, values in mttrs.items():
         values.sort()
         by_kind[kind]["mttr_s"] = {"median": round(values[len(values) // 2], 3),
-                                   "max": round(values[-1], 3)}
+                                   "max": round(values[-1], 3),
+                                   # each one: soaks run in parts add up
+                                   "all": [round(v, 3) for v in values]}
 
 
 def is_corruption(inc: dict[str, Any], events: list[dict[str, Any]]) -> bool:
