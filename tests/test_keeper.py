@@ -35,7 +35,7 @@ def keepers():
         """``secret``: the job's secret (replicas over the authenticated channel); ``log``: a
         path the keeper's output goes to."""
         name = f"nonstop-test-{uuid.uuid4().hex[:8]}-n{node}"
-        cmd = [sys.executable, "-m", "nonstop.state.keeper", name, "--node", str(node),
+        cmd = [sys.executable, "-m", "nonstop.keeper", name, "--node", str(node),
                "--parent", str(os.getpid())] + (["--writer"] if writer else [])
         env = dict(os.environ, NONSTOP_KEEPER_TOKEN=job_token if token is None else token)
         env.pop(SECRET_ENV, None)
@@ -239,7 +239,7 @@ def test_an_empty_job_secret_or_token_is_no_keeper(env, said):
     unauthenticated replicas."""
     env = {k: v for k, v in dict(os.environ, **env).items()
            if k not in (SECRET_ENV, "NONSTOP_KEEPER_TOKEN") or k in env}
-    out = subprocess.run([sys.executable, "-m", "nonstop.state.keeper",
+    out = subprocess.run([sys.executable, "-m", "nonstop.keeper",
                           f"nonstop-test-{uuid.uuid4().hex[:8]}-n0"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and said in out.stderr, out.stderr

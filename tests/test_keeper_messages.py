@@ -23,9 +23,9 @@ from nonstop.controller.remote_keepers import RemoteKeeperLink
 from nonstop.protocol import keeper_messages as km
 from nonstop.protocol import messages as m
 from nonstop.state import shm, wire
-from nonstop.state.disk import DiskWrites
-from nonstop.state.keeper import ENV_TOKEN, Keeper
-from nonstop.state.slots import Slots
+from nonstop.keeper.disk import DiskWrites
+from nonstop.keeper.server import ENV_TOKEN, Keeper
+from nonstop.keeper.slots import Slots
 
 INFO = shm.SlotInfo(seq=3, step=40, meta_len=512, data_len=4096, checksum=2**63 + 5,
                     written_at=1700000000.25, rank=1, gen=2)
@@ -250,7 +250,7 @@ def test_the_keeper_answers_a_bad_request_with_why_and_serves_on(keeper, raw, sa
 
 def test_the_keeper_logs_a_bad_request_nobody_waits_an_answer_to(keeper, caplog):
     """An answer to a told request would be read as the answer to its sender's next request."""
-    caplog.set_level(logging.WARNING, logger="nonstop.state.keeper")
+    caplog.set_level(logging.WARNING, logger="nonstop.keeper")
     assert keeper.serve(1, {"op": "commit", "holder": "r0"})[0] == (None, [])
     assert keeper.serve(1, {"op": "release", "holder": "r0", "slot": 7})[0] == (None, [])
     said = [r.getMessage() for r in caplog.records]

@@ -105,7 +105,7 @@ def test_a_departure_snapshot_says_so_and_never_takes_the_newest_periodic_ones_s
     replicas) is marked in its header. A holder's next snapshot goes to the invalid slot, else
     to a departure snapshot's, else to the older: after two recoveries in a row the periodic
     snapshot - the step a corruption goes back to - is still there."""
-    from nonstop.state.slots import Holder
+    from nonstop.keeper.slots import Holder
 
     h = Holder("r0")
     for i in range(2):

@@ -298,7 +298,7 @@ def keeper():
     procs = []
     name = f"nonstop-test-{uuid.uuid4().hex[:8]}-n0"
     procs.append(subprocess.Popen(
-        [sys.executable, "-m", "nonstop.state.keeper", name, "--parent", str(os.getpid())],
+        [sys.executable, "-m", "nonstop.keeper", name, "--parent", str(os.getpid())],
         start_new_session=True, env=dict(os.environ, NONSTOP_KEEPER_TOKEN=uuid.uuid4().hex)))
     deadline = time.time() + 15
     while True:

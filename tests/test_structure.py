@@ -107,7 +107,8 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("store", "net"),  # etcd and the TCPStore; the authenticated channel
     ("decide",),  # pure decisions
     ("observe", "zygote_client", "script_scan", "torch_internals"),
-    ("state",),  # node memory: the keeper's side and the rank's
+    ("state",),  # a rank's state: its snapshots, restores, checkpoints, the slots' format
+    ("keeper",),  # node memory: the keeper process
     ("inject",),
     ("runtime", "ddp"),  # in each rank
     ("agent",),  # one host's processes

@@ -187,8 +187,8 @@ class Agent:
                            log_name, spare)
 
     def spawn_keeper(self, wid: int, node: int, name: str, writer: bool) -> Proc:
-        """The node's memory (``nonstop.state.keeper``): ends with this process."""
-        cmd = [sys.executable, "-u", "-m", "nonstop.state.keeper", name, "--node", str(node),
+        """The node's memory (``nonstop.keeper``): ends with this process."""
+        cmd = [sys.executable, "-u", "-m", "nonstop.keeper", name, "--node", str(node),
                "--host", self.keeper_host,
                "--parent", str(os.getpid())] + (["--writer"] if writer else [])
         env = {**self.env, **self.keeper_env}

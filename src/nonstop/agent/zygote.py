@@ -62,7 +62,7 @@ PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
 # more modules to import once, before any fork: the script's heavy ones (comma-separated)
 PRELOAD_ENV = "NONSTOP_PRELOAD"
 # what a template imports besides, for the checkpoint writers it forks (torch's DCP)
-WRITER_PRELOAD = ("torch.distributed.checkpoint", "nonstop.state.writer")
+WRITER_PRELOAD = ("torch.distributed.checkpoint", "nonstop.keeper.writer")
 WRITER_NAME = "nonstop-writer"  # a template's writer in ps (its command line is the template's)
 SESSION_S = 5.0  # a fork is answered once its child has its own session (at most this long)
 READY_S = 120.0  # the agent waits this long for the zygote's imports before it starts ranks itself
@@ -282,7 +282,7 @@ def _templated(req: zm.TemplateRequest, fds: list[int], conn: socket.socket,
         if not pid_alive(req.pid):
             os._exit(0)
         if req.role == "writer":
-            from ..state import writer
+            from ..keeper import writer
 
             _name(WRITER_NAME)
             writer.serve(socket.socket(fileno=sock_fd))  # until the keeper is gone

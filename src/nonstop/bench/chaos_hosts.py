@@ -443,7 +443,7 @@ class Harness:
             f["victim"] = j.names.get(i, f"host{i}")
             for pid in j.hosts[i].pids():
                 with contextlib.suppress(OSError):
-                    if b"nonstop.state.keeper" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    if b"nonstop.keeper" in Path(f"/proc/{pid}/cmdline").read_bytes():
                         os.kill(pid, signal.SIGKILL)
         elif kind == "stop_cont":
             held = self.rank_pid(f["rank"])

@@ -1,4 +1,4 @@
-"""What crosses a process to and from a node's memory (``state/keeper.py``), typed: the clients'
+"""What crosses a process to and from a node's memory (``keeper/server.py``), typed: the clients'
 requests and their answers, the keeper's reports to its subscribers, its checkpoint writer's
 messages, and the header and ack of a replica between two keepers.
 

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from ..net import channel, listener
 from ..protocol import keeper_messages as km
-from . import shm
+from ..state import shm
 from .slots import DEFER_LIMIT_S, Holder, Slots
 
 REPLICA_TIMEOUT_S = 120.0

@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 from ..pids import die_with
 from ..protocol import keeper_messages as km
-from . import checkpoint, packing, shm, wire
+from ..state import checkpoint, packing, shm, wire
 
 _TRACEBACK_CHARS = 16_000  # the keeper's messages must stay well under wire.MAX_MESSAGE
 

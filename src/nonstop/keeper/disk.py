@@ -1,6 +1,6 @@
 """Disk checkpoints from a keeper's snapshots: the keeper's ``DiskWrites``. A snapshot going to
 disk is first copied by the kernel into memory of its own (its slot is free at once for the next
-snapshot), in a stager thread; a writer process of the keeper's (``nonstop.state.writer``) takes
+snapshot), in a stager thread; a writer process of the keeper's (``nonstop.keeper.writer``) takes
 it from there, talked to from the keeper's loop.
 
 The copy of a part that could not be written is kept (one per holder: the newest) so that the
@@ -21,7 +21,7 @@ from typing import Callable
 
 from ..zygote_client import TemplatedProcess, from_templates
 from ..protocol import keeper_messages as km
-from . import shm, wire
+from ..state import shm, wire
 from .slots import Holder, Slots
 
 Job = tuple[km.DiskPart, shm.SlotInfo, int]  # a part to write: (job, snapshot, staged copy)
@@ -153,7 +153,7 @@ class DiskWrites:
             self.writer = TemplatedProcess(pid)
         else:
             self.writer = subprocess.Popen(
-                [sys.executable, "-m", "nonstop.state.writer", str(theirs.fileno()),
+                [sys.executable, "-m", "nonstop.keeper.writer", str(theirs.fileno()),
                  str(os.getpid())],
                 pass_fds=[theirs.fileno()], start_new_session=True, stdin=subprocess.DEVNULL)
         theirs.close()

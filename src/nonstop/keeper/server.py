@@ -2,7 +2,7 @@
 outlives the rank that wrote it, and that copies snapshots to buddy nodes and to disk, off the
 ranks' training path.
 
-    python -m nonstop.state.keeper NAME --node N [--host HOST] [--writer]
+    python -m nonstop.keeper NAME --node N [--host HOST] [--writer]
 
 A rank asks for a slot (``alloc``), fills it, and says so (``commit``): every request, answer
 and report is a record of ``protocol/keeper_messages.py``, and a request that is not one is
@@ -35,7 +35,7 @@ from typing import Any
 
 from ..pids import die_with
 from ..protocol import keeper_messages as km
-from . import shm, wire
+from ..state import shm, wire
 from .disk import DiskWrites
 from .replicas import Replication, job_secret
 from .slots import DEFER_LIMIT_S, Slots
@@ -337,7 +337,7 @@ class Keeper:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m nonstop.state.keeper")
+    p = argparse.ArgumentParser(prog="python -m nonstop.keeper")
     p.add_argument("name", help="abstract socket name")
     p.add_argument("--node", type=int, default=0)
     p.add_argument("--host", default="127.0.0.1", help="address replicas from other nodes arrive at")

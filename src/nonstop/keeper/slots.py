@@ -13,7 +13,7 @@ import os
 import threading
 from typing import Any
 
-from . import shm
+from ..state import shm
 
 SLOTS = 2
 DEFER_LIMIT_S = 120.0  # a write (a snapshot, a replica) waits at most this long for a free slot
