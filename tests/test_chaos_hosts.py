@@ -77,3 +77,62 @@ def test_faults_of_the_outside_world_leave_the_weights_and_nothing_behind(test_h
     assert result["incidents"] >= 2 and result["incidents_closed"] == result["incidents"], result
     assert result["incidents_with_phases"] == result["incidents"]
     assert result["summary_incidents"] == result["incidents"]  # the last controller counts all
+
+
+@pytest.mark.integration
+def test_a_soak_ended_by_sigterm_ends_its_reference_run_too(test_hosts, tmp_path):
+    """SIGTERM to ``nonstop chaos --hosts`` while its fault-free reference runs beside the job:
+    it exits 143, its test hosts removed and the reference run (a session of its own) ended by
+    its pid - nothing of the soak left running."""
+    import os
+    import signal
+    import time
+
+    def below(root: int) -> set[int]:
+        parent = {}
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    with open(f"/proc/{pid}/stat") as f:
+                        parent[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                except OSError:
+                    pass
+        found, todo = set(), [root]
+        while todo:
+            kids = {c for c, p in parent.items() if p == todo.pop()} - found
+            found |= kids
+            todo += list(kids)
+        return found
+
+    def running(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    proc = subprocess.Popen([sys.executable, "-m", "nonstop", "chaos", "--hosts", "2", "--faults",
+                             "1", "--kinds", "crash", "--seed", "1", "--out", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    seen: set[int] = set()
+    try:
+        log = tmp_path / "reference" / "run" / "logs"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (log.is_dir() and any(log.glob("worker-*"))):
+            time.sleep(0.2)  # the reference's ranks have started
+        seen = below(proc.pid)
+        assert len(seen) >= 3, seen  # its launcher, the launcher's keeper and ranks at least
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 143
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(running(p) for p in seen):
+            time.sleep(0.2)
+        assert not [p for p in seen if running(p)], "the soak's reference run still runs"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        for pid in seen:  # (only where the test failed: ended by pid)
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -530,8 +530,10 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
                                  str(base / "reference.pt"))
     (base / "reference").mkdir()
     ref: list[int] = []
+    ref_procs: list[subprocess.Popen] = []  # ended by its pid if the soak is (SIGTERM, ^C)
     ref_thread = threading.Thread(target=lambda: ref.append(common.run_child(
-        ref_cmd, base / "reference" / "output.log", run_timeout_s)), daemon=True)
+        ref_cmd, base / "reference" / "output.log", run_timeout_s, started=ref_procs)),
+        daemon=True)
     ref_thread.start()
     # two hosts lost at once leave a copy of every snapshot only with two replicas of each
     (base / "policy.yaml").write_text(POLICY + ("state:\n  snapshot: {replicas: 2}\n"
@@ -612,6 +614,9 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
             names = dict(j.names)
     except Exception as exc:  # noqa: BLE001 - the test hosts or etcd could not be made
         error = error or f"{type(exc).__name__}: {exc}"
+    except BaseException:  # the soak itself ended (SIGTERM, ^C): its reference run with it
+        common.end(ref_procs)
+        raise
     finally:
         if mounted:
             _umount(ckpt)

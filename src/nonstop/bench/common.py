@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -20,9 +21,11 @@ JOB = Path(__file__).resolve().parent / "job.py"
 
 
 def run_child(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None,
-              until: Callable[[subprocess.Popen], bool] | None = None) -> int:
+              until: Callable[[subprocess.Popen], bool] | None = None,
+              started: list[subprocess.Popen] | None = None) -> int:
     """Run a command in its own session, output to ``log``; end it (and its children) on timeout.
-    ``until``: asked every 20 ms while the command runs, until it says True (a moment to note)."""
+    ``until``: asked every 20 ms while the command runs, until it says True (a moment to note).
+    ``started``: the process is put there, for a caller in another thread to end (``end``)."""
     # torchrun's ranks as nonstop's: gloo listens on loopback (torchrun's own store, the baseline's,
     # listens on every interface whatever it is told)
     env = loopback.pin(dict(os.environ if env is None else env))
@@ -30,6 +33,8 @@ def run_child(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str] |
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env)
+        if started is not None:
+            started.append(proc)
         try:
             while until is not None and proc.poll() is None and time.monotonic() < deadline \
                     and not until(proc):
@@ -43,6 +48,15 @@ def run_child(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str] |
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
+
+
+def end(procs: list[subprocess.Popen]) -> None:
+    """End each process ``run_child`` started (its session whole), by its pid, if it still runs."""
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
 
 
 def cpu_s_below(root: int, with_root: bool = False) -> float:
