@@ -99,7 +99,8 @@ def test_a_soak_ended_by_sigterm_ends_its_reference_run_too(test_hosts, tmp_path
                     pass
         found, todo = set(), [root]
         while todo:
-            kids = {c for c, p in parent.items() if p == todo.pop()} - found
+            node = todo.pop()
+            kids = {c for c, p in parent.items() if p == node} - found
             found |= kids
             todo += list(kids)
         return found
@@ -130,9 +131,13 @@ def test_a_soak_ended_by_sigterm_ends_its_reference_run_too(test_hosts, tmp_path
             time.sleep(0.2)
         assert not [p for p in seen if running(p)], "the soak's reference run still runs"
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        for pid in seen:  # (only where the test failed: ended by pid)
+        if proc.poll() is None:  # (only where the test failed: the soak asked to end first)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+        for pid in seen:  # (...and what it left: ended by pid)
             if running(pid):
                 os.kill(pid, signal.SIGKILL)
