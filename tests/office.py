@@ -13,6 +13,7 @@ class Office:
     held: bool = True  # its lease is confirmed
     done: bool = False  # training complete for every rank
     heard: float | None = None  # when etcd's newest answer was asked (None: just now)
+    period: float = 1.0  # how often etcd is asked
     lost: list[int] = dataclasses.field(default_factory=list)
     lines: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     ticks: int = 0
@@ -25,6 +26,9 @@ class Office:
 
     def store_heard(self) -> float:
         return time.monotonic() if self.heard is None else self.heard
+
+    def store_period(self) -> float:
+        return self.period
 
     def node_lost(self, node: int) -> None:
         self.lost.append(node)

@@ -130,6 +130,7 @@ def test_a_soak_ended_by_sigterm_ends_its_reference_run_too(test_hosts, tmp_path
         while time.monotonic() < deadline and any(running(p) for p in seen):
             time.sleep(0.2)
         assert not [p for p in seen if running(p)], "the soak's reference run still runs"
+        assert not os.path.ismount(tmp_path / "ckpt")  # its checkpoints' small disk is gone too
     finally:
         if proc.poll() is None:  # (only where the test failed: the soak asked to end first)
             proc.send_signal(signal.SIGTERM)

@@ -139,6 +139,12 @@ def test_a_controller_that_hears_no_host_and_not_etcd_is_deaf(host):
     assert cluster.deaf()
     cluster.office.heard = time.monotonic()  # etcd answered since: the silence is the hosts' own
     assert not cluster.deaf()
+    # ...but an answer to a request sent just after the hosts' last frame, then nothing for two
+    # of etcd's periods: its ears failed after that answer (it heard neither since)
+    cluster.office.period = 0.1
+    time.sleep(0.25)
+    assert cluster.deaf()
+    cluster.office.period = 1.0
     cluster.office.heard = before
     # its own host's agent speaks over loopback, which a host whose incoming traffic is lost
     # still carries: no proof that the controller hears the job

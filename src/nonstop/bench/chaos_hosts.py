@@ -534,12 +534,11 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
     ref_thread = threading.Thread(target=lambda: ref.append(common.run_child(
         ref_cmd, base / "reference" / "output.log", run_timeout_s, started=ref_procs)),
         daemon=True)
-    ref_thread.start()
     # two hosts lost at once leave a copy of every snapshot only with two replicas of each
     (base / "policy.yaml").write_text(POLICY + ("state:\n  snapshot: {replicas: 2}\n"
                                                 if kinds & set(NEEDS_TWO_SPARES) else ""))
     ckpt = base / "ckpt"
-    mounted = _mount_tmpfs(ckpt, DISK_MB)
+    mounted = False  # (inside the try: a soak ended at any moment unmounts it)
     times = base / "steps.txt"
     spec = ";".join(f["spec"] for f in plan if "spec" in f)
     flags = ["--nnodes", str(hosts), "--nproc-per-node", str(per_host), "--spare-nodes", str(spare),
@@ -558,6 +557,8 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
     names: dict[int, str] = {}
     h: Harness | None = None
     try:
+        ref_thread.start()
+        mounted = _mount_tmpfs(ckpt, DISK_MB)
         with HostJob(base / "job", hosts=slots, etcd_members=etcd_members, tag="nsc",
                      etcd_disk_mb=ETCD_DISK_MB if "etcd_disk_full" in kinds else None) as j:
             h = Harness(j, flags, [*script_args, "--step-times", str(times)], times,

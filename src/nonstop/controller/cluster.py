@@ -325,14 +325,18 @@ class Cluster:
 
     def deaf(self) -> bool:
         """Whether this controller cannot prove that it hears: every other host of the job has
-        been silent for a while (each speaks at least every ``progress_every``) and etcd has not
-        answered a request sent since the last of them spoke. The fault may then be its own
-        ears (its host's incoming traffic lost), so the silence is evidence against no host."""
+        been silent for a while (each speaks at least every ``progress_every``) and etcd too -
+        it has not answered a request sent since the last of them spoke, or none for two of its
+        periods (an answer that came just before the ears failed proves nothing after it). The
+        fault may then be its own ears (its host's incoming traffic lost), so the silence is
+        evidence against no host."""
         last = self._heard_other
         if last is None:
             return False
+        now = time.monotonic()
         quiet = max(SILENT_ALL_S, 2 * keys.progress_every(len(self.links)))
-        return time.monotonic() - last > quiet and self.office.store_heard() < last
+        store = self.office.store_heard()
+        return now - last > quiet and (store < last or now - store > 2 * self.office.store_period())
 
     def lost_nodes(self) -> set[int]:
         return {n for n, link in self.links.items() if link.lost}

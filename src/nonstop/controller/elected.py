@@ -196,6 +196,9 @@ class Leader:
     def store_heard(self) -> float:
         return float(self.lead.lease.last_refresh) if self._serving else time.monotonic()
 
+    def store_period(self) -> float:
+        return float(self.lead.lease.ttl_s) / 3  # (store.etcd_lease: a refresh a third of it)
+
     def node_lost(self, node: int) -> None:
         if self._serving:  # (before, a takeover counts it lost from what the hosts answered)
             self.controller.node_lost(node, "its lease in etcd expired")

@@ -79,6 +79,8 @@ class Office(Protocol):
 
     def store_heard(self) -> float: ...  # time.monotonic() when etcd's newest answer was asked
 
+    def store_period(self) -> float: ...  # how often etcd is asked (its lease refreshed)
+
     def node_lost(self, node: int) -> None: ...  # a host gone (its lease expired)
 
     def output(self, wid: int, line: str) -> None: ...  # a line a process wrote
