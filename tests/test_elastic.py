@@ -284,6 +284,25 @@ def test_a_preempted_node_goes_to_a_spare_node_with_fewer_warm_spares_than_its_r
     assert placement == {2: 2, 3: 2} and s.degraded_since is None
 
 
+def test_a_preempted_node_holding_more_ranks_than_a_node_has_places_spreads_over_spare_nodes():
+    """Node 1 holds 3 ranks of slots=2 (one moved there when no spare node was left), two spare
+    nodes came since: preempted, its ranks move to both spare nodes - none is crowded onto one."""
+    s = mc.JobState(phase=Phase.RUNNING, gen=3)
+    node = {0: 0, 1: 0, 2: 1, 3: 1, 4: 1}
+    rs = tuple(mc.RankSeen(rank=r, wid=100 + r, node=n, joining=3, entered=3)
+               for r, n in node.items())
+    see = lambda t, x: mc.Seen(now=t, ranks=x, total_nodes=4, slots=2,  # noqa: E731
+                               slowest_step_s=0.1, ready_spares={2: 1, 3: 1})
+    s, cmds = mc.step(s, mc.Drain(see(10.0, rs), (), 1, "preempted (SIGTERM)", pressed=True),
+                      pol(enabled=False))
+    assert kinds(cmds) == ["Regroup"]
+    left = tuple(dataclasses.replace(r, left=3) for r in rs)
+    s, cmds = mc.step(s, mc.Tick(see(10.2, left)), pol(enabled=False))
+    d, placement = cmds[1].decision, cmds[1].placement
+    assert d.level is Level.REPLACE_NODE and d.replace == {2, 3, 4}
+    assert placement == {2: 2, 3: 2, 4: 3}
+
+
 def test_a_sharded_job_leaves_and_comes_back_by_whole_replica_groups():
     """HSDP, 3 replica groups of 2 shards, scale_in.multiple_of left at 1: a lost rank takes its
     whole replica group with it, and the world grows back by whole groups only."""

@@ -419,8 +419,9 @@ def _drain(s: JobState, ob: Drain, policy: Any) -> tuple[JobState, list[Command]
         if not any(seen.ready_spares.get(n, 0) >= len(ranks) for n in free) and warm < len(ranks):
             if not ob.pressed:
                 return refuse(f"no spare node has {len(ranks)} warm spare(s) ready")
-            whole = [n for n in free if n not in seen.away and seen.slots >= len(ranks)]
-            if whole:  # a node replacement's placement takes it (its warm spares, then cold)
+            room = sum(seen.slots for n in free if n not in seen.away) + sum(places.values())
+            if free and room >= len(ranks):  # placed as a node replacement: the spare nodes'
+                # warm spares, then cold starts there, then places left on the other nodes
                 return _draining(s, seen, policy, asked, ranks, ob, None)
             cfg = policy.levels.scale_in
             lost, why_not = ladder.shrink(set(), {ob.node}, view(set(s.counters.isolated), seen), policy)

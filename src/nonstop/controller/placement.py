@@ -56,20 +56,29 @@ def place(decision: Decision, seen: Seen, isolated: set[int]) -> dict[int, int]:
                           leaving=decision.replace)
         places = [n for n in sorted(free, key=lambda n: (-seen.ready_spares.get(n, 0), n))
                   for _ in range(free[n])]
-        moved: dict[int, int] = {}
+        moved: dict[int, int | None] = {}
+        left: dict[int, int] = {}  # places left on the spare nodes taken
         out = {}
         for r in sorted(decision.replace):
             old = node_of[r]
             if old not in decision.isolate:
                 out[r] = old
                 continue
-            if old not in moved:
+            target = moved.get(old)
+            if old not in moved or (target is not None and left[target] == 0 and spares):
+                # a node holding more ranks than a node has places (ranks moved there before,
+                # when no spare node was left) spreads over the next spare node
                 holding = [n for n in seen.replicas_on.get(old, ())
                            if n in spares and n not in seen.away]
-                moved[old] = (holding or spares or [None])[0]
-                if moved[old] is not None:
-                    spares.remove(moved[old])
-            out[r] = moved[old] if moved[old] is not None else places.pop(0)
+                target = moved[old] = (holding or spares or [None])[0]
+                if target is not None:
+                    spares.remove(target)
+                    left[target] = seen.slots
+            if target is not None and left[target] > 0:
+                out[r] = target
+                left[target] -= 1
+            else:
+                out[r] = places.pop(0) if places else target  # (none: crowded, as before)
         return out
     healthy = [n for n in range(seen.total_nodes) if n not in isolated]
     return {r: healthy[i // seen.slots] for i, r in enumerate(sorted(decision.replace))}
