@@ -37,27 +37,6 @@ def test_a_run_of_one_system_prints_its_column_and_dashes_for_the_others():
     assert row.startswith("| 25 ms | - | 0.0412 | -% |"), row
 
 
-def _below(root: int) -> set[int]:
-    """Every process below ``root`` now (Linux: /proc)."""
-    import os
-
-    parent = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    parent[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-    found, todo = set(), [root]
-    while todo:
-        p = todo.pop()
-        kids = {c for c, pp in parent.items() if pp == p}
-        todo += list(kids - found)
-        found |= kids
-    return found
-
-
 @pytest.mark.integration
 def test_a_bench_ended_by_sigterm_ends_its_running_job():
     """SIGTERM to ``nonstop bench`` while its job runs: the bench exits 143 and takes the job
@@ -66,7 +45,7 @@ def test_a_bench_ended_by_sigterm_ends_its_running_job():
     import subprocess
     import time
 
-    from conftest import nonstop_cmd
+    from conftest import nonstop_cmd, processes_below, running
 
     proc = subprocess.Popen(nonstop_cmd("bench", "overhead", "--systems", "nonstop", "--ranks",
                                         "2", "--step-ms", "25", "--steps", "2000",
@@ -78,28 +57,20 @@ def test_a_bench_ended_by_sigterm_ends_its_running_job():
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and len(below) < 2:  # the launcher and its keeper
             time.sleep(0.2)
-            below = _below(proc.pid)
+            below = processes_below(proc.pid)
         assert len(below) >= 2, below
         time.sleep(2)  # its ranks starting
-        below |= _below(proc.pid)
+        below |= processes_below(proc.pid)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 143
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(_running(p) for p in below):
+        while time.monotonic() < deadline and any(running(p) for p in below):
             time.sleep(0.2)
-        assert not [p for p in below if _running(p)], "the bench's job still runs"
+        assert not [p for p in below if running(p)], "the bench's job still runs"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
         for pid in below:  # (only where the test failed: its job, ended by pid)
-            if _running(pid):
+            if running(pid):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -88,29 +88,7 @@ def test_a_soak_ended_by_sigterm_ends_its_reference_run_too(test_hosts, tmp_path
     import signal
     import time
 
-    def below(root: int) -> set[int]:
-        parent = {}
-        for pid in os.listdir("/proc"):
-            if pid.isdigit():
-                try:
-                    with open(f"/proc/{pid}/stat") as f:
-                        parent[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
-                except OSError:
-                    pass
-        found, todo = set(), [root]
-        while todo:
-            node = todo.pop()
-            kids = {c for c, p in parent.items() if p == node} - found
-            found |= kids
-            todo += list(kids)
-        return found
-
-    def running(pid: int) -> bool:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
+    from conftest import processes_below as below, running
 
     proc = subprocess.Popen([sys.executable, "-m", "nonstop", "chaos", "--hosts", "2", "--faults",
                              "1", "--kinds", "crash", "--seed", "1", "--out", str(tmp_path)],
