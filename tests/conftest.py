@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -221,6 +222,29 @@ def no_process_left_behind():
     yield
     _references_ahead_done()
     assert_none_left()
+
+
+@pytest.fixture
+def alongside():
+    """``start`` a ``nonstop run`` beside the test's own job (a fault-free reference, read with
+    ``finish``). One still running when the test ends - it failed before ``finish`` - is asked
+    to end (SIGTERM: it ends what it started), then its group killed, before the check for
+    processes left behind."""
+    procs: list[subprocess.Popen] = []
+
+    def begin(run_dir: Path, *args: str) -> subprocess.Popen:
+        procs.append(start(run_dir, *args))
+        return procs[-1]
+
+    yield begin
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
 
 
 # references computed while a test's own job runs (``reference.ahead``): the test that started
@@ -580,3 +604,21 @@ def running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def still_running(pids: set[int], timeout_s: float = 30.0) -> list[int]:
+    """Those of ``pids`` still running after waiting up to ``timeout_s`` for all to end."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(running(p) for p in pids):
+        time.sleep(0.2)
+    return sorted(p for p in pids if running(p))
+
+
+def kill_left(pids: set[int]) -> None:
+    """End by pid what a failed test left running (SIGKILL)."""
+    for pid in pids:
+        if running(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -45,7 +45,7 @@ def test_a_bench_ended_by_sigterm_ends_its_running_job():
     import subprocess
     import time
 
-    from conftest import nonstop_cmd, processes_below, running
+    from conftest import kill_left, nonstop_cmd, processes_below, still_running
 
     proc = subprocess.Popen(nonstop_cmd("bench", "overhead", "--systems", "nonstop", "--ranks",
                                         "2", "--step-ms", "25", "--steps", "2000",
@@ -63,14 +63,9 @@ def test_a_bench_ended_by_sigterm_ends_its_running_job():
         below |= processes_below(proc.pid)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 143
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(running(p) for p in below):
-            time.sleep(0.2)
-        assert not [p for p in below if running(p)], "the bench's job still runs"
+        assert not still_running(below), "the bench's job still runs"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
-        for pid in below:  # (only where the test failed: its job, ended by pid)
-            if running(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_left(below)  # (only where the test failed: its job, ended by pid)

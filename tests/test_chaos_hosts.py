@@ -88,7 +88,7 @@ def test_a_soak_ended_by_sigterm_ends_its_reference_run_too(test_hosts, tmp_path
     import signal
     import time
 
-    from conftest import processes_below as below, running
+    from conftest import kill_left, processes_below as below, still_running
 
     proc = subprocess.Popen([sys.executable, "-m", "nonstop", "chaos", "--hosts", "2", "--faults",
                              "1", "--kinds", "crash", "--seed", "1", "--out", str(tmp_path)],
@@ -104,10 +104,7 @@ def test_a_soak_ended_by_sigterm_ends_its_reference_run_too(test_hosts, tmp_path
         assert len(seen) >= 3, seen  # its launcher, the launcher's keeper and ranks at least
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 143
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(running(p) for p in seen):
-            time.sleep(0.2)
-        assert not [p for p in seen if running(p)], "the soak's reference run still runs"
+        assert not still_running(seen), "the soak's reference run still runs"
         assert not os.path.ismount(tmp_path / "ckpt")  # its checkpoints' small disk is gone too
     finally:
         if proc.poll() is None:  # (only where the test failed: the soak asked to end first)
@@ -117,6 +114,4 @@ def test_a_soak_ended_by_sigterm_ends_its_reference_run_too(test_hosts, tmp_path
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
-        for pid in seen:  # (...and what it left: ended by pid)
-            if running(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_left(seen)  # (...and what it left: ended by pid)

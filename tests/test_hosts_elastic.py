@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import time
 
-from conftest import EXAMPLES, finish, policy_file, start
+from conftest import EXAMPLES, finish, policy_file
 from elastic_oracle import BATCH, SAMPLES, TOLERANCE, check_samples, max_rel_diff, segments
 from test_hosts import _victim, job  # noqa: F401 - the fixture
 
@@ -24,12 +24,12 @@ ELASTIC = EXAMPLES / "train_elastic.py"
 STEPS = 600  # the crash at step 400; ~4 s for the new process, at ~30 ms a step
 
 
-def test_a_host_lost_then_a_rank_crashed_with_no_spare_the_world_shrinks_and_grows_back(job,
-                                                                                       tmp_path):
+def test_a_host_lost_then_a_rank_crashed_with_no_spare_the_world_shrinks_and_grows_back(
+        job, alongside, tmp_path):
     # the fault-free run at full size, on one host, meanwhile (the job mostly waits)
     ref = tmp_path / "ref"
     t0 = time.time()
-    reference = start(ref / "run", "--nproc=4", str(ELASTIC), "--steps", str(STEPS),
+    reference = alongside(ref / "run", "--nproc=4", str(ELASTIC), "--steps", str(STEPS),
                       "--global-batch", str(BATCH), "--samples", str(SAMPLES),
                       "--save", str(ref / "final.pt"))
     j = job(2)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from nonstop.decide.takeover import Seen, adopt, faults, newest_step
+from nonstop.decide.takeover import Seen, adopt, faults, newest_step, resume
 from nonstop.protocol.hosts import JournalRecord, LastWord, NodeHost
 
 
@@ -146,3 +146,22 @@ def test_an_incident_found_at_a_takeover_counts_from_the_newest_step_any_rank_re
                 '{"t": 1.0, "step": -1}', "[]", "not json"):
         with pytest.raises(ValueError):
             LastWord.loads(bad)
+
+
+def test_what_a_takeover_goes_on_from():
+    """The newest step, the faults with when they began (the predecessor's last word, if it is
+    recent and not from another clock's future) and the isolated hosts still up to let go."""
+    missing = adopt(J(2), [_rank(0, 0, 2)], world=2)
+    last = LastWord(t=995.0, step=40)
+    up = {3}.__contains__
+    then = resume(missing, J(2), last, {2}, {0: 0, 1: 1}, {2, 3}, up, now=1000.0)
+    assert then.max_step == 40 and then.t_fault == 995.0
+    assert [(f.kind, f.rank) for f in then.faults] == [("crash", 1)]
+    assert then.release == (3,)  # host 2 lost: nothing to let go
+    assert resume(missing, J(2), LastWord(t=900.0, step=40), set(), {0: 0, 1: 1}, set(), up,
+                  now=1000.0).t_fault is None  # over a minute old: bounds nothing
+    assert resume(missing, J(2), LastWord(t=1001.0, step=40), set(), {0: 0, 1: 1}, set(), up,
+                  now=1000.0).t_fault is None  # ahead of this clock: bounds nothing
+    steady = adopt(J(3), [_rank(0, 0, 3), _rank(1, 1, 3, node=1)], world=2)
+    calm = resume(steady, J(3), None, set(), {0: 0, 1: 1}, set(), up, now=1000.0)
+    assert calm.faults == () and calm.t_fault is None and calm.max_step == 0

@@ -17,6 +17,7 @@ from typing import Any
 
 from .. import protocol
 from ..decide.ladder import Counters, Decision, Fault, Level
+from ..decide import preemption
 from ..decide.sdc import Judge as SdcJudge
 from ..observe.events import EventLog
 from ..observe.incidents import Incident
@@ -627,30 +628,29 @@ class Controller:
         self._release.add(node)
 
     def _preempt(self, node: int) -> None:
-        """A host told to stop: a spare host is let go at once; one with ranks is drained to a
-        spare host at the next step boundary, or the world shrinks without it (released once
-        the new generation formed). While the job is busy, tried again."""
-        if node in self.counters.isolated:
-            return self.preempts.done(node)
-        if node not in self.gens.busy_nodes():
-            self.preempts.done(node)
-            self._isolate(node)
-            self._release.discard(node)
-            return self.agent.release(node, f"node {node} preempted: it held no rank")
+        """A host told to stop (``decide.preemption``): a spare host is let go at once; one with
+        ranks is drained at the next step boundary - to spare nodes, or the world shrinks
+        without it (released once the new generation formed). While the job is busy, again."""
         s = self.state
-        if s.phase is not Phase.RUNNING or s.incident or s.regroup or s.retry_deadline is not None:
-            return  # busy: again in a moment
-        # a spare host still warming up is waited for during the first half of the grace; then
-        # its ranks go to a spare host all the same (those without a warm spare start cold
-        # there), and with none at all the world goes on without them
-        need = sum(1 for n in self.gens.node_of().values() if n == node)
-        spares = self.gens.spare_nodes(set(self.counters.isolated) | {node})
-        ready = self.gens.ready_spares()
-        if spares and not any(ready.get(n, 0) >= need for n in spares) \
-                and not self.preempts.late(node, time.time()):
-            return
-        self.preempts.done(node)
-        self._step(mc.Drain(self._seen(), (), node, "preempted (SIGTERM)", pressed=True))
+        isolated = set(self.counters.isolated)
+        action = preemption.choose(
+            node, isolated=isolated, busy_nodes=self.gens.busy_nodes(),
+            job_busy=(s.phase is not Phase.RUNNING or bool(s.incident) or bool(s.regroup)
+                      or s.retry_deadline is not None),
+            ranks_here=sum(1 for n in self.gens.node_of().values() if n == node),
+            spare_nodes=self.gens.spare_nodes(isolated | {node}),
+            ready=self.gens.ready_spares(), late=self.preempts.late(node, time.time()))
+        match action:
+            case preemption.Preempt.FORGET:
+                self.preempts.done(node)
+            case preemption.Preempt.RELEASE:
+                self.preempts.done(node)
+                self._isolate(node)
+                self._release.discard(node)
+                self.agent.release(node, f"node {node} preempted: it held no rank")
+            case preemption.Preempt.DRAIN:
+                self.preempts.done(node)
+                self._step(mc.Drain(self._seen(), (), node, "preempted (SIGTERM)", pressed=True))
 
     # == across hosts: what a successor continues from =========================================
     def journal(self, epoch: int) -> keys.JournalRecord:
@@ -690,32 +690,28 @@ class Controller:
         self.book.base = j.incidents  # incidents keep their numbers
         if j.job is not None:
             self.job_account.adopt(j.job)
-        # what an incident opened here counts its lost steps from (not the journal's step alone:
-        # it is written at generations, and a job whose every rank went would lose none)
-        self.max_step = takeover.newest_step(journal, last)
         now = time.time()
+        counters = Counters.from_record(j.counters, set(j.isolated) | lost)
+        # (not the journal's step alone: it is written at generations, and a job whose every
+        # rank went would lose none)
+        then = takeover.resume(adoption, journal, last, lost, self.gens.node_of(),
+                               counters.isolated, self.agent.host_up, now)
+        self.max_step = then.max_step
         # in rendezvous until the replayed events show every rank in
         self.state = mc.JobState(
             phase=Phase.RENDEZVOUS, gen=adoption.gen, t_gen=now,
-            deadline=now + self.policy.timeouts.rendezvous_s,
-            counters=Counters.from_record(j.counters, set(j.isolated) | lost),
+            deadline=now + self.policy.timeouts.rendezvous_s, counters=counters,
             degraded_since=now if len(self.plan) < self.gens.target else None)
         self.watchers.start(range(self.total_nodes), self.agent.health)
         self.memory.world = self.world
         self.memory.adopt([(s.node, s.wid, s.keeper) for s in seen if s.keeper and s.alive])
-        now = time.time()
         if adoption.over:  # the predecessor died as training ended: the job ends here
-            self._training_complete(now)
+            self._training_complete(time.time())
             return
-        # the predecessor's last word (its status) bounds when the fault began: not before it
-        t_fault = last.t if last is not None else None
-        since = t_fault if t_fault is not None and now - 60.0 < t_fault < now else None
-        for f in takeover.faults(adoption, lost, self.gens.node_of()):
-            self._fault(f, t_fault=since)
+        for f in then.faults:
+            self._fault(f, t_fault=then.t_fault)
         self._refill_spares()
-        for node in sorted(self.counters.isolated):  # the predecessor had no time to let them go
-            if self.agent.host_up(node):
-                self._release.add(node)
+        self._release.update(then.release)
 
     # == hosts joining and leaving (across hosts a node is a host) ===============================
     def node_joined(self, node: int) -> None:

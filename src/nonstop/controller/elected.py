@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ..protocol import hosts as keys
 from ..protocol import messages as m
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
 _LOG: list[Any] = []  # the event log of the controller in office (one, once it is)
 
 
-def step_down(why: str) -> None:
+def step_down(why: str) -> NoReturn:
     """Leave office at once, leaving the hosts and their processes to the successor; the event
     log says so (nonstop report then tells a controller that stepped down from one killed)."""
     print(f"nonstop: {why}: this controller steps down", file=sys.stderr, flush=True)
@@ -197,7 +197,7 @@ class Leader:
         return float(self.lead.lease.last_refresh) if self._serving else time.monotonic()
 
     def store_period(self) -> float:
-        return float(self.lead.lease.ttl_s) / 3  # (store.etcd_lease: a refresh a third of it)
+        return self.lead.lease.period
 
     def node_lost(self, node: int) -> None:
         if self._serving:  # (before, a takeover counts it lost from what the hosts answered)
@@ -378,7 +378,6 @@ class Leader:
             return self.successor.give_up(host_id, incarnation, force)
         except Fenced:
             step_down("a newer controller is in office")
-            raise  # (step_down does not return)
 
     @staticmethod
     def _at_takeover(part: Any) -> Any:

@@ -11,7 +11,7 @@ generation any live process was assigned wins over the journal's.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from ..protocol.hosts import JournalRecord, LastWord
 
@@ -117,3 +117,28 @@ def newest_step(journal: JournalRecord | None, last: LastWord | None) -> int:
     a newer one. Neither known: the journal's default, 0."""
     return max(journal.max_step if journal is not None else 0,
                last.step if last is not None else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumption:
+    """What a controller taking office goes on from, once it adopted the processes."""
+
+    max_step: int  # what an incident opened here counts its lost steps from (``newest_step``)
+    faults: tuple[Any, ...]  # what it recovers from (``faults``); none: the job trains on
+    t_fault: float | None  # when they began, where the predecessor's last word bounds it
+    release: tuple[int, ...]  # isolated nodes whose host is still up: let go (the
+    # predecessor had no time to)
+
+
+def resume(adoption: Adoption, journal: JournalRecord | None, last: LastWord | None,
+           lost: set[int], node_of: dict[int, int], isolated: Iterable[int],
+           host_up: Callable[[int], bool], now: float) -> Resumption:
+    """``node_of``: rank -> node as adopted; ``isolated``: the nodes given up (the journal's and
+    those lost while no controller was in office); ``now``: time.time(). A last word older than
+    a minute (or from the future: another host's clock) bounds nothing."""
+    t = last.t if last is not None else None
+    return Resumption(
+        max_step=newest_step(journal, last),
+        faults=tuple(faults(adoption, lost, node_of)),
+        t_fault=t if t is not None and now - 60.0 < t < now else None,
+        release=tuple(n for n in sorted(isolated) if host_up(n)))

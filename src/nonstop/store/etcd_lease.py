@@ -59,6 +59,12 @@ class Lease:
                 and time.monotonic() < self._last_ok + self.ttl_s)
 
     @property
+    def period(self) -> float:
+        """How often the lease is refreshed once kept alive: a third of its TTL (two refreshes
+        may fail before it expires)."""
+        return self.ttl_s / 3
+
+    @property
     def last_refresh(self) -> float:
         """time.monotonic() of the last successful grant/refresh (when it was sent)."""
         return self._last_ok
@@ -74,7 +80,7 @@ class Lease:
 
     def keepalive(self, on_lost: Callable[[], None] | None = None,
                   on_doubt: Callable[[bool], None] | None = None) -> None:
-        """Refresh every ttl/3 in a daemon thread; ``on_lost`` is called once (from that thread)
+        """Refresh every ``period`` in a daemon thread; ``on_lost`` is called once (from that thread)
         when etcd says the lease expired, or when no refresh succeeded for ttl_s.
 
         With ``on_doubt``, not reaching etcd for ttl_s is not taken as the loss: etcd itself may
@@ -94,7 +100,7 @@ class Lease:
         self._thread.start()
 
     def _run(self) -> None:
-        period = self.ttl_s / 3
+        period = self.period
         while not self._stop.is_set():
             expires = self._last_ok + self.ttl_s
             sent = time.monotonic()
