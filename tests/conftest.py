@@ -21,7 +21,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "src" / "nonstop" / "examples"
+EXAMPLES = ROOT / "examples"
 TRAIN = EXAMPLES / "train_ddp.py"
 PLAIN = EXAMPLES / "plain_ddp.py"
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -553,10 +553,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture
 def test_hosts():
-    """Factory of test hosts (network namespaces on a bridge, nonstop.bench.netns): ``hosts =
+    """Factory of test hosts (network namespaces on a bridge, nonstop_bench.netns): ``hosts =
     test_hosts(3)`` returns a created TestHosts. All are destroyed at teardown, also when the
     test failed; the test is skipped where namespaces cannot be made (not root, no ``ip``)."""
-    from nonstop.bench import netns
+    from nonstop_bench import netns
 
     ok, why = netns.available()
     if not ok:

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from conftest import nonstop_cmd
 
-from nonstop.bench import netns
+from nonstop_bench import netns
 
 pytestmark = pytest.mark.integration
 

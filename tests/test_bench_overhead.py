@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from nonstop.bench.overhead import _paired, _pct, mean_step, table
+from nonstop_bench.overhead import _paired, _pct, mean_step, table
 
 
 def _runs(*steps):

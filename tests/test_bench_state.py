@@ -46,7 +46,7 @@ def test_bench_state_bad_input():
 def test_the_spare_pool_refill_is_timed_from_the_fault_to_a_new_spare_ready(tmp_path):
     import json
 
-    from nonstop.bench.common import spare_refill_s
+    from nonstop_bench.common import spare_refill_s
 
     evs = [{"t": 1.0, "type": "spawn", "wid": 3, "spare": True},   # the spare of the start
            {"t": 2.0, "type": "rank_ready", "wid": 3},

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from nonstop.bench.chaos import (FIRST, GAP, KINDS, ONCE, SNAPSHOT_EVERY, needed, passed, policy,
+from nonstop_bench.chaos import (FIRST, GAP, KINDS, ONCE, SNAPSHOT_EVERY, needed, passed, policy,
                                   schedule, steps_lost_bound)
 
 

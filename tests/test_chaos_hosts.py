@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from nonstop.bench.chaos_hosts import (FIRST, HOST_KINDS, KILLS_HOST, RANK_KINDS, gap, judge,
+from nonstop_bench.chaos_hosts import (FIRST, HOST_KINDS, KILLS_HOST, RANK_KINDS, gap, judge,
                                        schedule)
 
 

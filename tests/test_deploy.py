@@ -25,7 +25,7 @@ from nonstop.store.etcd import parse_endpoints
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "kubernetes"
 SBATCH = ROOT / "deploy" / "slurm" / "nonstop.sbatch"
-TRAIN = ROOT / "src" / "nonstop" / "examples" / "train_ddp.py"
+TRAIN = ROOT / "examples" / "train_ddp.py"
 K8S_VERSION = "1.30.0"
 
 

@@ -46,7 +46,7 @@ FOREIGN_FLAGS = {
     "--exclusive": "sbatch",
     "--gres": "sbatch",
     "--initial-cluster": "etcd",
-    "--mode": "the benchmarks' job script (src/nonstop/bench/job.py)",
+    "--mode": "the benchmarks' job script (bench/nonstop_bench/job.py)",
 }
 # dotted names that are not the policy's: the summary's (docs/events.md, "Summary")
 NOT_POLICY = {"state.snapshot.every"}

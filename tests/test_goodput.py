@@ -165,7 +165,7 @@ def test_a_real_rollback_is_accounted(tmp_path):
 
 
 def test_the_goodput_bench_schedule_is_seeded_and_paced(tmp_path):
-    from nonstop.bench import goodput as bench
+    from nonstop_bench import goodput as bench
 
     a = bench.schedule(7, steps=5000, step_s=0.05, every_s=30)
     assert a == bench.schedule(7, steps=5000, step_s=0.05, every_s=30) != bench.schedule(

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import EXAMPLES, PLAIN, TRAIN, bitwise_equal
 
-from nonstop.bench import netns
-from nonstop.bench.hostjob import HostJob
+from nonstop_bench import netns
+from nonstop_bench.hostjob import HostJob
 
 pytestmark = pytest.mark.integration
 

@@ -9,8 +9,8 @@ import time
 import pytest
 from conftest import TRAIN, bitwise_equal
 
-from nonstop.bench import netns
-from nonstop.bench.hostjob import HostJob
+from nonstop_bench import netns
+from nonstop_bench.hostjob import HostJob
 
 pytestmark = pytest.mark.integration
 

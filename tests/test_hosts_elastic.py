@@ -12,7 +12,7 @@ from conftest import EXAMPLES, finish, policy_file
 from elastic_oracle import BATCH, SAMPLES, TOLERANCE, check_samples, max_rel_diff, segments
 from test_hosts import _victim, job  # noqa: F401 - the fixture
 
-from nonstop.bench import netns
+from nonstop_bench import netns
 
 pytestmark = pytest.mark.integration
 

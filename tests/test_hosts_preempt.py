@@ -15,7 +15,7 @@ from conftest import EXAMPLES, bitwise_equal, finish
 from elastic_oracle import BATCH, SAMPLES, TOLERANCE, check_samples, max_rel_diff, segments
 from test_hosts import job  # noqa: F401 - the fixture
 
-from nonstop.bench import netns
+from nonstop_bench import netns
 
 pytestmark = pytest.mark.integration
 

@@ -14,9 +14,9 @@ import time
 import pytest
 from conftest import EXAMPLES, bitwise_equal
 
-from nonstop.bench import netns
-from nonstop.bench.hostjob import HostJob
-from nonstop.bench.hosts import _etcd, _wait_etcd
+from nonstop_bench import netns
+from nonstop_bench.hostjob import HostJob
+from nonstop_bench.hosts import _etcd, _wait_etcd
 from nonstop.protocol import hosts as keys
 
 pytestmark = pytest.mark.integration

@@ -1,4 +1,4 @@
-"""Test hosts as network namespaces (nonstop.bench.netns): real namespaces, a real bridge, real sockets.
+"""Test hosts as network namespaces (nonstop_bench.netns): real namespaces, a real bridge, real sockets.
 Each test proves one multi-host behaviour the fault-tolerance tests rely on: hosts reach each
 other by address, a cut host's packets vanish (no reset), a killed host has no process left, and
 nothing of ours outlives a run."""
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from nonstop.bench import netns
+from nonstop_bench import netns
 
 # connect and say what happened: ok <data> / refused / timeout / error <errno>
 PROBE = r"""
@@ -122,7 +122,7 @@ def test_two_test_host_sets_do_not_collide(test_hosts):
     assert a.network != b.network and a.bridge != b.bridge
     # another process (a second pytest) at the same time gets yet another subnet
     child = subprocess.Popen(
-        [sys.executable, "-c", "import sys\nfrom nonstop.bench.netns import TestHosts\n"
+        [sys.executable, "-c", "import sys\nfrom nonstop_bench.netns import TestHosts\n"
          "with TestHosts(1) as t:\n print(t.network, flush=True)\n sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

@@ -20,7 +20,7 @@ from nonstop import policy
 from nonstop.errors import UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
-POLICIES = ROOT / "src" / "nonstop" / "examples" / "policies"
+POLICIES = ROOT / "examples" / "policies"
 EXAMPLES = sorted(POLICIES.glob("*.yaml"))
 DOC = ROOT / "docs" / "policy.md"
 SRC = "policy file p.yaml"

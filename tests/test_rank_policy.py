@@ -20,7 +20,7 @@ from nonstop.protocol.records import BadRecord
 from nonstop.state.digest import Digests
 from nonstop.state.snapshot import Snapshots
 
-POLICIES = Path(__file__).resolve().parent.parent / "src" / "nonstop" / "examples" / "policies"
+POLICIES = Path(__file__).resolve().parent.parent / "examples" / "policies"
 
 
 def _as_the_rank_gets_it(policy: Policy) -> RankPolicy:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from conftest import EXAMPLES, bitwise_equal
 
-from nonstop.bench import netns
-from nonstop.bench.hostjob import HostJob
+from nonstop_bench import netns
+from nonstop_bench.hostjob import HostJob
 
 pytestmark = pytest.mark.integration
 

@@ -390,7 +390,7 @@ def test_the_bounce_copy_to_the_gpu_is_bitwise_for_odd_sizes():
 
 # == the bench =====================================================================================
 def test_the_device_bench_runs_its_whole_path_on_the_host():
-    from nonstop.bench import state_device
+    from nonstop_bench import state_device
 
     r = state_device.run(32, 1, device="cpu", steps=6, warmup=1, batch=16, say=lambda m: None)
     assert r["bitwise"] is True and r["targets"]["bitwise"] is True

@@ -114,7 +114,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("agent",),  # one host's processes
     ("controller",),
     ("launch",),  # nonstop run
-    ("drain", "demo", "bench", "examples"),
+    ("drain", "demo", "examples"),
     ("cli", "__main__"),
 )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from .errors import USAGE_EXIT, UsageError, one_line
 
@@ -309,6 +309,20 @@ def _terminate_as_exit() -> None:
         signal.signal(signal.SIGTERM, leave)
 
 
+def _bench(name: str) -> Any:
+    """A benchmark's module, from the benchmarks beside the package (``nonstop_bench``, a
+    distribution of its own: the wheel is the product, not its lab)."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"nonstop_bench.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("nonstop_bench", f"nonstop_bench.{name}"):
+            raise
+        raise UsageError("the benchmarks and soaks are not installed: they live beside the "
+                         "package (in a checkout: make, or pip install -e bench)") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -329,36 +343,17 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--parallel is for bench crash, elastic and overhead (not "
                              f"{args.scenario})")
         if args.command == "chaos" or (args.command == "bench" and args.scenario == "chaos"):
-            if getattr(args, "hosts", None):  # the same soak across test hosts
-                from .bench import chaos_hosts
-
-                return chaos_hosts.main(args)
-            from .bench import chaos
-
-            return chaos.main(args)
-        if args.command == "bench" and args.scenario == "goodput":
-            from .bench import goodput
-
-            return goodput.main(args)
-        if args.command == "bench" and args.scenario == "control-plane":
-            from .bench import control_plane
-
-            return control_plane.main(args)
-        if args.command == "bench" and args.scenario == "gpu":
-            from .bench import gpu
-
-            return gpu.main(args)
+            # the same soak across test hosts, or on one host
+            return _bench("chaos_hosts" if getattr(args, "hosts", None) else "chaos").main(args)
+        if args.command == "bench" and args.scenario in ("goodput", "control-plane", "gpu"):
+            return _bench(args.scenario.replace("-", "_")).main(args)
         if args.command == "bench" and args.scenario == "overhead":
-            from .bench import overhead
-
+            overhead = _bench("overhead")
             if args.systems is None:
                 args.systems = ",".join(overhead.SYSTEMS)
             return overhead.main(args)
         if args.command == "bench":
-            from .bench import crash, elastic, hang, hosts, scale, second, state
-
-            module = {"crash": crash, "hang": hang, "state": state, "second": second,
-                      "hosts": hosts, "elastic": elastic, "scale": scale}[args.scenario]
+            module = _bench(args.scenario)
             if args.scenario == "hosts":  # its own defaults (steps, fault step: the driver's)
                 if args.repeat is None:
                     args.repeat = 3

@@ -183,7 +183,7 @@ class Harness:
         return max((s for s, *_ in read_times(self.times)), default=0)
 
     def hosts_registered(self) -> int:
-        from ..protocol import hosts as keys
+        from nonstop.protocol import hosts as keys
         from .hosts import _etcd
 
         with _etcd(self.j) as etcd:
@@ -192,7 +192,7 @@ class Harness:
     def hosts_in_job(self) -> int:
         """Hosts alive in etcd that the controller in office has taken in as nodes, not isolated
         (as its journal says: written whenever a host joins or is lost)."""
-        from ..protocol import hosts as keys
+        from nonstop.protocol import hosts as keys
         from .hosts import _etcd
 
         with _etcd(self.j) as etcd:
@@ -253,7 +253,7 @@ class Harness:
 
     def outside(self) -> list[int]:
         """The slots whose newest host is not in the job (as the journal says)."""
-        from ..protocol import hosts as keys
+        from nonstop.protocol import hosts as keys
         from .hosts import _etcd
 
         try:
@@ -302,7 +302,7 @@ class Harness:
     def buddy_slot(self, i: int) -> int:
         """The slot of the host that holds the first replica of host ``i``'s ranks' snapshots
         (the newest placement), else the next slot."""
-        from ..protocol import hosts as keys
+        from nonstop.protocol import hosts as keys
         from .hosts import _etcd
 
         with contextlib.suppress(Exception):  # no placement known: the next slot
@@ -506,7 +506,7 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
          only: list[str] | None = None, etcd_members: int = 1) -> dict[str, Any]:
     from .hostjob import HostJob
     from .hosts import _wait_etcd
-    from ..protocol import hosts as keys
+    from nonstop.protocol import hosts as keys
 
     spare = spare_hosts(only)
     world, slots = hosts * per_host, hosts + spare
@@ -714,7 +714,7 @@ def main(args: argparse.Namespace) -> int:
     """``nonstop chaos --hosts H``: the soak across test hosts."""
     import tempfile
 
-    from ..errors import UsageError
+    from nonstop.errors import UsageError
     from .netns import available
 
     hosts, per_host = args.hosts, args.ranks_per_host

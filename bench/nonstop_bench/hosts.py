@@ -1,5 +1,5 @@
 """``nonstop bench hosts``: faults of ranks, hosts, links, the controller and etcd in a job across
-test hosts (network namespaces with their own addresses on one machine, ``nonstop.bench.netns``), etcd on
+test hosts (network namespaces with their own addresses on one machine, ``nonstop_bench.netns``), etcd on
 a host of its own, ``nonstop run --nnodes ... --rdzv-endpoint etcd://...`` started on every host.
 
 Default set-up: 3 hosts x 2 ranks + 1 spare host (``HostJob(base, hosts=4, etcd_members=1)``).
@@ -40,7 +40,7 @@ from . import common
 SYSTEMS = ("nonstop", "torchrun")
 CASES = ("rank_crash", "host_loss", "partition", "controller_kill", "etcd_restart", "startup")
 TORCHRUN_CASES = ("host_loss",)
-SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "train_timed.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_timed.py"
 
 STEPS = 200  # ≈ 2-3 s of training before the fault and 7-8 s after it (etcd is away for 5 s)
 FAULT_STEP = 50
@@ -95,7 +95,7 @@ def wait_step(path: Path, step: int, timeout_s: float, alive: Callable[[], bool]
 
 # == nonstop ======================================================================================
 def _etcd(j: Any) -> Any:
-    from ..store.etcd import Etcd
+    from nonstop.store.etcd import Etcd
 
     return Etcd.from_url(j.etcd.url, j.job_id, timeout_s=2.0)
 
@@ -117,7 +117,7 @@ def _wait_etcd(j: Any, what: str, pred: Callable[[Any], bool], timeout_s: float)
 
 def start_nonstop(j: Any, flags: list[str], script_args: list[str], n: int) -> None:
     """Host 0 alone until it holds the controller's office, then the others in order."""
-    from ..protocol import hosts as keys
+    from nonstop.protocol import hosts as keys
 
     j.start(0, *flags, script=str(SCRIPT), script_args=[*script_args, "--save",
                                                          str(j.base / "final.pt")])
@@ -154,7 +154,7 @@ class StartWatch:
         self._thread.join(10)
 
     def _run(self) -> None:
-        from ..protocol import hosts as keys
+        from nonstop.protocol import hosts as keys
 
         with _etcd(self.j) as etcd:
             while not self._stop.is_set():
@@ -217,7 +217,7 @@ def with_retries(run: Callable[..., dict[str, Any]], case: str, a: argparse.Name
 
 
 def nonstop_once(case: str, a: argparse.Namespace, out: Path, ref: Path) -> dict[str, Any]:
-    from ..policy import Policy
+    from nonstop.policy import Policy
     from .hostjob import HostJob
 
     common.fresh(out)
@@ -616,9 +616,9 @@ NOTES = {
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..errors import UsageError
+    from nonstop.errors import UsageError
     from .netns import available
-    from ..policy import Policy
+    from nonstop.policy import Policy
 
     if args.steps is None:
         args.steps = STEPS

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nonstop
-from nonstop.bench import layouts
+from nonstop_bench import layouts
 
 p = argparse.ArgumentParser()
 p.add_argument("--mode", choices=["nonstop", "torchrun"], required=True)
@@ -196,7 +196,7 @@ def run_torchrun_sharded():
     """FSDP2 or HSDP under torchrun: a DCP checkpoint every --ckpt-every steps, resumed from."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from nonstop.bench import torchrun_side as tr
+    from nonstop_bench import torchrun_side as tr
 
     attempt, rank, world = tr.join_group(args.collective_timeout)
     mesh = init_device_mesh("cpu", layouts.sizes(args.parallel, world),
@@ -225,7 +225,7 @@ def run_torchrun_sharded():
 
 
 def run_torchrun():
-    from nonstop.bench import torchrun_side as tr
+    from nonstop_bench import torchrun_side as tr
 
     kills = [int(x) for x in args.kill_steps.split(",") if x.strip()]
 

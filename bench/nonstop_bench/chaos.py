@@ -359,7 +359,7 @@ def main(args: argparse.Namespace) -> int:
     import sys
     import tempfile
 
-    from ..errors import UsageError
+    from nonstop.errors import UsageError
 
     faults, ranks = args.faults, args.ranks or 3
     spares = 2 if args.spares_chaos is None else args.spares_chaos

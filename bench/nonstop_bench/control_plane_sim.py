@@ -22,12 +22,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ..agent.host_config import HostConfig
-from ..net import listener
-from ..protocol import events
-from ..protocol import hosts as keys
-from ..protocol import messages as m
-from .. import protocol
+import nonstop
+from nonstop import protocol
+from nonstop.agent.host_config import HostConfig
+from nonstop.net import listener
+from nonstop.protocol import events
+from nonstop.protocol import hosts as keys
+from nonstop.protocol import messages as m
 
 PER_HOST = 8  # ranks of a simulated host (a machine of 8 accelerators)
 LEASE_TTL_S = 60  # the controller's (the policy's longest)
@@ -144,7 +145,7 @@ class Sim:
 
     # -- set-up ----------------------------------------------------------------------------------
     def start(self) -> None:
-        from ..store.etcd import Etcd
+        from nonstop.store.etcd import Etcd
         from torch.distributed import TCPStore
 
         threading.stack_size(STACK)
@@ -182,7 +183,7 @@ class Sim:
                         pass
 
     def _start_leader(self) -> None:
-        from ..policy import Policy
+        from nonstop.policy import Policy
 
         # the simulated ranks leave within milliseconds of their abort, but their hosts' work runs
         # on the controller's cores here: the teardown gets TEARDOWN_S rather than 0.5 s
@@ -201,7 +202,7 @@ class Sim:
         conf.write_text(cfg.to_json())
         env = dict(os.environ, NONSTOP_JOB_SECRET=self.secret.decode())
         env[protocol.ENV_LAUNCHER_PID] = str(os.getpid())
-        pkg_parent = str(Path(__file__).resolve().parent.parent.parent)
+        pkg_parent = str(Path(nonstop.__file__).resolve().parent.parent)  # (a checkout too)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_parent, env.get("PYTHONPATH")]))
         self.out = open(run_dir / "controller.out", "wb")
         self.leader = subprocess.Popen([*self.pin, sys.executable, "-u", "-m",

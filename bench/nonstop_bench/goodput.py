@@ -171,7 +171,7 @@ def _step_s(out: Path) -> float:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..errors import UsageError
+    from nonstop.errors import UsageError
 
     systems = [s.strip() for s in (args.systems or ",".join(SYSTEMS)).split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]

@@ -28,7 +28,7 @@ TARGET_GROWTH = 0.10  # per doubling, beyond the step time's own growth
 
 
 def _ints(text: str | None, default: tuple[int, ...], what: str) -> tuple[int, ...]:
-    from ..errors import UsageError
+    from nonstop.errors import UsageError
 
     if not text:
         return default

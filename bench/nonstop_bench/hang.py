@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
+from nonstop.errors import UsageError
 from . import common
 
 SYSTEMS = ("nonstop", "torchrun")

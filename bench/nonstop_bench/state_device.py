@@ -9,8 +9,8 @@ import statistics
 import time
 from typing import Any
 
-from ..protocol.keeper_messages import Allocated
-from ..state import shm
+from nonstop.protocol.keeper_messages import Allocated
+from nonstop.state import shm
 
 REPEATS = 3  # the best of this many copies is a bandwidth
 BLOCKS = 6  # the training steps alternate: a block without snapshots, one with a snapshot each
@@ -79,7 +79,7 @@ class _Clock:
         if self.cuda:
             import torch
 
-            from ..state.staging import wait_event
+            from nonstop.state.staging import wait_event
 
             ev = torch.cuda.Event()
             ev.record()
@@ -92,7 +92,7 @@ class _Clock:
             return time.perf_counter() - t0
         import torch
 
-        from ..state.staging import wait_event
+        from nonstop.state.staging import wait_event
 
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -126,10 +126,10 @@ def run(hidden: int, layers: int, device: str = "cuda", steps: int = 30, warmup:
     import torch
     import torch.nn.functional as F
 
-    from ..runtime.registered import State
-    from ..state import packing, restore, staging
-    from ..protocol.rank_policy import RankCheckpoint, RankSnapshot, RankState
-    from ..state.snapshot import Snapshots
+    from nonstop.runtime.registered import State
+    from nonstop.state import packing, restore, staging
+    from nonstop.protocol.rank_policy import RankCheckpoint, RankSnapshot, RankState
+    from nonstop.state.snapshot import Snapshots
 
     t_begin = time.monotonic()
     dev = torch.device(device)

@@ -52,7 +52,7 @@ PLACEMENTS = ("shared", "split")
 
 
 def _placements(text: str | None) -> list[str]:
-    from ..errors import UsageError
+    from nonstop.errors import UsageError
 
     names = [p.strip() for p in (text or ",".join(PLACEMENTS)).split(",") if p.strip()]
     bad = [p for p in names if p not in PLACEMENTS]
@@ -69,7 +69,7 @@ def _measure_all(sizes: list[int], repeat: int, spares: int, base: Path, placeme
     """Every size, ``repeat`` times, with one etcd. ``split``: the controller and etcd run on the
     first core, this process (the simulated hosts and the rendezvous store) on the others, as on
     a cluster, where the hosts' work runs on the hosts; ``shared``: every process on every core."""
-    from ..store.etcd_server import EtcdCluster
+    from nonstop.store.etcd_server import EtcdCluster
 
     cores = os.sched_getaffinity(0)
     pin: tuple[str, ...] = ()
@@ -116,8 +116,8 @@ def _measure_all(sizes: list[int], repeat: int, spares: int, base: Path, placeme
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..errors import UsageError
-    from ..store.etcd_server import etcd_binary
+    from nonstop.errors import UsageError
+    from nonstop.store.etcd_server import etcd_binary
     from .scale import _ints
 
     sizes = _ints(args.sizes, SIZES, "--sizes")

@@ -117,7 +117,7 @@ def hosts_once(a: argparse.Namespace, case: str, out: Path) -> dict[str, Any]:
     ready); ``host_loss``: a host is killed whole, and a new host joins later."""
     from .hostjob import HostJob
     from .hosts import _host_index, _wait_etcd
-    from ..protocol import hosts as keys
+    from nonstop.protocol import hosts as keys
 
     common.fresh(out)
     h, p = a.hosts, a.ranks_per_host
@@ -207,7 +207,7 @@ def check_samples(out: Path, steps: int) -> dict[str, bool]:
     """Whether the steps that count (each step's newest generation) are exactly 0..steps-1, each
     trained on exactly its global batch of the stream (every sample of an epoch once, in order)
     and on a global batch of the same size."""
-    from ..runtime.sampler import GlobalBatchSampler
+    from nonstop.runtime.sampler import GlobalBatchSampler
 
     by_step: dict[int, dict[int, list[dict[str, Any]]]] = {}
     for f in out.glob("samples-p*.jsonl"):
@@ -251,7 +251,7 @@ def max_rel_diff(a: Path, b: Path) -> float | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..errors import UsageError
+    from nonstop.errors import UsageError
 
     across = args.hosts is not None
     case = "rank_crash"

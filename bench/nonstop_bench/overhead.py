@@ -105,7 +105,7 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..errors import UsageError
+    from nonstop.errors import UsageError
 
     try:
         step_ms = tuple(float(v) for v in (args.step_ms or "").split(",") if v.strip()) or STEP_MS

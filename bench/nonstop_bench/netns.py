@@ -40,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..pids import pid_alive
+from nonstop.pids import pid_alive
 
 RANGE = ipaddress.ip_network("198.18.0.0/15")  # RFC 2544: benchmarking, never routed
 SUBNETS = RANGE.num_addresses // 256  # 512 /24s to choose from

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nonstop
-from nonstop.bench import layouts
+from nonstop_bench import layouts
 
 p = argparse.ArgumentParser()
 p.add_argument("--mode", choices=["nonstop", "torchrun"], required=True)
@@ -176,7 +176,7 @@ def run_nonstop():
 
 
 def run_torchrun():
-    from nonstop.bench import torchrun_side as tr
+    from nonstop_bench import torchrun_side as tr
 
     attempt, rank, world = tr.join_group(1800.0)
     ckpt = os.path.join(args.out, "ckpt.pt")

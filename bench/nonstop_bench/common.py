@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from ..agent import loopback
+from nonstop.agent import loopback
 
 JOB = Path(__file__).resolve().parent / "job.py"
 
@@ -138,7 +138,7 @@ def stats(values: list[float]) -> dict[str, float | None]:
 
 def setup(args: Any, known: tuple[str, ...]) -> tuple[list[str], Path, Any]:
     """Check a bench's common arguments; returns (systems, base directory, say)."""
-    from ..errors import UsageError
+    from nonstop.errors import UsageError
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in known]

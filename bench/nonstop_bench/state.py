@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
+from nonstop.errors import UsageError
 from . import common, crash
 
 SYSTEMS = ("nonstop", "torchrun")
@@ -223,7 +223,7 @@ def restore_disk(args: argparse.Namespace, base: Path) -> dict[str, Any]:
     """The launcher is killed after the first checkpoint; the job started again restores it and
     is killed once it has made a step (only its restore is of interest). ``exit_code`` 0: both
     got that far."""
-    from ..state.checkpoint import drop_page_cache
+    from nonstop.state.checkpoint import drop_page_cache
 
     out = base / "restore-disk"
     first, again, ckpt = out / "first", out / "again", out / "checkpoints"

@@ -32,19 +32,18 @@ import concurrent.futures
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
-from ..runtime.nccl import ENV_SHARE_GPU
+from nonstop.errors import UsageError
+from nonstop.runtime.nccl import ENV_SHARE_GPU
 from . import common
 
 SYSTEMS = ("nonstop",)
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 STEPS = 60
 FAULT_STEP = 30
 JOB_TIMEOUT_S = 240.0

@@ -1,4 +1,4 @@
-"""A job across test hosts: network namespaces on a bridge (``nonstop.bench.netns``), etcd on a host of
+"""A job across test hosts: network namespaces on a bridge (``nonstop_bench.netns``), etcd on a host of
 its own, and ``nonstop run`` started on every other host, as a user starts it on real machines.
 Used by the tests and by ``nonstop bench hosts``; every process is ended by its pid afterwards."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import netns
-from ..store.etcd_server import EtcdCluster
+from nonstop.store.etcd_server import EtcdCluster
 
 SECRET = "nonstop-test-secret-0123456789abcdef"
 

@@ -33,7 +33,7 @@ def _job_args(steps: int, out: Path, parallel: str = "ddp") -> list[str]:
 
 def layouts(text: str) -> list[str]:
     """The layouts of ``--parallel``, checked (a UsageError names an unknown one)."""
-    from ..errors import UsageError
+    from nonstop.errors import UsageError
 
     chosen = [x.strip() for x in text.split(",") if x.strip()]
     unknown = [x for x in chosen if x not in LAYOUTS]
@@ -70,7 +70,7 @@ def main(args: argparse.Namespace) -> int:
     chosen = layouts(args.parallel)
     if args.systems != ",".join(SYSTEMS) and "torchft" in args.systems.split(",") \
             and "hsdp" not in chosen:
-        from ..errors import UsageError
+        from nonstop.errors import UsageError
 
         raise UsageError("--systems torchft: torchft runs the hsdp layout (--parallel ...,hsdp)")
     systems, base, say = common.setup(args, SYSTEMS)

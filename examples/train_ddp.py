@@ -1,0 +1,1 @@
+../src/nonstop/examples/train_ddp.py
