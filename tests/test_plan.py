@@ -298,3 +298,33 @@ def test_a_rank_whose_copy_arrived_holds_the_plans_step_in_the_next_attempt():
     failed = [{"rank": 3, "source": "memory", "offered_by": 3, "step": 9, "why": "checksum"}]
     after = _holding(_without(offers, failed), p, failed)
     assert [o.live for o in after] == [9, 9, 9, None] and after[3].memory == ()
+
+
+def test_the_route_of_a_restore_by_layout_and_world_size():
+    """Which way a rank's state comes back (``state.plan.route``, pure): at this world size for
+    replicated state and for a mesh whose twins hold each part whole; merged from every old shard
+    for ZeRO-1 last trained at another size (a new job: its checkpoint's size); regridded for a
+    mesh sharded along the dimension that changed."""
+    from nonstop.state.plan import Route, route
+
+    asked = []
+
+    def disk(size):
+        return lambda: asked.append(size) or size
+
+    def way(sharded, meshed, twins, reshard_from=0, initial=False, on_disk=0):
+        return route(world=4, sharded=sharded, meshed=meshed, twins=twins,
+                     reshard_from=reshard_from, initial=initial, disk_world=disk(on_disk))
+
+    assert way(False, False, False, reshard_from=2) == Route()  # DDP: any peer's copy
+    assert way(True, True, True, reshard_from=2) == Route()  # HSDP: a twin holds the part
+    zero = way(True, False, False, reshard_from=2)
+    assert zero == Route(old_world=2) and zero.resharded(4)
+    assert not way(True, False, False, reshard_from=4).resharded(4)  # the same size: a restore
+    fsdp = way(True, True, False, reshard_from=8)
+    assert fsdp == Route(old_world=8, regrid=True) and fsdp.resharded(4)
+    assert asked == []  # the disk is read only for a new ZeRO-1 job
+    assert way(True, False, False, initial=True, on_disk=2) == Route(old_world=2)
+    assert way(True, False, False, initial=True, on_disk=0) == Route()
+    assert way(True, True, False, initial=True, on_disk=2) == Route(regrid=True)  # DCP's own
+    assert asked == [2, 0]

@@ -241,6 +241,7 @@ class WorkerRuntime:
         """Bring this rank to the step every rank agrees on, from the cheapest source; sharded
         state last trained at another world size is merged from every old shard."""
         from ..state import regrid, reshard
+        from ..state.plan import route
         from ..state.restore import NoConsistentState, Where, restore
 
         snaps = self.snapshots if self.registered else None
@@ -283,21 +284,18 @@ class WorkerRuntime:
                       not_after=not_after,
                       compare=snaps is not None and snaps.digests is not None,
                       on_fresh=fresh if state.meshed else None)
-        zero = state.sharded and not state.meshed  # ZeRO-1 state: resharded at another world
-        # a mesh sharded along the dimension that changed (plain FSDP, FSDP x TP): every rank a
-        # new process, its new shards cut from every old one's (no twin holds them whole)
-        regridded = state.meshed and state.twins is None
-        old_world = reshard_from if zero or regridded else 0
-        if zero and initial and not old_world:  # a new job: its checkpoint's size
-            old_world = reshard.disk_world(root, world)
-        resharded = bool(old_world) and old_world != world
+        way = route(world=world, sharded=state.sharded, meshed=state.meshed,
+                    twins=state.twins is not None, reshard_from=reshard_from, initial=initial,
+                    disk_world=lambda: reshard.disk_world(root, world))
+        resharded = way.resharded(world)
         if resharded:
             held = self.held
+            zero = not way.regrid  # ZeRO-1's own shard, live, where this process held it
             live = (held[0], state.step, held[1]) if (has_state and not state.dirty
                                                       and held is not None and zero) else None
             resumed = reshard.reshard(state, rank, world, worlds or {}, live, where, schedule,
-                                      prefer=old_world, agreed=agreed,
-                                      load=regrid.load_boxes if regridded else None)
+                                      prefer=way.old_world, agreed=agreed,
+                                      load=regrid.load_boxes if way.regrid else None)
         else:
             def loaded(step: int) -> None:
                 self.holds_state = True  # (should a second fault cut the restore short)

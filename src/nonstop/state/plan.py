@@ -12,7 +12,7 @@ a twin's live state, disk.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 SOURCES = ("live", "memory", "kept", "node", "buddy", "disk")  # cheapest first
 
@@ -155,3 +155,31 @@ def _action(rank: int, way: tuple[str, int | None]) -> Action:
     if source == "live" and holder is None:
         return Action(rank, "live")
     return Action(rank, source, holder)
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """How a rank's state is brought back: from the step every rank agrees on at this world size
+    (``plan``), or read from another world size's parts (``old_world``)."""
+
+    old_world: int = 0  # the world size the state is read from; 0: this one
+    regrid: bool = False  # a mesh's DTensor shards, cut from every old shard (no twin holds them)
+
+    def resharded(self, world: int) -> bool:
+        return bool(self.old_world) and self.old_world != world
+
+
+def route(*, world: int, sharded: bool, meshed: bool, twins: bool, reshard_from: int,
+          initial: bool, disk_world: Callable[[], int]) -> Route:
+    """Which way a rank's restore goes. Replicated state, and a mesh whose twins hold each part
+    whole (HSDP, a pipeline), restore at this world size (a twin's part where one is missing).
+    ZeRO-1 state last trained at another size (``reshard_from``; a new job: its newest sharded
+    checkpoint's size, ``disk_world``) is merged from every old shard; a mesh sharded along the
+    dimension that changed (plain FSDP, FSDP x TP) is regridded - every rank a new process, its
+    shards cut from every old one's."""
+    zero = sharded and not meshed
+    regridded = meshed and not twins
+    old_world = reshard_from if zero or regridded else 0
+    if zero and initial and not old_world:
+        old_world = disk_world()
+    return Route(old_world=old_world, regrid=regridded)
