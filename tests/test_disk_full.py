@@ -19,6 +19,7 @@ from conftest import (TRAIN, bitwise_equal, finish, nonstop_cmd, policy_file, ru
                       wait_for_event)
 from nonstop.protocol import keeper_messages as km
 from nonstop.state import checkpoint as ck
+from nonstop.state import disk_failure
 from nonstop.state import wire
 from nonstop.state.memory import own
 from nonstop.controller.checkpoints import END_RETRY_S, MANIFEST_PART, Failures
@@ -154,7 +155,7 @@ class _Wrapped(BaseException):
 @pytest.mark.integration
 def test_the_cause_is_found_behind_wrappers_or_asked_of_the_file_system(small_fs, tmp_path):
     inner = OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), "/ck/x")
-    assert ck.failure_cause(_Wrapped(inner), tmp_path) == {
+    assert disk_failure.failure_cause(_Wrapped(inner), tmp_path) == {
         "errno": "EDQUOT", "message": "Disk quota exceeded", "path": "/ck/x"}
     try:
         try:
@@ -162,17 +163,17 @@ def test_the_cause_is_found_behind_wrappers_or_asked_of_the_file_system(small_fs
         except OSError:
             raise RuntimeError("unexpected pos 704 vs 598")  # what torch's writer says
     except RuntimeError as e:
-        assert ck.failure_cause(e, tmp_path)["errno"] == "EIO"
+        assert disk_failure.failure_cause(e, tmp_path)["errno"] == "EIO"
     opaque = RuntimeError("unexpected pos 704 vs 598")
-    assert ck.failure_cause(opaque, tmp_path) == {
+    assert disk_failure.failure_cause(opaque, tmp_path) == {
         "errno": None, "message": "RuntimeError: unexpected pos 704 vs 598", "path": str(tmp_path)}
-    assert ck.space_error(small_fs, need=4 << 20).errno == errno.ENOSPC  # more than it holds
-    assert ck.space_error(small_fs / "not" / "yet", need=1024) is None
+    assert disk_failure.space_error(small_fs, need=4 << 20).errno == errno.ENOSPC  # more than it holds
+    assert disk_failure.space_error(small_fs / "not" / "yet", need=1024) is None
     fill(small_fs)
-    assert ck.failure_cause(opaque, small_fs)["errno"] == "ENOSPC"  # no errno: the fs says
+    assert disk_failure.failure_cause(opaque, small_fs)["errno"] == "ENOSPC"  # no errno: the fs says
     (small_fs / "filler").unlink()
     remount(small_fs, "ro")
-    assert ck.failure_cause(opaque, small_fs) == {
+    assert disk_failure.failure_cause(opaque, small_fs) == {
         "errno": "EROFS", "message": "Read-only file system", "path": str(small_fs)}
 
 
@@ -184,7 +185,7 @@ def test_failed_writes_leave_nothing_and_later_ones_succeed(small_fs):
     filler = fill(small_fs)
     with pytest.raises(BaseException) as caught:
         ck.write_part(state, tmp, 0, {})
-    assert ck.failure_cause(caught.value, root, 400_000)["errno"] == "ENOSPC"
+    assert disk_failure.failure_cause(caught.value, root, 400_000)["errno"] == "ENOSPC"
     assert list(tmp.iterdir()) == []  # no partial file takes space from the next attempt
     filler.unlink()
     part = ck.write_part(state, tmp, 0, {})

@@ -36,12 +36,12 @@ manager, heal): where a restarted rank's recovery time goes.
 Launch by hand (2 replica groups of 2 ranks, all on this host; ``torchft_run.py`` does this)::
 
     export PYTHONPATH=DIR
-    python src/nonstop/bench/torchft_lighthouse.py --bind [::]:29510 --min_replicas 1 \\
+    python bench/nonstop_bench/torchft_lighthouse.py --bind [::]:29510 --min_replicas 1 \\
         --join_timeout_ms 5000 --heartbeat_timeout_ms 1000 --quorum_tick_ms 100 &
     for g in 0 1; do
       REPLICA_GROUP_ID=$g NUM_REPLICA_GROUPS=2 TORCHFT_LIGHTHOUSE=http://localhost:29510 \\
       python -m torch.distributed.run --standalone --nproc-per-node=2 --max-restarts=3 \\
-          --monitor-interval=0.1 src/nonstop/bench/torchft_job.py --out OUT --steps 300 \\
+          --monitor-interval=0.1 bench/nonstop_bench/torchft_job.py --out OUT --steps 300 \\
           --kill-rank 3 --kill-step 20 &
     done
 """

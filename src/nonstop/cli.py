@@ -297,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _terminate_as_exit() -> None:
     """SIGTERM raises SystemExit (143) in the main thread, so that the ``finally`` of each
-    running job ends it and its children (``bench.common.run_child``): by default the bench
+    running job ends it and its children (``nonstop_bench.common.run_child``): by default the bench
     died at once, its job left running alone."""
     import signal
     import threading

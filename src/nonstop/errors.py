@@ -15,6 +15,13 @@ class ScriptSetupError(RuntimeError):
     would meet the same setup."""
 
 
+def exception_line(e: BaseException) -> str:
+    """An exception as one short line: its type and its text, whitespace folded, at most 300
+    characters of it."""
+    text = " ".join(str(e).split())[:300]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def one_line(text: object) -> str:
     """``text`` on one line: what a user typed may hold a newline, a carriage return or another
     control character, and an error that quotes it must still be one line (written escaped)."""

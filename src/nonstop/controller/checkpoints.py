@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from ..protocol import keeper_messages as km
 from ..protocol.records import plain
-from ..state import checkpoint
+from ..state import checkpoint, disk_failure
 
 MANIFEST_PART = -1  # the part to write again when only the step's manifest failed
 MAX_BACKOFF_S = 60.0
@@ -275,7 +275,7 @@ class DiskCheckpoints:
 
     def _manifest_failed(self, step: int, exc: BaseException) -> None:
         root = self.pending[step]["root"]
-        cause = checkpoint.failure_cause(exc, Path(root))
+        cause = disk_failure.failure_cause(exc, Path(root))
         short, full = cause_text(cause["message"], cause["errno"], cause["path"], root)
         self._attempt_failed(step, MANIFEST_PART, short, full,
                              retryable=isinstance(exc, OSError),

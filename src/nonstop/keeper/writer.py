@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 from ..pids import die_with
 from ..protocol import keeper_messages as km
-from ..state import checkpoint, packing, shm, wire
+from ..state import checkpoint, disk_failure, packing, shm, wire
 
 _TRACEBACK_CHARS = 16_000  # the keeper's messages must stay well under wire.MAX_MESSAGE
 
@@ -58,7 +58,7 @@ def _write(job: km.DiskPart, info: shm.SlotInfo, fds: list[int]) -> km.PartWritt
         raise ValueError(f"the snapshot of step {info.step} in {job.holder} fails its "
                          "checksum: not written")
     root = Path(job.root)
-    refused = checkpoint.space_error(root, info.data_len)  # the tensors alone need that much
+    refused = disk_failure.space_error(root, info.data_len)  # the tensors alone need that much
     if refused is not None:
         raise refused
     meta, data = slot.read(info)
@@ -71,7 +71,7 @@ def _write(job: km.DiskPart, info: shm.SlotInfo, fds: list[int]) -> km.PartWritt
 
 
 def _failed(exc: BaseException, job: km.DiskPart, info: shm.SlotInfo) -> km.WriteFailed:
-    cause = checkpoint.failure_cause(exc, Path(job.root), info.data_len)
+    cause = disk_failure.failure_cause(exc, Path(job.root), info.data_len)
     return km.WriteFailed(errno=cause["errno"], message=cause["message"], path=cause["path"],
                           need=info.data_len, error=f"{type(exc).__name__}: {exc}"[:2000],
                           traceback=traceback.format_exc()[-_TRACEBACK_CHARS:])

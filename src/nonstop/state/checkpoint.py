@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 
 import xxhash
 
+from ..errors import exception_line
 from ..torch_internals import get as torch_private
 
 FORMAT = "nonstop-checkpoint/1"
@@ -280,7 +281,7 @@ def read_manifest(root: Path, step: int) -> dict:
     except FileNotFoundError:
         raise CorruptCheckpoint(f"step {step}: {MANIFEST}: missing") from None
     except (OSError, ValueError) as e:
-        raise CorruptCheckpoint(f"step {step}: {MANIFEST}: unreadable ({_line(e)})") from e
+        raise CorruptCheckpoint(f"step {step}: {MANIFEST}: unreadable ({exception_line(e)})") from e
     if (not isinstance(manifest, dict) or manifest.get("format") != FORMAT
             or manifest.get("step") != step or not isinstance(manifest.get("parts"), dict)):
         raise CorruptCheckpoint(f"step {step}: {MANIFEST}: not a {FORMAT} manifest of this step")
@@ -339,7 +340,7 @@ def read_part(root: Path, step: int, part_rank: int,
         return rebuild(ours["skeleton"], flat), ours["info"]
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise CorruptCheckpoint(
-            f"step {step} part {part_rank}: {part['dir']}: unreadable ({_line(e)})") from e
+            f"step {step} part {part_rank}: {part['dir']}: unreadable ({exception_line(e)})") from e
 
 
 def retain(root: Path, keep: int) -> list[int]:
@@ -378,79 +379,6 @@ def clean_temp(root: Path, below_step: int | None = None, step: int | None = Non
             _remove(Path(root) / name)
             removed.append(Path(root) / name)
     return removed
-
-
-def space_error(root: Path, need: int = 0) -> OSError | None:
-    """Why ``need`` more bytes cannot go under ``root`` now, judged without writing anything: a
-    read-only file system, or less free space (or no free inode) than that. None: no reason seen.
-    A write that cannot succeed then fails at once, not after writing what fits."""
-    where = Path(root)
-    while not where.exists() and where != where.parent:  # root is created on the first write
-        where = where.parent
-    try:
-        st = os.statvfs(where)
-    except OSError as e:
-        return e
-    if st.f_flag & os.ST_RDONLY:
-        return OSError(errno.EROFS, os.strerror(errno.EROFS), str(root))
-    # Some file systems (FUSE, object stores) report no sizes at all: nothing to judge by then.
-    if (st.f_blocks and st.f_bavail * st.f_frsize < need) or (st.f_files and not st.f_favail):
-        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(root))
-    return None
-
-
-def failure_cause(exc: BaseException, root: Path, need: int = 0) -> dict[str, Any]:
-    """What stopped a write under ``root``, as ``{"errno", "message", "path"}``: the OSError behind
-    ``exc`` if there is one, else what the file system says now (torch's own writer reports a
-    full disk as ``unexpected pos``, with no errno). ``errno`` is a name (``"ENOSPC"``), or None
-    when the cause is not the file system's."""
-    err = _os_error(exc) or space_error(root, need) or _probe(Path(root))
-    if err is not None and err.errno:
-        return {"errno": errno.errorcode.get(err.errno, str(err.errno)),
-                "message": err.strerror or os.strerror(err.errno),
-                "path": str(err.filename or root)}
-    return {"errno": None, "message": _line(exc), "path": str(root)}
-
-
-def _os_error(exc: BaseException) -> OSError | None:
-    # DCP keeps each rank's failure in `failures` as (exception, stack); Python chains the rest.
-    seen: set[int] = set()
-    todo: list[Any] = [exc]
-    while todo:
-        e = todo.pop()
-        if isinstance(e, tuple) and e and isinstance(e[0], BaseException):
-            e = e[0]
-        if not isinstance(e, BaseException) or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno:
-            return e
-        failures = getattr(e, "failures", None)
-        todo += [e.__cause__, e.__context__,
-                 *(failures.values() if isinstance(failures, dict) else ())]
-    return None
-
-
-def _probe(root: Path) -> OSError | None:
-    # A write of one byte, made durable, tells what the file system refuses now (a quota
-    # exhausted, a permission, an I/O error).
-    if not root.is_dir():
-        return None
-    path = root / f".probe-{secrets.token_hex(6)}"
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError as e:
-        return e
-    try:
-        os.write(fd, b"\0")
-        os.fsync(fd)
-    except OSError as e:
-        return e
-    finally:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-    return None
 
 
 def drop_page_cache(path: Path) -> None:
@@ -568,12 +496,12 @@ def shard_layout(root: Path, step: int) -> tuple[Any, dict[str, Any]]:
         return skeleton, {name: flat[leaf] for name, leaf in names.items()}
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise CorruptCheckpoint(f"step {step} part {first['dir']}: no record of its shards "
-                                f"({_line(e)})") from e
+                                f"({exception_line(e)})") from e
 
 
 def unreadable(what: str, exc: BaseException) -> CorruptCheckpoint:
     """The error to raise when reading ``what`` failed with ``exc``."""
-    return CorruptCheckpoint(f"{what}: unreadable ({_line(exc)})")
+    return CorruptCheckpoint(f"{what}: unreadable ({exception_line(exc)})")
 
 
 def _part(manifest: dict, step: int, part_rank: int) -> dict:
@@ -600,7 +528,7 @@ def _check(step_dir: Path, step: int, part_rank: int, part: dict, checksums: boo
         except FileNotFoundError:
             raise CorruptCheckpoint(f"{where}: missing") from None
         except OSError as e:
-            raise CorruptCheckpoint(f"{where}: unreadable ({_line(e)})") from e
+            raise CorruptCheckpoint(f"{where}: unreadable ({exception_line(e)})") from e
         if digest != expected_hash:
             raise CorruptCheckpoint(f"{where}: checksum {digest}, expected {expected_hash}")
 
@@ -674,8 +602,3 @@ def _remove(path: Path) -> None:
 def _quiet() -> None:
     # With no_dist, DCP warns that it assumes a single process: that is exactly what we ask for.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-
-
-def _line(e: BaseException) -> str:
-    text = " ".join(str(e).split())[:300]
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
