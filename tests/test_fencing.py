@@ -286,10 +286,10 @@ def test_etcd_silent_with_no_peer_known(setup):
 
 def test_job_done_read(setup):
     s = setup()
-    s.etcd.put(keys.DONE, json.dumps({"code": 3, "diagnosis": "x"}))
+    s.etcd.put(keys.DONE, keys.JobDone(3, "x").dumps())
     assert s.m.read_job() == JobEnded(3)
     assert s.m.poll(True) == [JobEnded(3)]
-    s.etcd.put(keys.DONE, json.dumps({}))
+    s.etcd.put(keys.DONE, json.dumps({}))  # another version's: the job ended all the same
     assert s.m.read_job() == JobEnded(1)
 
 
@@ -322,7 +322,7 @@ def test_fenced_host_joins_again_as_a_new_incarnation(setup):
 def test_fenced_host_finds_the_job_ended(setup):
     s = setup()
     s.m.leave()
-    s.etcd.put(keys.DONE, json.dumps({"code": 0}))
+    s.etcd.put(keys.DONE, keys.JobDone(0).dumps())
     assert s.m.register_again() == JobEnded(0)
 
 
@@ -372,3 +372,14 @@ def test_a_cut_host_with_a_record_of_an_earlier_run_at_its_own_address_fences():
         assert Fence("it reaches neither etcd nor any other host") in said, said
     finally:
         stop.set()
+
+
+def test_the_jobs_end_record_is_typed_and_a_malformed_one_refused():
+    assert keys.JobDone.loads(keys.JobDone(2, "policy").dumps()) == keys.JobDone(2, "policy")
+    assert keys.JobDone.loads('{"code": 0, "diagnosis": null}') == keys.JobDone(0)
+    for bad in ('{"code": 0}', '{"code": "0", "diagnosis": null}', '{"code": true, "diagnosis":'
+                ' null}', '{"code": 1, "diagnosis": 3}', '{"code": 1, "diagnosis": null, "x": 1}',
+                "[]", "not json"):
+        with pytest.raises(ValueError):
+            keys.JobDone.loads(bad)
+        assert keys.JobDone.read(bad).code == 1  # read: the job ended, cause unknown

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import secrets
 import socket
 import threading
@@ -381,7 +380,7 @@ class Membership:
         self.peer_names = {p.addr: p.host_id for p in peers}
         if raw is None:
             return None
-        ended = JobEnded(int(json.loads(raw).get("code", 1)))
+        ended = JobEnded(keys.JobDone.read(raw).code)
         self._ended = ended
         self._wake()
         return ended

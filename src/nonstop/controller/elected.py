@@ -225,7 +225,7 @@ class Leader:
         cfg = self.cfg
         done, _ = self.etcd.get(keys.DONE)
         if done is not None:
-            return json.loads(done).get("code", 0)
+            return keys.JobDone.read(done).code
         raw, _ = self.etcd.get(keys.JOURNAL)
         try:
             journal = keys.JournalRecord.loads(raw) if raw is not None else None
@@ -468,7 +468,7 @@ class Leader:
 
     def _finish(self, code: int, diagnosis: str | None) -> None:
         try:
-            self.guarded({keys.DONE: json.dumps({"code": code, "diagnosis": diagnosis})})
+            self.guarded({keys.DONE: keys.JobDone(code, diagnosis).dumps()})
         except Exception as exc:  # noqa: BLE001 - deposed or etcd gone: the hosts end anyway
             if self.reach.down_since is None:  # (else said already, and in the summary)
                 print(f"nonstop: could not record the job's end in etcd: {exc}", file=sys.stderr)

@@ -42,8 +42,7 @@ def etcd_fetcher(endpoint: str, job: str, cacert: str | None = None, cert: str |
         except json.JSONDecodeError as exc:
             raise UsageError(f"the status of {job!r} in etcd is not readable: {exc}") from None
         if done is not None and not st.get("over"):
-            end = json.loads(done)
-            st.update(over=True, exit_code=end.get("code"))
+            st.update(over=True, exit_code=keys.JobDone.read(done).code)
         return st
 
     return fetch

@@ -232,6 +232,37 @@ class JournalRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class JobDone(_Record):
+    """The job's end (etcd ``done``), written once by the controller in office: the job's exit
+    code, and why it failed (None: it completed). A host that joins later leaves at once."""
+
+    code: int
+    diagnosis: str | None = None
+
+    @classmethod
+    def loads(cls, raw: bytes | str) -> "JobDone":
+        """Refused (ValueError) unless a code and a diagnosis of the right types, and no more."""
+        data = _json(raw, "done")
+        if not isinstance(data, dict) or set(data) != {"code", "diagnosis"}:
+            raise ValueError("done: not a job's end of this version of nonstop")
+        code, why = data["code"], data["diagnosis"]
+        if isinstance(code, bool) or not isinstance(code, int):
+            raise ValueError(f"done: code is not an exit code: {code!r}")
+        if why is not None and not isinstance(why, str):
+            raise ValueError(f"done: diagnosis is not text: {why!r}")
+        return cls(code=code, diagnosis=why)
+
+    @classmethod
+    def read(cls, raw: bytes | str) -> "JobDone":
+        """The job's end as a reader acts on it: one written by another version of nonstop still
+        ends the job, as a failure whose cause is unknown."""
+        try:
+            return cls.loads(raw)
+        except ValueError as exc:
+            return cls(code=1, diagnosis=f"unreadable end record ({exc})")
+
+
+@dataclasses.dataclass(frozen=True)
 class LastWord:
     """What a controller taking office reads of its predecessor's last status record (etcd
     ``status``, written twice a second while it was in office; the rest of it is for ``nonstop
