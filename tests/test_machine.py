@@ -305,7 +305,7 @@ def test_non_finite_gradients_retry_in_place_or_fall_back():
     assert s.retry_deadline == 3.0 + P.levels.step_retry.deadline_s
     every = ranks(0, {r: {"retry_step": 7, "retry_loss": 1.0} for r in range(4)})
     s2, cmds = mc.step(s, mc.RetryAsked(seen(3.1, every)), P)
-    assert kinds(cmds) == ["Decide", "Retry"] and cmds[1].step == 7
+    assert kinds(cmds) == ["Decide", "RedoStep"] and cmds[1].step == 7
     assert s2.retry_deadline is None and s2.phase is Phase.RUNNING
     assert s2.counters.nan_in_a_row == 1
     split = ranks(0, {r: {"retry_step": 7 + (r == 3)} for r in range(4)})
@@ -344,7 +344,7 @@ def test_the_end_waits_for_the_ranks_and_the_last_checkpoint_then_has_a_deadline
     _, cmds = mc.step(s, mc.Settled(seen(51.0, gone), settled=False), P)
     assert cmds == []
     _, cmds = mc.step(s, mc.Settled(seen(51.0, gone), settled=True), P)
-    assert cmds == [mc.End()]
+    assert cmds == [mc.JobOver()]
     s, cmds = mc.step(s, mc.Settled(seen(55.1, ranks(0, {0: {"dead": True}})), False), P)
     assert cmds == [mc.Missed("finish", 5.0, 0, (1, 2, 3), cmds[0].detail),
                     mc.Overdue((101, 102, 103))]

@@ -110,7 +110,7 @@ class RetryOpened:
 
 
 @dataclasses.dataclass(frozen=True)
-class Retry:
+class RedoStep:
     """Every rank waits at ``step``: redo (or skip) it in place."""
     decision: Decision
     step: int
@@ -136,7 +136,7 @@ class Finish:
 
 
 @dataclasses.dataclass(frozen=True)
-class End:
+class JobOver:
     """Everything ended and settled: the job is over."""
 
 
@@ -157,5 +157,5 @@ class Missed:
 
 
 Command = Union[Raise, Ignore, Interrupt, AbortGeneration, Kill, Probe, Decide, CarryOut, Regroup,
-                Publish, Formed, RetryOpened, Retry, WaitForHosts, Fail, Finish, End, Overdue,
+                Publish, Formed, RetryOpened, RedoStep, WaitForHosts, Fail, Finish, JobOver, Overdue,
                 DrainRefused, Missed]

@@ -373,14 +373,14 @@ class Controller:
                 return self._do_RetryOpened(c)
             case mc.WaitForHosts():
                 return self._do_WaitForHosts(c)
-            case mc.Retry():
-                return self._do_Retry(c)
+            case mc.RedoStep():
+                return self._do_RedoStep(c)
             case mc.Fail():
                 return self._do_Fail(c)
             case mc.Finish():
                 return self._do_Finish(c)
-            case mc.End():
-                return self._do_End(c)
+            case mc.JobOver():
+                return self._do_JobOver(c)
             case mc.Missed():
                 return self._do_Missed(c)
             case mc.Overdue():
@@ -570,7 +570,7 @@ class Controller:
         self.book.retry_opened(c.step, time.time(), self.gen, self._reached())
         return []
 
-    def _do_Retry(self, c: mc.Retry) -> list[mc.Observation]:
+    def _do_RedoStep(self, c: mc.RedoStep) -> list[mc.Observation]:
         self._t_retry = time.time()
         self.book.retried(c.decision, c.step, self._t_retry)
         self.display.info(f"{c.decision.level.value} (generation {self.gen}) [{c.decision.reason}]")
@@ -599,7 +599,7 @@ class Controller:
                             self.ledger.unfired)
         return []
 
-    def _do_End(self, c: mc.End) -> list[mc.Observation]:
+    def _do_JobOver(self, c: mc.JobOver) -> list[mc.Observation]:
         return self._ended(0 if self.outcome.diagnosis is None else 1)
 
     def _do_Missed(self, c: mc.Missed) -> list[mc.Observation]:

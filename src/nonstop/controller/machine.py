@@ -35,7 +35,7 @@ from .placement import free_slots, place, spare_nodes, view  # noqa: F401 - spar
 from .commands import (  # noqa: F401 - the machine's commands, named as mc.<Command>
     Raise, Ignore, Interrupt, AbortGeneration, Kill, Probe,
     Decide, CarryOut, Regroup, DrainRefused, Publish, Formed,
-    RetryOpened, Retry, WaitForHosts, Fail, Finish, End, Overdue,
+    RetryOpened, RedoStep, WaitForHosts, Fail, Finish, JobOver, Overdue,
     Missed, Command)
 from .observations import (  # noqa: F401 - what it observes, named as mc.<Observation>
     RankSeen, Seen, Tick, Start, Faulted, Entered,
@@ -552,7 +552,7 @@ def _retry(s: JobState, seen: Seen, policy: Any) -> tuple[JobState, list[Command
     cmds.append(Decide(decision, s.gen, step=at))
     if decision.level is Level.FAIL:
         return s, cmds + [Fail(decision)]
-    return _with(s, attempt=True, level=decision.level.value), cmds + [Retry(decision, at)]
+    return _with(s, attempt=True, level=decision.level.value), cmds + [RedoStep(decision, at)]
 
 
 def _settle(s: JobState, seen: Seen, settled: bool) -> tuple[JobState, list[Command]]:
@@ -560,7 +560,7 @@ def _settle(s: JobState, seen: Seen, settled: bool) -> tuple[JobState, list[Comm
         return s, []
     alive = tuple(r.wid for r in seen.ranks if not r.dead)
     if not alive and settled:
-        return s, [End()]
+        return s, [JobOver()]
     if seen.now > s.deadline:
         missed = Missed("finish", s.finish_s, s.gen, tuple(r.rank for r in seen.ranks if not r.dead),
                         "ranks still alive, or the last checkpoint unwritten")
