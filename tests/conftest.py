@@ -238,13 +238,20 @@ def alongside():
 
     yield begin
     for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
+        asked_to_end(proc, 30)
+
+
+def asked_to_end(proc: subprocess.Popen, grace_s: float) -> None:
+    """A command of ours still running (a session of its own): asked to end (SIGTERM: it ends
+    what it started), its group killed if it has not within ``grace_s``."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
 
 
 # references computed while a test's own job runs (``reference.ahead``): the test that started

@@ -88,7 +88,7 @@ def test_a_soak_ended_by_sigterm_ends_its_reference_run_too(test_hosts, tmp_path
     import signal
     import time
 
-    from conftest import kill_left, processes_below as below, still_running
+    from conftest import asked_to_end, kill_left, processes_below as below, still_running
 
     proc = subprocess.Popen([sys.executable, "-m", "nonstop", "chaos", "--hosts", "2", "--faults",
                              "1", "--kinds", "crash", "--seed", "1", "--out", str(tmp_path)],
@@ -107,11 +107,5 @@ def test_a_soak_ended_by_sigterm_ends_its_reference_run_too(test_hosts, tmp_path
         assert not still_running(seen), "the soak's reference run still runs"
         assert not os.path.ismount(tmp_path / "ckpt")  # its checkpoints' small disk is gone too
     finally:
-        if proc.poll() is None:  # (only where the test failed: the soak asked to end first)
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
+        asked_to_end(proc, 60)  # (only where the test failed: the soak asked to end first)
         kill_left(seen)  # (...and what it left: ended by pid)
