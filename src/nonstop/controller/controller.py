@@ -33,6 +33,7 @@ from .account import JobAccount
 from .book import IncidentBook
 from .ending import Outcome
 from .generations import Generations
+from .hearing import HeardAgain, Hearing, Unheard
 from .ledger import SdcBook, TrainingLedger
 from .requests import Preemptions, RefusedRequest, Requests
 from .phase import ACTIVE, ENDING, Phase
@@ -86,9 +87,7 @@ class Controller:
         self._next_scan = 0.0  # when the whole job is looked at again (_check)
         self._t_running = 0.0  # when the current generation formed on every rank
         self._t_retry = 0.0  # when its ranks were last told to redo a step
-        self._t_heard = 0.0  # when the controller last heard the job again (``_unheard``)
-        self._unheard_since: float | None = None  # it cannot prove it hears the job, since
-        self._last_check = 0.0  # when the loop last looked at the job (_unheard)
+        self.hearing = Hearing(STALL_S)  # whether it can prove it hears the job
         self.progress = ProgressLog(run_dir)  # the ranks' steps as they completed
         self.job_account = JobAccount(self.progress)  # the whole job's time, counted
         self.exits = ProcessExits(self.workers, self.memory, self.gens, self.progress, log, display)
@@ -770,37 +769,27 @@ class Controller:
             # a redone step (a step retry) gets the first step's allowance from the retry on;
             # no step is awaited from before the controller last heard the job again
             self._act((self.watchers.steps(self._ranks(), self.gen,
-                                           max(self._t_running, self._t_retry, self._t_heard), now,
+                                           max(self._t_running, self._t_retry, self.hearing.t_heard), now,
                                            self.agent.silent_hosts())
                        if scan else []) + self.watchers.tick(now))
 
     def _unheard(self, now: float) -> bool:
-        """Whether the controller cannot prove it hears the job now (across hosts: every other
-        host silent at once, and etcd too - its own host's incoming traffic may be what failed).
-        Then a silence is evidence against nobody: no deadline, no hang is judged. Heard again,
-        the time it could not is not counted against the ranks: the deadlines move on by it, and
-        each rank's next step is awaited a whole timeout from then. The same for a time this
-        loop did not look at all (held up by a slow call, its process paused: ``STALL_S``)."""
-        last, self._last_check = self._last_check, now
-        if self.agent.deaf():
-            if self._unheard_since is None:
-                self._unheard_since = now
-                self.log.write("unheard", gen=self.gen, phase=self.phase)
-                self.display.info("the controller hears no host and not etcd: it judges "
-                                  "nothing until it hears again")
-            return True
-        if self._unheard_since is not None:
-            gap, self._unheard_since = now - self._unheard_since, None
-            self._heard(now, gap, "deaf")
-            self.display.info(f"the controller hears again (after {gap:.1f} s)")
-        elif last and now - last > STALL_S:
-            self._heard(now, now - last, "held up")
+        """Whether the controller cannot prove it hears the job now (``hearing``): then no
+        deadline, no hang is judged; heard again, the deadlines move on by the time it could
+        not, and each rank's next step is awaited a whole timeout from then."""
+        match self.hearing.look(now, self.agent.deaf()):
+            case Unheard(first=first):
+                if first:
+                    self.log.write("unheard", gen=self.gen, phase=self.phase)
+                    self.display.info("the controller hears no host and not etcd: it judges "
+                                      "nothing until it hears again")
+                return True
+            case HeardAgain(gap=gap, why=why):
+                self.log.write("heard", gen=self.gen, unheard_s=round(gap, 3), why=why)
+                self._step(mc.Heard(self._seen(now), gap))
+                if why == "deaf":
+                    self.display.info(f"the controller hears again (after {gap:.1f} s)")
         return False
-
-    def _heard(self, now: float, gap: float, why: str) -> None:
-        self._t_heard = now
-        self.log.write("heard", gen=self.gen, unheard_s=round(gap, 3), why=why)
-        self._step(mc.Heard(self._seen(now), gap))
 
     # == log lines, the end of training, recovery ===============================================
     def on_output(self, wid: int, line: str) -> None:
