@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import EXAMPLES, SCRIPTS, bitwise_equal, policy_file, rank_wids, run_nonstop, train
+from nonstop.decide.sdc import POINTS
 
 pytestmark = pytest.mark.integration
 
@@ -23,9 +24,10 @@ def test_two_replicas_a_flipped_bit_rolled_back_in_place_the_replay_names_its_ra
     12's all-reduce: neither holds the fault-free parameters). Neither is replaced: every rank
     goes back in place to the snapshot before, which agreed, and redoes the steps from the same
     inputs. The replay agrees, and rank 1's forward outputs parted from its first pass at step
-    12, rank 0's only at 13: rank 1 is named (sdc_attributed, with every rank's evidence and
-    digests), counted against its node - no process replaced, no step lost but the rollback's,
-    and the run ends with the fault-free weights and a certificate."""
+    12, rank 0's only after them (through the all-reduce): rank 1 is named (sdc_attributed,
+    with every rank's evidence and digests), counted against its node - no process replaced,
+    no step lost but the rollback's, and the run ends with the fault-free weights and a
+    certificate."""
     run, out = train(tmp_path, "--spares=1", "--inject=bitflip:rank=1,step=12", args=ARGS,
                      world=2)
     (flip,) = run.of("rank_bitflip")
@@ -50,7 +52,10 @@ def test_two_replicas_a_flipped_bit_rolled_back_in_place_the_replay_names_its_ra
     assert set(named["original"].values()).isdisjoint(named["replayed"].values())
     by_rank = {e["rank"]: e for e in named["evidence"]}
     assert (by_rank[1]["step"], by_rank[1]["point"]) == (12, "output")
-    assert by_rank[0]["step"] > 12 and by_rank[1]["first"] != by_rank[1]["second"]
+    # rank 0 took the fault in at step 12's all-reduce: its passes part after rank 1's outputs
+    # (at step 12's end where a check looked there, the interval being one step; later else)
+    assert (by_rank[0]["step"], POINTS.index(by_rank[0]["point"])) > (12, POINTS.index("output"))
+    assert by_rank[1]["first"] != by_rank[1]["second"]
     assert "the replay names rank 1" in run.stderr
     sdc = run.summary["sdc"]
     assert sdc["checks"] > 0 and sdc["last_step"] == 40 and len(sdc["chain"]) == 64
