@@ -37,9 +37,12 @@ looked = threading.Event()  # rank 0 has released once (the worker must be busy 
 if mode == "busy":
     def slow(_fut):
         busy.set()
-        # a worker thread of the group, still busy with the ended generation: until the first
-        # release has looked (a fixed time was outlasted by close() on a loaded machine)
-        looked.wait(60)
+        # rank 0: a worker thread of the group, still busy with the ended generation until the
+        # first release has looked (a fixed time was outlasted by close() on a loaded machine).
+        # Rank 1's operation may have completed before its callback was attached: the callback
+        # then runs on the main thread, which must not wait for a release it has yet to make
+        if rank == 0:
+            looked.wait(60)
 
     # rank 0's operation must be posted, its callback attached, before rank 1's: then it
     # completes on a worker thread (attached to a future already complete - rank 0 slow to get
