@@ -15,10 +15,7 @@ registers again as a new host, a spare.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
-import queue
 import signal
 import sys
 import threading
@@ -31,7 +28,7 @@ from . import loopback
 from .agent import Agent, Proc, worker_env
 from ..errors import UsageError
 from .mail import StoreMail
-from ..net.channel import CONTROL_TOS, SECRET_ENV
+from ..net.channel import SECRET_ENV
 from ..protocol import hosts as keys
 from ..protocol import events
 from ..protocol import messages as m
@@ -40,16 +37,15 @@ from .host_config import HostConfig
 from .fencing import (REGISTER_RETRY_S, EtcdSilent, Fence, JobEnded, Membership, OutageOver,
                       Registered, Rejoined, Verdict)
 from .host_keepers import HostKeepers, replica_secret
+from .office import OfficeLink
 from ..net.netif import bound_socket, close_store, interface_of, job_store
 from ..store.tcpstore import StoreServer
 
-CLOSED = object()  # in the inbox: the channel it came on is closed
 CONTROLLER_WID = -1  # the standby controller in the agent's process table
 DONE_CHECK_S = 1.0  # the store thread reads the job's record this often
 FENCED_REGISTER_S = 3600.0  # a fenced host tries to join again this long
 KEEPER_START_S = 15.0  # the node memory has this long to listen (a bare Python start)
 RESPAWN_S = 0.5  # a standby controller that died is replaced after this long
-HISTORY_MAX = 50_000  # events kept for a controller that takes over
 
 
 class HostAgent:
@@ -58,26 +54,16 @@ class HostAgent:
     def __init__(self, cfg: HostConfig, secret: bytes, faults: list[inject.FaultSpec]):
         self.cfg, self.secret, self.faults = cfg, secret, faults
         self.run_dir = cfg.run_dir
-        self.epoch = 0  # the newest controller epoch seen: older ones are fenced off
-        self.ctl: Any = None  # the channel of the controller in office (None: it broke)
-        # the channel whose hello was the newest: its orders are obeyed even once it broke (a
-        # controller may send its orders and close before this host's answer to its hello)
-        self.office_ch: Any = None
+        self.office: OfficeLink  # its link to the controller in office (made in run())
         self.agent: Agent | None = None
         self.health: Any = None  # this host's health checks (False: none configured)
         self.keepers: HostKeepers | None = None  # its node memory's connections
-        self.inbox: "queue.Queue[tuple[Any, dict[str, Any]]]" = queue.Queue()
         self.meta: dict[int, dict[str, Any]] = {}  # wid -> spare, node, rank (for labels)
         self.code: int | None = None
-        self._refusals: dict[tuple[str, str], int] = {}  # (address, reason) -> times refused
-        self._office_news: tuple[int, str] | None = None  # a new controller (epoch, address)
         self.refused_why: str | None = None  # outvoted on the job's secret: this host leaves
         self.other_secrets = 0  # hosts waiting to join with another secret than ours
         self._say_waiting = time.time() + WAITING_SAY_S  # when a host still alone says so
-        self._unsent_exits: list[m.ProcExit] = []
-        self.history: list[dict[str, Any]] = []  # every event of this host's processes
         self._gen_stores: dict[int, Any] = {}  # a plain script's stores, per generation
-        self._delivered = 0  # how many of them reached the controller in office
         self._last_progress = 0.0
         self._respawn_at: float | None = None
         self._stop = threading.Event()
@@ -98,7 +84,6 @@ class HostAgent:
 
     # == start ===================================================================================
     def run(self) -> int:
-        from ..net import listener
         from ..store.etcd import StoreError, StoreUnavailable
 
         cfg = self.cfg
@@ -117,15 +102,14 @@ class HostAgent:
         # default 30 s a cut controller's channel, its buffers full, kept this host from
         # answering its successor's hello, and from fencing itself). The channel closes; a
         # live controller connects again and is told what it missed.
-        self.listener = listener.Listener(cfg.addr, self.secret, on_refused=self._refused,
-                                          stall_timeout_s=cfg.lease_ttl_s + 1.0,
-                                          tos=CONTROL_TOS)
+        self.office = OfficeLink(cfg.addr, self.secret, cfg.lease_ttl_s + 1.0, self.now,
+                                 self._wake)
         rdzv_sock = bound_socket(cfg.addr)
         self.rdzv_port = rdzv_sock.getsockname()[1]
         emergency = cfg.rules.state.emergency
         self.membership = Membership(
             self.etcd, keys.HostRecord(host_id=cfg.host_id, addr=cfg.addr,
-                                       ctl_port=self.listener.port, rdzv_port=self.rdzv_port,
+                                       ctl_port=self.office.port, rdzv_port=self.rdzv_port,
                                        pid=os.getpid(), slots=cfg.nproc_per_node, incarnation="",
                                        domain=cfg.failure_domain),
             cfg.lease_ttl_s, outage_s=cfg.rules.hosts.store_outage_s,
@@ -137,7 +121,7 @@ class HostAgent:
             raise UsageError(f"host '{cfg.host_id}' is already in job '{cfg.job_id}'")
         self.agent: Agent | None = None
         # the controller may connect at once: its hello waits in the inbox until the loop runs
-        threading.Thread(target=self._accept_loop, name="nonstop-accept", daemon=True).start()
+        self.office.start()
         try:
             self.local_listener = loopback.listen()
             self.local_port = self.local_listener.getsockname()[1]
@@ -150,7 +134,7 @@ class HostAgent:
             self._spawn_controller()
             self.agent.keeper_host = cfg.addr  # replicas come in from other hosts
             self.agent.keeper_env = {SECRET_ENV: replica_secret(self.secret)}
-            self.keepers = HostKeepers(self._send).start()
+            self.keepers = HostKeepers(self.office.send).start()
             # only this host's ranks meet on its own store: nonstop's server of the protocol
             self.store = StoreServer(self.local_listener)
             self.store.set(protocol.JOB_KEY, protocol.dumps(self._job_settings()))
@@ -168,7 +152,7 @@ class HostAgent:
                 self.keepers.close()
             if self.agent is not None:
                 self.agent.close()
-            self.listener.close()
+            self.office.close()
             self.membership.close()
             self.etcd.close()
             if self.metrics is not None:
@@ -188,7 +172,7 @@ class HostAgent:
 
     def _yield_secret(self) -> None:
         """Outvoted on the job's secret while it forms (``JobEntry.outvoted``): this host leaves."""
-        if self.epoch != 0:
+        if self.office.heard:
             return  # the job formed: its secret is settled
         self.other_secrets, refused = self.entry.outvoted()
         if refused is not None:
@@ -217,68 +201,9 @@ class HostAgent:
         self.agent.spawn_command(CONTROLLER_WID, cmd, env, "controller.log")
         self._respawn_at = None
 
-    # == the channel ============================================================================
-    def _accept_loop(self) -> None:
-        from ..net.channel import ChannelClosed
-
-        while not self._stop.is_set():
-            try:
-                ch = self.listener.accept(timeout=0.5)
-            except (OSError, ChannelClosed):  # closed: the agent is ending
-                return
-            if ch is None:
-                continue
-            threading.Thread(target=self._read_loop, args=(ch,), daemon=True,
-                             name="nonstop-ctl").start()
-
-    def _read_loop(self, ch: Any) -> None:
-        from ..net.channel import AuthError, ChannelClosed
-
-        while not self._stop.is_set():
-            try:
-                msg, _ = ch.recv(timeout=1.0)
-            except TimeoutError:
-                continue
-            except (ChannelClosed, AuthError, OSError):
-                self.inbox.put((ch, CLOSED))
-                self._wake()
-                return
-            try:
-                order = m.decode(msg)
-            except m.BadMessage as exc:  # the job's secret, another nonstop: said, not obeyed
-                print(f"nonstop: a message from the controller refused: {exc}", file=sys.stderr,
-                      flush=True)
-                continue
-            self.inbox.put((ch, order))
-            self._wake()
-
     def _wake(self) -> None:
         if self.agent is not None:  # none yet: the loop has not started, it reads the inbox first
             self.agent.wake()
-
-    def _refused(self, peer: tuple[str, int], why: str) -> None:
-        """Said once per address and reason (a peer that retries is refused again and again),
-        then counted: said again at the 10th, 100th... time."""
-        if "closed the connection" in why:  # a probe (or a port scan): nothing was offered
-            return
-        key = (peer[0], why.split(":", 1)[0])
-        n = self._refusals[key] = self._refusals.get(key, 0) + 1
-        if n == 1 or math.log10(n).is_integer():
-            again = f" ({n} times)" if n > 1 else ""
-            print(f"nonstop: refused a connection from {peer[0]}: {why}{again}", file=sys.stderr,
-                  flush=True)
-
-    def _send(self, msg: m.Report) -> bool:
-        ctl = self.ctl  # (also called from the keepers' relay thread)
-        if ctl is None:
-            return False
-        try:
-            ctl.send(m.encode(dataclasses.replace(msg, now=self.now())))
-            return True
-        except Exception:  # noqa: BLE001 - the controller is gone: a standby will say hello
-            if self.ctl is ctl:
-                self.ctl = None
-            return False
 
     # == the loop ===============================================================================
     def _loop(self) -> int:
@@ -293,7 +218,7 @@ class HostAgent:
             self._relay_events()
             missed = self.agent.deadlines()
             if missed:
-                self._send(m.Deadlines(records=missed))
+                self.office.send(m.Deadlines(records=missed))
             self.keepers.poll()
             now = time.time()
             if now - self._last_progress >= self.progress_s:
@@ -310,7 +235,7 @@ class HostAgent:
             if self.preempted_at is not None:
                 self._preempting()
             self._check_health(now)
-            if self.epoch == 0 and now >= self._say_waiting:  # the job has not formed yet
+            if not self.office.heard and now >= self._say_waiting:  # the job has not formed yet
                 self._say_waiting = now + WAITING_SAY_S
                 need = self.cfg.nnodes_max + self.cfg.spare_nodes
                 odd = (f" ({self.other_secrets} host(s) with another secret wait too)"
@@ -363,8 +288,7 @@ class HostAgent:
 
     def _office_here(self) -> bool:
         """Whether the controller in office runs on this host (its lines are this console's)."""
-        ch = self.office_ch
-        return ch is not None and bool(ch.peer) and ch.peer[0] == self.cfg.addr
+        return self.office.office_at(self.cfg.addr)
 
     def _fence(self, why: str) -> None:
         """The job has moved on without this host (it gave it up, or it is cut off). Its
@@ -374,12 +298,8 @@ class HostAgent:
         for wid in killed:
             self.agent.signal(wid, signal.SIGKILL)
         self.agent.signal(CONTROLLER_WID, signal.SIGKILL)
-        if self.ctl is not None:
-            self.ctl.close()
-        self.ctl = self.office_ch = None
+        self.office.drop()
         self.meta.clear()
-        self._unsent_exits.clear()
-        self.history, self._delivered = [], 0
         print(f"nonstop: host {self.cfg.host_id} fenced ({why}): ended its {len(killed)} "
               "process(es); it joins again as a new host once etcd answers", file=sys.stderr,
               flush=True)
@@ -402,63 +322,31 @@ class HostAgent:
             return
         if self.meta.get(proc.wid, {}).get("keeper"):
             self.keepers.gone(self.meta[proc.wid]["keeper"])
-        rec = m.ProcExit(wid=proc.wid, code=proc.returncode, last=proc.last)
-        if not self._send(m.Exits(exits=[rec])):
-            self._unsent_exits.append(rec)
+        self.office.exited(m.ProcExit(wid=proc.wid, code=proc.returncode, last=proc.last))
 
     def _handle_commands(self) -> None:
-        while True:
-            try:
-                ch, order = self.inbox.get_nowait()
-            except queue.Empty:
-                return
-            if order is CLOSED:
-                if ch is self.ctl:
-                    self.ctl = None
-                continue
-            if order.epoch < self.epoch:  # a deposed controller: fenced off
-                try:
-                    ch.send(m.encode(m.Refused(why=f"stale epoch {order.epoch} < {self.epoch}")))
-                except Exception:  # noqa: BLE001
-                    pass
-                continue
+        for ch, order in self.office.orders():
             if isinstance(order, m.Hello):
                 self._hello(ch, order.epoch)
-                continue
-            if ch is not self.office_ch:
-                continue  # not the controller in office
-            self._command(order)
+            else:
+                self._command(order)
 
     def _hello(self, ch: Any, epoch: int) -> None:
         """A controller says hello: it is the one in office from now on. A new one (a takeover)
         gets what this host runs and every event of its processes so far, to rebuild its view;
         the same one, reconnecting, gets what it missed."""
-        if self.ctl is not None and self.ctl is not ch:
-            try:
-                self.ctl.close()
-            except Exception:  # noqa: BLE001
-                pass
-        new = epoch != self.epoch
-        if new:  # said with its first order (a host it turns away hears only of its end)
-            self._office_news = (epoch, ch.peer[0] if ch.peer else "?")
-        self.epoch, self.ctl, self.office_ch = epoch, ch, ch
+        new = self.office.hello(ch, epoch)
         self._preempt_told = False  # (a new controller hears of a preemption again)
         workers = [_worker(p, self.meta.get(p.wid, {}))
                    for p in self.agent.procs.values() if p.wid != CONTROLLER_WID]
-        self._send(m.State(host=self.cfg.host_id, incarnation=self.membership.incarnation,
-                           workers=workers, takeover=new))
-        since = 0 if new else self._delivered
-        if self.history[since:]:
-            if self._send(m.Events(events=self.history[since:], replay=new)):
-                self._delivered = len(self.history)
-        if self._unsent_exits:
-            exits, self._unsent_exits = self._unsent_exits, []
-            self._send(m.Exits(exits=exits))
+        self.office.send(m.State(host=self.cfg.host_id, incarnation=self.membership.incarnation,
+                                 workers=workers, takeover=new))
+        self.office.catch_up(new)
 
     def _command(self, order: m.Order) -> None:
-        if self._office_news is not None and not isinstance(order, (m.End, m.Hello)):
-            epoch, addr = self._office_news
-            self._office_news = None
+        news = None if isinstance(order, m.End) else self.office.take_news()
+        if news is not None:
+            epoch, addr = news
             names = self.membership.peer_names
             where = "this host" if addr == self.cfg.addr else \
                 f"host {names[addr]}" if addr in names else addr
@@ -472,7 +360,7 @@ class HostAgent:
                 except OSError as exc:
                     print(f"nonstop: cannot start worker {wid}: {exc}", file=sys.stderr,
                           flush=True)
-                    self._send(m.Exits(exits=[m.ProcExit(wid=wid, code=127)]))
+                    self.office.send(m.Exits(exits=[m.ProcExit(wid=wid, code=127)]))
             case m.SpawnKeeper(wid=wid, node=node, name=name, writer=writer):
                 self.meta[wid] = {"keeper": name, "node": node}
                 try:
@@ -480,7 +368,7 @@ class HostAgent:
                 except OSError as exc:
                     print(f"nonstop: cannot start the node memory: {exc}", file=sys.stderr,
                           flush=True)
-                    self._send(m.Exits(exits=[m.ProcExit(wid=wid, code=127)]))
+                    self.office.send(m.Exits(exits=[m.ProcExit(wid=wid, code=127)]))
                     return
                 self.keepers.started(name, time.time() + KEEPER_START_S)
             case m.KeeperOpen() | m.KeeperCall():
@@ -508,7 +396,7 @@ class HostAgent:
                 self._gen_stores[gen] = store
                 for old in [g for g in self._gen_stores if g < gen - 1]:
                     close_store(self._gen_stores.pop(old))
-                self._send(m.Reply(id=order.id, port=store.port))
+                self.office.send(m.Reply(id=order.id, port=store.port))
             case m.End(code=code, grace_s=grace_s, why=why, released=released):
                 self.agent.end_all(grace_s)
                 self.code = code
@@ -542,23 +430,17 @@ class HostAgent:
             if ev.get("type") == events.Done.type and type(ev.get("wid")) is int \
                     and type(ev.get("gen")) is int:
                 self.meta.setdefault(ev["wid"], {})["done"] = ev["gen"]
-        self.history += evs
-        if len(self.history) > HISTORY_MAX:  # the oldest go: a takeover rebuilds from the rest
-            cut = len(self.history) - HISTORY_MAX
-            self.history = self.history[cut:]
-            self._delivered = max(0, self._delivered - cut)
-        if self._send(m.Events(events=self.history[self._delivered:])):
-            self._delivered = len(self.history)
+        self.office.relay(evs)
 
     def _relay_progress(self) -> None:
         live = [p.wid for p in self.agent.alive() if p.wid != CONTROLLER_WID]
-        if not live or self.ctl is None:
+        if not live or not self.office.connected:
             return
         recs = self.mail.progress(live)
         if self.shift_s:
             recs = {w: keys.shift_times(r, self.shift_s) for w, r in recs.items()}
         stopped = [wid for wid in live if self.agent.stopped(wid)]
-        self._send(m.Progress(recs={str(w): r for w, r in recs.items()}, stopped=stopped))
+        self.office.send(m.Progress(recs={str(w): r for w, r in recs.items()}, stopped=stopped))
 
     def _check_health(self, now: float) -> None:
         """This host's health checks (the policy's commands, NVML), run here and reported: a
@@ -575,7 +457,7 @@ class HostAgent:
             return
         results = self.health.poll(now)
         if results:
-            self._send(m.Health(nvml_status=self.health.nvml_status,
+            self.office.send(m.Health(nvml_status=self.health.nvml_status,
                                 results=[m.HealthCheck(check=r.check, ok=r.ok, code=r.code,
                                                        detail=r.detail, seconds=r.seconds,
                                                        limit_s=r.limit_s)
@@ -590,7 +472,7 @@ class HostAgent:
             else f"spare {wid}"
         if not self.cfg.quiet:
             print(f"[{self.cfg.host_id} {label}] {line}", flush=True)
-        self._send(m.Output(wid=wid, line=line))
+        self.office.send(m.Output(wid=wid, line=line))
 
     # == preemption =============================================================================
     def preempt(self) -> None:
@@ -608,8 +490,8 @@ class HostAgent:
     def _preempting(self) -> None:
         grace = self.cfg.rules.hosts.preempt_grace_s
         left = grace - (time.monotonic() - (self.preempted_at or 0.0))
-        if not self._preempt_told and self.ctl is not None:
-            self._preempt_told = self._send(m.Preempted(grace_s=max(0.0, left)))
+        if not self._preempt_told and self.office.connected:
+            self._preempt_told = self.office.send(m.Preempted(grace_s=max(0.0, left)))
         if left <= 0:
             print(f"nonstop: host {self.cfg.host_id}: its ranks did not move away within "
                   f"{grace:g} s of SIGTERM: it ends them and leaves", file=sys.stderr, flush=True)
