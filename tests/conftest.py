@@ -135,20 +135,15 @@ def wait_for_event(run_dir: Path, predicate, timeout: float = 60) -> dict:
 
 def wait_for_events(run_dir: Path, predicate, n: int, timeout: float = 60) -> list[dict]:
     """The first ``n`` events of the run that match (waiting until there are as many)."""
+    from nonstop_bench.common import JsonlTail
+
     path = run_dir / "events.jsonl"
+    tail = JsonlTail(path)
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if path.exists():
-            found = []
-            for line in path.read_text().splitlines():
-                try:
-                    ev = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if predicate(ev):
-                    found.append(ev)
-                    if len(found) >= n:
-                        return found
+        found = [ev for ev in tail.records() if predicate(ev)]
+        if len(found) >= n:
+            return found[:n]
         time.sleep(0.05)
     lines = path.read_text().splitlines() if path.exists() else []
     outs = [p.read_text(errors="replace")[-2000:] for p in _outputs(run_dir) if p.exists()]

@@ -37,3 +37,18 @@ def test_the_wheel_holds_the_product_not_its_lab():
     assert sorted(p.name for p in (pkg / "examples").glob("*.py")) == ["pace.py", "train_ddp.py"]
     assert not any("nonstop_bench" in p.read_text() for p in pkg.rglob("*.py")
                    if p.name != "cli.py")
+
+
+def test_an_event_log_is_read_as_it_grows_a_partial_line_waits_for_its_end(tmp_path):
+    from nonstop_bench.common import JsonlTail
+
+    path = tmp_path / "events.jsonl"
+    tail = JsonlTail(path)
+    assert tail.records() == []  # not there yet
+    path.write_text('{"a": 1}\n{"b": ')
+    assert tail.records() == [{"a": 1}]  # the second line is still being written
+    with open(path, "a") as f:
+        f.write('2}\nnot json\n{"c": 3}\n')
+    assert tail.records() == [{"a": 1}, {"b": 2}, {"c": 3}]  # a malformed line is skipped
+    path.write_text('{"d": 4}\n')  # written anew, shorter
+    assert tail.records() == [{"d": 4}]

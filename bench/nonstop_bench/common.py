@@ -179,6 +179,41 @@ def nonstop_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "nonstop", "run", "--quiet", *args]
 
 
+class JsonlTail:
+    """A JSON-lines file that grows (an event log), read as it grows: each call parses only what
+    was appended since (a test polling a log of thousands of events every 50 ms re-parsed all of
+    them each time: a tenth of the suite's CPU). A line not yet complete waits for its end; a file
+    that shrank (written anew) is read from its start."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._offset = 0
+        self._records: list[dict[str, Any]] = []
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every complete record so far, in order (the same list, grown)."""
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return self._records
+        if size < self._offset:
+            self._offset, self._records = 0, []
+        if size == self._offset:
+            return self._records
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        for line in data[:end].splitlines():
+            if line.strip():
+                try:
+                    self._records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        self._offset += end
+        return self._records
+
+
 def events(run_dir: Path) -> Iterator[dict[str, Any]]:
     path = run_dir / "events.jsonl"
     if path.exists():

@@ -5,7 +5,6 @@ Used by the tests and by ``nonstop bench hosts``; every process is ended by its 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import signal
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import netns
+from .common import JsonlTail
 from nonstop.store.etcd_server import EtcdCluster
 
 SECRET = "nonstop-test-secret-0123456789abcdef"
@@ -41,6 +41,7 @@ class HostJob:
         self.used: list[str] = []  # every node id started, in order (their run dirs)
         self.replaced: list[subprocess.Popen] = []  # runs a newer one on their host replaced
         self.etcd: EtcdCluster | None = None
+        self._tails: dict[str, JsonlTail] = {}  # run dir -> its event log, read as it grows
         self.job_id = f"job-{os.getpid()}-{int(time.time() * 1000) % 100000}"
 
     def __enter__(self) -> "HostJob":
@@ -127,9 +128,10 @@ class HostJob:
         """The event log of every controller that was in office, in order."""
         out: list[dict[str, Any]] = []
         for name in self.used or [f"host{i}" for i in range(self.n_hosts)]:
-            path = self.base / name / "events.jsonl"
-            if path.exists():
-                out += [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+            tail = self._tails.get(name)
+            if tail is None:
+                tail = self._tails[name] = JsonlTail(self.base / name / "events.jsonl")
+            out += tail.records()
         return sorted(out, key=lambda e: e.get("t", 0))
 
     def of(self, kind: str) -> list[dict[str, Any]]:
