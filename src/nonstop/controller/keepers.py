@@ -229,7 +229,9 @@ class Keepers:
                 buddies[str(rank)] = list(to)
         for node, replicate in targets.items():
             self._call(node, km.Configure(replicate=replicate), wait=False)
-        if placement.short != self._short and placement.short is not None:
+        # a job of one node has no other to hold copies: nothing to say (what its snapshots
+        # survive is said above); from two nodes on, a placement short of what was asked is
+        if placement.short != self._short and placement.short is not None and len(live) > 1:
             self.display.warning(f"snapshot replicas: {placement.short}")
         elif self._short is not None and placement.short is None:  # (hosts joined)
             self.display.info(f"snapshot replicas: {self.copies} of each, in distinct failure "
