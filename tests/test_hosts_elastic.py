@@ -21,7 +21,7 @@ if not ok:
     pytest.skip(f"test hosts unavailable: {why}", allow_module_level=True)
 
 ELASTIC = EXAMPLES / "train_elastic.py"
-STEPS = 600  # the crash at step 400; ~4 s for the new process, at ~30 ms a step
+STEPS = 420  # the crash at step 280: 200 steps (~10 s) after the world grew back the first time
 
 
 def test_a_host_lost_then_a_rank_crashed_with_no_spare_the_world_shrinks_and_grows_back(
@@ -37,7 +37,7 @@ def test_a_host_lost_then_a_rank_crashed_with_no_spare_the_world_shrinks_and_gro
     pol = policy_file(tmp_path, "recover:\n  levels:\n    scale_in: {when: no_warm_spare}\n")
     for i in range(2):
         j.start(i, "--nnodes", "2", "--nproc-per-node", "2", "--policy", pol,
-                "--inject", "crash:rank=3,step=400", script=str(ELASTIC),
+                "--inject", "crash:rank=3,step=280", script=str(ELASTIC),
                 script_args=["--steps", str(STEPS), "--sleep-ms", "25", "--log-samples",
                              str(samples), "--global-batch", str(BATCH), "--samples",
                              str(SAMPLES), "--save", str(j.base / "final.pt")])
