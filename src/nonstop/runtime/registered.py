@@ -440,10 +440,10 @@ def _not_kept(names: list[str]) -> None:
     """Under ``nonstop run``, a State made once the training function was wrapped (inside it,
     most often), other than the one a ``Mesh``'s build function returns, is kept by nothing:
     the rank says so, once per process."""
-    from . import mesh, worker
+    from . import lasting, worker
 
     rt = worker.current()
-    if rt is None or not rt.wrapped or mesh.in_build() or rt.said_not_kept:
+    if rt is None or not rt.wrapped or lasting.in_build() or rt.said_not_kept:
         return
     from ..protocol import events
 

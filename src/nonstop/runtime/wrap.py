@@ -20,7 +20,7 @@ import nonstop.protocol as protocol
 from ..protocol import events
 from . import nccl
 from .context import Context
-from . import mesh as mesh_mod
+from . import lasting
 from .mesh import JobMesh, Mesh
 from ..decide.cuda import of_exception
 from ..errors import ScriptSetupError
@@ -365,7 +365,7 @@ def _enter(rt: Any, group: Any, fn: Callable[..., Any], tracked: State, has_stat
             if rt.job_mesh.state is None:  # the script shards its model: once per process
                 rt.before_build(rank, gen)
                 phase = "build"
-                with mesh_mod.building():
+                with lasting.building():
                     built = _built(rt.job_mesh.spec.build(rt.job_mesh.device_mesh))
                 wrong = rt.job_mesh.misbuilt(built)
                 if wrong is not None:
