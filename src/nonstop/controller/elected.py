@@ -24,6 +24,7 @@ from ..protocol import messages as m
 from .phase import Phase
 from ..decide import places, takeover
 from ..agent.host_config import HostConfig
+from .forming import Forming, NotFormed
 from .handover import CONNECT_S, REGISTER_AGAIN_S, Successor
 from .journal import Journal
 
@@ -236,23 +237,18 @@ class Leader:
         pol = policy_mod.Policy.model_validate(cfg.policy)
         channels: dict[str, Any] = {}
         if journal is None:
-            deadline = time.monotonic() + pol.hosts.join_timeout_s
-            hosts = self._wait_for_hosts(pol.hosts.join_timeout_s)
-            if hosts is None:
+            formed = Forming(cfg.job_id, cfg.nnodes_max, cfg.nnodes_max + cfg.spare_nodes,
+                             self.secret, self.etcd, self._put_status).first_hosts(
+                                 pol.hosts.join_timeout_s)
+            if isinstance(formed, NotFormed):
+                self._finish(2, formed.diagnosis)
                 return 2
-            hosts = self._reachable(hosts, channels, deadline)
-            if hosts is None:
-                return 2
-            limit = cfg.nnodes_max + cfg.spare_nodes  # hosts that registered at once, beyond it
-            for rec in hosts[limit:]:  # (before any could see the job full) are turned away
-                key = (rec.host_id, rec.incarnation)
+            channels = formed.channels
+            for rec in formed.beyond:  # registered at once beyond the job's size (before any
+                key = (rec.host_id, rec.incarnation)  # could see it full): turned away
                 self._joining.add(key)
-                _, ch = channels.pop(rec.host_id, (None, None))
-                if ch is not None:
-                    ch.close()
                 threading.Thread(target=self._turn_away, args=(key, rec), daemon=True).start()
-            hosts = hosts[:limit]
-            placed = dict(enumerate(hosts))
+            placed = dict(enumerate(formed.hosts))
             lost: set[int] = set()
         else:
             placed, lost = self._at_takeover(lambda: self.successor.place(journal))
@@ -392,79 +388,9 @@ class Leader:
     def _publish_status(self, text: str) -> None:
         self._status = text  # written by the store loop (this is the controller's thread)
 
-    def _reachable(self, hosts: list[keys.HostRecord], channels: dict[str, Any],
-                   deadline: float) -> list[keys.HostRecord] | None:
-        """The first hosts of a new job, each answering on its channel: those that answer hold
-        the ranks, in the order they joined. A host that does not answer yet (still starting) is
-        tried again, as etcd lists it then (it may have registered anew), until the join
-        deadline; the job needs --nnodes that answer."""
-        from ..net import channel
-
-        want = self.cfg.nnodes_max
-        while True:
-            answered = [h for h in hosts if channels.get(h.host_id, (None,))[0] == h.incarnation]
-            pending = [h for h in hosts if h not in answered]
-            for rec in pending:
-                try:
-                    ch = channel.connect(rec.addr, rec.ctl_port, self.secret, timeout_s=2.0,
-                                         tos=channel.CONTROL_TOS)
-                except Exception:  # noqa: BLE001 - not listening yet, or out of reach
-                    continue
-                old = channels.pop(rec.host_id, None)
-                if old is not None:
-                    old[1].close()
-                channels[rec.host_id] = (rec.incarnation, ch)
-                answered.append(rec)
-            if len(answered) >= want:  # spare hosts that answer later join as they do
-                order = {h.host_id: i for i, h in enumerate(hosts)}
-                return sorted(answered, key=lambda h: order[h.host_id])
-            if time.monotonic() > deadline:
-                late = [h for h in hosts if h not in answered]
-                self._finish(2, f"only {len(answered)} of {want} host(s) of job "
-                                f"'{self.cfg.job_id}' answered on their address "
-                                f"({', '.join(f'{h.host_id} at {h.addr}' for h in late)} did "
-                                "not): check the network between the hosts and --node-addr")
-                return None
-            time.sleep(0.2)
-            try:  # as etcd lists them now: one may have gone, or registered again
-                rows = self.etcd.get_prefix(keys.HOSTS)
-                rows.sort(key=lambda r: r[3])
-                hosts = [keys.HostRecord.loads(r[1]) for r in rows]
-            except Exception:  # noqa: BLE001 - etcd away for a moment: the same list
-                pass
-
-    def _wait_for_hosts(self, timeout_s: float) -> list[keys.HostRecord] | None:
-        """The job's first hosts: --nnodes of them hold ranks (in the order they joined), the
-        others are spare hosts."""
-        t0 = time.monotonic()
-        deadline = t0 + timeout_s
-        want = self.cfg.nnodes_max
-        shown = 0.0
-        while True:
-            rows = self.etcd.get_prefix(keys.HOSTS)
-            if time.monotonic() - shown >= 1.0:  # the wait, for nonstop status
-                shown = time.monotonic()
-                self._waiting_status(len(rows), want, shown - t0, timeout_s)
-            if len(rows) >= want:
-                rows.sort(key=lambda r: r[3])  # create revision: the order they joined
-                return [keys.HostRecord.loads(r[1]) for r in rows]
-            if time.monotonic() > deadline:
-                self._finish(2, f"only {len(rows)} of {want} host(s) joined job "
-                                f"'{self.cfg.job_id}' within {timeout_s:g} s "
-                                "(hosts.join_timeout_s): check --rdzv-id and --nnodes on each host")
-                return None
-            time.sleep(0.1)
-
-    def _waiting_status(self, joined: int, want: int, waited_s: float, limit_s: float) -> None:
-        """Before the job starts: how many hosts joined, as a status record in etcd."""
-        rec = {"t": time.time(), "pid": os.getpid(), "gen": -1, "phase": "waiting for hosts",
-               "world": 0, "ranks": [], "step": 0, "incidents": 0, "over": False,
-               "hosts_joined": joined, "hosts_wanted": want, "waited_s": round(waited_s, 1),
-               "limit_s": limit_s}
-        try:
-            self.guarded({keys.STATUS: json.dumps(rec)})
-        except Exception:  # noqa: BLE001 - etcd away: the wait itself will say so
-            pass
+    def _put_status(self, text: str) -> None:
+        """The job's status record, in etcd now (before the job forms: no store loop yet)."""
+        self.guarded({keys.STATUS: text})
 
     def _finish(self, code: int, diagnosis: str | None) -> None:
         try:
