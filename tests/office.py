@@ -17,6 +17,7 @@ class Office:
     lost: list[int] = dataclasses.field(default_factory=list)
     lines: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     ticks: int = 0
+    notices: list = dataclasses.field(default_factory=list)  # (notice, the thread it came in)
 
     def in_office(self) -> bool:
         return self.held
@@ -38,3 +39,8 @@ class Office:
 
     def tick(self) -> None:
         self.ticks += 1
+
+    def notice(self, notice) -> None:
+        import threading
+
+        self.notices.append((notice, threading.get_ident()))

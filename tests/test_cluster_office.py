@@ -192,3 +192,17 @@ def test_a_takeover_asks_the_agent_for_its_handshake_not_the_kernel_for_a_connec
         finally:
             stop.set()
             t.join(5)
+
+
+def test_what_the_offices_own_threads_find_reaches_it_in_the_pollers_thread(host):
+    """The store loop and a host's connection run on threads of their own: what they find is a
+    typed notice, handed to the office by the cluster's poll, in the controller's thread."""
+    cluster, _agent = host
+    from nonstop.controller.elected import HostGivenUp
+
+    posted = threading.Thread(target=cluster.notice, args=(HostGivenUp(3),))
+    posted.start()
+    posted.join(5)
+    assert cluster.office.notices == []  # not yet: at the next poll
+    cluster.poll(0.5)
+    assert cluster.office.notices == [(HostGivenUp(3), threading.get_ident())]

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from ..protocol import hosts as keys, last_step
 from ..protocol import messages as m
@@ -344,9 +344,10 @@ class Cluster:
     def wake(self) -> None:
         self.inbox.put((-1, None))
 
-    def call(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` in the controller's thread, at its next poll (from any thread)."""
-        self.inbox.put((-1, fn))
+    def notice(self, notice: Any) -> None:
+        """A notice of the office's own threads, handed to it in the controller's thread at its
+        next poll (``Office.notice``; from any thread)."""
+        self.inbox.put((-1, notice))
 
     def poll(self, timeout: float) -> list[RemoteProc]:
         """Wait up to ``timeout`` for what the hosts report; return the processes that exited."""
@@ -379,11 +380,11 @@ class Cluster:
         exited, self._exited = self._exited, []
         return exited
 
-    def _on_message(self, node: int, msg: m.Report | Callable[[], None] | None) -> None:
+    def _on_message(self, node: int, msg: Any) -> None:
         if msg is None:  # woken
             return
-        if not isinstance(msg, m.Report):  # to be run in this thread
-            msg()
+        if not isinstance(msg, m.Report):  # the office's own (``notice``)
+            self.office.notice(msg)
             return
         link = self.links.get(node)
         if link is None or link.lost or link.moved_on:

@@ -10,6 +10,7 @@ When its lease is lost it stops at once: a standby takes over.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import signal
@@ -32,6 +33,33 @@ HOSTS_EVERY_S = 0.2  # how often etcd is asked whether the host list changed whi
 HOSTS_FULL_S = 2.0  # ...and how often it is read whole all the same
 TURN_AWAY_S = 30.0  # a host turned away is given this long to end before its channel is closed
 HEARD_S = 1.0  # a host whose agent spoke this recently is alive, whatever its lease says
+
+
+# == what the office's own threads find, taken in the controller's thread (Office.notice) ======
+@dataclasses.dataclass(frozen=True)
+class HostsListed:
+    """etcd's host records as the store thread read them: (host id, incarnation) -> record."""
+    alive: dict[tuple[str, str], keys.HostRecord]
+
+
+@dataclasses.dataclass(frozen=True)
+class HostGivenUp:
+    """A host whose record vanished was given up in etcd: now here too."""
+    node: int
+
+
+@dataclasses.dataclass(frozen=True)
+class HostReached:
+    """A host that joined answered on its channel: taken in once no recovery is under way."""
+    key: tuple[str, str]
+    rec: keys.HostRecord
+    ch: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class HostNotReached:
+    """A host that joined did not answer: tried again at the next look at etcd."""
+    key: tuple[str, str]
 
 
 def _die_with_parent() -> None:
@@ -183,7 +211,7 @@ class Leader:
         self._serving = False
         self._status: str | None = None  # the newest status record, to put in etcd
         self._vanished: dict[int, float] = {}  # node -> since when its record is gone from etcd
-        self._joins: list[Any] = []  # hosts that joined, taken in once no recovery is under way
+        self._joins: list[HostReached] = []  # taken in once no recovery is under way
         # the hand-over's side of a takeover, and how a host is given up in etcd
         self.successor = Successor(etcd, self.epoch, secret, cfg.lease_ttl_s)
 
@@ -214,6 +242,22 @@ class Leader:
 
     def guarded(self, puts: dict[str, str]) -> None:
         self.etcd.guarded(keys.LEADER, self.epoch, puts=puts)
+
+    def notice(self, notice: Any) -> None:
+        """What the office's own threads found (the store loop, a host's connection), in the
+        controller's thread."""
+        match notice:
+            case HostsListed(alive=alive):
+                self._on_hosts(alive, self.cluster)
+            case HostGivenUp(node=node):
+                self.cluster.host_gone(node)
+            case HostReached():
+                self._joins.append(notice)
+            case HostNotReached(key=key):
+                self._connecting.discard(key)
+                self._joining.discard(key)
+            case _:
+                raise TypeError(f"the office has no case for {type(notice).__name__}")
 
     def run(self) -> int | None:
         from .. import policy as policy_mod
@@ -435,7 +479,18 @@ class Leader:
         # while it is still under way - unless the recovery waits for a host to join
         if self._joins and (controller.phase is Phase.WAITING_FOR_HOSTS or (
                 controller.incident is None and controller.phase is not Phase.TEARING_DOWN)):
-            self._joins.pop(0)()
+            self._take_in(self._joins.pop(0), controller, cluster)
+
+    def _take_in(self, joined: HostReached, controller: Any, cluster: Any) -> None:
+        """A host that joined becomes a node of the job: one never used - not one the job
+        holds, lost or isolated (after a takeover the lost ones are in no link: the new host
+        was given a lost node's number, isolated)."""
+        self._connecting.discard(joined.key)
+        self._joining.discard(joined.key)
+        used = [*cluster.links, *controller.counters.isolated, *controller.gens.node_of().values()]
+        node = max(used) + 1 if used else 0
+        cluster.add_host(node, joined.rec, ch=joined.ch)
+        controller.node_joined(node)
 
     def _store_loop(self, cluster: Any) -> None:
         """etcd's side of the controller, in its own thread: the journal written (only while
@@ -477,7 +532,7 @@ class Leader:
                 rec = keys.HostRecord.loads(raw)
                 alive[(rec.host_id, rec.incarnation)] = rec
             self._give_up_vanished(alive, cluster)
-            cluster.call(lambda a=alive: self._on_hosts(a, cluster))
+            cluster.notice(HostsListed(alive))
 
     def _give_up_vanished(self, alive: dict[tuple[str, str], keys.HostRecord],
                           cluster: Any) -> None:
@@ -505,7 +560,7 @@ class Leader:
                 continue  # it speaks: its lease lapsed, it registers again
             if self._give_up(link.rec.host_id, link.rec.incarnation):
                 self._vanished.pop(node, None)
-                cluster.call(lambda n=node: cluster.host_gone(n))
+                cluster.notice(HostGivenUp(node))
 
     def _on_hosts(self, alive: dict[tuple[str, str], keys.HostRecord], cluster: Any) -> None:
         """Hosts that joined are connected (in the background) and become spare nodes (those
@@ -568,26 +623,9 @@ class Leader:
         except Exception as exc:  # noqa: BLE001 - tried again at the next look
             print(f"nonstop: host {rec.host_id} joined but cannot be reached yet: {exc}",
                   file=sys.stderr, flush=True)
-
-            def failed() -> None:  # tried again at the next look
-                self._connecting.discard(key)
-                self._joining.discard(key)
-
-            cluster.call(failed)
+            cluster.notice(HostNotReached(key))
             return
-
-        def joined() -> None:
-            self._connecting.discard(key)
-            self._joining.discard(key)
-            # a node never used: not one the job holds, lost or isolated (after a takeover the
-            # lost ones are in no link: the new host was given a lost node's number, isolated)
-            used = [*cluster.links, *self.controller.counters.isolated,
-                    *self.controller.gens.node_of().values()]
-            node = max(used) + 1 if used else 0
-            cluster.add_host(node, rec, ch=ch)
-            self.controller.node_joined(node)
-
-        cluster.call(lambda: self._joins.append(joined))
+        cluster.notice(HostReached(key, rec, ch))
 
 
 if __name__ == "__main__":

@@ -86,3 +86,5 @@ class Office(Protocol):
     def output(self, wid: int, line: str) -> None: ...  # a line a process wrote
 
     def tick(self) -> None: ...  # the office's own work, once a poll
+
+    def notice(self, notice: Any) -> None: ...  # what its own threads found (Cluster.notice)
