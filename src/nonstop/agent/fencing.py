@@ -75,7 +75,8 @@ class Registered:
     incarnation: str
 
 
-Verdict = EtcdSilent | Rejoined | Fence | OutageOver | JobEnded
+# what the host's membership in etcd says happened (``Membership.poll``)
+News = EtcdSilent | Rejoined | Fence | OutageOver | JobEnded
 
 
 def peer_answers(peer: Peer, own: str | None = None) -> bool:
@@ -197,16 +198,16 @@ class Membership:
             self.lease.stop()
 
     # == what the agent's loop hears ===========================================================
-    def poll(self, holds_ranks: bool) -> list[Verdict]:
+    def poll(self, holds_ranks: bool) -> list[News]:
         """What happened since the last call, in the order to carry it out. ``holds_ranks``:
         whether this host holds ranks now (a host that holds none has nothing to lose by a
         fence)."""
-        out: list[Verdict] = []
+        out: list[News] = []
         silent, self._silent = self._silent, None
         if silent is not None:
             out.append(silent)
         given_up, self._given_up = self._given_up, None
-        verdict: Verdict | None = None
+        verdict: News | None = None
         if given_up is not None and given_up == self.incarnation:
             verdict = self._fence("the job gave this host up")
         elif self._lost.is_set():

@@ -34,8 +34,8 @@ from ..protocol import events
 from ..protocol import messages as m
 from .entry import WAITING_SAY_S, JobEntry
 from .host_config import HostConfig
-from .fencing import (REGISTER_RETRY_S, EtcdSilent, Fence, JobEnded, Membership, OutageOver,
-                      Registered, Rejoined, Verdict)
+from .fencing import (REGISTER_RETRY_S, EtcdSilent, Fence, JobEnded, Membership, News,
+                      OutageOver, Registered, Rejoined)
 from .host_keepers import HostKeepers, replica_secret
 from .office import OfficeLink
 from ..net.netif import bound_socket, close_store, interface_of, job_store
@@ -258,7 +258,7 @@ class HostAgent:
             except Exception:  # noqa: BLE001 - etcd away for a moment: the job goes on
                 continue
 
-    def _carry_out(self, verdict: Verdict) -> None:
+    def _carry_out(self, verdict: News) -> None:
         """What the host's membership in etcd says happened, done."""
         host = self.cfg.host_id
         match verdict:
