@@ -37,7 +37,7 @@ def running(gen=0, now=10.0):
     assert cmds == [mc.Publish(0, initial=True, level="start")]
     assert s.phase is Phase.RENDEZVOUS and s.deadline == now + T.rendezvous_s
     s = dataclasses.replace(s, gen=gen)
-    s, cmds = mc.step(s, mc.Entered(seen(now + 1, ranks(gen))), P)
+    s, cmds = mc.step(s, mc.Entered(seen=seen(now + 1, ranks(gen))), P)
     assert cmds == [mc.Formed(gen)] and s.phase is Phase.RUNNING
     return s
 
@@ -60,9 +60,9 @@ def crash(s, now, rank=1):
 
 def test_a_generation_forms_only_once_every_rank_entered():
     s, _ = mc.step(mc.JobState(), mc.Start(seen(0.0, ranks(-1))), P)
-    s, cmds = mc.step(s, mc.Entered(seen(1.0, ranks(0, {3: {"entered": -1}}))), P)
+    s, cmds = mc.step(s, mc.Entered(seen=seen(1.0, ranks(0, {3: {"entered": -1}}))), P)
     assert cmds == [] and s.phase is Phase.RENDEZVOUS
-    s, cmds = mc.step(s, mc.Entered(seen(1.1, ranks(0))), P)
+    s, cmds = mc.step(s, mc.Entered(seen=seen(1.1, ranks(0))), P)
     assert cmds == [mc.Formed(0)] and s.phase is Phase.RUNNING and s.deadline == float("inf")
 
 
@@ -274,7 +274,7 @@ def test_a_fault_in_a_recovery_interrupts_that_attempt_in_its_phase():
     not_joined = ranks(1, {1: {"joining": 0, "entered": -1, "dead": True}})
     _, cmds = mc.step(s, mc.Faulted(seen(5.5, not_joined), Fault("crash", rank=1)), P)
     assert cmds[0] == mc.Interrupt("replace")
-    s2, _ = mc.step(s, mc.Entered(seen(5.5, ranks(1))), P)
+    s2, _ = mc.step(s, mc.Entered(seen=seen(5.5, ranks(1))), P)
     _, cmds = mc.step(s2, mc.Faulted(seen(5.6, ranks(1)), Fault("crash", rank=3)), P)
     assert cmds[0] == mc.Interrupt("first_step")
     # once recovered, a fault opens a new incident: no interruption
@@ -286,7 +286,7 @@ def test_a_fault_in_a_recovery_interrupts_that_attempt_in_its_phase():
 
 def test_a_level_that_does_not_recover_within_its_deadline_is_a_fault():
     s, *_ = crash(running(), 5.0)
-    s, _ = mc.step(s, mc.Entered(seen(5.5, ranks(1))), P)
+    s, _ = mc.step(s, mc.Entered(seen=seen(5.5, ranks(1))), P)
     s2, cmds = mc.step(s, mc.Tick(seen(s.level_deadline - 0.01, ranks(1))), P)
     assert cmds == []
     s, cmds = mc.step(s, mc.Tick(seen(s.level_deadline + 0.01, ranks(1))), P)
@@ -300,16 +300,16 @@ def test_a_level_that_does_not_recover_within_its_deadline_is_a_fault():
 def test_non_finite_gradients_retry_in_place_or_fall_back():
     s = running()
     one = ranks(0, {0: {"retry_step": 7, "retry_loss": "nan"}})
-    s, cmds = mc.step(s, mc.RetryAsked(seen(3.0, one)), P)
+    s, cmds = mc.step(s, mc.RetryAsked(seen=seen(3.0, one)), P)
     assert cmds == [mc.RetryOpened(7)] and s.incident
     assert s.retry_deadline == 3.0 + P.levels.step_retry.deadline_s
     every = ranks(0, {r: {"retry_step": 7, "retry_loss": 1.0} for r in range(4)})
-    s2, cmds = mc.step(s, mc.RetryAsked(seen(3.1, every)), P)
+    s2, cmds = mc.step(s, mc.RetryAsked(seen=seen(3.1, every)), P)
     assert kinds(cmds) == ["Decide", "RedoStep"] and cmds[1].step == 7
     assert s2.retry_deadline is None and s2.phase is Phase.RUNNING
     assert s2.counters.nan_in_a_row == 1
     split = ranks(0, {r: {"retry_step": 7 + (r == 3)} for r in range(4)})
-    _, cmds = mc.step(s, mc.RetryAsked(seen(3.1, split)), P)
+    _, cmds = mc.step(s, mc.RetryAsked(seen=seen(3.1, split)), P)
     assert cmds[0].fault.kind == "nan" and "different steps" in cmds[0].fault.message
     # not every rank said so in time: the coarse way
     _, cmds = mc.step(s, mc.Tick(seen(s.retry_deadline + 0.01, one)), P)
@@ -499,13 +499,13 @@ def test_a_corruption_the_replay_pinned_on_a_rank_counts_against_its_node_and_is
     s = running()
     named = Fault("sdc", rank=3, message="its first pass parted first")
     # counted against node 1 (rank 3's), no recovery: its rank holds the state its twins agree on
-    s1, cmds = mc.step(s, mc.Attributed(seen(30.0, ranks(0)), named), P)
+    s1, cmds = mc.step(s, mc.Attributed(named, seen=seen(30.0, ranks(0))), P)
     assert cmds == [] and s1.phase is Phase.RUNNING and not s1.incident
     assert s1.counters.recent == [(30.0, "SDC", 3, 1)] and s1.counters.last_fault_t == 30.0
     # the rules' count reached (here the first time): a fault, and the ladder moves the node
     once = P.model_copy(update={"rules": P.rules.model_copy(update={
         "isolate": P.rules.isolate.model_copy(update={"times": 2})})})
-    s2, cmds = mc.step(s1, mc.Attributed(seen(31.0, ranks(0)), named), once)
+    s2, cmds = mc.step(s1, mc.Attributed(named, seen=seen(31.0, ranks(0))), once)
     assert kinds(cmds) == ["Raise", "AbortGeneration"] and s2.incident
     left = ranks(0, {r: {"left": 0} for r in range(4)})
     cmds = []
@@ -516,7 +516,7 @@ def test_a_corruption_the_replay_pinned_on_a_rank_counts_against_its_node_and_is
     assert d.decision.level is Level.REPLACE_NODE and d.decision.isolate == {1}
     # a job ending hears of it and does nothing
     ending = dataclasses.replace(s, phase=Phase.FINISHING)
-    assert kinds(mc.step(ending, mc.Attributed(seen(32.0, ranks(0)), named), P)[1]) == ["Ignore"]
+    assert kinds(mc.step(ending, mc.Attributed(named, seen=seen(32.0, ranks(0))), P)[1]) == ["Ignore"]
 
 
 NO_SCALE_IN = P.with_overrides(**{"recover.levels.scale_in.enabled": False})

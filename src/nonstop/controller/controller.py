@@ -9,6 +9,7 @@ measured in ``book.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import signal
@@ -247,16 +248,12 @@ class Controller:
         """What the ranks' reports say the job must do, in order."""
         for o in orders:
             match o:
-                case reports.AllEntered():
-                    self._step(mc.Entered(self._seen()))
-                case reports.RetryAsked():
-                    self._step(mc.RetryAsked(self._seen()))
+                case mc.Entered() | mc.RetryAsked() | mc.Attributed():
+                    self._step(dataclasses.replace(o, seen=self._seen()))
                 case reports.Faulted(fault=fault):
                     self._fault(fault)
                 case reports.GiveUp(decision=decision):
                     self._fail(decision)
-                case reports.Attributed(fault=fault):
-                    self._step(mc.Attributed(self._seen(), fault))
                 case reports.Reached(step=step, before_fault=True):
                     self._reached_step(step)
                 case reports.Reached(step=step):

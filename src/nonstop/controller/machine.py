@@ -40,7 +40,7 @@ from .commands import (  # noqa: F401 - the machine's commands, named as mc.<Com
 from .observations import (  # noqa: F401 - what it observes, named as mc.<Observation>
     RankSeen, Seen, Tick, Start, Faulted, Entered,
     RetryAsked, Attributed, Isolate, Drain, Recovered, Completed, Settled,
-    Over, Heard, Observation)
+    Over, Heard, Observation, RankFact)
 
 
 # == the state ====================================================================================
@@ -88,6 +88,8 @@ def _with(s: JobState, **kw: Any) -> JobState:
 
 def step(s: JobState, ob: Observation, policy: Any) -> tuple[JobState, list[Command]]:
     """The new state and what to carry out, for one observation."""
+    if isinstance(ob, RankFact) and ob.seen is None:  # not yet stepped with what is seen
+        raise ValueError(f"{type(ob).__name__} stepped without what is seen")
     if isinstance(ob, Tick):
         return _tick(s, ob.seen, policy)
     if isinstance(ob, Faulted):

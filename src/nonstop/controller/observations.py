@@ -89,16 +89,18 @@ class Faulted:
     t_fault: float | None = None  # when it began, where known better than now (a hang)
 
 
+# what the ranks' reports say (controller/worker_events.py finds them, without a ``seen``: the
+# controller adds what it sees as it steps the machine with them)
 @dataclasses.dataclass(frozen=True)
 class Entered:
-    """A rank entered the training function of the current generation."""
-    seen: Seen
+    """Every rank entered the training function of the current generation."""
+    seen: Seen | None = dataclasses.field(default=None, kw_only=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class RetryAsked:
     """A rank skipped its optimizer step (non-finite gradients) and waits."""
-    seen: Seen
+    seen: Seen | None = dataclasses.field(default=None, kw_only=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +108,11 @@ class Attributed:
     """A replay named the rank a silent corruption came from (``fault``, of kind ``sdc``),
     once its rollback recovered: it counts against the rank's node like any fault, and is a
     fault of the job only when that makes the rules isolate the node."""
-    seen: Seen
     fault: Fault
+    seen: Seen | None = dataclasses.field(default=None, kw_only=True)
+
+
+RankFact = Entered | RetryAsked | Attributed  # stepped with what the controller sees then
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,7 @@ from .facts import JobView
 from .generations import Generations
 from .keepers import Keepers
 from .ledger import SdcBook, TrainingLedger
+from .observations import Attributed, Entered, RankFact, RetryAsked
 from .phase import ACTIVE, Phase
 from .watchers import Watchers
 from .workers import Worker, WorkerTable
@@ -39,16 +40,6 @@ ABOUT_GEN = (events.EnteredGeneration, events.FirstStep, events.LeftGeneration, 
 
 # == orders: what the controller carries out ======================================================
 @dataclasses.dataclass(frozen=True)
-class AllEntered:
-    """Every rank of the generation has entered it: the machine forms it."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RetryAsked:
-    """A rank found a non-finite loss or gradient: the machine decides on a step retry."""
-
-
-@dataclasses.dataclass(frozen=True)
 class Faulted:
     fault: Fault
 
@@ -56,14 +47,6 @@ class Faulted:
 @dataclasses.dataclass(frozen=True)
 class GiveUp:
     decision: Decision
-
-
-@dataclasses.dataclass(frozen=True)
-class Attributed:
-    """A replay named the rank a corruption came from, after its rollback recovered: counted
-    against its node (the rules that isolate failing hardware), a recovery only if they say
-    isolate."""
-    fault: Fault
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +76,9 @@ class GroupFormed:
     t_pg: float
 
 
-Order = (AllEntered | RetryAsked | Faulted | GiveUp | Attributed | Reached | CloseIncident
-         | Complete | GroupFormed)
+# what the ranks' reports ask of the controller; the facts the machine takes as they are
+# (every rank entered, a step retry asked, a corruption attributed) are its own observations
+Order = (RankFact | Faulted | GiveUp | Reached | CloseIncident | Complete | GroupFormed)
 
 
 class RankReports:
@@ -139,7 +123,7 @@ class RankReports:
         # else on an entry: the job's view is built only then)
         if job.phase is Phase.RENDEZVOUS and \
                 not self.table.some_rank("enter", job.plan, lambda w: w.entered < job.gen):
-            return [AllEntered()]
+            return [Entered()]
         return []
 
     def on_event(self, ev: events.RankEvent, job: JobView) -> list[Order]:
