@@ -301,6 +301,9 @@ def check(args: argparse.Namespace) -> list[str]:
             raise UsageError("--phases device measures state on a GPU: give --device cuda")
         if phases != ["device"]:
             raise UsageError("--phases device runs alone (the other phases train on the CPU)")
+        if not _gpu_driver():  # said at once, before torch's import (seconds)
+            raise UsageError("--device cuda: no CUDA device here (no GPU driver: no /dev/nvidia* "
+                             "or /dev/kfd)")
         import torch
 
         if not torch.cuda.is_available():
@@ -459,3 +462,10 @@ def table(summary: dict[str, Any]) -> str:
         lines += ["", "job restart:", common.table({"results": summary["job_restart"]})]
     lines.append(f"\ntargets: {summary['targets']}")
     return "\n".join(lines)
+
+
+def _gpu_driver() -> bool:
+    """Whether a GPU driver's device files are here (NVIDIA's, or ROCm's for torch.cuda on AMD)."""
+    import glob
+
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd")
