@@ -31,92 +31,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+from nonstop.chaos import (  # noqa: F401 - the schedule and the judgment, the package's own
+    FIRST, GAP, KINDS, MATCH_S, ONCE, POLICY, SNAPSHOT_EVERY, add_costs, every_process_lost,
+    fired_at, is_corruption, needed, newest_certified, orphans, policy, schedule,
+    steps_lost_bound)
+
 from . import common
 
 TIMEOUT_S = 900.0
-GAP = 5  # steps between two scheduled faults at least: each incident settles before the next
-FIRST = 15  # no fault before: the hang timeout is tuned from the steps seen by then
-# steps between snapshots: fewer than GAP, so that a fault keyed to a snapshot (which fires at
-# the first snapshot after its step) fires before the next fault's step, not on it
-SNAPSHOT_EVERY = 4
-
-#: kind -> spec template ({r}, {r2}: distinct ranks; {s}: the step)
-KINDS: dict[str, str] = {
-    "crash": "crash:rank={r},step={s}",
-    "crash_two": "crash:rank={r},step={s};crash:rank={r2},step={s}",
-    "crash_dirty": "crash:rank={r},step={s},at=optimizer",
-    "crash_torn_snapshot": "crash:rank={r},step={s},at=snapshot",
-    "crash_in_restore": "crash:rank={r},at=restore",
-    "crash_in_teardown": "crash:rank={r},at=teardown",
-    "exit": "exit:rank={r},step={s},code=3",
-    "exception": "exception:rank={r},step={s}",
-    "hang": "hang:rank={r},step={s}",
-    "stop": "stop:rank={r},step={s}",
-    "nan": "nan:rank={r},step={s}",
-    "bitflip": "bitflip:rank={r},step={s}",
-    "corrupt_snapshot": "corrupt:rank={r},step={s}",
-    "keeper_crash": "keeper_crash:rank={r},step={s}",
-    # a crash, then the warm spare that takes the rank dies at its promotion
-    "spare_killed_at_promotion": "crash:rank={r},step={s};crash:rank={r},at=promoted",
-}
-ONCE = ("crash_in_restore", "crash_in_teardown")  # keyed to the first recovery: one each at most
-# Injected faults are not failing hardware, and the soak tests recovery, not the rules that give
-# up: the same node is never isolated for its faults, and no level runs out of budget.
-POLICY = """rules:
-  isolate: {times: 1000000}
-recover:
-  levels:
-    step_retry: {budget: 1000000}
-    in_process: {budget: 1000000}
-    rank_replacement: {budget: 1000000}
-    job_restart: {budget: 1000000}
-"""
-
-
-def needed(faults: int) -> int:
-    """The fewest steps a schedule of ``faults`` fits in."""
-    return FIRST + faults * GAP + GAP
-
-
-def schedule(seed: int, faults: int, ranks: int, steps: int) -> list[dict[str, Any]]:
-    """``faults`` faults (kind, step, spec) drawn with ``seed``: every kind in turn before any
-    repeats, at distinct steps ``GAP`` apart."""
-    rng = random.Random(seed)
-    slots = list(range(FIRST, steps - GAP, GAP))
-    if faults > len(slots):
-        raise ValueError(f"{faults} faults need {needed(faults)} steps at least")
-    steps_at = sorted(rng.sample(slots, faults))
-    kinds: list[str] = []
-    while len(kinds) < faults:
-        batch = [k for k in KINDS if k not in ONCE or k not in kinds]
-        rng.shuffle(batch)
-        kinds += batch
-    out = []
-    spared: list[int] = []  # a rank flipped lately: not killed before its flip is checked
-    for kind, step in zip(kinds[:faults], steps_at):
-        choices = [r for r in range(ranks) if r not in spared[-1:]] if spared else list(range(ranks))
-        r = rng.choice(choices)
-        others = [x for x in choices if x != r]
-        r2 = rng.choice(others) if others else (r + 1) % ranks
-        out.append({"kind": kind, "step": step, "spec": KINDS[kind].format(r=r, r2=r2, s=step)})
-        if kind == "bitflip":
-            spared += [r, r]  # the next two faults spare it
-        elif spared:
-            spared.pop()
-    return out
-
-
-def policy(snapshot_every: int | str = SNAPSHOT_EVERY) -> str:
-    """The soak's policy: ``POLICY``, with the snapshot interval (``auto``: the default's)."""
-    if str(snapshot_every) == "auto":
-        return POLICY
-    return POLICY + f"state:\n  snapshot: {{every_steps: {int(snapshot_every)}}}\n"
 
 
 def _job(out: Path, steps: int, ranks: int, spares: int, marker: str,
@@ -133,138 +60,6 @@ def _job(out: Path, steps: int, ranks: int, spares: int, marker: str,
                             env=dict(os.environ, NONSTOP_CHAOS_RUN=marker))
 
 
-def orphans(marker: str) -> list[int]:
-    """Processes of the job still alive (they carry the run's marker in their environment)."""
-    found = []
-    needle = f"NONSTOP_CHAOS_RUN={marker}".encode()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            if needle in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state != "Z":
-                    found.append(int(pid))
-        except OSError:
-            continue
-    return found
-
-
-def fired_at(events: list[dict[str, Any]]) -> dict[int, float]:
-    """Injected fault index -> when it fired (its first firing)."""
-    out: dict[int, float] = {}
-    for e in events:
-        if e.get("type") == "rank_inject" and e.get("index") is not None:
-            out.setdefault(int(e["index"]), float(e["t"]))
-    return out
-
-
-MATCH_S = 10.0  # an incident opened this long after a fault at most is taken for its own
-
-
-def add_costs(by_kind: dict[str, dict[str, Any]], moments: list[tuple[str, float]],
-              incidents: list[dict[str, Any]]) -> None:
-    """What each kind of fault cost, from the incidents: each fault (kind, when it fired) takes
-    the first incident not yet taken that opened from just before it to ``MATCH_S`` after;
-    without one it either joined an incident in progress (a fault inside a recovery) or cost no
-    incident at all (``none``: etcd restarted, a spare killed...). Approximate where faults of
-    two kinds strike within moments of each other."""
-    incs = sorted(incidents, key=lambda i: i.get("t_fault") or 0.0)
-    taken: set[int] = set()
-    mttrs: dict[str, list[float]] = {}
-    for kind, t in sorted(moments, key=lambda m: m[1]):
-        e = by_kind[kind]
-        for key in ("incidents", "joined", "none", "steps_lost"):
-            e.setdefault(key, 0)
-        e.setdefault("levels", {})
-        match = next((k for k, inc in enumerate(incs) if k not in taken
-                      and t - 0.5 <= (inc.get("t_fault") or 0.0) <= t + MATCH_S), None)
-        if match is None:
-            inside = any((inc.get("t_fault") or 0.0) - 0.5 <= t
-                         <= (inc.get("t_fault") or 0.0) + (inc.get("mttr_s") or 0.0) for inc in incs)
-            e["joined" if inside else "none"] += 1
-            continue
-        taken.add(match)
-        inc = incs[match]
-        e["incidents"] += 1
-        e["steps_lost"] += inc.get("steps_lost") or 0
-        for lvl in inc.get("levels") or []:
-            e["levels"][lvl] = e["levels"].get(lvl, 0) + 1
-        if inc.get("mttr_s") is not None:
-            mttrs.setdefault(kind, []).append(float(inc["mttr_s"]))
-    for kind, values in mttrs.items():
-        values.sort()
-        by_kind[kind]["mttr_s"] = {"median": round(values[len(values) // 2], 3),
-                                   "max": round(values[-1], 3),
-                                   # each one: soaks run in parts add up
-                                   "all": [round(v, 3) for v in values]}
-
-
-def is_corruption(inc: dict[str, Any], events: list[dict[str, Any]]) -> bool:
-    """Whether a silent corruption was found in the incident: an ``sdc`` fault of it, or live
-    states that differed when one of its generations formed."""
-    if any(e.get("type") == "fault" and e.get("kind") == "sdc" and e.get("incident") == inc["id"]
-           for e in events):
-        return True
-    first, last = inc.get("gen_from", 0) + 1, inc.get("gen_to")
-    return any(e.get("type") == "restore" and first <= e.get("gen", -1) <= (last or first)
-               and any(s.get("cause") == "sdc" for s in e.get("skipped") or ())
-               for e in events)
-
-
-def newest_certified(events: list[dict[str, Any]], t_fault: float) -> int | None:
-    """The newest snapshot whose replicas agreed that the node's memory still held when a fault
-    struck at ``t_fault``: each rank reports its newest (``certified``, when committed) as it
-    leaves a generation or ends; a memory lost after it (its keeper killed) took it along."""
-    losses = [e["t"] for e in events if e.get("type") == "node_memory_lost" and e["t"] <= t_fault]
-    best = None
-    for e in events:
-        if e.get("type") not in ("rank_left", "rank_done"):
-            continue
-        sdc = e.get("sdc") or {}
-        step, when = sdc.get("certified"), sdc.get("certified_t")
-        if step is None or when is None or when > t_fault:
-            continue
-        if any(when < t <= t_fault for t in losses):
-            continue
-        best = step if best is None else max(best, step)
-    return best
-
-
-def every_process_lost(inc: dict[str, Any], events: list[dict[str, Any]]) -> bool:
-    """Whether the faults of an incident took every process that held the live state (each
-    rank of the generation it began in holds another process in the one it ended with), none
-    of them ended by a job restart: no live state was left to resume from."""
-    held = {e["gen"]: e.get("ranks") or {} for e in events if e.get("type") == "generation"}
-    before, after = held.get(inc.get("gen_from")), held.get(inc.get("gen_to"))
-    if not before or not after or "job restart" in (inc.get("levels") or ()):
-        return False
-    return all(after.get(r) != w for r, w in before.items())
-
-
-def steps_lost_bound(events: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each incident's steps lost against what it may lose: nothing - but for a silent
-    corruption, and for faults that took every process holding the live state (a crash, then
-    the last survivors in its recovery), the steps since the newest certified snapshot the
-    memory held (all of them, none held)."""
-    rows, broken = [], []
-    for inc in (e for e in events if e.get("type") == "incident"):
-        lost = inc.get("steps_lost") or 0
-        row: dict[str, Any] = {"id": inc["id"], "steps_lost": lost, "bound": 0,
-                               "corruption": is_corruption(inc, events),
-                               "every_process_lost": every_process_lost(inc, events)}
-        if row["corruption"] or row["every_process_lost"]:
-            # as the incident was found (its first fault): its ``t_fault`` may be a fault's
-            # injection before it (a keeper killed just before a flip)
-            found = [e["t"] for e in events if e.get("type") == "fault"
-                     and e.get("incident") == inc["id"]]
-            certified = newest_certified(events, min(found, default=inc.get("t_fault") or 0.0))
-            row["certified"] = certified
-            row["bound"] = max(0, (inc.get("step_before") or 0) - (certified or 0))
-        rows.append(row)
-        if lost > row["bound"]:
-            broken.append({**row, "faults": inc.get("faults")})
-    return {"held": not broken, "broken": broken, "incidents": rows}
 
 
 def soak(seed: int, faults: int, ranks: int, spares: int, steps: int, base: Path,

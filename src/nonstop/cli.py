@@ -226,12 +226,23 @@ def build_parser() -> argparse.ArgumentParser:
     _chaos_args(bench)
     _json_out(bench)
 
-    chaos = sub.add_parser("chaos", help="a seeded fault schedule thrown at one job",
-                           description="Run a job under a seeded schedule of faults of every kind "
-                                       "(one host) and check that it completes with the fault-free "
-                                       "weights, every incident closed, nothing left running.")
+    chaos = sub.add_parser("chaos", help="a seeded fault schedule thrown at a job (yours, or "
+                                         "nonstop's own example)",
+                           description="Run a job under a seeded schedule of faults (one host) "
+                                       "and check that it completes, every incident closed, "
+                                       "nothing left running: SCRIPT, your own (with --steps, "
+                                       "the steps it runs, and --compare FILE to check what it "
+                                       "writes against a fault-free run), or without SCRIPT "
+                                       "nonstop's example job, checked bitwise (the benchmarks' "
+                                       "soak; --hosts: across test hosts).")
+    chaos.add_argument("--nproc", type=int, metavar="N",
+                       help="your script: rank processes (default 2)")
+    chaos.add_argument("--compare", metavar="FILE",
+                       help="your script: the file it writes at its end (under {out} in its "
+                            "arguments), compared bit for bit with a fault-free run's")
     chaos.add_argument("--ranks", type=int, help="rank processes (default 3)")
-    chaos.add_argument("--steps", type=int, help="steps of the job (default: enough for the faults)")
+    chaos.add_argument("--steps", type=int, help="steps of the job (your script: the steps it "
+                                                 "runs; default: enough for the faults)")
     chaos.add_argument("--hosts", type=int, metavar="H",
                        help="run across H test hosts (network namespaces) that hold ranks, plus a "
                             "spare host and etcd's host, with faults of hosts, etcd and the "
@@ -240,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --hosts: ranks on each host (default 2)")
     _chaos_args(chaos)
     _json_out(chaos)
+    chaos.add_argument("script", nargs="?", help="your training script (a nonstop.wrap job)")
+    chaos.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
 
     drain = sub.add_parser("drain", help="move ranks of a running job to warm spares, no fault",
                            description="Ask the job running in RUN_DIR to move ranks (or every "
@@ -342,6 +355,13 @@ def main(argv: list[str] | None = None) -> int:
                 "crash", "overhead", "elastic"):
             raise UsageError(f"--parallel is for bench crash, elastic and overhead (not "
                              f"{args.scenario})")
+        if args.command == "chaos" and args.script is not None:  # a job of the user's own
+            if args.hosts:
+                raise UsageError("chaos SCRIPT runs on one host (--hosts is the benchmarks' soak "
+                                 "across test hosts)")
+            from .chaos import own
+
+            return own(args)
         if args.command == "chaos" or (args.command == "bench" and args.scenario == "chaos"):
             # the same soak across test hosts, or on one host
             return _bench("chaos_hosts" if getattr(args, "hosts", None) else "chaos").main(args)

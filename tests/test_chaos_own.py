@@ -1,0 +1,54 @@
+"""``nonstop chaos SCRIPT``: a seeded fault schedule thrown at a job of the user's own (here the
+example script, run as a user would: its own flags, ``{out}`` for where it writes), judged by
+completion, incidents closed, nothing left running, every fault fired, the steps-lost bound and
+the file it writes against a fault-free run's; bad input gets one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import EXAMPLES, nonstop_cmd
+from test_cli import assert_one_line_error
+
+pytestmark = pytest.mark.integration
+
+TRAIN = EXAMPLES / "train_ddp.py"
+
+
+def test_a_schedule_thrown_at_the_users_own_script_and_its_weights_against_a_fault_free_run(
+        tmp_path):
+    proc = subprocess.run(nonstop_cmd(
+        "chaos", "--nproc", "2", "--faults", "3", "--seed", "4", "--steps", "60", "--compare",
+        "final.pt", "--json", "--out", str(tmp_path), str(TRAIN), "--steps", "60", "--sleep-ms",
+        "5", "--save", "{out}/final.pt"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    kinds = [f["kind"] for f in result["schedule"]]
+    assert len(kinds) == 3 and len(set(kinds)) == 3  # every kind in turn before any repeats
+    assert result["completed"] and result["compared"] and result["orphans"] == 0
+    assert result["unfired"] == [] and result["steps_lost_bound"]["held"]
+    assert result["incidents"] >= 1 and result["incidents_closed"] == result["incidents"]
+    assert (tmp_path / "reference" / "final.pt").is_file()  # {out}: each run its own
+    assert "the file it wrote equals the fault-free run's: True" in proc.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["missing.py"], "no such script: missing.py"),
+    ([str(TRAIN)], "--steps: the steps your script runs is needed"),
+    (["--steps", "20", "--faults", "5", str(TRAIN)], "5 faults need a job of 45 steps"),
+    (["--steps", "200", "--kinds", "crash,bogus", str(TRAIN)], "unknown fault kind(s) bogus"),
+    (["--steps", "200", "--compare", "final.pt", str(TRAIN)], "with {out} in its arguments"),
+    (["--steps", "200", "--nproc", "1", str(TRAIN)], "--nproc must be at least 2"),
+    (["--steps", "200", "--hosts", "2", str(TRAIN)], "chaos SCRIPT runs on one host"),
+    (["--steps", "200", "--faults", "3", "--kinds", "crash_in_restore", str(TRAIN)],
+     "cannot be drawn from crash_in_restore"),
+])
+def test_bad_input_to_chaos_on_a_users_script_is_one_line_and_exit_2(tmp_path, args, words):
+    proc = subprocess.run([sys.executable, "-m", "nonstop", "chaos", "--out", str(tmp_path),
+                           *args], capture_output=True, text=True, timeout=60)
+    assert_one_line_error(proc, words)
+    assert not (tmp_path / "chaos").exists()  # nothing was run
