@@ -12,7 +12,7 @@ recovery lost more steps than it may (``steps_lost_bound``) and - with ``--compa
 file the script writes at its end equals, tensor for tensor and bit for bit, the one a fault-free
 run of the same script wrote.
 
-The comparison harness beside the package (``nonstop_bench.chaos``) runs the same schedule at
+The comparison harness beside the package (its soak, ``bench/``) runs the same schedule at
 nonstop's own example job, and across test hosts with faults of hosts, etcd and the controller.
 """
 
@@ -293,10 +293,10 @@ def own(args: Any) -> int:
     reference = None
     if args.compare:
         say("chaos: the fault-free run first (--compare)")
-        reference = _run_own(base / "reference", script, args.script_args, ranks, spares, None,
+        reference = run_job(base / "reference", script, args.script_args, ranks, spares, None,
                              marker)
     t0 = time.time()
-    code = _run_own(base / "chaos", script, args.script_args, ranks, spares,
+    code = run_job(base / "chaos", script, args.script_args, ranks, spares,
                     ";".join(f["spec"] for f in plan), marker)
     result = judge(plan, base / "chaos" / "run", code, marker, time.time() - t0)
     if args.compare:
@@ -323,14 +323,16 @@ def _kinds(text: str | None) -> tuple[str, ...]:
     return kinds
 
 
-def _run_own(out: Path, script: Path, script_args: list[str], ranks: int, spares: int,
-             inject: str | None, marker: str) -> int:
+def run_job(out: Path, script: Path, script_args: list[str], ranks: int, spares: int,
+             inject: str | None, marker: str, chaos_policy: bool = True) -> int:
     """One run of the user's job under ``nonstop run`` (its own session, ended whole at the
-    timeout): its exit code."""
+    timeout): its exit code. ``chaos_policy``: the soak's (no injected fault is given up on),
+    else the default policy."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "policy.yaml").write_text(policy())
-    flags = [f"--nproc={ranks}", f"--spares={spares}", f"--run-dir={out / 'run'}",
-             f"--policy={out / 'policy.yaml'}", "--no-live"]
+    flags = [f"--nproc={ranks}", f"--spares={spares}", f"--run-dir={out / 'run'}", "--no-live"]
+    if chaos_policy:
+        (out / "policy.yaml").write_text(policy())
+        flags.append(f"--policy={out / 'policy.yaml'}")
     if inject:
         flags.append(f"--inject={inject}")
     argv = [a.replace(OUT, str(out)) for a in script_args]

@@ -225,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="overhead: step times to measure at, in ms (default 25,250)")
     _chaos_args(bench)
     _json_out(bench)
+    bench.add_argument("--script", nargs=argparse.REMAINDER, metavar="SCRIPT ...",
+                       help="crash, hang: measure a job of your own - SCRIPT and its arguments, "
+                            "last on the line - instead of the comparison with peers")
 
     chaos = sub.add_parser("chaos", help="a seeded fault schedule thrown at a job (yours, or "
                                          "nonstop's own example)",
@@ -333,7 +336,9 @@ def _bench(name: str) -> Any:
         if exc.name not in ("nonstop_bench", f"nonstop_bench.{name}"):
             raise
         raise UsageError("the benchmarks and soaks are not installed: they live beside the "
-                         "package (in a checkout: make, or pip install -e bench)") from None
+                         "package (in a checkout: make, or pip install -e bench); at a job of "
+                         "your own: nonstop bench crash --script SCRIPT, nonstop chaos --steps N "
+                         "SCRIPT") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,6 +356,13 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(steps=args.steps, run_dir=args.run_dir)
         if args.command in ("bench", "chaos"):  # a bench ended by SIGTERM ends its jobs first
             _terminate_as_exit()
+        if args.command == "bench" and args.script is not None:  # a job of the user's own
+            from .measure import own as measure_own
+
+            if not args.script:
+                raise UsageError("--script: give the training script (and its arguments)")
+            args.script, args.script_args = args.script[0], args.script[1:]
+            return measure_own(args)
         if args.command == "bench" and args.parallel != "ddp" and args.scenario not in (
                 "crash", "overhead", "elastic"):
             raise UsageError(f"--parallel is for bench crash, elastic and overhead (not "

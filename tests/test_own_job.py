@@ -1,7 +1,8 @@
-"""``nonstop chaos SCRIPT``: a seeded fault schedule thrown at a job of the user's own (here the
-example script, run as a user would: its own flags, ``{out}`` for where it writes), judged by
+"""A job of the user's own (here the example script, run as a user would: its own flags, ``{out}``
+for where it writes). ``nonstop chaos SCRIPT``: a seeded fault schedule thrown at it, judged by
 completion, incidents closed, nothing left running, every fault fired, the steps-lost bound and
-the file it writes against a fault-free run's; bad input gets one line and exit 2."""
+the file it writes against a fault-free run's. ``nonstop bench crash --script SCRIPT``: what a
+recovery costs it. Bad input gets one line and exit 2."""
 
 from __future__ import annotations
 
@@ -52,3 +53,30 @@ def test_bad_input_to_chaos_on_a_users_script_is_one_line_and_exit_2(tmp_path, a
                            *args], capture_output=True, text=True, timeout=60)
     assert_one_line_error(proc, words)
     assert not (tmp_path / "chaos").exists()  # nothing was run
+
+
+def test_bench_crash_measures_a_recovery_of_the_users_own_job(tmp_path):
+    proc = subprocess.run(nonstop_cmd(
+        "bench", "crash", "--ranks", "2", "--repeat", "1", "--kill-step", "20", "--json",
+        "--out", str(tmp_path), "--script", str(TRAIN), "--steps", "40", "--sleep-ms", "5"),
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["fault_free"]["exit_code"] == 0 and result["fault_free"]["steps"] == 40
+    assert result["fault_free"]["steps_per_s"] > 0
+    (run,) = result["runs"]
+    assert run["completed"] and run["recovered"] and run["levels"] == ["rank replacement"]
+    assert run["steps_lost"] == 0 and 0 < run["mttr_s"] < 30 and run["mttr_by_phase_s"]
+    assert result["mttr_s"]["median"] == round(run["mttr_s"], 3) and result["orphans"] == 0
+
+
+@pytest.mark.parametrize("args, words", [
+    (["crash", "--script", "missing.py"], "no such script: missing.py"),
+    (["state", "--script", str(TRAIN)], "bench state measures nonstop's own example job"),
+    (["crash", "--ranks", "1", "--script", str(TRAIN)], "--ranks must be at least 2"),
+    (["crash", "--script"], "--script: give the training script"),
+])
+def test_bad_input_to_bench_on_a_users_script_is_one_line_and_exit_2(args, words):
+    proc = subprocess.run([sys.executable, "-m", "nonstop", "bench", *args],
+                          capture_output=True, text=True, timeout=60)
+    assert_one_line_error(proc, words)
