@@ -14,6 +14,7 @@ import gc
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 from .. import protocol
@@ -62,7 +63,7 @@ STALL_S = 1.0
 class Controller:
     def __init__(self, *, world: int, spares: int, policy: Policy, mail: Any, agent: Processes,
                  log: EventLog, display: Any, managed: bool, nodes: int = 1, spare_nodes: int = 0,
-                 run_dir: Any = None):
+                 run_dir: Path | None = None):
         self.world = world
         self.watchers = Watchers(policy, log, display)
         self.ledger = TrainingLedger(managed)
@@ -73,7 +74,7 @@ class Controller:
         self.agent = agent
         self.log = log
         self.display = display
-        run_id = getattr(run_dir, "name", None) or "run"
+        run_id = (run_dir.name if run_dir is not None else "") or "run"
         self.memory = Keepers(policy, agent, log, display, run_id, agent.new_wid)
         self.table = WorkerTable(agent, mail, log, "script" if managed else "import",
                                  keeper_of=self.memory.name)
@@ -415,7 +416,7 @@ class Controller:
         up (the launcher imports torch meanwhile): they connect to it once it is."""
         if self.plan:
             return
-        self.log.write("run_start", attempt=getattr(self.log, "attempt", 1), pid=os.getpid(),
+        self.log.write("run_start", attempt=self.log.attempt, pid=os.getpid(),
                        world=self.world, spares=self.gens.spares_target,
                        managed=self.managed, policy=self.policy.model_dump())
         self.memory.world = self.world
