@@ -185,6 +185,8 @@ def _walk(parser: argparse.ArgumentParser, words: list[str], prog: str) -> list[
             if action is None:
                 problems.append(f"`{prog}` has no flag {name}")
                 continue
+            if action.nargs == argparse.REMAINDER:
+                break  # (--script SCRIPT ...: the rest are the script and its arguments)
             if action.nargs != 0 and not eq and i < len(words):
                 value = words[i]
                 i += 1

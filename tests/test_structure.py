@@ -114,7 +114,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("agent",),  # one host's processes
     ("controller",),
     ("launch",),  # nonstop run
-    ("drain", "demo", "examples"),
+    ("drain", "demo", "examples", "chaos", "measure"),  # commands at a job: nonstop's, or yours
     ("cli", "__main__"),
 )
 

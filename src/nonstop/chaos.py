@@ -272,7 +272,7 @@ def own(args: Any) -> int:
     if needed(args.faults) > args.steps:
         raise UsageError(f"{args.faults} faults need a job of {needed(args.faults)} steps at "
                          f"least (--steps {args.steps})")
-    kinds = _kinds(args.kinds)
+    kinds = _kinds(args.kinds, ranks)
     if args.compare and not any(OUT in a for a in args.script_args):
         raise UsageError(f"--compare {args.compare}: give the script somewhere to write it, "
                          f"with {OUT} in its arguments (each run's own directory)")
@@ -312,14 +312,20 @@ def own(args: Any) -> int:
     return 0 if ok else 1
 
 
-def _kinds(text: str | None) -> tuple[str, ...]:
+def _kinds(text: str | None, ranks: int) -> tuple[str, ...]:
+    """The kinds to draw from. Two ranks crashed at once are every rank of a 2-rank job: it
+    starts again from its newest snapshot, the steps since lost - not a fault the soak holds to
+    losing none: drawn from 3 ranks on."""
     if not text:
-        return OWN_KINDS
+        return OWN_KINDS if ranks >= 3 else tuple(k for k in OWN_KINDS if k != "crash_two")
     kinds = tuple(k.strip() for k in text.split(",") if k.strip())
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
         raise UsageError(f"--kinds: unknown fault kind(s) {', '.join(unknown) or '(none)'}; "
                          f"known: {', '.join(KINDS)}")
+    if "crash_two" in kinds and ranks < 3:
+        raise UsageError("--kinds crash_two: two ranks crashed are every rank of a 2-rank job "
+                         "(it starts over from its newest snapshot): give --nproc 3 or more")
     return kinds
 
 
