@@ -81,6 +81,8 @@ NEEDS_TWO_SPARES = ("buddy_pair",)
 ONCE = chaos.ONCE
 #: the hosts always come back (a lost one as a new machine): the world never shrinks - a job
 #: short of hosts waits for one (hosts.capacity_wait_s) - so the weights stay the fault-free run's
+ORPHAN_GRACE_S = 10.0  # a process of the ended job still alive after this long is left behind
+
 POLICY = chaos.POLICY + """    node_replacement: {budget: 1000000}
     scale_in: {enabled: false}
 """
@@ -609,8 +611,10 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
                     and "has already ended" in j.output(i)]
             late_hosts = [j.names.get(i, f"host{i}") for i in late]
             outside += late
-            if error is None:  # what the job left behind (after an error the hosts are ended)
-                left_in_hosts = sorted({p for i in range(slots) for p in j.hosts[i].pids()})
+            if error is None:  # what the job left behind (after an error the hosts are ended):
+                # given the moments a process of an ended launcher takes to follow it (its
+                # children die with it), as the one-host soak gives them
+                left_in_hosts = _still_in(j, slots, ORPHAN_GRACE_S)
             zombies = h.zombie_joined()
             names = dict(j.names)
     except Exception as exc:  # noqa: BLE001 - the test hosts or etcd could not be made
@@ -624,6 +628,10 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
     ref_thread.join(run_timeout_s)
     ref_code = ref[0] if ref else None
     left = chaos.orphans(marker)
+    deadline = time.time() + ORPHAN_GRACE_S
+    while left and time.time() < deadline:
+        time.sleep(0.2)
+        left = chaos.orphans(marker)
     of = lambda kind: [e for e in events if e.get("type") == kind]  # noqa: E731
     fired = chaos.fired_at(events)
     incidents = of("incident")
@@ -742,3 +750,13 @@ def main(args: argparse.Namespace) -> int:
     ok = keep_or_clean(result, base, bool(args.out), say)
     common.emit(result, args.json)
     return 0 if ok else 1
+
+
+def _still_in(j: Any, slots: int, grace_s: float) -> list[int]:
+    """The processes still in the job's test hosts once ``grace_s`` has passed with some there."""
+    deadline = time.time() + grace_s
+    while True:
+        left = sorted({p for i in range(slots) for p in j.hosts[i].pids()})
+        if not left or time.time() >= deadline:
+            return left
+        time.sleep(0.2)
