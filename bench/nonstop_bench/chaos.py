@@ -39,7 +39,7 @@ from typing import Any
 from nonstop.chaos import (  # noqa: F401 - the schedule and the judgment, the package's own
     FIRST, GAP, KINDS, MATCH_S, ONCE, POLICY, SNAPSHOT_EVERY, add_costs, every_process_lost,
     fired_at, is_corruption, needed, newest_certified, orphans, policy, schedule,
-    steps_lost_bound)
+    steps_lost_bound, tally)
 
 from . import common
 
@@ -84,20 +84,7 @@ def soak(seed: int, faults: int, ranks: int, spares: int, steps: int, base: Path
         time.sleep(0.2)
     run = base / "chaos" / "run"
     evs = list(common.events(run))
-    fired = fired_at(evs)
-    incidents = [e for e in evs if e.get("type") == "incident"]
-    by_kind: dict[str, dict[str, Any]] = {}
-    index = 0  # the injected faults in order: a spec may hold two
-    moments = []
-    for f in plan:
-        n = len(f["spec"].split(";"))
-        entry = by_kind.setdefault(f["kind"], {"scheduled": 0, "fired": 0})
-        entry["scheduled"] += 1
-        if all(i in fired for i in range(index, index + n)):
-            entry["fired"] += 1
-            moments.append((f["kind"], fired[index]))
-        index += n
-    add_costs(by_kind, moments, incidents)
+    by_kind, incidents = tally(plan, evs)
     levels: dict[str, int] = {}
     for inc in incidents:
         for lvl in inc.get("levels") or []:

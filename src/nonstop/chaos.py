@@ -369,6 +369,22 @@ def judge(plan: list[dict[str, Any]], run: Path, code: int, marker: str,
     path = run / "events.jsonl"
     evs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] \
         if path.exists() else []
+    by_kind, incidents = tally(plan, evs)
+    summary = json.loads((run / "summary.json").read_text()) \
+        if (run / "summary.json").exists() else {}
+    return {"scenario": "chaos", "exit_code": code, "completed": code == 0,
+            "incidents": len(incidents),
+            "incidents_closed": sum(1 for i in incidents if i.get("outcome") == "recovered"),
+            "orphans": len(left), "by_kind": by_kind,
+            "unfired": sorted(k for k, e in by_kind.items() if e["fired"] < e["scheduled"]),
+            "steps_lost": summary.get("steps_lost"), "steps_lost_bound": steps_lost_bound(evs),
+            "mttr_s": summary.get("mttr_s"), "wall_s": round(wall_s, 2), "schedule": plan}
+
+
+def tally(plan: list[dict[str, Any]], evs: list[dict[str, Any]]
+          ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """Each scheduled kind's count, how many fired and what they cost (``add_costs``), and the
+    run's incidents, from its events."""
     fired = fired_at(evs)
     incidents = [e for e in evs if e.get("type") == "incident"]
     by_kind: dict[str, dict[str, Any]] = {}
@@ -382,15 +398,7 @@ def judge(plan: list[dict[str, Any]], run: Path, code: int, marker: str,
             moments.append((f["kind"], fired[index]))
         index += n
     add_costs(by_kind, moments, incidents)
-    summary = json.loads((run / "summary.json").read_text()) \
-        if (run / "summary.json").exists() else {}
-    return {"scenario": "chaos", "exit_code": code, "completed": code == 0,
-            "incidents": len(incidents),
-            "incidents_closed": sum(1 for i in incidents if i.get("outcome") == "recovered"),
-            "orphans": len(left), "by_kind": by_kind,
-            "unfired": sorted(k for k, e in by_kind.items() if e["fired"] < e["scheduled"]),
-            "steps_lost": summary.get("steps_lost"), "steps_lost_bound": steps_lost_bound(evs),
-            "mttr_s": summary.get("mttr_s"), "wall_s": round(wall_s, 2), "schedule": plan}
+    return by_kind, incidents
 
 
 def same_tensors(a: Path, b: Path) -> bool:
