@@ -39,7 +39,7 @@ from typing import Any
 from nonstop.chaos import (  # noqa: F401 - the schedule and the judgment, the package's own
     FIRST, GAP, KINDS, MATCH_S, ONCE, POLICY, SNAPSHOT_EVERY, add_costs, every_process_lost,
     fired_at, is_corruption, needed, newest_certified, orphans, policy, schedule,
-    steps_lost_bound, tally)
+    steps_lost_bound, tally, ORPHAN_GRACE_S, orphans_after)
 
 from . import common
 
@@ -75,13 +75,7 @@ def soak(seed: int, faults: int, ranks: int, spares: int, steps: int, base: Path
     code = _job(base / "chaos", steps, ranks, spares, marker, ";".join(f["spec"] for f in plan),
                 snapshot_every)
     wall = time.time() - t0
-    left = []
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        left = orphans(marker)
-        if not left:
-            break
-        time.sleep(0.2)
+    left = orphans_after(marker, ORPHAN_GRACE_S)
     run = base / "chaos" / "run"
     evs = list(common.events(run))
     by_kind, incidents = tally(plan, evs)

@@ -81,7 +81,7 @@ NEEDS_TWO_SPARES = ("buddy_pair",)
 ONCE = chaos.ONCE
 #: the hosts always come back (a lost one as a new machine): the world never shrinks - a job
 #: short of hosts waits for one (hosts.capacity_wait_s) - so the weights stay the fault-free run's
-ORPHAN_GRACE_S = 10.0  # a process of the ended job still alive after this long is left behind
+ORPHAN_GRACE_S = chaos.ORPHAN_GRACE_S
 
 POLICY = chaos.POLICY + """    node_replacement: {budget: 1000000}
     scale_in: {enabled: false}
@@ -627,11 +627,7 @@ def soak(seed: int, faults: int, hosts: int, per_host: int, spares: int, base: P
             _umount(ckpt)
     ref_thread.join(run_timeout_s)
     ref_code = ref[0] if ref else None
-    left = chaos.orphans(marker)
-    deadline = time.time() + ORPHAN_GRACE_S
-    while left and time.time() < deadline:
-        time.sleep(0.2)
-        left = chaos.orphans(marker)
+    left = chaos.orphans_after(marker, ORPHAN_GRACE_S)
     of = lambda kind: [e for e in events if e.get("type") == kind]  # noqa: E731
     fired = chaos.fired_at(events)
     incidents = of("incident")

@@ -132,6 +132,20 @@ def orphans(marker: str) -> list[int]:
     return found
 
 
+ORPHAN_GRACE_S = 10.0  # a process of an ended job still alive after this long is left behind
+
+
+def orphans_after(marker: str, grace_s: float) -> list[int]:
+    """``orphans`` once ``grace_s`` has passed with some still there (a launcher's children
+    follow it within moments)."""
+    deadline = time.time() + grace_s
+    while True:
+        left = orphans(marker)
+        if not left or time.time() >= deadline:
+            return left
+        time.sleep(0.2)
+
+
 def fired_at(events: list[dict[str, Any]]) -> dict[int, float]:
     """Injected fault index -> when it fired (its first firing)."""
     out: dict[int, float] = {}
@@ -359,13 +373,7 @@ def judge(plan: list[dict[str, Any]], run: Path, code: int, marker: str,
           wall_s: float) -> dict[str, Any]:
     """A chaos run, judged from its events: which scheduled faults fired, what each kind cost,
     the incidents, the steps-lost bound, what is left running."""
-    left: list[int] = []
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        left = orphans(marker)
-        if not left:
-            break
-        time.sleep(0.2)
+    left = orphans_after(marker, ORPHAN_GRACE_S)
     path = run / "events.jsonl"
     evs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] \
         if path.exists() else []
